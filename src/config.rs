@@ -1,0 +1,222 @@
+//! Command-line flags and environment variables, parsed into validated settings.
+//!
+//! Every flag has an environment variable; NATS settings keep the names NATS tools use.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::Parser;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+/// An HTTP gateway that leases NATS JetStream messages to HTTP clients.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "ruststream-nats", version, about, long_about = None)]
+pub struct Config {
+    /// NATS server URL (comma-separated for several servers).
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+
+    /// NATS credentials file (JWT + nkey seed).
+    #[arg(long, env = "NATS_CREDS")]
+    pub nats_creds: Option<PathBuf>,
+
+    /// JetStream stream to consume from.
+    #[arg(long, env = "RUSTSTREAM_STREAM", default_value = "ORDERS")]
+    pub stream: String,
+
+    /// Consumer name (the durable name unless --ephemeral).
+    #[arg(long, env = "RUSTSTREAM_CONSUMER", default_value = "billing")]
+    pub consumer: String,
+
+    /// Only deliver messages whose subject matches this filter. Not given: an existing
+    /// consumer keeps its filter, a new one gets none.
+    #[arg(long, env = "RUSTSTREAM_FILTER_SUBJECT")]
+    pub filter_subject: Option<String>,
+
+    /// Where a new consumer starts: all | last | new | last-per-subject |
+    /// by-start-sequence=N | by-start-time=RFC3339. Immutable once the consumer exists.
+    #[arg(long, env = "RUSTSTREAM_DELIVER_POLICY", default_value = "all")]
+    pub deliver_policy: DeliverPolicy,
+
+    /// How long a leased message may stay unsettled before NATS redelivers it (e.g. 30s, 1m).
+    #[arg(long, env = "RUSTSTREAM_ACK_WAIT", default_value = "30s", value_parser = parse_ack_wait)]
+    pub ack_wait: Duration,
+
+    /// Most messages leased out at once (the consumer's max_ack_pending).
+    #[arg(long, env = "RUSTSTREAM_MAX_ACK_PENDING", default_value_t = 1024,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_ack_pending: u32,
+
+    /// Most deliveries of one message; not given: the server's default (unlimited), and an
+    /// existing consumer keeps its value.
+    #[arg(long, env = "RUSTSTREAM_MAX_DELIVER",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_deliver: Option<u32>,
+
+    /// Use an ephemeral consumer (no durable name); the server removes it after the gateway is gone.
+    #[arg(long, env = "RUSTSTREAM_EPHEMERAL")]
+    pub ephemeral: bool,
+
+    /// Address the HTTP server listens on.
+    #[arg(long, env = "RUSTSTREAM_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+
+    /// How long a settle waits for the NATS server's confirmation before answering 504.
+    #[arg(long, env = "RUSTSTREAM_SETTLE_TIMEOUT", default_value = "5s", value_parser = parse_positive_duration)]
+    pub settle_timeout: Duration,
+
+    /// On SIGTERM/SIGINT, how long settles are still accepted before the gateway exits.
+    #[arg(long, env = "RUSTSTREAM_SHUTDOWN_GRACE", default_value = "5s", value_parser = humantime::parse_duration)]
+    pub shutdown_grace: Duration,
+
+    /// Create the stream when it does not exist (for a first try; off by default, when a missing
+    /// stream is an error).
+    #[arg(long, env = "RUSTSTREAM_CREATE_STREAM")]
+    pub create_stream: bool,
+
+    /// Subjects of a stream made by --create-stream (comma-separated).
+    #[arg(
+        long,
+        env = "RUSTSTREAM_STREAM_SUBJECTS",
+        value_delimiter = ',',
+        default_value = "orders.>"
+    )]
+    pub stream_subjects: Vec<String>,
+
+    /// Log format: text or json (RUST_LOG sets the level; default info).
+    #[arg(long, env = "RUSTSTREAM_LOG_FORMAT", default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// Where a newly created consumer starts in the stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeliverPolicy {
+    All,
+    Last,
+    New,
+    LastPerSubject,
+    ByStartSequence(u64),
+    ByStartTime(OffsetDateTime),
+}
+
+impl FromStr for DeliverPolicy {
+    type Err = String;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        let invalid = || {
+            format!(
+                "invalid deliver policy {value:?}: expected all, last, new, last-per-subject, \
+                 by-start-sequence=N or by-start-time=RFC3339"
+            )
+        };
+        match value {
+            "all" => Ok(Self::All),
+            "last" => Ok(Self::Last),
+            "new" => Ok(Self::New),
+            "last-per-subject" => Ok(Self::LastPerSubject),
+            _ => match value.split_once('=') {
+                Some(("by-start-sequence", seq)) => match seq.parse::<u64>() {
+                    Ok(seq) if seq > 0 => Ok(Self::ByStartSequence(seq)),
+                    _ => Err(format!("{}: the sequence must be a number ≥ 1", invalid())),
+                },
+                Some(("by-start-time", at)) => OffsetDateTime::parse(at, &Rfc3339)
+                    .map(Self::ByStartTime)
+                    .map_err(|err| format!("{}: {err}", invalid())),
+                _ => Err(invalid()),
+            },
+        }
+    }
+}
+
+impl fmt::Display for DeliverPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::All => f.write_str("all"),
+            Self::Last => f.write_str("last"),
+            Self::New => f.write_str("new"),
+            Self::LastPerSubject => f.write_str("last-per-subject"),
+            Self::ByStartSequence(seq) => write!(f, "by-start-sequence={seq}"),
+            Self::ByStartTime(at) => match at.format(&Rfc3339) {
+                Ok(at) => write!(f, "by-start-time={at}"),
+                Err(_) => write!(f, "by-start-time={at}"),
+            },
+        }
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+fn parse_positive_duration(value: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(value).map_err(|err| err.to_string())?;
+    if duration.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    Ok(duration)
+}
+
+/// ack_wait below a second leaves too little room between the gateway's lease and the server's
+/// redelivery timer to be useful; NATS itself accepts anything positive.
+fn parse_ack_wait(value: &str) -> Result<Duration, String> {
+    let duration = parse_positive_duration(value)?;
+    if duration < Duration::from_millis(500) {
+        return Err("must be at least 500ms".into());
+    }
+    Ok(duration)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_documented_ones() {
+        let config = Config::try_parse_from(["ruststream-nats"]).expect("defaults parse");
+        assert_eq!(config.nats_url, "nats://127.0.0.1:4222");
+        assert_eq!(config.stream, "ORDERS");
+        assert_eq!(config.consumer, "billing");
+        assert_eq!(config.filter_subject, None);
+        assert_eq!(config.deliver_policy, DeliverPolicy::All);
+        assert_eq!(config.ack_wait, Duration::from_secs(30));
+        assert_eq!(config.max_ack_pending, 1024);
+        assert_eq!(config.max_deliver, None);
+        assert!(!config.ephemeral);
+        assert_eq!(config.listen, "127.0.0.1:8080".parse().expect("addr"));
+    }
+
+    #[test]
+    fn deliver_policies_parse() {
+        assert_eq!("last".parse(), Ok(DeliverPolicy::Last));
+        assert_eq!("new".parse(), Ok(DeliverPolicy::New));
+        assert_eq!(
+            "last-per-subject".parse(),
+            Ok(DeliverPolicy::LastPerSubject)
+        );
+        assert_eq!(
+            "by-start-sequence=42".parse(),
+            Ok(DeliverPolicy::ByStartSequence(42))
+        );
+        let by_time: DeliverPolicy = "by-start-time=2026-01-02T03:04:05Z".parse().expect("time");
+        assert_eq!(by_time.to_string(), "by-start-time=2026-01-02T03:04:05Z");
+        assert!("by-start-sequence=0".parse::<DeliverPolicy>().is_err());
+        assert!("by-start-time=yesterday".parse::<DeliverPolicy>().is_err());
+        assert!("oldest".parse::<DeliverPolicy>().is_err());
+    }
+
+    #[test]
+    fn bad_durations_are_refused() {
+        assert!(Config::try_parse_from(["ruststream-nats", "--ack-wait", "soon"]).is_err());
+        assert!(Config::try_parse_from(["ruststream-nats", "--ack-wait", "0s"]).is_err());
+        let config =
+            Config::try_parse_from(["ruststream-nats", "--ack-wait", "1m 30s"]).expect("parses");
+        assert_eq!(config.ack_wait, Duration::from_secs(90));
+    }
+}

@@ -1,0 +1,564 @@
+//! The fetch dispatcher: turns waiting `POST /fetch` calls into pull requests and hands each
+//! delivery to the fetch that asked for it.
+//!
+//! One task owns all pull state. Each waiting fetch gets its own `no_wait` + `expires` pull
+//! (the server then answers as soon as it has delivered what is available — a fetch's exact
+//! contract), but never more pulls than half the consumer's `max_waiting`, and never more
+//! messages requested than the lease capacity left. Fetches beyond that wait their turn, so
+//! thousands of long polls never trip "Exceeded MaxWaiting". A delivery whose fetch went
+//! away is held briefly for the next fetch while most of its ack_wait is left, then nak'd,
+//! so the gateway never sits on messages nobody asked for.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::{HeaderMap, Subject, Subscriber};
+use bytes::Bytes;
+use futures::StreamExt;
+use time::OffsetDateTime;
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio::time::{Instant, sleep_until};
+use tracing::{debug, info, warn};
+
+use crate::consumer::{self, Bound};
+use crate::gateway::Shared;
+use crate::lease_id::{DeliveryKey, LeaseCoordinates};
+
+/// How long a fetch whose pull is still open may outlive its deadline waiting for the
+/// server's end-of-request status (which normally arrives right at the deadline).
+const PULL_GRACE: Duration = Duration::from_millis(500);
+/// Pause before a fetch retries a pull the server turned away (408 "Requests Pending",
+/// 409 "Exceeded MaxWaiting"); messages keep flowing to the earlier pulls meanwhile.
+const PULL_RETRY: Duration = Duration::from_millis(50);
+/// Shorter waits than this are sent as a plain `no_wait` pull.
+const MIN_EXPIRES: Duration = Duration::from_millis(10);
+/// Upper bound on pulls open at once, whatever max_waiting allows.
+const MAX_OPEN_PULLS: usize = 256;
+
+/// One delivery of one message, as received from the server.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub coordinates: LeaseCoordinates,
+    pub reply: Arc<str>,
+    pub subject: Subject,
+    pub payload: Bytes,
+    pub headers: Option<HeaderMap>,
+    pub stream: String,
+    pub consumer: String,
+    pub pending: u64,
+    pub published_at: OffsetDateTime,
+    pub received_at: Instant,
+}
+
+/// A delivery handed to a client, with its lease.
+#[derive(Debug)]
+pub struct Leased {
+    pub id: String,
+    pub delivery: Delivery,
+    pub expires_at: Instant,
+}
+
+/// What a fetch asks for (already validated).
+#[derive(Debug, Clone, Copy)]
+pub struct Demand {
+    pub batch: usize,
+    pub wait: Duration,
+    pub max_bytes: Option<usize>,
+}
+
+pub enum Command {
+    Fetch {
+        demand: Demand,
+        answer: oneshot::Sender<Vec<Leased>>,
+    },
+    /// The NATS connection dropped: the server forgot every open pull.
+    ConnectionLost,
+    /// Answer every waiting fetch now, stop pulling, nak whatever arrives.
+    Shutdown,
+    /// Release what is held and end the task.
+    Stop,
+}
+
+struct Waiter {
+    demand: Demand,
+    deadline: Instant,
+    got: Vec<Delivery>,
+    bytes: usize,
+    /// The next delivery would exceed max_bytes.
+    full: bool,
+    pull: Option<u64>,
+    retry_at: Option<Instant>,
+    /// A pull was sent for this fetch at least once.
+    pulled: bool,
+    answer: oneshot::Sender<Vec<Leased>>,
+    id: u64,
+}
+
+impl Waiter {
+    fn accepts(&self, delivery: &Delivery) -> bool {
+        if self.full || self.got.len() >= self.demand.batch {
+            return false;
+        }
+        // The first message always fits: a fetch returns at least one.
+        self.got.is_empty()
+            || self
+                .demand
+                .max_bytes
+                .is_none_or(|max| self.bytes + delivery.payload.len() <= max)
+    }
+
+    fn take(&mut self, delivery: Delivery) {
+        self.bytes += delivery.payload.len();
+        self.got.push(delivery);
+    }
+}
+
+struct Pull {
+    owner: Option<u64>,
+    remaining: usize,
+    /// When to give up on the server's end-of-request status.
+    give_up_at: Instant,
+}
+
+pub struct Dispatcher {
+    shared: Arc<Shared>,
+    bound: Option<Bound>,
+    subscription: Option<Subscriber>,
+    inbox: String,
+    waiters: VecDeque<Waiter>,
+    held: VecDeque<Delivery>,
+    pulls: HashMap<u64, Pull>,
+    next_id: u64,
+    shutting_down: bool,
+}
+
+impl Dispatcher {
+    pub fn new(shared: Arc<Shared>) -> Self {
+        Self {
+            shared,
+            bound: None,
+            subscription: None,
+            inbox: String::new(),
+            waiters: VecDeque::new(),
+            held: VecDeque::new(),
+            pulls: HashMap::new(),
+            next_id: 0,
+            shutting_down: false,
+        }
+    }
+
+    pub async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<Command>,
+        mut bound: watch::Receiver<Option<Bound>>,
+        capacity_freed: Arc<Notify>,
+    ) {
+        let initial = bound.borrow_and_update().clone();
+        self.rebind(initial).await;
+        loop {
+            let wake = self.next_wake();
+            tokio::select! {
+                command = commands.recv() => match command {
+                    Some(Command::Fetch { demand, answer }) => self.enqueue(demand, answer),
+                    Some(Command::ConnectionLost) => self.forget_pulls(),
+                    Some(Command::Shutdown) => self.shutting_down = true,
+                    Some(Command::Stop) | None => break,
+                },
+                message = next_message(&mut self.subscription) => match message {
+                    Some(message) => self.on_message(message),
+                    None => self.subscription = None,
+                },
+                changed = bound.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                    let next = bound.borrow_and_update().clone();
+                    self.rebind(next).await;
+                }
+                () = capacity_freed.notified() => {}
+                () = sleep_until(wake) => {}
+            }
+            self.pump().await;
+        }
+        self.shutting_down = true;
+        self.pump().await;
+        if let Some(mut subscription) = self.subscription.take() {
+            let _ = subscription.unsubscribe().await;
+        }
+    }
+
+    fn enqueue(&mut self, demand: Demand, answer: oneshot::Sender<Vec<Leased>>) {
+        self.next_id += 1;
+        self.waiters.push_back(Waiter {
+            deadline: Instant::now() + demand.wait,
+            demand,
+            got: Vec::new(),
+            bytes: 0,
+            full: false,
+            pull: None,
+            retry_at: None,
+            pulled: false,
+            answer,
+            id: self.next_id,
+        });
+    }
+
+    async fn rebind(&mut self, bound: Option<Bound>) {
+        self.forget_pulls();
+        // Deliveries of a previous binding cannot be leased any more: let the server have them.
+        self.release_held(|_| true).await;
+        if let Some(mut subscription) = self.subscription.take() {
+            let _ = subscription.unsubscribe().await;
+        }
+        self.bound = bound;
+        let Some(bound) = &self.bound else {
+            return;
+        };
+        self.inbox = bound.client.new_inbox();
+        match bound.client.subscribe(format!("{}.*", self.inbox)).await {
+            Ok(subscription) => self.subscription = Some(subscription),
+            Err(err) => warn!(error = %err, "could not subscribe to the pull inbox"),
+        }
+    }
+
+    fn forget_pulls(&mut self) {
+        self.pulls.clear();
+        for waiter in &mut self.waiters {
+            waiter.pull = None;
+        }
+    }
+
+    fn on_message(&mut self, message: async_nats::Message) {
+        let pull_id = message
+            .subject
+            .rsplit('.')
+            .next()
+            .and_then(|id| id.parse::<u64>().ok());
+        if let Some(status) = message.status {
+            if status.as_u16() == 100 {
+                return;
+            }
+            let description = message.description.as_deref().unwrap_or_default();
+            debug!(status = status.as_u16(), description, "pull request ended");
+            let refused = matches!(status.as_u16(), 408 | 409) && description != "Request Timeout";
+            if status.as_u16() == 409 && description.contains("Consumer Deleted") {
+                warn!("the consumer was deleted; waiting to rebind");
+                self.shared.request_rebind();
+            }
+            if status.as_u16() == 503 {
+                self.shared.request_rebind();
+            }
+            if let Some(pull_id) = pull_id {
+                self.end_pull(pull_id, refused);
+            }
+            return;
+        }
+        let Some(delivery) = self.delivery(message) else {
+            return;
+        };
+        self.shared.note_delivery(delivery.coordinates.key);
+        let owner = pull_id.and_then(|pull_id| {
+            let pull = self.pulls.get_mut(&pull_id)?;
+            pull.remaining = pull.remaining.saturating_sub(1);
+            let owner = pull.owner;
+            if pull.remaining == 0 {
+                self.end_pull(pull_id, false);
+            }
+            owner
+        });
+        let waiter = owner.and_then(|owner| self.waiters.iter_mut().find(|w| w.id == owner));
+        match waiter {
+            Some(waiter) if waiter.accepts(&delivery) && !waiter.answer.is_closed() => {
+                waiter.take(delivery)
+            }
+            Some(waiter) => {
+                waiter.full = !waiter.got.is_empty();
+                self.held.push_back(delivery);
+            }
+            None => self.held.push_back(delivery),
+        }
+    }
+
+    fn delivery(&self, message: async_nats::Message) -> Option<Delivery> {
+        let bound = self.bound.as_ref()?;
+        let message = async_nats::jetstream::Message {
+            message,
+            context: bound.jetstream.clone(),
+        };
+        let info = match message.info() {
+            Ok(info) => info,
+            Err(err) => {
+                warn!(error = %err, subject = %message.subject, "ignoring a message that is not a JetStream delivery");
+                return None;
+            }
+        };
+        let coordinates = LeaseCoordinates {
+            key: DeliveryKey {
+                stream_sequence: info.stream_sequence,
+                delivered: u64::try_from(info.delivered).unwrap_or(1),
+            },
+            consumer_sequence: info.consumer_sequence,
+            published_unix_nanos: i64::try_from(info.published.unix_timestamp_nanos()).unwrap_or(0),
+        };
+        let stream = info.stream.to_owned();
+        let consumer = info.consumer.to_owned();
+        let pending = info.pending;
+        let published_at = info.published;
+        let reply: Arc<str> = Arc::from(message.reply.as_deref().unwrap_or_default());
+        let message = message.message;
+        Some(Delivery {
+            coordinates,
+            reply,
+            subject: message.subject,
+            payload: message.payload,
+            headers: message.headers,
+            stream,
+            consumer,
+            pending,
+            published_at,
+            received_at: Instant::now(),
+        })
+    }
+
+    fn end_pull(&mut self, pull_id: u64, refused: bool) {
+        let Some(pull) = self.pulls.remove(&pull_id) else {
+            return;
+        };
+        let Some(owner) = pull.owner else {
+            return;
+        };
+        if let Some(waiter) = self.waiters.iter_mut().find(|w| w.id == owner) {
+            waiter.pull = None;
+            if refused {
+                waiter.retry_at = Some(Instant::now() + PULL_RETRY);
+            }
+        }
+    }
+
+    /// The earliest moment something needs doing without an outside event.
+    fn next_wake(&self) -> Instant {
+        let far = Instant::now() + Duration::from_secs(3600);
+        let hold = self.shared.hold();
+        let waiters = self.waiters.iter().flat_map(|waiter| {
+            let deadline = if waiter.pull.is_some() {
+                waiter.deadline + PULL_GRACE
+            } else {
+                waiter.deadline
+            };
+            [Some(deadline), waiter.retry_at].into_iter().flatten()
+        });
+        let held = self
+            .held
+            .front()
+            .map(|delivery| delivery.received_at + hold);
+        let pulls = self.pulls.values().map(|pull| pull.give_up_at);
+        waiters.chain(held).chain(pulls).min().unwrap_or(far)
+    }
+
+    async fn pump(&mut self) {
+        let now = Instant::now();
+        self.drop_abandoned_waiters();
+        self.give_up_on_silent_pulls(now);
+        let hold = self.shared.hold();
+        let shutting_down = self.shutting_down;
+        self.release_held(|delivery| shutting_down || delivery.received_at + hold <= now)
+            .await;
+        self.hand_out_held();
+        if !self.shutting_down {
+            self.issue_pulls(now).await;
+        }
+        self.answer_finished(now);
+        if self.shutting_down {
+            // Anything answered just now went back to `held` if its fetch vanished.
+            self.release_held(|_| true).await;
+        }
+    }
+
+    /// Fetches whose HTTP client went away give their deliveries back.
+    fn drop_abandoned_waiters(&mut self) {
+        let mut index = 0;
+        while index < self.waiters.len() {
+            if self.waiters[index].answer.is_closed() {
+                if let Some(waiter) = self.waiters.remove(index) {
+                    self.orphan(waiter.pull, waiter.got);
+                }
+            } else {
+                index += 1;
+            }
+        }
+    }
+
+    fn orphan(&mut self, pull: Option<u64>, got: Vec<Delivery>) {
+        if let Some(pull) = pull.and_then(|pull| self.pulls.get_mut(&pull)) {
+            pull.owner = None;
+        }
+        for delivery in got.into_iter().rev() {
+            self.held.push_front(delivery);
+        }
+    }
+
+    fn give_up_on_silent_pulls(&mut self, now: Instant) {
+        let silent: Vec<u64> = self
+            .pulls
+            .iter()
+            .filter(|(_, pull)| pull.give_up_at <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for pull_id in silent {
+            self.end_pull(pull_id, false);
+        }
+    }
+
+    /// Nak held deliveries that match `release`: the server redelivers them to the next pull.
+    async fn release_held(&mut self, release: impl Fn(&Delivery) -> bool) {
+        let Some(bound) = &self.bound else {
+            self.held.retain(|delivery| !release(delivery));
+            return;
+        };
+        let mut kept = VecDeque::with_capacity(self.held.len());
+        for delivery in self.held.drain(..) {
+            if release(&delivery) {
+                debug!(
+                    stream_sequence = delivery.coordinates.key.stream_sequence,
+                    "releasing an unleased delivery"
+                );
+                consumer::release(&bound.client, &delivery.reply).await;
+            } else {
+                kept.push_back(delivery);
+            }
+        }
+        self.held = kept;
+    }
+
+    fn hand_out_held(&mut self) {
+        for waiter in &mut self.waiters {
+            while let Some(delivery) = self.held.front() {
+                if !waiter.accepts(delivery) {
+                    if !waiter.got.is_empty() && waiter.got.len() < waiter.demand.batch {
+                        waiter.full = true;
+                    }
+                    break;
+                }
+                if let Some(delivery) = self.held.pop_front() {
+                    waiter.take(delivery);
+                }
+            }
+            if self.held.is_empty() {
+                break;
+            }
+        }
+    }
+
+    fn answer_finished(&mut self, now: Instant) {
+        let mut index = 0;
+        while index < self.waiters.len() {
+            let waiter = &self.waiters[index];
+            let finished = self.shutting_down
+                || waiter.got.len() >= waiter.demand.batch
+                || waiter.full
+                || (!waiter.got.is_empty() && waiter.pull.is_none())
+                || (waiter.pull.is_none() && now >= waiter.deadline)
+                || now >= waiter.deadline + PULL_GRACE;
+            if !finished {
+                index += 1;
+                continue;
+            }
+            let Some(waiter) = self.waiters.remove(index) else {
+                break;
+            };
+            let leased = self.shared.lease(waiter.got);
+            if let Err(unanswered) = waiter.answer.send(leased) {
+                // The client went away in the meantime: take the leases back.
+                let got = self.shared.withdraw(unanswered);
+                self.orphan(waiter.pull, got);
+            } else if let Some(pull) = waiter.pull.and_then(|pull| self.pulls.get_mut(&pull)) {
+                pull.owner = None;
+            }
+        }
+    }
+
+    async fn issue_pulls(&mut self, now: Instant) {
+        let Some(bound) = self.bound.clone() else {
+            return;
+        };
+        if bound.client.connection_state() != async_nats::connection::State::Connected {
+            return;
+        }
+        let max_pulls = (bound.max_waiting / 2).clamp(1, MAX_OPEN_PULLS);
+        let reserved: usize = self.held.len()
+            + self.waiters.iter().map(|w| w.got.len()).sum::<usize>()
+            + self.pulls.values().map(|p| p.remaining).sum::<usize>();
+        let mut capacity = self
+            .shared
+            .max_ack_pending()
+            .saturating_sub(self.shared.in_flight() + reserved);
+        for index in 0..self.waiters.len() {
+            if self.pulls.len() >= max_pulls || capacity == 0 {
+                break;
+            }
+            let waiter = &self.waiters[index];
+            let ready = waiter.pull.is_none()
+                && waiter.got.is_empty()
+                && waiter.retry_at.is_none_or(|at| at <= now)
+                // A zero-wait fetch still gets one no_wait pull: "what is there right now".
+                && (waiter.deadline > now || (waiter.demand.wait.is_zero() && !waiter.pulled));
+            if !ready {
+                continue;
+            }
+            let mut batch = waiter.demand.batch.min(capacity);
+            if let Some(max_batch) = bound.max_batch {
+                batch = batch.min(max_batch);
+            }
+            let mut left = waiter.deadline.saturating_duration_since(now);
+            if let Some(max_expires) = bound.max_expires {
+                left = left.min(max_expires);
+            }
+            let expires = (left >= MIN_EXPIRES).then_some(left);
+            self.next_id += 1;
+            let pull_id = self.next_id;
+            let inbox = format!("{}.{pull_id}", self.inbox);
+            if let Err(err) = consumer::request_pull(&bound, inbox, batch, expires).await {
+                warn!(error = %err, "pull request failed");
+                return;
+            }
+            capacity -= batch;
+            self.pulls.insert(
+                pull_id,
+                Pull {
+                    owner: Some(self.waiters[index].id),
+                    remaining: batch,
+                    give_up_at: now + left + PULL_GRACE,
+                },
+            );
+            let waiter = &mut self.waiters[index];
+            waiter.pull = Some(pull_id);
+            waiter.pulled = true;
+            waiter.retry_at = None;
+        }
+        if !self.waiters.is_empty() && self.pulls.len() >= max_pulls {
+            debug!(
+                open = self.pulls.len(),
+                "pull limit reached; fetches wait their turn"
+            );
+        }
+    }
+}
+
+async fn next_message(subscription: &mut Option<Subscriber>) -> Option<async_nats::Message> {
+    match subscription {
+        Some(subscription) => subscription.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Drop for Dispatcher {
+    fn drop(&mut self) {
+        if !self.held.is_empty() {
+            info!(
+                held = self.held.len(),
+                "dispatcher stopped with unleased deliveries; the server redelivers them after ack_wait"
+            );
+        }
+    }
+}

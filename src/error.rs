@@ -1,0 +1,51 @@
+//! The one error type a client can see; the HTTP layer turns it into problem+json.
+
+use std::time::Duration;
+
+use crate::leases::SettleKind;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request body is not JSON at all.
+    #[error("{detail}")]
+    Malformed { detail: String },
+    /// The JSON is well-formed but a field is wrong, missing, unknown or out of range.
+    #[error("{detail}")]
+    Invalid {
+        field: Option<String>,
+        detail: String,
+    },
+    #[error("the request body is larger than {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    #[error("no lease with this id was issued by this gateway")]
+    UnknownLease,
+    #[error("the lease is no longer valid: it expired or the message was delivered again")]
+    LeaseGone,
+    #[error("the lease was already settled with {}", settled.as_str())]
+    AlreadySettled { settled: SettleKind },
+    #[error(
+        "the gateway already holds {max_ack_pending} leases (max_ack_pending); settle some or retry after {}s",
+        retry_after.as_secs()
+    )]
+    AtCapacity {
+        max_ack_pending: usize,
+        retry_after: Duration,
+    },
+    #[error("{0}")]
+    Unavailable(String),
+    #[error(
+        "the NATS server did not confirm in time; the lease is still valid and retrying is safe"
+    )]
+    TimedOut,
+    #[error("{0}")]
+    NotFound(String),
+}
+
+impl Error {
+    pub fn invalid(field: &str, detail: impl Into<String>) -> Self {
+        Self::Invalid {
+            field: Some(field.to_owned()),
+            detail: detail.into(),
+        }
+    }
+}

@@ -1,0 +1,546 @@
+//! The gateway core: fetch, settle, extend and inspect, over the lease table, the dispatcher
+//! and the NATS boundary. HTTP handlers call this and only this.
+//!
+//! A supervisor task keeps the NATS connection bound to the consumer (retrying while NATS is
+//! away, rebinding after a reconnect or a deleted consumer) and publishes the binding on a
+//! watch channel; the dispatcher and every request read the current binding from there.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_nats::Event;
+use time::OffsetDateTime;
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::config::Config;
+use crate::consumer::{self, AckCommand, BindError, Bound, ConfirmError};
+use crate::dispatch::{Command, Delivery, Demand, Dispatcher, Leased};
+use crate::error::Error;
+use crate::lease_id::{DeliveryKey, LeaseSigner};
+use crate::leases::{LeaseTable, Refusal, SettleKind, SettleStart};
+
+/// How long settled and expired leases are remembered, so that retries get the first answer.
+const LEASE_MEMORY: Duration = Duration::from_secs(600);
+/// At most this many settled or expired leases are remembered.
+const LEASE_MEMORY_MAX: usize = 500_000;
+
+/// State shared by the request paths and the dispatcher.
+pub struct Shared {
+    leases: Mutex<LeaseTable>,
+    signer: LeaseSigner,
+    ack_wait_ms: AtomicU64,
+    max_ack_pending: AtomicUsize,
+    rebind: Notify,
+    capacity_freed: Arc<Notify>,
+}
+
+impl Shared {
+    fn leases(&self) -> MutexGuard<'_, LeaseTable> {
+        // A panic while holding the lock cannot leave the table half-updated in a way that
+        // matters more than stopping service would, so keep going with it.
+        self.leases
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn ack_wait(&self) -> Duration {
+        Duration::from_millis(self.ack_wait_ms.load(Ordering::Relaxed))
+    }
+
+    /// How long before the server's own redelivery a lease ends: the server starts its timer
+    /// when it sends, a little before the gateway receives.
+    fn margin(&self) -> Duration {
+        (self.ack_wait() / 20).min(Duration::from_secs(1))
+    }
+
+    /// How long a delivery nobody waits for is kept for the next fetch before it is nak'd:
+    /// short, so that the gateway never sits on messages, and so that a client still gets
+    /// at least three quarters of the ack_wait.
+    pub fn hold(&self) -> Duration {
+        (self.ack_wait() / 4).min(Duration::from_secs(2))
+    }
+
+    pub fn max_ack_pending(&self) -> usize {
+        self.max_ack_pending.load(Ordering::Relaxed)
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.leases().in_flight(Instant::now())
+    }
+
+    pub fn note_delivery(&self, key: DeliveryKey) {
+        self.leases().note_delivery(key, Instant::now());
+    }
+
+    pub fn request_rebind(&self) {
+        self.rebind.notify_one();
+    }
+
+    /// Issue leases for deliveries about to be handed to a client.
+    pub fn lease(&self, deliveries: Vec<Delivery>) -> Vec<Leased> {
+        let lifetime = self.ack_wait().saturating_sub(self.margin());
+        let mut leases = self.leases();
+        deliveries
+            .into_iter()
+            .map(|delivery| {
+                let expires_at = delivery.received_at + lifetime;
+                leases.issue(delivery.coordinates.key, delivery.reply.clone(), expires_at);
+                Leased {
+                    id: self.signer.encode(&delivery.coordinates),
+                    delivery,
+                    expires_at,
+                }
+            })
+            .collect()
+    }
+
+    /// Take back leases whose client never got them.
+    pub fn withdraw(&self, leased: Vec<Leased>) -> Vec<Delivery> {
+        let mut leases = self.leases();
+        leased
+            .into_iter()
+            .map(|leased| {
+                leases.withdraw(leased.delivery.coordinates.key);
+                leased.delivery
+            })
+            .collect()
+    }
+}
+
+/// The gateway as the HTTP layer sees it. Cheap to clone.
+#[derive(Clone)]
+pub struct Gateway {
+    shared: Arc<Shared>,
+    commands: mpsc::Sender<Command>,
+    bound: watch::Receiver<Option<Bound>>,
+    accepting: Arc<AtomicBool>,
+    config: Arc<Config>,
+}
+
+/// Handles to the background tasks, for an orderly stop.
+pub struct Tasks {
+    stop: CancellationToken,
+    dispatcher: tokio::task::JoinHandle<()>,
+    pub fatal: oneshot::Receiver<anyhow::Error>,
+}
+
+/// What a settle of one lease came to.
+pub type SettleResult = Result<(), Error>;
+
+/// Consumer state for `GET /consumer`.
+pub struct ConsumerStatus {
+    pub info: async_nats::jetstream::consumer::Info,
+    pub leases_in_flight: usize,
+}
+
+impl Gateway {
+    /// Start the supervisor and the dispatcher. Returns at once; NATS is reached in the
+    /// background.
+    pub fn start(config: Config) -> (Self, Tasks) {
+        let shared = Arc::new(Shared {
+            leases: Mutex::new(LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
+            signer: LeaseSigner::random(&config.stream, &config.consumer),
+            ack_wait_ms: AtomicU64::new(
+                u64::try_from(config.ack_wait.as_millis()).unwrap_or(u64::MAX),
+            ),
+            max_ack_pending: AtomicUsize::new(config.max_ack_pending as usize),
+            rebind: Notify::new(),
+            capacity_freed: Arc::new(Notify::new()),
+        });
+        let config = Arc::new(config);
+        let (commands_tx, commands_rx) = mpsc::channel(1024);
+        let (bound_tx, bound_rx) = watch::channel(None);
+        let (fatal_tx, fatal_rx) = oneshot::channel();
+        let stop = CancellationToken::new();
+
+        let dispatcher = Dispatcher::new(shared.clone());
+        let dispatcher = tokio::spawn({
+            let bound_rx = bound_rx.clone();
+            let capacity_freed = shared.capacity_freed.clone();
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    () = dispatcher.run(commands_rx, bound_rx, capacity_freed) => {}
+                    () = stop.cancelled() => {}
+                }
+            }
+        });
+        tokio::spawn({
+            let config = config.clone();
+            let shared = shared.clone();
+            let commands = commands_tx.clone();
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    result = supervise(&config, &shared, bound_tx, commands) => {
+                        if let Err(err) = result {
+                            let _ = fatal_tx.send(err);
+                        }
+                    }
+                    () = stop.cancelled() => {}
+                }
+            }
+        });
+        let gateway = Self {
+            shared,
+            commands: commands_tx,
+            bound: bound_rx,
+            accepting: Arc::new(AtomicBool::new(true)),
+            config,
+        };
+        let tasks = Tasks {
+            stop,
+            dispatcher,
+            fatal: fatal_rx,
+        };
+        (gateway, tasks)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn bound(&self) -> Result<Bound, Error> {
+        self.bound.borrow().clone().ok_or_else(|| {
+            Error::Unavailable(format!(
+                "not bound to consumer {} of stream {} yet (NATS at {} unreachable or starting)",
+                self.config.consumer, self.config.stream, self.config.nats_url
+            ))
+        })
+    }
+
+    fn connected(&self) -> Result<Bound, Error> {
+        let bound = self.bound()?;
+        if bound.client.connection_state() != async_nats::connection::State::Connected {
+            return Err(Error::Unavailable(
+                "the connection to NATS is down; retrying".into(),
+            ));
+        }
+        Ok(bound)
+    }
+
+    /// Connected to NATS and bound to the consumer.
+    pub fn is_ready(&self) -> bool {
+        self.accepting.load(Ordering::Relaxed) && self.connected().is_ok()
+    }
+
+    pub fn leases_in_flight(&self) -> usize {
+        self.shared.in_flight()
+    }
+
+    /// Lease up to `demand.batch` messages.
+    pub async fn fetch(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
+        if !self.accepting.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable(
+                "the gateway is shutting down; no new fetches".into(),
+            ));
+        }
+        self.connected()?;
+        let max_ack_pending = self.shared.max_ack_pending();
+        {
+            let now = Instant::now();
+            let mut leases = self.shared.leases();
+            if leases.in_flight(now) >= max_ack_pending {
+                let retry_after = leases
+                    .next_expiry()
+                    .map(|at| at.saturating_duration_since(now))
+                    .unwrap_or(Duration::from_secs(1));
+                return Err(Error::AtCapacity {
+                    max_ack_pending,
+                    retry_after,
+                });
+            }
+        }
+        let (answer, answered) = oneshot::channel();
+        self.commands
+            .send(Command::Fetch { demand, answer })
+            .await
+            .map_err(|_| Error::Unavailable("the gateway is stopping".into()))?;
+        answered
+            .await
+            .map_err(|_| Error::Unavailable("the gateway is stopping".into()))
+    }
+
+    fn decode(&self, id: &str) -> Result<DeliveryKey, Error> {
+        self.shared
+            .signer
+            .decode(id)
+            .map(|lease| lease.key)
+            .ok_or(Error::UnknownLease)
+    }
+
+    /// Ack, nak or term one lease; `Ok` only once the server confirmed it.
+    pub async fn settle(&self, id: &str, command: &AckCommand) -> SettleResult {
+        let kind = match command {
+            AckCommand::Ack => SettleKind::Ack,
+            AckCommand::Nak { .. } => SettleKind::Nak,
+            AckCommand::Term { .. } => SettleKind::Term,
+            AckCommand::InProgress => {
+                return self.extend(id).await.map(|_| ());
+            }
+        };
+        let key = self.decode(id)?;
+        let started = self.shared.leases().begin_settle(key, kind, Instant::now());
+        let reply = match started {
+            Ok(SettleStart::AlreadyDone) => return Ok(()),
+            Ok(SettleStart::Send(reply)) => reply,
+            Err(refusal) => return Err(refused(refusal)),
+        };
+        let confirmed = match self.connected() {
+            Ok(bound) => {
+                consumer::confirm(&bound.client, &reply, command, self.config.settle_timeout).await
+            }
+            Err(_) => Err(ConfirmError::Unavailable),
+        };
+        self.shared
+            .leases()
+            .finish_settle(key, kind, confirmed.is_ok(), Instant::now());
+        if confirmed.is_ok() {
+            self.shared.capacity_freed.notify_one();
+        }
+        confirmed.map_err(unconfirmed)
+    }
+
+    /// Restart a lease's clock (and the server's ack timer). Returns the new expiry.
+    pub async fn extend(&self, id: &str) -> Result<OffsetDateTime, Error> {
+        let key = self.decode(id)?;
+        let reply = self
+            .shared
+            .leases()
+            .begin_extend(key, Instant::now())
+            .map_err(refused)?;
+        let sent_at = Instant::now();
+        let confirmed = match self.connected() {
+            Ok(bound) => {
+                consumer::confirm(
+                    &bound.client,
+                    &reply,
+                    &AckCommand::InProgress,
+                    self.config.settle_timeout,
+                )
+                .await
+            }
+            Err(_) => Err(ConfirmError::Unavailable),
+        };
+        // The server restarts its timer when it processes +WPI, after we sent it: counting
+        // from the send keeps the lease inside the server's window.
+        let lifetime = self.shared.ack_wait().saturating_sub(self.shared.margin());
+        let extended_to = confirmed.is_ok().then_some(sent_at + lifetime);
+        let expires_at = self.shared.leases().finish_extend(key, extended_to);
+        confirmed.map_err(unconfirmed)?;
+        match expires_at {
+            Some(expires_at) => Ok(wall_clock(expires_at)),
+            None => Err(Error::LeaseGone),
+        }
+    }
+
+    /// The server's view of the consumer plus the gateway's leases.
+    pub async fn status(&self) -> Result<ConsumerStatus, Error> {
+        let bound = self.connected()?;
+        let info = consumer::consumer_info(&bound)
+            .await
+            .map_err(|err| Error::Unavailable(format!("{err:#}")))?;
+        Ok(ConsumerStatus {
+            info,
+            leases_in_flight: self.leases_in_flight(),
+        })
+    }
+
+    /// Publish to the stream (subject already validated against the stream's subjects).
+    pub async fn publish(
+        &self,
+        subject: String,
+        headers: async_nats::HeaderMap,
+        payload: bytes::Bytes,
+    ) -> Result<async_nats::jetstream::publish::PublishAck, Error> {
+        let bound = self.connected()?;
+        if !bound
+            .stream_subjects
+            .iter()
+            .any(|filter| crate::subject::matches(filter, &subject))
+        {
+            return Err(Error::invalid(
+                "subject",
+                format!(
+                    "stream {} does not capture subject {subject:?}; it captures {}",
+                    self.config.stream,
+                    bound.stream_subjects.join(", ")
+                ),
+            ));
+        }
+        consumer::publish(
+            &bound,
+            subject,
+            headers,
+            payload,
+            self.config.settle_timeout,
+        )
+        .await
+        .map_err(|err| Error::Unavailable(format!("{err:#}")))
+    }
+
+    /// Stop taking fetches and answer the waiting ones now.
+    pub async fn begin_shutdown(&self) {
+        self.accepting.store(false, Ordering::Relaxed);
+        let _ = self.commands.send(Command::Shutdown).await;
+    }
+
+    /// Wait until no lease is in flight, or `grace` has passed.
+    pub async fn settle_grace(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        loop {
+            let freed = self.shared.capacity_freed.notified();
+            let in_flight = self.shared.in_flight();
+            if in_flight == 0 {
+                return;
+            }
+            let wake = self
+                .shared
+                .leases()
+                .next_expiry()
+                .map_or(deadline, |at| at.min(deadline));
+            if Instant::now() >= deadline {
+                info!(
+                    in_flight,
+                    "shutdown grace over with leases still out; the server redelivers them after ack_wait"
+                );
+                return;
+            }
+            tokio::select! {
+                () = freed => {}
+                () = tokio::time::sleep_until(wake) => {}
+            }
+        }
+    }
+
+    /// Stop the background tasks, nak unleased deliveries and flush NATS.
+    pub async fn stop(&self, tasks: Tasks) {
+        let _ = self.commands.send(Command::Stop).await;
+        if tokio::time::timeout(Duration::from_secs(5), tasks.dispatcher)
+            .await
+            .is_err()
+        {
+            warn!("the dispatcher did not stop in time");
+        }
+        tasks.stop.cancel();
+        if let Ok(bound) = self.bound() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), bound.client.flush()).await;
+        }
+    }
+}
+
+fn refused(refusal: Refusal) -> Error {
+    match refusal {
+        Refusal::Unknown => Error::UnknownLease,
+        Refusal::Gone => Error::LeaseGone,
+        Refusal::Conflict(settled) | Refusal::Settled(settled) => Error::AlreadySettled { settled },
+    }
+}
+
+fn unconfirmed(err: ConfirmError) -> Error {
+    match err {
+        ConfirmError::TimedOut => Error::TimedOut,
+        ConfirmError::Unavailable => Error::Unavailable(
+            "NATS is unavailable or the consumer is gone; the settle was not confirmed".into(),
+        ),
+    }
+}
+
+/// The wall-clock time of a monotonic instant.
+pub fn wall_clock(at: Instant) -> OffsetDateTime {
+    let now = Instant::now();
+    let wall_now = OffsetDateTime::now_utc();
+    if at >= now {
+        wall_now + (at - now)
+    } else {
+        wall_now - (now - at)
+    }
+}
+
+/// Keep the gateway bound: connect, bind, and rebind after reconnects or when asked.
+/// Returns only on a fatal error (missing stream, immutable field differs).
+async fn supervise(
+    config: &Config,
+    shared: &Shared,
+    bound_tx: watch::Sender<Option<Bound>>,
+    commands: mpsc::Sender<Command>,
+) -> anyhow::Result<()> {
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    let client = consumer::connect(config, events_tx).await?;
+    let mut identity_seen: Option<(String, OffsetDateTime)> = None;
+    let mut published = false;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        // Wait for the connection; async-nats reconnects on its own.
+        while client.connection_state() != async_nats::connection::State::Connected {
+            match tokio::time::timeout(Duration::from_secs(1), events.recv()).await {
+                Ok(Some(Event::Disconnected)) => {
+                    let _ = commands.send(Command::ConnectionLost).await;
+                }
+                Ok(None) => anyhow::bail!("the NATS client stopped"),
+                _ => {}
+            }
+        }
+        let bound = match consumer::bind(config, &client).await {
+            Ok(bound) => bound,
+            Err(BindError::Fatal(message)) => anyhow::bail!(message),
+            Err(BindError::Transient(err)) => {
+                warn!(error = %format!("{err:#}"), retry_in = ?backoff, "cannot bind the consumer yet");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        let identity = (
+            bound.consumer_name.clone(),
+            bound.consumer.cached_info().created,
+        );
+        shared.ack_wait_ms.store(
+            u64::try_from(bound.ack_wait.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        shared
+            .max_ack_pending
+            .store(bound.max_ack_pending, Ordering::Relaxed);
+        if identity_seen.as_ref() != Some(&identity) {
+            if identity_seen.is_some() {
+                warn!(consumer = %identity.0, "the consumer was recreated; every earlier lease is void");
+                shared.leases().supersede_all(Instant::now());
+            }
+            identity_seen = Some(identity);
+            published = false;
+        }
+        if !published {
+            bound_tx.send_replace(Some(bound));
+            published = true;
+        }
+        // Stay bound until the connection comes back after a drop, or a rebind is asked for.
+        loop {
+            tokio::select! {
+                event = events.recv() => match event {
+                    Some(Event::Disconnected) => {
+                        warn!("disconnected from NATS; leases stay valid, fetches answer 503 until reconnected");
+                        let _ = commands.send(Command::ConnectionLost).await;
+                    }
+                    Some(Event::Connected) => {
+                        info!("reconnected to NATS");
+                        break;
+                    }
+                    Some(Event::ServerError(err)) => error!(error = %err, "NATS server error"),
+                    Some(other) => info!(event = %other, "NATS event"),
+                    None => anyhow::bail!("the NATS client stopped"),
+                },
+                () = shared.rebind.notified() => {
+                    bound_tx.send_replace(None);
+                    published = false;
+                    break;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! Request and response bodies of the HTTP API, with their OpenAPI schemas.
+
+use std::collections::BTreeMap;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+use utoipa::ToSchema;
+
+use crate::dispatch::Leased;
+use crate::gateway::wall_clock;
+
+/// How `data` is encoded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Encoding {
+    /// Standard base64 (RFC 4648, with padding). Always possible.
+    #[default]
+    Base64,
+    /// The payload as a UTF-8 string (only when the payload is valid UTF-8).
+    Utf8,
+}
+
+/// `POST /fetch` body; every field is optional.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"batch": 10, "wait_ms": 5000, "encoding": "utf8"}))]
+pub struct FetchBody {
+    /// Most messages to lease (1..=1000, default 10).
+    #[schema(minimum = 1, maximum = 1000, default = 10)]
+    pub batch: Option<u32>,
+    /// How long to wait while no message is available (0..=30000 ms, default 5000).
+    #[schema(minimum = 0, maximum = 30000, default = 5000)]
+    pub wait_ms: Option<u64>,
+    /// Stop before the payloads would exceed this many bytes (at least one message is
+    /// always returned).
+    #[schema(minimum = 1)]
+    pub max_bytes: Option<u64>,
+    /// Encoding of `data` (default base64).
+    pub encoding: Option<Encoding>,
+}
+
+/// One leased message.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({
+    "id": "AQAAAAAAAAABAAAAAAAAAAEAAAAAAAAAARh5p2wr2Z0A6eTgM0Uq3Zt1mCkV9g6kqw",
+    "subject": "orders.created",
+    "data": "hello",
+    "encoding": "utf8",
+    "headers": {},
+    "stream": "ORDERS",
+    "consumer": "billing",
+    "stream_sequence": 1,
+    "consumer_sequence": 1,
+    "delivered": 1,
+    "pending": 0,
+    "published_at": "2026-11-30T12:00:00.123456789Z",
+    "lease_expires_at": "2026-11-30T12:00:29.123456789Z"
+}))]
+pub struct MessageDto {
+    /// Lease id: opaque, URL-safe; settle the message with it.
+    pub id: String,
+    pub subject: String,
+    /// The payload, encoded as `encoding` says.
+    pub data: String,
+    pub encoding: Encoding,
+    /// NATS headers; a header may repeat.
+    pub headers: BTreeMap<String, Vec<String>>,
+    pub stream: String,
+    pub consumer: String,
+    pub stream_sequence: u64,
+    pub consumer_sequence: u64,
+    /// Delivery attempt, from 1.
+    pub delivered: u64,
+    /// Messages left for the consumer after this one, as the server saw it.
+    pub pending: u64,
+    /// When the message was published (RFC 3339).
+    pub published_at: String,
+    /// When the lease ends (RFC 3339): settle or extend before then. Never later than the
+    /// server's redelivery.
+    pub lease_expires_at: String,
+}
+
+impl MessageDto {
+    pub fn new(leased: Leased, wanted: Encoding) -> Self {
+        let delivery = leased.delivery;
+        let (data, encoding) = match (wanted, std::str::from_utf8(&delivery.payload)) {
+            (Encoding::Utf8, Ok(text)) => (text.to_owned(), Encoding::Utf8),
+            _ => (STANDARD.encode(&delivery.payload), Encoding::Base64),
+        };
+        let mut headers = BTreeMap::new();
+        if let Some(map) = &delivery.headers {
+            for (name, values) in map.iter() {
+                headers.insert(
+                    name.to_string(),
+                    values.iter().map(ToString::to_string).collect(),
+                );
+            }
+        }
+        Self {
+            id: leased.id,
+            subject: delivery.subject.to_string(),
+            data,
+            encoding,
+            headers,
+            stream: delivery.stream,
+            consumer: delivery.consumer,
+            stream_sequence: delivery.coordinates.key.stream_sequence,
+            consumer_sequence: delivery.coordinates.consumer_sequence,
+            delivered: delivery.coordinates.key.delivered,
+            pending: delivery.pending,
+            published_at: rfc3339(delivery.published_at),
+            lease_expires_at: rfc3339(wall_clock(leased.expires_at)),
+        }
+    }
+}
+
+pub fn rfc3339(at: OffsetDateTime) -> String {
+    at.format(&Rfc3339).unwrap_or_else(|_| at.to_string())
+}
+
+/// `POST /fetch` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FetchResponse {
+    /// Leased messages; empty when none arrived within `wait_ms`.
+    pub messages: Vec<MessageDto>,
+}
+
+/// `POST /messages/{id}/nak` body (optional).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"delay_ms": 5000}))]
+pub struct NakBody {
+    /// Redeliver no sooner than this many milliseconds from now (0..=604800000).
+    #[schema(minimum = 0, maximum = 604_800_000)]
+    pub delay_ms: Option<u64>,
+}
+
+/// `POST /messages/{id}/term` body (optional).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"reason": "invalid order"}))]
+pub struct TermBody {
+    /// Why the message is terminated; shown in the server's MSG_TERMINATED advisory
+    /// (at most 1024 characters, one line).
+    #[schema(max_length = 1024)]
+    pub reason: Option<String>,
+}
+
+/// `POST /messages/ack` body.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"ids": ["AQAAAAAAAAAB…", "AQAAAAAAAAAC…"]}))]
+pub struct BatchAckBody {
+    /// Lease ids (1..=1000).
+    #[schema(min_items = 1, max_items = 1000)]
+    pub ids: Vec<String>,
+}
+
+/// `POST /messages/nak` body.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"ids": ["AQAAAAAAAAAB…"], "delay_ms": 5000}))]
+pub struct BatchNakBody {
+    /// Lease ids (1..=1000).
+    #[schema(min_items = 1, max_items = 1000)]
+    pub ids: Vec<String>,
+    /// As for a single nak.
+    #[schema(minimum = 0, maximum = 604_800_000)]
+    pub delay_ms: Option<u64>,
+}
+
+/// `POST /messages/term` body.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"ids": ["AQAAAAAAAAAB…"], "reason": "invalid order"}))]
+pub struct BatchTermBody {
+    /// Lease ids (1..=1000).
+    #[schema(min_items = 1, max_items = 1000)]
+    pub ids: Vec<String>,
+    /// As for a single term.
+    #[schema(max_length = 1024)]
+    pub reason: Option<String>,
+}
+
+/// The outcome for one id of a batch settle.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BatchResult {
+    pub id: String,
+    /// What the single-lease endpoint would have answered: 204, 404, 409, 410, 503 or 504.
+    pub status: u16,
+    /// Why it failed; null on success.
+    pub detail: Option<String>,
+}
+
+/// Batch settle answer, in request order.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"results": [
+    {"id": "AQAAAAAAAAAB…", "status": 204, "detail": null},
+    {"id": "bogus", "status": 404, "detail": "no lease with this id was issued by this gateway"}
+]}))]
+pub struct BatchResponse {
+    pub results: Vec<BatchResult>,
+}
+
+/// `POST /messages/{id}/in-progress` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ExtendResponse {
+    /// The lease's new end (RFC 3339).
+    pub lease_expires_at: String,
+}
+
+/// A header value, or several.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum HeaderValues {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// `POST /publish` body.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"subject": "orders.created", "data": "hello"}))]
+pub struct PublishBody {
+    /// A concrete subject the stream captures (no wildcards).
+    pub subject: String,
+    /// The payload, encoded as `encoding` says.
+    #[serde(default)]
+    pub data: String,
+    /// Encoding of `data` (default utf8 here, for typing at a shell).
+    pub encoding: Option<Encoding>,
+    /// NATS headers (e.g. `Nats-Msg-Id` for de-duplication).
+    #[serde(default)]
+    pub headers: BTreeMap<String, HeaderValues>,
+}
+
+/// `POST /publish` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PublishResponse {
+    pub stream: String,
+    /// The message's stream sequence.
+    pub sequence: u64,
+    /// The stream already had a message with this `Nats-Msg-Id`.
+    pub duplicate: bool,
+}
+
+/// Effective consumer settings.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ConsumerConfigDto {
+    pub durable: bool,
+    pub deliver_policy: String,
+    pub ack_policy: String,
+    pub ack_wait_ms: u64,
+    pub max_ack_pending: i64,
+    /// -1: unlimited.
+    pub max_deliver: i64,
+    pub filter_subjects: Vec<String>,
+    pub max_waiting: i64,
+}
+
+/// `GET /consumer` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ConsumerDto {
+    pub name: String,
+    pub stream: String,
+    pub config: ConsumerConfigDto,
+    /// Messages not yet delivered (server).
+    pub num_pending: u64,
+    /// Delivered, not yet acked (server).
+    pub num_ack_pending: usize,
+    pub num_redelivered: usize,
+    /// Pull requests waiting at the server.
+    pub num_waiting: usize,
+    /// Live leases held by clients of this gateway.
+    pub leases_in_flight: usize,
+}
+
+/// `GET /healthz` and `GET /readyz` answer.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HealthDto {
+    /// `ok`, or `unavailable` with the reason in `detail`.
+    pub status: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}

@@ -1,0 +1,81 @@
+//! `POST /fetch`: lease a batch of messages.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+
+use super::body::JsonBody;
+use super::dto::{FetchBody, FetchResponse, MessageDto};
+use super::problem::Problem;
+use crate::dispatch::Demand;
+use crate::error::Error;
+use crate::gateway::Gateway;
+
+pub const MAX_BATCH: u32 = 1000;
+pub const DEFAULT_BATCH: u32 = 10;
+pub const MAX_WAIT_MS: u64 = 30_000;
+pub const DEFAULT_WAIT_MS: u64 = 5_000;
+
+/// Lease up to `batch` messages.
+///
+/// Returns as soon as at least one message is leased, with every message available at that
+/// moment (up to `batch`); waits up to `wait_ms` only while none is.
+#[utoipa::path(
+    post,
+    path = "/fetch",
+    operation_id = "fetchMessages",
+    tag = "leases",
+    request_body(content = Option<FetchBody>, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Leased messages (possibly none)", body = FetchResponse),
+        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "max_ack_pending leases are out", body = Problem, content_type = "application/problem+json",
+            headers(("Retry-After" = u64, description = "Seconds until the earliest lease expires"))),
+        (status = 503, description = "NATS unavailable or shutting down", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn fetch(
+    State(gateway): State<Gateway>,
+    JsonBody(body): JsonBody<FetchBody>,
+) -> Result<Json<FetchResponse>, Error> {
+    let encoding = body.encoding.unwrap_or_default();
+    let demand = demand(&body)?;
+    let leased = gateway.fetch(demand).await?;
+    let messages = leased
+        .into_iter()
+        .map(|leased| MessageDto::new(leased, encoding))
+        .collect();
+    Ok(Json(FetchResponse { messages }))
+}
+
+fn demand(body: &FetchBody) -> Result<Demand, Error> {
+    let batch = body.batch.unwrap_or(DEFAULT_BATCH);
+    if !(1..=MAX_BATCH).contains(&batch) {
+        return Err(Error::invalid(
+            "batch",
+            format!("batch: must be between 1 and {MAX_BATCH}, got {batch}"),
+        ));
+    }
+    let wait_ms = body.wait_ms.unwrap_or(DEFAULT_WAIT_MS);
+    if wait_ms > MAX_WAIT_MS {
+        return Err(Error::invalid(
+            "wait_ms",
+            format!("wait_ms: must be between 0 and {MAX_WAIT_MS}, got {wait_ms}"),
+        ));
+    }
+    let max_bytes = match body.max_bytes {
+        Some(0) => {
+            return Err(Error::invalid("max_bytes", "max_bytes: must be at least 1"));
+        }
+        Some(max) => Some(usize::try_from(max).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    Ok(Demand {
+        batch: batch as usize,
+        wait: Duration::from_millis(wait_ms),
+        max_bytes,
+    })
+}

@@ -1,0 +1,257 @@
+//! `POST /messages/...`: settle (ack, nak, term) or extend leases, one or many at a time.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use futures::future::join_all;
+
+use super::body::JsonBody;
+use super::dto::{
+    BatchAckBody, BatchNakBody, BatchResponse, BatchResult, BatchTermBody, ExtendResponse, NakBody,
+    TermBody, rfc3339,
+};
+use super::problem::Problem;
+use crate::consumer::AckCommand;
+use crate::error::Error;
+use crate::gateway::Gateway;
+
+const MAX_IDS: usize = 1000;
+const MAX_DELAY_MS: u64 = 604_800_000;
+const MAX_REASON_CHARS: usize = 1024;
+
+/// Acknowledge a message: it will not be delivered again.
+///
+/// Answers 204 only once the NATS server confirmed the ack.
+#[utoipa::path(
+    post,
+    path = "/messages/{id}/ack",
+    operation_id = "ackMessage",
+    tag = "leases",
+    params(("id" = String, Path, description = "Lease id from /fetch")),
+    responses(
+        (status = 204, description = "Acked (confirmed by the server)"),
+        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Already settled differently", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "Lease expired or superseded", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 504, description = "Not confirmed in time; retry", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn ack(
+    State(gateway): State<Gateway>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, Error> {
+    gateway.settle(&id, &AckCommand::Ack).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Negatively acknowledge a message: redeliver it (after `delay_ms`, if given).
+#[utoipa::path(
+    post,
+    path = "/messages/{id}/nak",
+    operation_id = "nakMessage",
+    tag = "leases",
+    params(("id" = String, Path, description = "Lease id from /fetch")),
+    request_body(content = Option<NakBody>, content_type = "application/json"),
+    responses(
+        (status = 204, description = "Nak'd (confirmed by the server)"),
+        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Already settled differently", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "Lease expired or superseded", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 504, description = "Not confirmed in time; retry", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn nak(
+    State(gateway): State<Gateway>,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<NakBody>,
+) -> Result<StatusCode, Error> {
+    let command = nak_command(body.delay_ms)?;
+    gateway.settle(&id, &command).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Terminate a message: never deliver it again (with an optional reason).
+#[utoipa::path(
+    post,
+    path = "/messages/{id}/term",
+    operation_id = "termMessage",
+    tag = "leases",
+    params(("id" = String, Path, description = "Lease id from /fetch")),
+    request_body(content = Option<TermBody>, content_type = "application/json"),
+    responses(
+        (status = 204, description = "Terminated (confirmed by the server)"),
+        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Already settled differently", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "Lease expired or superseded", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 504, description = "Not confirmed in time; retry", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn term(
+    State(gateway): State<Gateway>,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<TermBody>,
+) -> Result<StatusCode, Error> {
+    let command = term_command(body.reason)?;
+    gateway.settle(&id, &command).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Report work in progress: restart the lease (and the server's ack timer).
+#[utoipa::path(
+    post,
+    path = "/messages/{id}/in-progress",
+    operation_id = "extendLease",
+    tag = "leases",
+    params(("id" = String, Path, description = "Lease id from /fetch")),
+    responses(
+        (status = 200, description = "Lease extended", body = ExtendResponse),
+        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "Already settled", body = Problem, content_type = "application/problem+json"),
+        (status = 410, description = "Lease expired or superseded", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
+        (status = 504, description = "Not confirmed in time; retry", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn in_progress(
+    State(gateway): State<Gateway>,
+    Path(id): Path<String>,
+) -> Result<Json<ExtendResponse>, Error> {
+    let expires_at = gateway.extend(&id).await?;
+    Ok(Json(ExtendResponse {
+        lease_expires_at: rfc3339(expires_at),
+    }))
+}
+
+/// Acknowledge many messages; each id gets the answer the single endpoint would give.
+#[utoipa::path(
+    post,
+    path = "/messages/ack",
+    operation_id = "ackMessages",
+    tag = "leases",
+    request_body(content = BatchAckBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "One result per id, in request order", body = BatchResponse),
+        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn ack_many(
+    State(gateway): State<Gateway>,
+    JsonBody(body): JsonBody<BatchAckBody>,
+) -> Result<Json<BatchResponse>, Error> {
+    settle_many(&gateway, body.ids, AckCommand::Ack).await
+}
+
+/// Nak many messages; each id gets the answer the single endpoint would give.
+#[utoipa::path(
+    post,
+    path = "/messages/nak",
+    operation_id = "nakMessages",
+    tag = "leases",
+    request_body(content = BatchNakBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "One result per id, in request order", body = BatchResponse),
+        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn nak_many(
+    State(gateway): State<Gateway>,
+    JsonBody(body): JsonBody<BatchNakBody>,
+) -> Result<Json<BatchResponse>, Error> {
+    let command = nak_command(body.delay_ms)?;
+    settle_many(&gateway, body.ids, command).await
+}
+
+/// Terminate many messages; each id gets the answer the single endpoint would give.
+#[utoipa::path(
+    post,
+    path = "/messages/term",
+    operation_id = "termMessages",
+    tag = "leases",
+    request_body(content = BatchTermBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "One result per id, in request order", body = BatchResponse),
+        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn term_many(
+    State(gateway): State<Gateway>,
+    JsonBody(body): JsonBody<BatchTermBody>,
+) -> Result<Json<BatchResponse>, Error> {
+    let command = term_command(body.reason)?;
+    settle_many(&gateway, body.ids, command).await
+}
+
+/// Settle every id concurrently: one batch costs about one NATS round trip, not one each.
+async fn settle_many(
+    gateway: &Gateway,
+    ids: Vec<String>,
+    command: AckCommand,
+) -> Result<Json<BatchResponse>, Error> {
+    if ids.is_empty() || ids.len() > MAX_IDS {
+        return Err(Error::invalid(
+            "ids",
+            format!("ids: must hold 1 to {MAX_IDS} lease ids, got {}", ids.len()),
+        ));
+    }
+    let outcomes = join_all(ids.iter().map(|id| gateway.settle(id, &command))).await;
+    let results = ids
+        .into_iter()
+        .zip(outcomes)
+        .map(|(id, outcome)| match outcome {
+            Ok(()) => BatchResult {
+                id,
+                status: StatusCode::NO_CONTENT.as_u16(),
+                detail: None,
+            },
+            Err(err) => BatchResult {
+                id,
+                status: err.status().as_u16(),
+                detail: Some(err.to_string()),
+            },
+        })
+        .collect();
+    Ok(Json(BatchResponse { results }))
+}
+
+fn nak_command(delay_ms: Option<u64>) -> Result<AckCommand, Error> {
+    match delay_ms {
+        Some(ms) if ms > MAX_DELAY_MS => Err(Error::invalid(
+            "delay_ms",
+            format!("delay_ms: must be between 0 and {MAX_DELAY_MS}, got {ms}"),
+        )),
+        Some(0) | None => Ok(AckCommand::Nak { delay: None }),
+        Some(ms) => Ok(AckCommand::Nak {
+            delay: Some(Duration::from_millis(ms)),
+        }),
+    }
+}
+
+fn term_command(reason: Option<String>) -> Result<AckCommand, Error> {
+    match reason {
+        Some(reason) if reason.chars().count() > MAX_REASON_CHARS => Err(Error::invalid(
+            "reason",
+            format!("reason: must be at most {MAX_REASON_CHARS} characters"),
+        )),
+        // The reason travels in the ack payload, which NATS treats as one line.
+        Some(reason) if reason.contains(['\r', '\n']) => {
+            Err(Error::invalid("reason", "reason: must be a single line"))
+        }
+        Some(reason) if reason.trim().is_empty() => Ok(AckCommand::Term { reason: None }),
+        reason => Ok(AckCommand::Term { reason }),
+    }
+}

@@ -1,0 +1,104 @@
+//! The HTTP layer: routes (one file per resource), the JSON body extractor, problem+json
+//! errors and the middleware stack. Handlers are thin: parse, call the gateway, map.
+
+mod body;
+pub mod dto;
+mod fetch;
+mod messages;
+mod ops;
+pub mod problem;
+mod publish;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::http::{HeaderName, Request};
+use axum::response::IntoResponse;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::error::Error;
+use crate::gateway::Gateway;
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "ruststream-nats",
+        description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.",
+        license(name = "MIT OR Apache-2.0")
+    ),
+    tags(
+        (name = "leases", description = "Fetch messages and settle their leases"),
+        (name = "messages", description = "Publish to the stream"),
+        (name = "operations", description = "Health, readiness and consumer state"),
+    )
+)]
+struct ApiDoc;
+
+/// Routes with their OpenAPI description; the spec is assembled from the same handlers
+/// that serve, so the two cannot drift.
+fn api() -> OpenApiRouter<Gateway> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(fetch::fetch))
+        .routes(routes!(messages::ack))
+        .routes(routes!(messages::nak))
+        .routes(routes!(messages::term))
+        .routes(routes!(messages::in_progress))
+        .routes(routes!(messages::ack_many))
+        .routes(routes!(messages::nak_many))
+        .routes(routes!(messages::term_many))
+        .routes(routes!(publish::publish))
+        .routes(routes!(ops::healthz))
+        .routes(routes!(ops::readyz))
+        .routes(routes!(ops::consumer))
+}
+
+/// The OpenAPI document, as served on `/openapi.json`.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    api().split_for_parts().1
+}
+
+/// The complete application.
+pub fn router(gateway: Gateway) -> Router {
+    let (router, spec) = api().split_for_parts();
+    let spec = std::sync::Arc::new(spec);
+    let request_id = HeaderName::from_static("x-request-id");
+    router
+        .route(
+            "/openapi.json",
+            axum::routing::get(move || {
+                let spec = spec.clone();
+                async move { axum::Json(spec.as_ref().clone()) }
+            }),
+        )
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(gateway)
+        .layer(DefaultBodyLimit::max(body::BODY_LIMIT))
+        .layer(PropagateRequestIdLayer::new(request_id.clone()))
+        .layer(
+            TraceLayer::new_for_http().make_span_with(|request: &Request<_>| {
+                let request_id = request
+                    .headers()
+                    .get("x-request-id")
+                    .and_then(|id| id.to_str().ok())
+                    .unwrap_or_default();
+                tracing::info_span!("http", method = %request.method(), path = %request.uri().path(), request_id)
+            }),
+        )
+        .layer(SetRequestIdLayer::new(request_id, MakeRequestUuid))
+}
+
+async fn not_found() -> impl IntoResponse {
+    Error::NotFound("no such endpoint; see /openapi.json".into())
+}
+
+async fn method_not_allowed() -> impl IntoResponse {
+    let mut response =
+        Error::NotFound("method not allowed on this endpoint; see /openapi.json".into())
+            .into_response();
+    *response.status_mut() = axum::http::StatusCode::METHOD_NOT_ALLOWED;
+    response
+}

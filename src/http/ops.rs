@@ -1,0 +1,118 @@
+//! Operational endpoints: liveness, readiness and the consumer's state.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+
+use super::dto::{ConsumerConfigDto, ConsumerDto, HealthDto};
+use super::problem::Problem;
+use crate::error::Error;
+use crate::gateway::Gateway;
+
+/// Liveness: the process serves HTTP.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    operation_id = "getHealth",
+    tag = "operations",
+    responses((status = 200, description = "Alive", body = HealthDto))
+)]
+pub async fn healthz() -> Json<HealthDto> {
+    Json(HealthDto {
+        status: "ok".into(),
+        detail: None,
+    })
+}
+
+/// Readiness: connected to NATS and bound to the consumer.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    operation_id = "getReadiness",
+    tag = "operations",
+    responses(
+        (status = 200, description = "Ready", body = HealthDto),
+        (status = 503, description = "Not connected or not bound yet, or shutting down", body = HealthDto),
+    )
+)]
+pub async fn readyz(State(gateway): State<Gateway>) -> (StatusCode, Json<HealthDto>) {
+    if gateway.is_ready() {
+        (
+            StatusCode::OK,
+            Json(HealthDto {
+                status: "ok".into(),
+                detail: None,
+            }),
+        )
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(HealthDto {
+                status: "unavailable".into(),
+                detail: Some(format!(
+                    "not connected to NATS at {} and bound to consumer {} of stream {}, or shutting down",
+                    gateway.config().nats_url,
+                    gateway.config().consumer,
+                    gateway.config().stream
+                )),
+            }),
+        )
+    }
+}
+
+/// The consumer: its effective config, the server's counters and the gateway's leases.
+#[utoipa::path(
+    get,
+    path = "/consumer",
+    operation_id = "getConsumer",
+    tag = "operations",
+    responses(
+        (status = 200, description = "Consumer state", body = ConsumerDto),
+        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn consumer(State(gateway): State<Gateway>) -> Result<Json<ConsumerDto>, Error> {
+    let status = gateway.status().await?;
+    let info = status.info;
+    let config = info.config;
+    let mut filter_subjects = config.filter_subjects.clone();
+    if !config.filter_subject.is_empty() {
+        filter_subjects.insert(0, config.filter_subject.clone());
+    }
+    Ok(Json(ConsumerDto {
+        name: info.name,
+        stream: info.stream_name,
+        config: ConsumerConfigDto {
+            durable: config.durable_name.is_some(),
+            deliver_policy: json_name(&config.deliver_policy),
+            ack_policy: json_name(&config.ack_policy),
+            ack_wait_ms: u64::try_from(config.ack_wait.as_millis()).unwrap_or(u64::MAX),
+            max_ack_pending: config.max_ack_pending,
+            max_deliver: config.max_deliver,
+            filter_subjects,
+            max_waiting: config.max_waiting,
+        },
+        num_pending: info.num_pending,
+        num_ack_pending: info.num_ack_pending,
+        num_redelivered: info.num_redelivered,
+        num_waiting: info.num_waiting,
+        leases_in_flight: status.leases_in_flight,
+    }))
+}
+
+/// The name NATS itself uses for an enum value (`deliver_policy` is flattened with its
+/// options, so take the `deliver_policy` member when there is one).
+fn json_name<T: serde::Serialize>(value: &T) -> String {
+    match serde_json::to_value(value) {
+        Ok(serde_json::Value::String(name)) => name,
+        Ok(serde_json::Value::Object(map)) => map
+            .get("deliver_policy")
+            .and_then(|name| name.as_str())
+            .map_or_else(
+                || serde_json::Value::Object(map.clone()).to_string(),
+                str::to_owned,
+            ),
+        Ok(other) => other.to_string(),
+        Err(_) => String::new(),
+    }
+}

@@ -1,0 +1,108 @@
+//! RFC 9457 problem+json responses for every error a client can see.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::error::Error;
+
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// An RFC 9457 problem details object.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({
+    "type": "urn:ruststream-nats:problem:lease-gone",
+    "title": "Lease gone",
+    "status": 410,
+    "detail": "the lease is no longer valid: it expired or the message was delivered again"
+}))]
+pub struct Problem {
+    /// A URI naming the kind of problem; stable, usable for dispatching in clients.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Short summary of the kind of problem.
+    pub title: String,
+    /// The HTTP status code.
+    pub status: u16,
+    /// What went wrong in this occurrence.
+    pub detail: String,
+    /// The request field at fault, for validation errors.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// Seconds until a retry can succeed (mirrors the Retry-After header), for 429.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<u64>,
+}
+
+impl Error {
+    /// The HTTP status for this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Malformed { .. } => StatusCode::BAD_REQUEST,
+            Self::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::UnknownLease | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::LeaseGone => StatusCode::GONE,
+            Self::AlreadySettled { .. } => StatusCode::CONFLICT,
+            Self::AtCapacity { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::TimedOut => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    fn slug_and_title(&self) -> (&'static str, &'static str) {
+        match self {
+            Self::Malformed { .. } => ("malformed-json", "Malformed JSON"),
+            Self::Invalid { .. } => ("invalid-request", "Invalid request"),
+            Self::PayloadTooLarge { .. } => ("payload-too-large", "Request body too large"),
+            Self::UnknownLease => ("lease-not-found", "Lease not found"),
+            Self::NotFound(_) => ("not-found", "Not found"),
+            Self::LeaseGone => ("lease-gone", "Lease gone"),
+            Self::AlreadySettled { .. } => ("lease-settled", "Lease already settled"),
+            Self::AtCapacity { .. } => ("too-many-leases", "Too many leases in flight"),
+            Self::Unavailable(_) => ("unavailable", "NATS unavailable"),
+            Self::TimedOut => ("not-confirmed", "Settle not confirmed in time"),
+        }
+    }
+
+    /// Whole seconds to wait before retrying a 429, never zero.
+    fn retry_after_secs(&self) -> Option<u64> {
+        match self {
+            Self::AtCapacity { retry_after, .. } => {
+                let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+                Some(secs.max(1))
+            }
+            _ => None,
+        }
+    }
+
+    pub fn problem(&self) -> Problem {
+        let (slug, title) = self.slug_and_title();
+        Problem {
+            kind: format!("urn:ruststream-nats:problem:{slug}"),
+            title: title.to_owned(),
+            status: self.status().as_u16(),
+            detail: self.to_string(),
+            field: match self {
+                Self::Invalid { field, .. } => field.clone(),
+                _ => None,
+            },
+            retry_after: self.retry_after_secs(),
+        }
+    }
+}
+
+impl IntoResponse for Error {
+    fn into_response(self) -> Response {
+        let problem = self.problem();
+        let body = serde_json::to_vec(&problem).unwrap_or_default();
+        let mut response = (self.status(), body).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(secs) = problem.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}

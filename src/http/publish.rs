@@ -1,0 +1,72 @@
+//! `POST /publish`: put a message on the stream (for trying the gateway with curl).
+
+use std::str::FromStr;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+
+use super::body::JsonBody;
+use super::dto::{Encoding, HeaderValues, PublishBody, PublishResponse};
+use super::problem::Problem;
+use crate::error::Error;
+use crate::gateway::Gateway;
+use crate::subject::validate_publish_subject;
+
+/// Publish a message to a subject the stream captures; answers once the stream stored it.
+#[utoipa::path(
+    post,
+    path = "/publish",
+    operation_id = "publishMessage",
+    tag = "messages",
+    request_body(content = PublishBody, content_type = "application/json"),
+    responses(
+        (status = 201, description = "Stored by the stream", body = PublishResponse),
+        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
+    )
+)]
+pub async fn publish(
+    State(gateway): State<Gateway>,
+    JsonBody(body): JsonBody<PublishBody>,
+) -> Result<(StatusCode, Json<PublishResponse>), Error> {
+    validate_publish_subject(&body.subject)
+        .map_err(|why| Error::invalid("subject", format!("subject: {why}")))?;
+    let payload = match body.encoding.unwrap_or(Encoding::Utf8) {
+        Encoding::Utf8 => body.data.into_bytes(),
+        Encoding::Base64 => STANDARD
+            .decode(body.data.as_bytes())
+            .map_err(|err| Error::invalid("data", format!("data: not valid base64: {err}")))?,
+    };
+    let mut headers = async_nats::HeaderMap::new();
+    for (name, values) in body.headers {
+        let header_name = async_nats::header::HeaderName::from_str(&name).map_err(|_| {
+            Error::invalid("headers", format!("headers: invalid header name {name:?}"))
+        })?;
+        let values = match values {
+            HeaderValues::One(value) => vec![value],
+            HeaderValues::Many(values) => values,
+        };
+        for value in values {
+            let value = async_nats::HeaderValue::from_str(&value).map_err(|_| {
+                Error::invalid("headers", format!("headers: invalid value for {name:?}"))
+            })?;
+            headers.append(header_name.clone(), value);
+        }
+    }
+    let ack = gateway
+        .publish(body.subject, headers, payload.into())
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(PublishResponse {
+            stream: ack.stream,
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        }),
+    ))
+}

@@ -1,0 +1,496 @@
+//! The lease table: which client-held deliveries are valid, until when, and how each ended.
+//!
+//! Pure state and time — no HTTP, no NATS. It fences stale leases (expired, or superseded by a
+//! newer delivery of the same message) because nats-server accepts acks from old deliveries,
+//! and it remembers settled outcomes so that a retried settle answers as the first one did.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+pub use crate::lease_id::DeliveryKey;
+
+/// How a lease was (or is being) settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleKind {
+    Ack,
+    Nak,
+    Term,
+}
+
+impl SettleKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ack => "ack",
+            Self::Nak => "nak",
+            Self::Term => "term",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Active,
+    /// A settle of this kind is on its way to the server.
+    Settling(SettleKind),
+    /// An in-progress extension is on its way to the server.
+    Extending,
+    Settled(SettleKind),
+    Expired,
+    Superseded,
+}
+
+#[derive(Debug)]
+struct Record {
+    /// The delivery's ack subject; only ever taken from NATS, never from HTTP input.
+    reply: Arc<str>,
+    expires_at: Instant,
+    state: State,
+}
+
+/// Why a lease cannot be acted on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// Never issued here, or forgotten long ago.
+    Unknown,
+    /// Past its expiry, or a newer delivery of the message exists.
+    Gone,
+    /// Settled (or being settled) with a different outcome.
+    Conflict(SettleKind),
+    /// Settled (or being settled) already; an extension makes no sense.
+    Settled(SettleKind),
+}
+
+/// What a settle should do next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SettleStart {
+    /// Send the settle on this ack subject, then call [`LeaseTable::finish_settle`].
+    Send(Arc<str>),
+    /// Already settled this way: answer as the first time, send nothing.
+    AlreadyDone,
+}
+
+/// The lease table. Kept behind a `std::sync::Mutex`: every operation is short and never
+/// awaits, so an async mutex would only add cost (the mini-redis reasoning).
+#[derive(Debug)]
+pub struct LeaseTable {
+    records: HashMap<DeliveryKey, Record>,
+    /// Newest delivery count seen per stream sequence: anything older is superseded.
+    newest: HashMap<u64, u64>,
+    /// Live leases by expiry, earliest first.
+    expiries: BTreeSet<(Instant, DeliveryKey)>,
+    /// Leases no longer live, in the order they stopped being live, to be forgotten.
+    retired: VecDeque<(Instant, DeliveryKey)>,
+    retention: Duration,
+    max_retired: usize,
+}
+
+impl LeaseTable {
+    /// `retention`: how long the outcome of a settled or expired lease is remembered.
+    pub fn new(retention: Duration, max_retired: usize) -> Self {
+        Self {
+            records: HashMap::new(),
+            newest: HashMap::new(),
+            expiries: BTreeSet::new(),
+            retired: VecDeque::new(),
+            retention,
+            max_retired,
+        }
+    }
+
+    /// Leases that are live (issued, not settled, not expired) at `now`.
+    pub fn in_flight(&mut self, now: Instant) -> usize {
+        self.expire(now);
+        self.expiries.len()
+    }
+
+    /// When the earliest live lease expires.
+    pub fn next_expiry(&self) -> Option<Instant> {
+        self.expiries.first().map(|(at, _)| *at)
+    }
+
+    /// A delivery arrived from the server: every older delivery of the same message is stale
+    /// from now on, whether or not it was ever leased.
+    pub fn note_delivery(&mut self, key: DeliveryKey, now: Instant) {
+        let newest = self.newest.entry(key.stream_sequence).or_insert(0);
+        if key.delivered <= *newest {
+            return;
+        }
+        let previous = std::mem::replace(newest, key.delivered);
+        if previous == 0 {
+            return;
+        }
+        let old = DeliveryKey {
+            stream_sequence: key.stream_sequence,
+            delivered: previous,
+        };
+        if let Some(record) = self.records.get(&old)
+            && matches!(
+                record.state,
+                State::Active | State::Extending | State::Settling(_)
+            )
+        {
+            self.retire(old, State::Superseded, now);
+        }
+    }
+
+    /// Issue a lease for a delivery received from the server.
+    pub fn issue(&mut self, key: DeliveryKey, reply: Arc<str>, expires_at: Instant) {
+        self.newest
+            .entry(key.stream_sequence)
+            .and_modify(|newest| *newest = (*newest).max(key.delivered))
+            .or_insert(key.delivered);
+        if let Some(old) = self.records.insert(
+            key,
+            Record {
+                reply,
+                expires_at,
+                state: State::Active,
+            },
+        ) && old.state == State::Active
+        {
+            self.expiries.remove(&(old.expires_at, key));
+        }
+        self.expiries.insert((expires_at, key));
+    }
+
+    /// Withdraw a lease that never reached its client (the fetch went away before the
+    /// answer was handed over). The message goes back to the gateway's hands.
+    pub fn withdraw(&mut self, key: DeliveryKey) {
+        if let Some(record) = self.records.remove(&key)
+            && record.state == State::Active
+        {
+            self.expiries.remove(&(record.expires_at, key));
+        }
+    }
+
+    /// Start settling a lease.
+    pub fn begin_settle(
+        &mut self,
+        key: DeliveryKey,
+        kind: SettleKind,
+        now: Instant,
+    ) -> Result<SettleStart, Refusal> {
+        self.expire(now);
+        let newest = self.newest.get(&key.stream_sequence).copied();
+        let record = self.records.get_mut(&key).ok_or(Refusal::Unknown)?;
+        match record.state {
+            State::Settled(done) | State::Settling(done) if done != kind => {
+                Err(Refusal::Conflict(done))
+            }
+            State::Settled(_) => Ok(SettleStart::AlreadyDone),
+            // A concurrent retry of the same settle: sending it twice is harmless, and this
+            // answer then reflects the server's confirmation too.
+            State::Settling(_) => Ok(SettleStart::Send(record.reply.clone())),
+            State::Expired | State::Superseded => Err(Refusal::Gone),
+            // A settle overtakes an extension still on its way; the extension then reports
+            // that the lease was settled meanwhile.
+            State::Active | State::Extending => {
+                if newest.is_some_and(|newest| newest > key.delivered) {
+                    return Err(Refusal::Gone);
+                }
+                record.state = State::Settling(kind);
+                Ok(SettleStart::Send(record.reply.clone()))
+            }
+        }
+    }
+
+    /// The server confirmed (`confirmed`) or did not confirm the settle begun earlier.
+    /// Unconfirmed, the lease stays valid so the client can retry.
+    pub fn finish_settle(
+        &mut self,
+        key: DeliveryKey,
+        kind: SettleKind,
+        confirmed: bool,
+        now: Instant,
+    ) {
+        let Some(record) = self.records.get_mut(&key) else {
+            return;
+        };
+        if record.state != State::Settling(kind) {
+            return;
+        }
+        if confirmed {
+            self.retire(key, State::Settled(kind), now);
+        } else {
+            record.state = State::Active;
+        }
+    }
+
+    /// Start extending a live lease (in-progress).
+    pub fn begin_extend(&mut self, key: DeliveryKey, now: Instant) -> Result<Arc<str>, Refusal> {
+        self.expire(now);
+        let newest = self.newest.get(&key.stream_sequence).copied();
+        let record = self.records.get_mut(&key).ok_or(Refusal::Unknown)?;
+        match record.state {
+            State::Settled(kind) | State::Settling(kind) => Err(Refusal::Settled(kind)),
+            State::Expired | State::Superseded => Err(Refusal::Gone),
+            State::Active | State::Extending => {
+                if newest.is_some_and(|newest| newest > key.delivered) {
+                    return Err(Refusal::Gone);
+                }
+                record.state = State::Extending;
+                Ok(record.reply.clone())
+            }
+        }
+    }
+
+    /// The extension was confirmed (`Some(new expiry)`) or not (`None`). Returns the expiry
+    /// in force afterwards, or `None` when the lease stopped being live meanwhile.
+    pub fn finish_extend(
+        &mut self,
+        key: DeliveryKey,
+        extended_to: Option<Instant>,
+    ) -> Option<Instant> {
+        let record = self.records.get_mut(&key)?;
+        if record.state != State::Extending {
+            return None;
+        }
+        record.state = State::Active;
+        if let Some(expires_at) = extended_to
+            && expires_at > record.expires_at
+        {
+            self.expiries.remove(&(record.expires_at, key));
+            record.expires_at = expires_at;
+            self.expiries.insert((expires_at, key));
+        }
+        Some(record.expires_at)
+    }
+
+    /// The consumer was recreated: every lease refers to deliveries the new consumer never
+    /// made, so none may settle anything any more.
+    pub fn supersede_all(&mut self, now: Instant) {
+        let live: Vec<DeliveryKey> = self.expiries.iter().map(|(_, key)| *key).collect();
+        for key in live {
+            self.retire(key, State::Superseded, now);
+        }
+        self.newest.clear();
+    }
+
+    /// Move leases past their expiry out of the live set, and forget old outcomes.
+    pub fn expire(&mut self, now: Instant) {
+        let due: Vec<DeliveryKey> = self
+            .expiries
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .map(|(_, key)| *key)
+            .collect();
+        for key in due {
+            // A lease whose settle or extension is on its way stays until that answer: the
+            // command left before expiry, inside the server's own ack window.
+            let in_motion = self.records.get(&key).is_some_and(|record| {
+                matches!(record.state, State::Settling(_) | State::Extending)
+            });
+            if !in_motion {
+                self.retire(key, State::Expired, now);
+            }
+        }
+        while let Some(&(retired_at, key)) = self.retired.front() {
+            if retired_at + self.retention > now && self.retired.len() <= self.max_retired {
+                break;
+            }
+            self.retired.pop_front();
+            self.forget(key);
+        }
+    }
+
+    fn retire(&mut self, key: DeliveryKey, state: State, now: Instant) {
+        if let Some(record) = self.records.get_mut(&key) {
+            self.expiries.remove(&(record.expires_at, key));
+            record.state = state;
+            self.retired.push_back((now, key));
+        }
+    }
+
+    fn forget(&mut self, key: DeliveryKey) {
+        let Some(record) = self.records.get(&key) else {
+            return;
+        };
+        // A record may have been re-issued since it was retired; only forget retired ones.
+        if matches!(
+            record.state,
+            State::Active | State::Extending | State::Settling(_)
+        ) {
+            return;
+        }
+        self.records.remove(&key);
+        if self.newest.get(&key.stream_sequence) == Some(&key.delivered) {
+            self.newest.remove(&key.stream_sequence);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WAIT: Duration = Duration::from_secs(30);
+
+    fn key(stream_sequence: u64, delivered: u64) -> DeliveryKey {
+        DeliveryKey {
+            stream_sequence,
+            delivered,
+        }
+    }
+
+    fn table() -> LeaseTable {
+        LeaseTable::new(Duration::from_secs(60), 1000)
+    }
+
+    fn reply() -> Arc<str> {
+        Arc::from("$JS.ACK.ORDERS.billing.1.1.1.0.0")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ack_then_retry_answers_the_same_and_other_outcomes_conflict() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(1, 1), reply(), now + WAIT);
+        assert_eq!(leases.in_flight(now), 1);
+        assert_eq!(
+            leases.begin_settle(key(1, 1), SettleKind::Ack, now),
+            Ok(SettleStart::Send(reply()))
+        );
+        leases.finish_settle(key(1, 1), SettleKind::Ack, true, now);
+        assert_eq!(leases.in_flight(now), 0);
+        assert_eq!(
+            leases.begin_settle(key(1, 1), SettleKind::Ack, now),
+            Ok(SettleStart::AlreadyDone)
+        );
+        assert_eq!(
+            leases.begin_settle(key(1, 1), SettleKind::Nak, now),
+            Err(Refusal::Conflict(SettleKind::Ack))
+        );
+        assert_eq!(
+            leases.begin_extend(key(1, 1), now),
+            Err(Refusal::Settled(SettleKind::Ack))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn unconfirmed_settle_leaves_the_lease_valid() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(1, 1), reply(), now + WAIT);
+        assert!(leases.begin_settle(key(1, 1), SettleKind::Ack, now).is_ok());
+        leases.finish_settle(key(1, 1), SettleKind::Ack, false, now);
+        assert_eq!(leases.in_flight(now), 1);
+        assert_eq!(
+            leases.begin_settle(key(1, 1), SettleKind::Nak, now),
+            Ok(SettleStart::Send(reply()))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_lease_is_gone() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(1, 1), reply(), now + WAIT);
+        tokio::time::advance(WAIT).await;
+        let later = Instant::now();
+        assert_eq!(leases.in_flight(later), 0);
+        assert_eq!(
+            leases.begin_settle(key(1, 1), SettleKind::Ack, later),
+            Err(Refusal::Gone)
+        );
+        assert_eq!(leases.begin_extend(key(1, 1), later), Err(Refusal::Gone));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn redelivery_supersedes_the_older_lease() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(5, 1), reply(), now + WAIT);
+        leases.note_delivery(key(5, 2), now);
+        assert_eq!(leases.in_flight(now), 0);
+        assert_eq!(
+            leases.begin_settle(key(5, 1), SettleKind::Ack, now),
+            Err(Refusal::Gone)
+        );
+        leases.issue(key(5, 2), reply(), now + WAIT);
+        assert!(leases.begin_settle(key(5, 2), SettleKind::Ack, now).is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_nakked_lease_keeps_its_answer_after_redelivery() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(5, 1), reply(), now + WAIT);
+        assert!(leases.begin_settle(key(5, 1), SettleKind::Nak, now).is_ok());
+        leases.finish_settle(key(5, 1), SettleKind::Nak, true, now);
+        leases.note_delivery(key(5, 2), now);
+        assert_eq!(
+            leases.begin_settle(key(5, 1), SettleKind::Nak, now),
+            Ok(SettleStart::AlreadyDone)
+        );
+        assert_eq!(
+            leases.begin_settle(key(5, 1), SettleKind::Ack, now),
+            Err(Refusal::Conflict(SettleKind::Nak))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn extension_moves_the_expiry_and_keeps_the_lease_live() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(1, 1), reply(), now + WAIT);
+        tokio::time::advance(WAIT / 2).await;
+        let mid = Instant::now();
+        assert_eq!(leases.begin_extend(key(1, 1), mid), Ok(reply()));
+        assert_eq!(
+            leases.finish_extend(key(1, 1), Some(mid + WAIT)),
+            Some(mid + WAIT)
+        );
+        tokio::time::advance(WAIT * 3 / 4).await;
+        assert_eq!(leases.in_flight(Instant::now()), 1);
+        assert_eq!(leases.next_expiry(), Some(mid + WAIT));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn outcomes_are_forgotten_after_retention() {
+        let mut leases = LeaseTable::new(Duration::from_secs(60), 1000);
+        let now = Instant::now();
+        leases.issue(key(1, 1), reply(), now + WAIT);
+        assert!(
+            leases
+                .begin_settle(key(1, 1), SettleKind::Term, now)
+                .is_ok()
+        );
+        leases.finish_settle(key(1, 1), SettleKind::Term, true, now);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        leases.expire(Instant::now());
+        assert_eq!(
+            leases.begin_settle(key(1, 1), SettleKind::Term, Instant::now()),
+            Err(Refusal::Unknown)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn withdrawn_lease_is_unknown_and_not_in_flight() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(1, 1), reply(), now + WAIT);
+        leases.withdraw(key(1, 1));
+        assert_eq!(leases.in_flight(now), 0);
+        assert_eq!(
+            leases.begin_settle(key(1, 1), SettleKind::Ack, now),
+            Err(Refusal::Unknown)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn recreated_consumer_fences_every_lease() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(1, 1), reply(), now + WAIT);
+        leases.issue(key(2, 1), reply(), now + WAIT);
+        leases.supersede_all(now);
+        assert_eq!(leases.in_flight(now), 0);
+        assert_eq!(
+            leases.begin_settle(key(2, 1), SettleKind::Ack, now),
+            Err(Refusal::Gone)
+        );
+    }
+}

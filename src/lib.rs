@@ -1,0 +1,88 @@
+//! ruststream-nats: an HTTP gateway that holds a NATS JetStream pull consumer and leases its
+//! messages to HTTP clients.
+//!
+//! The map:
+//! - [`config`]: flags and environment variables → validated settings.
+//! - [`consumer`]: the NATS boundary — connect, create/bind the consumer, pull, confirmed settle.
+//! - [`dispatch`]: turns waiting fetches into pull requests and hands out deliveries.
+//! - [`leases`]: the lease table (issue, fence, expire, settle) — pure state and time.
+//! - [`lease_id`]: signed, self-describing lease ids.
+//! - [`gateway`]: the core the handlers call; supervises the NATS binding.
+//! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
+//!
+//! [`run`] serves until a shutdown signal, then drains: new fetches get 503, waiting ones
+//! return, settles are accepted for a grace period, unleased deliveries are nak'd.
+
+pub mod config;
+pub mod consumer;
+pub mod dispatch;
+pub mod error;
+pub mod gateway;
+pub mod http;
+pub mod lease_id;
+pub mod leases;
+pub mod subject;
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context as _;
+use tokio::net::TcpListener;
+use tracing::info;
+
+pub use config::Config;
+use gateway::Gateway;
+
+/// Serve the gateway on `listener` until `shutdown` resolves, then drain and return.
+///
+/// HTTP is served at once; NATS is reached in the background (`/readyz` says when). Returns
+/// an error, without waiting for `shutdown`, when the gateway cannot work as configured:
+/// the stream is missing or the consumer differs in a field that cannot change.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let grace = config.shutdown_grace;
+    let (gateway, mut tasks) = Gateway::start(config);
+    let app = http::router(gateway.clone());
+    let address = listener
+        .local_addr()
+        .context("reading the listen address")?;
+    info!(%address, "listening");
+
+    let fatal: Arc<Mutex<Option<anyhow::Error>>> = Arc::default();
+    let stop_serving = {
+        let gateway = gateway.clone();
+        let fatal = fatal.clone();
+        let fatal_rx = &mut tasks.fatal;
+        let fatal_rx = std::mem::replace(fatal_rx, tokio::sync::oneshot::channel().1);
+        async move {
+            tokio::select! {
+                () = shutdown => {
+                    info!("shutting down: no new fetches; settles accepted for up to {grace:?}");
+                    gateway.begin_shutdown().await;
+                    gateway.settle_grace(grace).await;
+                }
+                Ok(err) = fatal_rx => {
+                    if let Ok(mut slot) = fatal.lock() {
+                        *slot = Some(err);
+                    }
+                }
+            }
+        }
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(stop_serving)
+        .await
+        .context("serving HTTP")?;
+    gateway.stop(tasks).await;
+    let fatal = fatal.lock().ok().and_then(|mut slot| slot.take());
+    match fatal {
+        Some(err) => Err(err),
+        None => {
+            info!("stopped");
+            Ok(())
+        }
+    }
+}
