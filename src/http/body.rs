@@ -53,15 +53,12 @@ pub fn parse<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, Error> {
         match inner.classify() {
             serde_json::error::Category::Data => {
                 let message = strip_position(&inner.to_string());
-                let field = unknown_field(&message)
-                    .map(|name| {
-                        if path == "." || path.is_empty() {
-                            name.to_owned()
-                        } else {
-                            format!("{path}.{name}")
-                        }
-                    })
-                    .or_else(|| (path != "." && !path.is_empty()).then_some(path));
+                // serde_path_to_error's path already ends with an unknown field's name.
+                let field = if path.is_empty() || path == "." {
+                    unknown_field(&message).map(str::to_owned)
+                } else {
+                    Some(path)
+                };
                 let detail = match &field {
                     Some(field) => format!("{field}: {message}"),
                     None => message,
