@@ -102,3 +102,24 @@ async fn method_not_allowed() -> impl IntoResponse {
     *response.status_mut() = axum::http::StatusCode::METHOD_NOT_ALLOWED;
     response
 }
+
+#[cfg(test)]
+mod tests {
+    /// The committed spec (what client generators read) must be the one the code serves.
+    /// Regenerate with `UPDATE_OPENAPI=1 cargo test --lib committed_spec`.
+    #[test]
+    fn committed_spec_matches_the_code() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("openapi/openapi.json");
+        let generated =
+            serde_json::to_string_pretty(&super::openapi()).expect("spec serializes") + "\n";
+        if std::env::var_os("UPDATE_OPENAPI").is_some() {
+            std::fs::create_dir_all(path.parent().expect("has a parent")).expect("mkdir openapi/");
+            std::fs::write(&path, &generated).expect("write openapi/openapi.json");
+        }
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            committed == generated,
+            "openapi/openapi.json is out of date; run UPDATE_OPENAPI=1 cargo test --lib committed_spec"
+        );
+    }
+}
