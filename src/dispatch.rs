@@ -5,17 +5,22 @@
 //! (the server then answers as soon as it has delivered what is available — a fetch's exact
 //! contract), but never more pulls than half the consumer's `max_waiting`, and never more
 //! messages requested than the lease capacity left. Fetches beyond that wait their turn, so
-//! thousands of long polls never trip "Exceeded MaxWaiting". A delivery whose fetch went
-//! away is held briefly for the next fetch while most of its ack_wait is left, then nak'd,
-//! so the gateway never sits on messages nobody asked for.
+//! thousands of long polls never trip "Exceeded MaxWaiting".
+//!
+//! Every pull has its own inbox subscription. When a fetch goes away its subscription is
+//! dropped, and the server skips pull requests nobody listens to: messages stay on the
+//! server instead of reaching a gateway that has no one to give them to. What still
+//! arrives unasked (a race with that, or beyond `max_bytes`) is held briefly for the next
+//! fetch while most of its ack_wait is left, then nak'd.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::{HeaderMap, Subject, Subscriber};
+use async_nats::{HeaderMap, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
+use futures::stream::{BoxStream, SelectAll};
 use time::OffsetDateTime;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep_until};
@@ -119,13 +124,15 @@ struct Pull {
     remaining: usize,
     /// When to give up on the server's end-of-request status.
     give_up_at: Instant,
+    /// Dropping this ends the pull's inbox stream, which unsubscribes it.
+    _subscribed: oneshot::Sender<()>,
 }
 
 pub struct Dispatcher {
     shared: Arc<Shared>,
     bound: Option<Bound>,
-    subscription: Option<Subscriber>,
-    inbox: String,
+    /// The inbox subscriptions of the open pulls, tagged with the pull's id.
+    inboxes: SelectAll<BoxStream<'static, (u64, async_nats::Message)>>,
     waiters: VecDeque<Waiter>,
     held: VecDeque<Delivery>,
     pulls: HashMap<u64, Pull>,
@@ -138,8 +145,7 @@ impl Dispatcher {
         Self {
             shared,
             bound: None,
-            subscription: None,
-            inbox: String::new(),
+            inboxes: SelectAll::new(),
             waiters: VecDeque::new(),
             held: VecDeque::new(),
             pulls: HashMap::new(),
@@ -165,10 +171,9 @@ impl Dispatcher {
                     Some(Command::Shutdown) => self.shutting_down = true,
                     Some(Command::Stop) | None => break,
                 },
-                message = next_message(&mut self.subscription) => match message {
-                    Some(message) => self.on_message(message),
-                    None => self.subscription = None,
-                },
+                Some((pull_id, message)) = self.inboxes.next(), if !self.inboxes.is_empty() => {
+                    self.on_message(pull_id, message);
+                }
                 changed = bound.changed() => {
                     if changed.is_err() {
                         break;
@@ -183,9 +188,7 @@ impl Dispatcher {
         }
         self.shutting_down = true;
         self.pump().await;
-        if let Some(mut subscription) = self.subscription.take() {
-            let _ = subscription.unsubscribe().await;
-        }
+        self.forget_pulls();
     }
 
     fn enqueue(&mut self, demand: Demand, answer: oneshot::Sender<Vec<Leased>>) {
@@ -208,33 +211,18 @@ impl Dispatcher {
         self.forget_pulls();
         // Deliveries of a previous binding cannot be leased any more: let the server have them.
         self.release_held(|_| true).await;
-        if let Some(mut subscription) = self.subscription.take() {
-            let _ = subscription.unsubscribe().await;
-        }
         self.bound = bound;
-        let Some(bound) = &self.bound else {
-            return;
-        };
-        self.inbox = bound.client.new_inbox();
-        match bound.client.subscribe(format!("{}.*", self.inbox)).await {
-            Ok(subscription) => self.subscription = Some(subscription),
-            Err(err) => warn!(error = %err, "could not subscribe to the pull inbox"),
-        }
     }
 
     fn forget_pulls(&mut self) {
         self.pulls.clear();
+        self.inboxes = SelectAll::new();
         for waiter in &mut self.waiters {
             waiter.pull = None;
         }
     }
 
-    fn on_message(&mut self, message: async_nats::Message) {
-        let pull_id = message
-            .subject
-            .rsplit('.')
-            .next()
-            .and_then(|id| id.parse::<u64>().ok());
+    fn on_message(&mut self, pull_id: u64, message: async_nats::Message) {
         if let Some(status) = message.status {
             if status.as_u16() == 100 {
                 return;
@@ -249,24 +237,21 @@ impl Dispatcher {
             if status.as_u16() == 503 {
                 self.shared.request_rebind();
             }
-            if let Some(pull_id) = pull_id {
-                self.end_pull(pull_id, refused);
-            }
+            self.end_pull(pull_id, refused);
             return;
         }
         let Some(delivery) = self.delivery(message) else {
             return;
         };
         self.shared.note_delivery(delivery.coordinates.key);
-        let owner = pull_id.and_then(|pull_id| {
-            let pull = self.pulls.get_mut(&pull_id)?;
+        let mut owner = None;
+        if let Some(pull) = self.pulls.get_mut(&pull_id) {
             pull.remaining = pull.remaining.saturating_sub(1);
-            let owner = pull.owner;
+            owner = pull.owner;
             if pull.remaining == 0 {
                 self.end_pull(pull_id, false);
             }
-            owner
-        });
+        }
         let waiter = owner.and_then(|owner| self.waiters.iter_mut().find(|w| w.id == owner));
         match waiter {
             Some(waiter) if waiter.accepts(&delivery) && !waiter.answer.is_closed() => {
@@ -389,9 +374,11 @@ impl Dispatcher {
         }
     }
 
+    /// A fetch left: cancel its pull (dropping the inbox subscription makes the server skip
+    /// the request) and keep what it had received for the next fetch.
     fn orphan(&mut self, pull: Option<u64>, got: Vec<Delivery>) {
-        if let Some(pull) = pull.and_then(|pull| self.pulls.get_mut(&pull)) {
-            pull.owner = None;
+        if let Some(pull) = pull {
+            self.pulls.remove(&pull);
         }
         for delivery in got.into_iter().rev() {
             self.held.push_front(delivery);
@@ -472,8 +459,10 @@ impl Dispatcher {
                 // The client went away in the meantime: take the leases back.
                 let got = self.shared.withdraw(unanswered);
                 self.orphan(waiter.pull, got);
-            } else if let Some(pull) = waiter.pull.and_then(|pull| self.pulls.get_mut(&pull)) {
-                pull.owner = None;
+            } else if let Some(pull) = waiter.pull {
+                // Answered before its pull ended (max_bytes, deadline, shutdown): nobody is
+                // left to take what the pull would still bring.
+                self.pulls.remove(&pull);
             }
         }
     }
@@ -517,11 +506,26 @@ impl Dispatcher {
             let expires = (left >= MIN_EXPIRES).then_some(left);
             self.next_id += 1;
             let pull_id = self.next_id;
-            let inbox = format!("{}.{pull_id}", self.inbox);
+            let inbox = bound.client.new_inbox();
+            // Subscribe first: the server checks for interest before delivering.
+            let subscriber = match bound.client.subscribe(inbox.clone()).await {
+                Ok(subscriber) => subscriber,
+                Err(err) => {
+                    warn!(error = %err, "could not subscribe a pull inbox");
+                    return;
+                }
+            };
             if let Err(err) = consumer::request_pull(&bound, inbox, batch, expires).await {
                 warn!(error = %err, "pull request failed");
                 return;
             }
+            let (subscribed, unsubscribe) = oneshot::channel();
+            self.inboxes.push(
+                subscriber
+                    .take_until(unsubscribe)
+                    .map(move |message| (pull_id, message))
+                    .boxed(),
+            );
             capacity -= batch;
             self.pulls.insert(
                 pull_id,
@@ -529,6 +533,7 @@ impl Dispatcher {
                     owner: Some(self.waiters[index].id),
                     remaining: batch,
                     give_up_at: now + left + PULL_GRACE,
+                    _subscribed: subscribed,
                 },
             );
             let waiter = &mut self.waiters[index];
@@ -542,13 +547,6 @@ impl Dispatcher {
                 "pull limit reached; fetches wait their turn"
             );
         }
-    }
-}
-
-async fn next_message(subscription: &mut Option<Subscriber>) -> Option<async_nats::Message> {
-    match subscription {
-        Some(subscription) => subscription.next().await,
-        None => std::future::pending().await,
     }
 }
 
