@@ -74,9 +74,14 @@ pub struct Demand {
 
 pub enum Command {
     Fetch {
+        /// Unique per fetch; chosen by the caller so it can abandon the fetch.
+        id: u64,
         demand: Demand,
         answer: oneshot::Sender<Vec<Leased>>,
     },
+    /// The fetch's HTTP client went away: cancel its pull at once, before a message meant
+    /// for nobody arrives.
+    Abandon { id: u64 },
     /// The NATS connection dropped: the server forgot every open pull.
     ConnectionLost,
     /// Answer every waiting fetch now, stop pulling, nak whatever arrives.
@@ -136,7 +141,7 @@ pub struct Dispatcher {
     waiters: VecDeque<Waiter>,
     held: VecDeque<Delivery>,
     pulls: HashMap<u64, Pull>,
-    next_id: u64,
+    next_pull_id: u64,
     shutting_down: bool,
 }
 
@@ -149,7 +154,7 @@ impl Dispatcher {
             waiters: VecDeque::new(),
             held: VecDeque::new(),
             pulls: HashMap::new(),
-            next_id: 0,
+            next_pull_id: 0,
             shutting_down: false,
         }
     }
@@ -166,7 +171,8 @@ impl Dispatcher {
             let wake = self.next_wake();
             tokio::select! {
                 command = commands.recv() => match command {
-                    Some(Command::Fetch { demand, answer }) => self.enqueue(demand, answer),
+                    Some(Command::Fetch { id, demand, answer }) => self.enqueue(id, demand, answer),
+                    Some(Command::Abandon { id }) => self.abandon(id),
                     Some(Command::ConnectionLost) => self.forget_pulls(),
                     Some(Command::Shutdown) => self.shutting_down = true,
                     Some(Command::Stop) | None => break,
@@ -191,8 +197,7 @@ impl Dispatcher {
         self.forget_pulls();
     }
 
-    fn enqueue(&mut self, demand: Demand, answer: oneshot::Sender<Vec<Leased>>) {
-        self.next_id += 1;
+    fn enqueue(&mut self, id: u64, demand: Demand, answer: oneshot::Sender<Vec<Leased>>) {
         self.waiters.push_back(Waiter {
             deadline: Instant::now() + demand.wait,
             demand,
@@ -203,8 +208,16 @@ impl Dispatcher {
             retry_at: None,
             pulled: false,
             answer,
-            id: self.next_id,
+            id,
         });
+    }
+
+    fn abandon(&mut self, id: u64) {
+        if let Some(index) = self.waiters.iter().position(|waiter| waiter.id == id)
+            && let Some(waiter) = self.waiters.remove(index)
+        {
+            self.orphan(waiter.pull, waiter.got);
+        }
     }
 
     async fn rebind(&mut self, bound: Option<Bound>) {
@@ -504,8 +517,8 @@ impl Dispatcher {
                 left = left.min(max_expires);
             }
             let expires = (left >= MIN_EXPIRES).then_some(left);
-            self.next_id += 1;
-            let pull_id = self.next_id;
+            self.next_pull_id += 1;
+            let pull_id = self.next_pull_id;
             let inbox = bound.client.new_inbox();
             // Subscribe first: the server checks for interest before delivering.
             let subscriber = match bound.client.subscribe(inbox.clone()).await {

@@ -118,6 +118,7 @@ pub struct Gateway {
     commands: mpsc::Sender<Command>,
     bound: watch::Receiver<Option<Bound>>,
     accepting: Arc<AtomicBool>,
+    next_fetch: Arc<AtomicU64>,
     config: Arc<Config>,
 }
 
@@ -190,6 +191,7 @@ impl Gateway {
             commands: commands_tx,
             bound: bound_rx,
             accepting: Arc::new(AtomicBool::new(true)),
+            next_fetch: Arc::new(AtomicU64::new(1)),
             config,
         };
         let tasks = Tasks {
@@ -256,13 +258,22 @@ impl Gateway {
             }
         }
         let (answer, answered) = oneshot::channel();
+        let id = self.next_fetch.fetch_add(1, Ordering::Relaxed);
         self.commands
-            .send(Command::Fetch { demand, answer })
+            .send(Command::Fetch { id, demand, answer })
             .await
             .map_err(|_| Error::Unavailable("the gateway is stopping".into()))?;
-        answered
+        // Dropped with the request when the client goes away mid-wait.
+        let mut abandon = AbandonOnDrop {
+            id,
+            commands: &self.commands,
+            armed: true,
+        };
+        let leased = answered
             .await
-            .map_err(|_| Error::Unavailable("the gateway is stopping".into()))
+            .map_err(|_| Error::Unavailable("the gateway is stopping".into()));
+        abandon.armed = false;
+        leased
     }
 
     fn decode(&self, id: &str) -> Result<DeliveryKey, Error> {
@@ -429,6 +440,22 @@ impl Gateway {
         tasks.stop.cancel();
         if let Ok(bound) = self.bound() {
             let _ = tokio::time::timeout(Duration::from_secs(2), bound.client.flush()).await;
+        }
+    }
+}
+
+/// Tells the dispatcher when a waiting fetch is dropped (its HTTP client went away).
+struct AbandonOnDrop<'a> {
+    id: u64,
+    commands: &'a mpsc::Sender<Command>,
+    armed: bool,
+}
+
+impl Drop for AbandonOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            // A full queue only delays this: the dispatcher also notices closed answers.
+            let _ = self.commands.try_send(Command::Abandon { id: self.id });
         }
     }
 }
