@@ -253,10 +253,14 @@ pub struct ConsumerConfigDto {
     pub durable: bool,
     pub deliver_policy: String,
     pub ack_policy: String,
+    /// ack_wait as a duration string (e.g. `30s`).
+    pub ack_wait: String,
     pub ack_wait_ms: u64,
     pub max_ack_pending: i64,
     /// -1: unlimited.
     pub max_deliver: i64,
+    /// The filter subject, when the consumer has exactly one.
+    pub filter_subject: Option<String>,
     pub filter_subjects: Vec<String>,
     pub max_waiting: i64,
 }
