@@ -7,11 +7,12 @@
 //! messages requested than the lease capacity left. Fetches beyond that wait their turn, so
 //! thousands of long polls never trip "Exceeded MaxWaiting".
 //!
-//! Every pull has its own inbox subscription. When a fetch goes away its subscription is
-//! dropped, and the server skips pull requests nobody listens to: messages stay on the
-//! server instead of reaching a gateway that has no one to give them to. What still
-//! arrives unasked (a race with that, or beyond `max_bytes`) is held briefly for the next
-//! fetch while most of its ack_wait is left, then nak'd.
+//! A long poll is served by a chain of short pulls (at most [`MAX_PULL_EXPIRES`] each), so
+//! when a fetch goes away its pull ends at the server within that time: messages published
+//! later stay on the server instead of reaching a gateway with no one to give them to. A
+//! pull's inbox subscription is kept until the server ended the request, so nothing the
+//! server sent is ever dropped. What arrives for nobody (in that window, or beyond a fetch's
+//! `max_bytes`) is held for the next fetch while most of its ack_wait is left, then nak'd.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -36,6 +37,8 @@ const PULL_GRACE: Duration = Duration::from_millis(500);
 /// Pause before a fetch retries a pull the server turned away (408 "Requests Pending",
 /// 409 "Exceeded MaxWaiting"); messages keep flowing to the earlier pulls meanwhile.
 const PULL_RETRY: Duration = Duration::from_millis(50);
+/// Longest single pull: bounds how long an abandoned fetch's pull can still attract messages.
+const MAX_PULL_EXPIRES: Duration = Duration::from_secs(1);
 /// Shorter waits than this are sent as a plain `no_wait` pull.
 const MIN_EXPIRES: Duration = Duration::from_millis(10);
 /// Upper bound on pulls open at once, whatever max_waiting allows.
@@ -79,11 +82,13 @@ pub enum Command {
         demand: Demand,
         answer: oneshot::Sender<Vec<Leased>>,
     },
-    /// The fetch's HTTP client went away: cancel its pull at once, before a message meant
-    /// for nobody arrives.
+    /// The fetch's HTTP client went away: free its place at once; what its pull still
+    /// brings goes to the next fetch.
     Abandon { id: u64 },
     /// The NATS connection dropped: the server forgot every open pull.
     ConnectionLost,
+    /// Deliveries whose leases were withdrawn (the client left): lease them again.
+    Return(Vec<Delivery>),
     /// Answer every waiting fetch now, stop pulling, nak whatever arrives.
     Shutdown,
     /// Release what is held and end the task.
@@ -129,7 +134,8 @@ struct Pull {
     remaining: usize,
     /// When to give up on the server's end-of-request status.
     give_up_at: Instant,
-    /// Dropping this ends the pull's inbox stream, which unsubscribes it.
+    /// Dropping this ends the pull's inbox stream, which unsubscribes it: only done once the
+    /// server ended the request, so that nothing it sent is lost.
     _subscribed: oneshot::Sender<()>,
 }
 
@@ -173,6 +179,7 @@ impl Dispatcher {
                 command = commands.recv() => match command {
                     Some(Command::Fetch { id, demand, answer }) => self.enqueue(id, demand, answer),
                     Some(Command::Abandon { id }) => self.abandon(id),
+                    Some(Command::Return(deliveries)) => self.orphan(None, deliveries),
                     Some(Command::ConnectionLost) => self.forget_pulls(),
                     Some(Command::Shutdown) => self.shutting_down = true,
                     Some(Command::Stop) | None => break,
@@ -213,6 +220,7 @@ impl Dispatcher {
     }
 
     fn abandon(&mut self, id: u64) {
+        debug!(fetch = id, "fetch abandoned by its client");
         if let Some(index) = self.waiters.iter().position(|waiter| waiter.id == id)
             && let Some(waiter) = self.waiters.remove(index)
         {
@@ -387,14 +395,18 @@ impl Dispatcher {
         }
     }
 
-    /// A fetch left: cancel its pull (dropping the inbox subscription makes the server skip
-    /// the request) and keep what it had received for the next fetch.
+    /// A fetch left: what it received, and whatever its pull still brings before it ends
+    /// (within [`MAX_PULL_EXPIRES`]), goes to the next fetch.
     fn orphan(&mut self, pull: Option<u64>, got: Vec<Delivery>) {
-        if let Some(pull) = pull {
-            self.pulls.remove(&pull);
-        }
+        self.disown(pull);
         for delivery in got.into_iter().rev() {
             self.held.push_front(delivery);
+        }
+    }
+
+    fn disown(&mut self, pull: Option<u64>) {
+        if let Some(pull) = pull.and_then(|pull| self.pulls.get_mut(&pull)) {
+            pull.owner = None;
         }
     }
 
@@ -472,10 +484,10 @@ impl Dispatcher {
                 // The client went away in the meantime: take the leases back.
                 let got = self.shared.withdraw(unanswered);
                 self.orphan(waiter.pull, got);
-            } else if let Some(pull) = waiter.pull {
-                // Answered before its pull ended (max_bytes, deadline, shutdown): nobody is
-                // left to take what the pull would still bring.
-                self.pulls.remove(&pull);
+            } else {
+                // Answered before its pull ended (max_bytes, deadline, shutdown): what the
+                // pull still brings is held for the next fetch.
+                self.disown(waiter.pull);
             }
         }
     }
@@ -512,7 +524,10 @@ impl Dispatcher {
             if let Some(max_batch) = bound.max_batch {
                 batch = batch.min(max_batch);
             }
-            let mut left = waiter.deadline.saturating_duration_since(now);
+            let mut left = waiter
+                .deadline
+                .saturating_duration_since(now)
+                .min(MAX_PULL_EXPIRES);
             if let Some(max_expires) = bound.max_expires {
                 left = left.min(max_expires);
             }

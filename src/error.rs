@@ -39,6 +39,11 @@ pub enum Error {
     TimedOut,
     #[error("{0}")]
     NotFound(String),
+    #[error("{0}")]
+    MethodNotAllowed(String),
+    /// The client hung up before its answer was ready; nobody reads this.
+    #[error("the client closed the connection")]
+    ClientGone,
 }
 
 impl Error {

@@ -276,6 +276,13 @@ impl Gateway {
         leased
     }
 
+    /// Take back leases whose client left before seeing them: the deliveries go to the
+    /// next fetch (or are nak'd), as if never handed out.
+    pub async fn give_back(&self, leased: Vec<Leased>) {
+        let deliveries = self.shared.withdraw(leased);
+        let _ = self.commands.send(Command::Return(deliveries)).await;
+    }
+
     fn decode(&self, id: &str) -> Result<DeliveryKey, Error> {
         self.shared
             .signer

@@ -72,10 +72,14 @@ pub async fn run(
             }
         }
     };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(stop_serving)
-        .await
-        .context("serving HTTP")?;
+    let listener = http::client::WatchedListener(listener);
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<http::client::Client>(),
+    )
+    .with_graceful_shutdown(stop_serving)
+    .await
+    .context("serving HTTP")?;
     gateway.stop(tasks).await;
     let fatal = fatal.lock().ok().and_then(|mut slot| slot.take());
     match fatal {

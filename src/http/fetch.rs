@@ -2,10 +2,11 @@
 
 use std::time::Duration;
 
-use axum::Json;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
+use axum::{Extension, Json};
 
 use super::body::JsonBody;
+use super::client::Client;
 use super::dto::{FetchBody, FetchResponse, MessageDto};
 use super::problem::Problem;
 use crate::dispatch::Demand;
@@ -39,11 +40,26 @@ pub const DEFAULT_WAIT_MS: u64 = 5_000;
 )]
 pub async fn fetch(
     State(gateway): State<Gateway>,
+    client: Option<Extension<ConnectInfo<Client>>>,
     JsonBody(body): JsonBody<FetchBody>,
 ) -> Result<Json<FetchResponse>, Error> {
     let encoding = body.encoding.unwrap_or_default();
     let demand = demand(&body)?;
-    let leased = gateway.fetch(demand).await?;
+    let client = client.map(|Extension(ConnectInfo(client))| client);
+    let leased = match &client {
+        // Dropping the fetch when the client hangs up hands its place (and anything its
+        // pull still brings) to the next fetch.
+        Some(client) => tokio::select! {
+            leased = gateway.fetch(demand) => leased?,
+            () = client.hung_up() => return Err(Error::ClientGone),
+        },
+        None => gateway.fetch(demand).await?,
+    };
+    if client.as_ref().is_some_and(Client::has_hung_up) {
+        // It left while the answer was on its way: nobody would see these leases.
+        gateway.give_back(leased).await;
+        return Err(Error::ClientGone);
+    }
     let messages = leased
         .into_iter()
         .map(|leased| MessageDto::new(leased, encoding))

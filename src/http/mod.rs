@@ -2,6 +2,7 @@
 //! errors and the middleware stack. Handlers are thin: parse, call the gateway, map.
 
 mod body;
+pub mod client;
 pub mod dto;
 mod fetch;
 mod messages;
@@ -96,11 +97,7 @@ async fn not_found() -> impl IntoResponse {
 }
 
 async fn method_not_allowed() -> impl IntoResponse {
-    let mut response =
-        Error::NotFound("method not allowed on this endpoint; see /openapi.json".into())
-            .into_response();
-    *response.status_mut() = axum::http::StatusCode::METHOD_NOT_ALLOWED;
-    response
+    Error::MethodNotAllowed("this endpoint does not take that method; see /openapi.json".into())
 }
 
 #[cfg(test)]

@@ -43,10 +43,11 @@ impl Error {
             Self::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::UnknownLease | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::LeaseGone => StatusCode::GONE,
             Self::AlreadySettled { .. } => StatusCode::CONFLICT,
             Self::AtCapacity { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Unavailable(_) | Self::ClientGone => StatusCode::SERVICE_UNAVAILABLE,
             Self::TimedOut => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -58,10 +59,12 @@ impl Error {
             Self::PayloadTooLarge { .. } => ("payload-too-large", "Request body too large"),
             Self::UnknownLease => ("lease-not-found", "Lease not found"),
             Self::NotFound(_) => ("not-found", "Not found"),
+            Self::MethodNotAllowed(_) => ("method-not-allowed", "Method not allowed"),
             Self::LeaseGone => ("lease-gone", "Lease gone"),
             Self::AlreadySettled { .. } => ("lease-settled", "Lease already settled"),
             Self::AtCapacity { .. } => ("too-many-leases", "Too many leases in flight"),
             Self::Unavailable(_) => ("unavailable", "NATS unavailable"),
+            Self::ClientGone => ("client-gone", "Client closed the connection"),
             Self::TimedOut => ("not-confirmed", "Settle not confirmed in time"),
         }
     }

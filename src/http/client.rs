@@ -1,0 +1,120 @@
+//! Noticing that an HTTP client hung up while its request is still waiting.
+//!
+//! hyper does not read from an HTTP/1 connection while a handler runs, so it cannot tell a
+//! long poll that its client is gone; the handler would lease messages to nobody. The
+//! listener here shares each socket with the request it carries, so a waiting fetch can
+//! peek at it: end-of-stream or a reset means the client left, and the fetch withdraws.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use axum::extract::connect_info::Connected;
+use axum::serve::{IncomingStream, Listener};
+use futures::FutureExt;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+/// A TCP listener whose connections can be watched for a hang-up.
+pub struct WatchedListener(pub TcpListener);
+
+impl Listener for WatchedListener {
+    type Io = WatchedStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        let (stream, addr) = Listener::accept(&mut self.0).await;
+        let _ = stream.set_nodelay(true);
+        (WatchedStream(Arc::new(stream)), addr)
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.0.local_addr()
+    }
+}
+
+/// A connection, shared between hyper (reading and writing) and the request it carries
+/// (peeking only).
+pub struct WatchedStream(Arc<TcpStream>);
+
+impl AsyncRead for WatchedStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            ready!(self.0.poll_read_ready(cx))?;
+            match self.0.try_read(buf.initialize_unfilled()) {
+                Ok(read) => {
+                    buf.advance(read);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+                Err(err) => return Poll::Ready(Err(err)),
+            }
+        }
+    }
+}
+
+impl AsyncWrite for WatchedStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            ready!(self.0.poll_write_ready(cx))?;
+            match self.0.try_write(buf) {
+                Err(err) if err.kind() == io::ErrorKind::WouldBlock => {}
+                result => return Poll::Ready(result),
+            }
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // Writes go straight to the socket; there is nothing buffered here.
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let socket = socket2::SockRef::from(self.0.as_ref());
+        match socket.shutdown(std::net::Shutdown::Write) {
+            Err(err) if err.kind() != io::ErrorKind::NotConnected => Poll::Ready(Err(err)),
+            _ => Poll::Ready(Ok(())),
+        }
+    }
+}
+
+/// The client connection a request came on; handlers take it from the request's extensions.
+#[derive(Clone)]
+pub struct Client {
+    stream: Arc<TcpStream>,
+}
+
+impl Connected<IncomingStream<'_, WatchedListener>> for Client {
+    fn connect_info(stream: IncomingStream<'_, WatchedListener>) -> Self {
+        Self {
+            stream: stream.io().0.clone(),
+        }
+    }
+}
+
+impl Client {
+    /// Resolves when the client closed or reset the connection. Stays pending while it is
+    /// open, including when it already sent more (a pipelined request): that client is there.
+    pub async fn hung_up(&self) {
+        let mut byte = [0u8; 1];
+        match self.stream.peek(&mut byte).await {
+            Ok(0) | Err(_) => {}
+            Ok(_) => std::future::pending().await,
+        }
+    }
+
+    /// Whether the client is known to have gone, without waiting.
+    pub fn has_hung_up(&self) -> bool {
+        self.hung_up().now_or_never().is_some()
+    }
+}

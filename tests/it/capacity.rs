@@ -1,0 +1,61 @@
+//! Capacity: the gateway never holds more than max_ack_pending leases, and a fetch beyond
+//! that is refused at once with 429 and a Retry-After, never a silent hang.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::support::{server_ack_pending, setup};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_at_max_ack_pending_is_429_with_retry_after() {
+    let (_server, js, gateway) = setup(&[
+        "--consumer",
+        "capped",
+        "--max-ack-pending",
+        "5",
+        "--ack-wait",
+        "10s",
+    ])
+    .await;
+    js.publish_many("orders.1", 8, "m").await;
+
+    assert_eq!(gateway.fetch_n(3, 1000).await.len(), 3);
+    let capped = gateway.fetch_n(3, 1000).await;
+    assert_eq!(capped.len(), 2, "only 5 leases in total");
+    assert_eq!(gateway.leases_in_flight().await, 5);
+    assert_eq!(server_ack_pending(&js, &gateway).await, 5);
+
+    let started = Instant::now();
+    let reply = gateway
+        .fetch_reply(Some(&json!({ "batch": 1, "wait_ms": 10_000 })))
+        .await;
+    let took = started.elapsed();
+    reply.assert_problem(&[429], "");
+    assert!(
+        took < Duration::from_secs(3),
+        "429 at once, not after wait_ms: {took:?}"
+    );
+    let retry_after = reply
+        .headers
+        .get("retry-after")
+        .unwrap_or_else(|| panic!("429 without Retry-After: {:?}", reply.headers))
+        .to_str()
+        .expect("ascii header")
+        .parse::<u64>()
+        .expect("Retry-After in whole seconds");
+    assert!(
+        (5..=10).contains(&retry_after),
+        "Retry-After is when the earliest lease (ack_wait 10 s) expires: {retry_after}"
+    );
+
+    // Settling one frees exactly one slot.
+    assert_eq!(gateway.ack(&capped[0].id).await, 204);
+    let next = gateway.fetch_n(10, 1000).await;
+    assert_eq!(next.len(), 1, "one slot was free");
+    gateway
+        .fetch_reply(Some(&json!({ "wait_ms": 0 })))
+        .await
+        .assert_problem(&[429], "");
+    assert_eq!(server_ack_pending(&js, &gateway).await, 5);
+}

@@ -1,0 +1,412 @@
+//! POST /fetch: defaults, batch and max_bytes limits, returning at once vs long-polling,
+//! encodings, headers, the message fields, and input validation as problem+json.
+
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use base64::Engine as _;
+use serde_json::{Value, json};
+use time::OffsetDateTime;
+
+use crate::support::{Deadline, STREAM, rfc3339, setup};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_body_and_empty_object_use_the_defaults() {
+    let (_server, js, gateway) = setup(&["--consumer", "defaults"]).await;
+    js.publish_many("orders.1", 12, "m").await;
+
+    // No body at all: batch 10, base64.
+    let reply = gateway.fetch_reply(None).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert!(reply.content_type().starts_with("application/json"));
+    let first = crate::support::gateway::parse_messages(&reply);
+    assert_eq!(first.len(), 10, "default batch is 10");
+    assert!(
+        first.iter().all(|m| m.encoding == "base64"),
+        "default encoding is base64"
+    );
+    assert_eq!(first[0].payload(), b"m-0");
+    assert_eq!(
+        first[0].data,
+        base64::engine::general_purpose::STANDARD.encode("m-0")
+    );
+
+    // `{}`: the same defaults; the two left come at once.
+    let started = Instant::now();
+    let second = gateway.fetch(json!({})).await;
+    assert_eq!(second.len(), 2);
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let sequences: Vec<u64> = first
+        .iter()
+        .chain(&second)
+        .map(|m| m.stream_sequence)
+        .collect();
+    assert_eq!(sequences, (1..=12).collect::<Vec<u64>>());
+
+    // Nothing left: the default wait_ms (5 s) passes, then an empty list.
+    let started = Instant::now();
+    let reply = gateway.fetch_reply(None).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.body, json!({ "messages": [] }));
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(4500) && waited < Duration::from_secs(10),
+        "the default wait is 5 s, waited {waited:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_limits_the_number_of_messages() {
+    let (_server, js, gateway) = setup(&["--consumer", "batching"]).await;
+    js.publish_many("orders.1", 5, "m").await;
+    assert_eq!(gateway.fetch_n(3, 1000).await.len(), 3);
+    assert_eq!(gateway.fetch_n(3, 1000).await.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returns_available_messages_at_once_without_waiting_for_wait_ms() {
+    let (_server, js, gateway) = setup(&["--consumer", "prompt"]).await;
+    js.publish_many("orders.1", 3, "m").await;
+    let started = Instant::now();
+    let messages = gateway.fetch_n(10, 10_000).await;
+    let took = started.elapsed();
+    assert_eq!(messages.len(), 3, "every available message, up to batch");
+    assert!(
+        took < Duration::from_secs(5),
+        "must not wait for wait_ms when messages are there: took {took:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_up_to_wait_ms_then_returns_an_empty_list() {
+    let (_server, _js, gateway) = setup(&["--consumer", "idle"]).await;
+
+    let started = Instant::now();
+    let reply = gateway.fetch_reply(Some(&json!({ "wait_ms": 1000 }))).await;
+    let took = started.elapsed();
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert_eq!(reply.body, json!({ "messages": [] }));
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        "waited {took:?} for wait_ms 1000"
+    );
+
+    let started = Instant::now();
+    assert!(gateway.fetch_n(10, 0).await.is_empty());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "wait_ms 0 answers at once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_published_during_a_long_poll_is_returned_promptly() {
+    let (_server, js, gateway) = setup(&["--consumer", "longpoll"]).await;
+    let poll = {
+        let http = gateway.http.clone();
+        let url = gateway.url("/fetch");
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let response = http
+                .post(url)
+                .json(&json!({ "batch": 5, "wait_ms": 20_000 }))
+                .send()
+                .await
+                .expect("long poll");
+            let status = response.status().as_u16();
+            let body: Value = response.json().await.expect("json body");
+            (status, body, started.elapsed())
+        })
+    };
+    // Let the poll reach the gateway and start waiting (pacing, not a condition).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let published = Instant::now();
+    let sequence = js.publish("orders.1", "during").await;
+    let (status, body, _) = poll.await.expect("poll task");
+    let latency = published.elapsed();
+    assert_eq!(status, 200, "{body}");
+    let messages = body["messages"].as_array().expect("messages");
+    assert_eq!(messages.len(), 1, "{body}");
+    assert_eq!(messages[0]["stream_sequence"], json!(sequence));
+    assert!(
+        latency < Duration::from_secs(3),
+        "the message must be handed out promptly, took {latency:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn utf8_encoding_is_used_only_for_valid_utf8_payloads() {
+    let (_server, js, gateway) = setup(&["--consumer", "encodings"]).await;
+    js.publish("orders.text", "héllo wörld").await;
+    let invalid: Vec<u8> = vec![0xff, 0xfe, 0x00, 0x41];
+    js.publish("orders.binary", invalid.clone()).await;
+
+    let messages = gateway
+        .fetch(json!({ "batch": 10, "wait_ms": 1000, "encoding": "utf8" }))
+        .await;
+    assert_eq!(messages.len(), 2);
+    assert_eq!(messages[0].encoding, "utf8");
+    assert_eq!(messages[0].data, "héllo wörld");
+    assert_eq!(messages[1].encoding, "base64", "invalid UTF-8 stays base64");
+    assert_eq!(
+        messages[1].data,
+        base64::engine::general_purpose::STANDARD.encode(&invalid)
+    );
+    assert_eq!(messages[1].payload(), invalid);
+
+    // Explicit base64 for a text payload.
+    js.publish("orders.text", "plain").await;
+    let messages = gateway
+        .fetch(json!({ "wait_ms": 1000, "encoding": "base64" }))
+        .await;
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0].encoding, "base64");
+    assert_eq!(messages[0].payload(), b"plain");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_are_an_object_of_string_arrays() {
+    let (_server, js, gateway) = setup(&["--consumer", "headers"]).await;
+    let mut headers = HeaderMap::new();
+    headers.append("X-Tenant", "acme");
+    headers.append("X-Tag", "one");
+    headers.append("X-Tag", "two");
+    js.publish_with_headers("orders.1", headers, "with headers")
+        .await;
+    js.publish("orders.2", "without headers").await;
+
+    let messages = gateway.fetch_n(10, 1000).await;
+    assert_eq!(messages.len(), 2);
+    let find = |name: &str| -> Value {
+        messages[0]
+            .headers
+            .iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.clone())
+            .unwrap_or_else(|| panic!("header {name} missing: {:?}", messages[0].headers))
+    };
+    assert_eq!(find("X-Tenant"), json!(["acme"]));
+    assert_eq!(find("X-Tag"), json!(["one", "two"]));
+    assert!(
+        messages[1].headers.is_empty(),
+        "no headers is {{}}: {:?}",
+        messages[1].headers
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_message_field_is_present_and_typed() {
+    let (_server, js, gateway) = setup(&["--consumer", "fields", "--ack-wait", "20s"]).await;
+    js.publish_many("orders.eu.7", 3, "m").await;
+
+    let before = OffsetDateTime::now_utc();
+    let reply = gateway
+        .fetch_reply(Some(&json!({ "batch": 1, "wait_ms": 1000 })))
+        .await;
+    let after = OffsetDateTime::now_utc();
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let raw = &reply.body["messages"][0];
+    for (field, check) in [
+        ("id", Value::is_string as fn(&Value) -> bool),
+        ("subject", Value::is_string),
+        ("data", Value::is_string),
+        ("encoding", Value::is_string),
+        ("headers", Value::is_object),
+        ("stream", Value::is_string),
+        ("consumer", Value::is_string),
+        ("stream_sequence", Value::is_u64),
+        ("consumer_sequence", Value::is_u64),
+        ("delivered", Value::is_u64),
+        ("pending", Value::is_u64),
+        ("published_at", Value::is_string),
+        ("lease_expires_at", Value::is_string),
+    ] {
+        let value = raw
+            .get(field)
+            .unwrap_or_else(|| panic!("field {field} missing: {raw}"));
+        assert!(check(value), "field {field} has the wrong type: {raw}");
+    }
+
+    let message = &crate::support::gateway::parse_messages(&reply)[0];
+    assert!(
+        message.id.len() >= 22
+            && message
+                .id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'),
+        "the id is URL-safe and long enough to be unguessable: {:?}",
+        message.id
+    );
+    assert_eq!(message.subject, "orders.eu.7");
+    assert_eq!(message.payload(), b"m-0");
+    assert_eq!(message.stream, STREAM);
+    assert_eq!(message.consumer, "fields");
+    assert_eq!(message.stream_sequence, 1);
+    assert_eq!(message.consumer_sequence, 1);
+    assert_eq!(message.delivered, 1);
+    assert_eq!(message.pending, 2, "two more messages wait in the stream");
+
+    let published = rfc3339(&message.published_at);
+    assert!(
+        published <= after && published > before - time::Duration::minutes(1),
+        "published_at {published} is the publish time"
+    );
+    let expires = rfc3339(&message.lease_expires_at);
+    assert!(
+        expires > after && expires <= after + time::Duration::seconds(20),
+        "lease_expires_at {expires} lies within ack_wait (20 s) of the fetch at {after}"
+    );
+    assert!(
+        expires >= before + time::Duration::seconds(15),
+        "the lease is not needlessly short: {expires} for a fetch at {before}"
+    );
+
+    // Ids are distinct per lease.
+    let more = gateway.fetch_n(2, 1000).await;
+    let mut ids: Vec<&str> = more.iter().map(|m| m.id.as_str()).collect();
+    ids.push(&message.id);
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_bytes_stops_before_the_limit_but_returns_at_least_one() {
+    let (_server, js, gateway) = setup(&["--consumer", "bytes"]).await;
+    for _ in 0..3 {
+        js.publish("orders.1", vec![b'x'; 1000]).await;
+    }
+    let messages = gateway
+        .fetch(json!({ "batch": 10, "wait_ms": 1000, "max_bytes": 2500 }))
+        .await;
+    assert_eq!(
+        messages.len(),
+        2,
+        "1000 + 1000 fit in 2500, a third would not"
+    );
+
+    // A message larger than max_bytes still comes, alone.
+    js.publish("orders.1", vec![b'y'; 5000]).await;
+    let messages = gateway
+        .fetch(json!({ "batch": 10, "wait_ms": 1000, "max_bytes": 10 }))
+        .await;
+    assert_eq!(messages.len(), 1);
+    assert_eq!(
+        messages[0].payload().len(),
+        1000,
+        "the third 1000-byte message"
+    );
+    let messages = gateway
+        .fetch(json!({ "batch": 10, "wait_ms": 1000, "max_bytes": 10 }))
+        .await;
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0].payload().len(), 5000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_fetch_requests_are_problems_naming_the_field() {
+    let (_server, js, gateway) = setup(&["--consumer", "validation"]).await;
+    js.publish("orders.1", "keep me").await;
+
+    for (body, statuses, field) in [
+        (json!({ "batch": 0 }), &[422][..], "batch"),
+        (json!({ "batch": 1001 }), &[422][..], "batch"),
+        (json!({ "wait_ms": 30_001 }), &[422][..], "wait_ms"),
+        (json!({ "encoding": "hex" }), &[422][..], "encoding"),
+        (json!({ "max_bytes": 0 }), &[400, 422][..], "max_bytes"),
+        (json!({ "batch": "ten" }), &[400, 422][..], "batch"),
+        (json!({ "wait_ms": -1 }), &[400, 422][..], "wait_ms"),
+        (json!({ "batch": 2.5 }), &[400, 422][..], "batch"),
+        (json!({ "batchsize": 5 }), &[400, 422][..], "batchsize"),
+        (
+            json!({ "batch": 1, "colour": "red" }),
+            &[400, 422][..],
+            "colour",
+        ),
+        (json!([1, 2]), &[400, 422][..], ""),
+    ] {
+        let reply = gateway.fetch_reply(Some(&body)).await;
+        reply.assert_problem(statuses, field);
+    }
+
+    // The edges of the ranges are accepted; nothing was leased by the refused requests.
+    let started = Instant::now();
+    let messages = gateway
+        .fetch(json!({ "batch": 1, "wait_ms": 30_000 }))
+        .await;
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0].payload(), b"keep me");
+    assert_eq!(messages[0].delivered, 1, "not leased before");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        gateway
+            .fetch(json!({ "batch": 1000, "wait_ms": 0 }))
+            .await
+            .is_empty()
+    );
+    assert_eq!(gateway.leases_in_flight().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_json_is_400_and_an_oversized_body_413() {
+    let (_server, _js, gateway) = setup(&["--consumer", "malformed"]).await;
+    for body in [&b"{batch: 1"[..], b"{\"batch\": 1", b"\x00\x01", b"nope"] {
+        gateway
+            .post_bytes("/fetch", body.to_vec())
+            .await
+            .assert_problem(&[400], "");
+    }
+    // curl -d sends a form content type; the body is JSON all the same.
+    let response = gateway
+        .http
+        .post(gateway.url("/fetch"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(r#"{"batch": 1, "wait_ms": 0}"#)
+        .send()
+        .await
+        .expect("form-typed fetch");
+    assert_eq!(response.status().as_u16(), 200);
+
+    let mut huge = br#"{"batch": 1, "wait_ms": 0, "pad": ""#.to_vec();
+    huge.extend(std::iter::repeat_n(b'a', 3 * 1024 * 1024));
+    huge.extend(br#""}"#);
+    gateway
+        .post_bytes("/fetch", huge)
+        .await
+        .assert_problem(&[413], "");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_beyond_max_bytes_go_to_the_next_fetch() {
+    let (_server, js, gateway) = setup(&["--consumer", "overflow", "--ack-wait", "30s"]).await;
+    let published = js.publish_many("orders.1", 6, "m").await;
+    let first = gateway
+        .fetch(json!({ "batch": 6, "wait_ms": 1000, "max_bytes": 1 }))
+        .await;
+    assert_eq!(first.len(), 1, "max_bytes 1: one message");
+
+    // The other five are not stuck in the gateway or on the wire for ack_wait (30 s).
+    let mut sequences = vec![first[0].stream_sequence];
+    let deadline = Deadline::after("the other five are fetched", Duration::from_secs(5));
+    while sequences.len() < 6 {
+        sequences.extend(
+            gateway
+                .fetch_n(10, 500)
+                .await
+                .iter()
+                .map(|m| m.stream_sequence),
+        );
+        if sequences.len() < 6 {
+            let info = js.consumer_info(STREAM, "overflow").await;
+            deadline
+                .tick_seeing(format_args!(
+                    "fetched {sequences:?}; server num_ack_pending {}, leases {}",
+                    info.num_ack_pending,
+                    gateway.leases_in_flight().await
+                ))
+                .await;
+        }
+    }
+    sequences.sort_unstable();
+    assert_eq!(sequences, published);
+}

@@ -1,0 +1,117 @@
+//! GET /healthz, /readyz, /consumer and /openapi.json, and the committed spec
+//! `openapi/openapi.json` kept equal to the served one.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::support::{Gateway, STREAM, nats::free_port, server_ack_pending, setup};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_endpoint_reports_config_server_counters_and_leases() {
+    let (_server, js, gateway) = setup(&[
+        "--consumer",
+        "introspect",
+        "--ack-wait",
+        "12s",
+        "--max-ack-pending",
+        "77",
+    ])
+    .await;
+    assert_eq!(gateway.healthz().await, 200);
+    assert_eq!(gateway.readyz().await, 200);
+    js.publish_many("orders.1", 3, "m").await;
+
+    let view = gateway.consumer_view().await;
+    assert_eq!(view["name"], "introspect", "{view}");
+    assert_eq!(view["stream"], STREAM, "{view}");
+    assert!(
+        view.get("config").is_some_and(Value::is_object),
+        "effective config: {view}"
+    );
+    let config_text = view["config"].to_string();
+    assert!(
+        config_text.contains("77"),
+        "max_ack_pending in the config: {view}"
+    );
+    assert!(
+        config_text.contains("ack_wait"),
+        "ack_wait in the config: {view}"
+    );
+    for counter in [
+        "num_pending",
+        "num_ack_pending",
+        "num_redelivered",
+        "num_waiting",
+        "leases_in_flight",
+    ] {
+        assert!(
+            view.get(counter).is_some_and(Value::is_u64),
+            "counter {counter}: {view}"
+        );
+    }
+    assert_eq!(view["num_pending"], 3, "{view}");
+    assert_eq!(view["num_ack_pending"], 0, "{view}");
+    assert_eq!(view["leases_in_flight"], 0, "{view}");
+
+    let held = gateway.fetch_n(2, 1000).await;
+    assert_eq!(held.len(), 2);
+    let view = gateway.consumer_view().await;
+    assert_eq!(view["num_pending"], 1, "{view}");
+    assert_eq!(view["num_ack_pending"], 2, "{view}");
+    assert_eq!(view["leases_in_flight"], 2, "{view}");
+    assert_eq!(server_ack_pending(&js, &gateway).await, 2);
+}
+
+/// Everything about /openapi.json works without NATS: the gateway serves HTTP at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openapi_json_describes_every_endpoint_and_matches_the_committed_spec() {
+    let unreachable = format!("nats://127.0.0.1:{}", free_port());
+    let mut gateway = Gateway::start(&unreachable, &["--consumer", "spec"]).await;
+    let reply = gateway.openapi().await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert!(reply.content_type().starts_with("application/json"));
+    let spec = &reply.body;
+    assert!(
+        spec["openapi"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("3.")),
+        "an OpenAPI 3 document: {}",
+        reply.text
+    );
+    let paths = spec["paths"].as_object().expect("paths");
+    for (path, method) in [
+        ("/fetch", "post"),
+        ("/messages/{id}/ack", "post"),
+        ("/messages/{id}/nak", "post"),
+        ("/messages/{id}/term", "post"),
+        ("/messages/{id}/in-progress", "post"),
+        ("/messages/ack", "post"),
+        ("/messages/nak", "post"),
+        ("/messages/term", "post"),
+        ("/healthz", "get"),
+        ("/readyz", "get"),
+        ("/consumer", "get"),
+    ] {
+        assert!(
+            paths.get(path).and_then(|p| p.get(method)).is_some(),
+            "{method} {path} missing from the spec; paths: {:?}",
+            paths.keys().collect::<Vec<_>>()
+        );
+    }
+
+    let committed = Path::new(env!("CARGO_MANIFEST_DIR")).join("openapi/openapi.json");
+    let text = std::fs::read_to_string(&committed).unwrap_or_else(|err| {
+        panic!(
+            "{} is missing ({err}); run UPDATE_OPENAPI=1 cargo test --lib committed_spec",
+            committed.display()
+        )
+    });
+    let on_disk: Value = serde_json::from_str(&text).expect("openapi/openapi.json is JSON");
+    assert!(
+        on_disk == *spec,
+        "openapi/openapi.json drifted from the served spec; \
+         regenerate with UPDATE_OPENAPI=1 cargo test --lib committed_spec"
+    );
+    gateway.shutdown().await.expect("shutdown without NATS");
+}

@@ -1,0 +1,15 @@
+//! The integration suite: one binary, every test with its own nats-server and gateway.
+//! Modules follow the contract (issue 2): start-up, fetch, settle, capacity, lease rules,
+//! concurrency, introspection and shutdown.
+
+mod capacity;
+mod concurrency;
+mod fetch;
+mod introspection;
+mod leases;
+mod publish;
+mod robustness;
+mod settle;
+mod shutdown;
+mod startup;
+mod support;

@@ -1,0 +1,88 @@
+//! Bad input never yields a 500: odd bodies on every endpoint, unknown routes and wrong
+//! methods all answer RFC 9457 problem+json with a 4xx status.
+
+use serde_json::json;
+
+use crate::support::setup;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_bodies_on_every_endpoint_are_4xx_problems() {
+    let (_server, js, gateway) = setup(&["--consumer", "odd"]).await;
+    // Enough messages that an accepted fetch answers at once.
+    js.publish_many("orders.1", 10, "x").await;
+    let held = gateway.fetch_n(1, 1000).await.remove(0);
+
+    let deep = format!("{}{}", "[".repeat(5000), "]".repeat(5000));
+    let bodies: Vec<Vec<u8>> = vec![
+        b"null".to_vec(),
+        b"[]".to_vec(),
+        b"\"text\"".to_vec(),
+        b"42".to_vec(),
+        b"{\"batch\": null, \"wait_ms\": 0}".to_vec(),
+        b"{\"batch\": 1e400}".to_vec(),
+        b"{\"batch\": 18446744073709551616}".to_vec(),
+        b"{\"wait_ms\": 99999999999999999999}".to_vec(),
+        b"{\"ids\": [null]}".to_vec(),
+        b"{\"ids\": [1, 2]}".to_vec(),
+        b"{\"delay_ms\": 1.5}".to_vec(),
+        b"{\"reason\": [\"x\"]}".to_vec(),
+        b"{\"a\": 1} trailing".to_vec(),
+        b"\xff\xfe\xfd".to_vec(),
+        deep.into_bytes(),
+    ];
+    // (path, whether its body is optional)
+    let paths = [
+        ("/fetch".to_string(), true),
+        ("/publish".to_string(), false),
+        ("/messages/ack".to_string(), false),
+        ("/messages/nak".to_string(), false),
+        ("/messages/term".to_string(), false),
+        (format!("/messages/{}/nak", held.id), true),
+        (format!("/messages/{}/term", held.id), true),
+    ];
+    for (path, optional) in &paths {
+        for body in &bodies {
+            let reply = gateway.post_bytes(path, body.clone()).await;
+            if reply.status == 200 || reply.status == 204 {
+                // `null` may fairly mean "no body" where the body is optional, and a `null`
+                // field its default; nothing else may pass.
+                let fair =
+                    body == b"null" || (path == "/fetch" && body.starts_with(b"{\"batch\": null"));
+                assert!(
+                    *optional && fair,
+                    "POST {path} accepted {:?}: {}",
+                    String::from_utf8_lossy(body),
+                    reply.text
+                );
+                continue;
+            }
+            assert!(
+                (400..500).contains(&reply.status),
+                "POST {path} with {:?} answered {}: {}",
+                String::from_utf8_lossy(&body[..body.len().min(60)]),
+                reply.status,
+                reply.text
+            );
+            reply.assert_problem(&[reply.status], "");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_routes_and_wrong_methods_are_problems() {
+    let (_server, _js, gateway) = setup(&["--consumer", "routes"]).await;
+    gateway.get("/nope").await.assert_problem(&[404], "");
+    gateway
+        .post("/messages", Some(&json!({})))
+        .await
+        .assert_problem(&[404, 405], "");
+    gateway.get("/fetch").await.assert_problem(&[405], "");
+    gateway
+        .get("/messages/ack")
+        .await
+        .assert_problem(&[405], "");
+    gateway
+        .post("/healthz", None)
+        .await
+        .assert_problem(&[405], "");
+}

@@ -1,0 +1,569 @@
+//! Settling leases one at a time and in batches: confirmed 204s, nak delays, term reasons,
+//! in-progress extensions, and the 404/409/410/504 fences the gateway must keep itself.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+use time::OffsetDateTime;
+
+use crate::support::{
+    Deadline, Gateway, Msg, STREAM, assert_stays, rfc3339, server_ack_pending, setup, sleep_past,
+    wait_for,
+};
+
+/// Fetch until the message with `stream_sequence` comes back with a higher delivery count.
+async fn wait_for_redelivery(gateway: &Gateway, stream_sequence: u64, timeout: Duration) -> Msg {
+    wait_for(
+        &format!("stream sequence {stream_sequence} is redelivered"),
+        timeout,
+        || async move {
+            gateway
+                .fetch_n(10, 250)
+                .await
+                .into_iter()
+                .find(|m| m.stream_sequence == stream_sequence && m.delivered > 1)
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ack_answers_204_after_the_server_has_it() {
+    let (_server, js, gateway) = setup(&["--consumer", "acker"]).await;
+    js.publish_many("orders.1", 2, "m").await;
+    let messages = gateway.fetch_n(2, 1000).await;
+    assert_eq!(messages.len(), 2);
+    assert_eq!(server_ack_pending(&js, &gateway).await, 2);
+
+    let reply = gateway.settle(&messages[0].id, "ack", None).await;
+    assert_eq!(reply.status, 204, "{}", reply.text);
+    assert!(reply.text.is_empty(), "204 has no body: {:?}", reply.text);
+    // 204 only after the server confirmed: the very next info already shows it.
+    assert_eq!(server_ack_pending(&js, &gateway).await, 1);
+    assert_eq!(gateway.ack(&messages[1].id).await, 204);
+    let info = js.consumer_info(STREAM, "acker").await;
+    assert_eq!(info.num_ack_pending, 0);
+    assert_eq!(info.ack_floor.stream_sequence, 2);
+    assert_eq!(gateway.leases_in_flight().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nak_redelivers_with_a_new_id_and_delivered_plus_one() {
+    let (_server, js, gateway) = setup(&["--consumer", "naker", "--ack-wait", "30s"]).await;
+    let sequence = js.publish("orders.1", "again").await;
+    let first = gateway.fetch_n(1, 1000).await.remove(0);
+    assert_eq!(first.delivered, 1);
+
+    let started = Instant::now();
+    assert_eq!(gateway.nak(&first.id, None).await, 204);
+    let again = wait_for_redelivery(&gateway, sequence, Duration::from_secs(5)).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a plain nak redelivers at once, not after ack_wait"
+    );
+    assert_eq!(again.delivered, 2);
+    assert_ne!(again.id, first.id, "a redelivery gets a new id");
+    assert_eq!(again.payload(), b"again");
+    assert_eq!(gateway.ack(&again.id).await, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nak_with_delay_is_not_redelivered_before_the_delay() {
+    let (_server, js, gateway) = setup(&["--consumer", "delayed", "--ack-wait", "30s"]).await;
+    let sequence = js.publish("orders.1", "later").await;
+    let first = gateway.fetch_n(1, 1000).await.remove(0);
+
+    let naked = Instant::now();
+    let reply = gateway
+        .settle(&first.id, "nak", Some(&json!({ "delay_ms": 2000 })))
+        .await;
+    assert_eq!(reply.status, 204, "{}", reply.text);
+    let again = wait_for_redelivery(&gateway, sequence, Duration::from_secs(10)).await;
+    let after = naked.elapsed();
+    assert!(
+        after >= Duration::from_millis(2000),
+        "redelivered {after:?} after a nak with delay_ms 2000"
+    );
+    assert_eq!(again.delivered, 2);
+    assert_ne!(again.id, first.id);
+    assert_eq!(gateway.ack(&again.id).await, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn term_with_reason_is_never_redelivered() {
+    let (_server, js, gateway) = setup(&["--consumer", "termer", "--ack-wait", "1s"]).await;
+    let mut advisories = js
+        .client
+        .subscribe("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.ORDERS.termer")
+        .await
+        .expect("subscribe to advisories");
+    js.client.flush().await.expect("flush");
+    js.publish("orders.1", "poison").await;
+    let message = gateway.fetch_n(1, 1000).await.remove(0);
+
+    let reply = gateway
+        .settle(
+            &message.id,
+            "term",
+            Some(&json!({ "reason": "unparseable order" })),
+        )
+        .await;
+    assert_eq!(reply.status, 204, "{}", reply.text);
+    let advisory = tokio::time::timeout(Duration::from_secs(5), advisories.next())
+        .await
+        .expect("a MSG_TERMINATED advisory")
+        .expect("advisory stream open");
+    let advisory: Value = serde_json::from_slice(&advisory.payload).expect("advisory JSON");
+    assert_eq!(advisory["reason"], json!("unparseable order"), "{advisory}");
+
+    // Well past ack_wait (1 s): still nothing.
+    let messages = gateway.fetch_n(10, 2500).await;
+    assert!(
+        messages.is_empty(),
+        "a termed message came back: {messages:?}"
+    );
+    let info = js.consumer_info(STREAM, "termer").await;
+    assert_eq!(info.num_ack_pending, 0);
+    assert_eq!(info.num_redelivered, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn term_without_body_is_accepted() {
+    let (_server, js, gateway) = setup(&["--consumer", "termplain"]).await;
+    js.publish("orders.1", "x").await;
+    let message = gateway.fetch_n(1, 1000).await.remove(0);
+    assert_eq!(gateway.term(&message.id, None).await, 204);
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_progress_extends_the_lease_past_the_original_ack_wait() {
+    let (_server, js, gateway) = setup(&["--consumer", "worker", "--ack-wait", "2s"]).await;
+    js.publish("orders.1", "slow job").await;
+    let message = gateway.fetch_n(1, 1000).await.remove(0);
+    let original = message.lease_expires();
+
+    let mut latest = original;
+    // A client working for ~3.2 s (beyond ack_wait), reporting progress every 800 ms.
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let now = OffsetDateTime::now_utc();
+        let reply = gateway.in_progress(&message.id).await;
+        assert_eq!(reply.status, 200, "{}", reply.text);
+        let expires = rfc3339(
+            reply.body["lease_expires_at"]
+                .as_str()
+                .unwrap_or_else(|| panic!("no lease_expires_at: {}", reply.text)),
+        );
+        assert!(expires > latest, "each extension moves the lease later");
+        assert!(
+            expires <= now + time::Duration::seconds(2) + time::Duration::milliseconds(500),
+            "the lease restarts from now with ack_wait, not more: {expires}"
+        );
+        latest = expires;
+    }
+    assert!(
+        OffsetDateTime::now_utc() > original,
+        "we are past the first lease"
+    );
+    // Not redelivered although the original ack_wait has passed.
+    let stolen = gateway.fetch_n(10, 0).await;
+    assert!(
+        stolen.is_empty(),
+        "redelivered while in progress: {stolen:?}"
+    );
+    let info = js.consumer_info(STREAM, "worker").await;
+    assert_eq!(info.num_redelivered, 0);
+    assert_eq!(gateway.ack(&message.id).await, 204);
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_malformed_or_forged_ids_are_404() {
+    let (_server, js, gateway) = setup(&["--consumer", "forgery"]).await;
+    js.publish("orders.1", "real").await;
+    let message = gateway.fetch_n(1, 1000).await.remove(0);
+
+    // Flip one character in the middle and the last one of a real id.
+    let flip = |id: &str, at: usize| -> String {
+        let mut bytes = id.as_bytes().to_vec();
+        bytes[at] = if bytes[at] == b'A' { b'B' } else { b'A' };
+        String::from_utf8(bytes).expect("ascii")
+    };
+    let forged_middle = flip(&message.id, message.id.len() / 2);
+    let forged_last = flip(&message.id, message.id.len() - 1);
+    let truncated = message.id[..message.id.len() - 4].to_string();
+    let extended = format!("{}AAAA", message.id);
+    let random = "A".repeat(message.id.len());
+    let long = "x".repeat(2000);
+    for id in [
+        "not-a-lease",
+        "0",
+        random.as_str(),
+        forged_middle.as_str(),
+        forged_last.as_str(),
+        truncated.as_str(),
+        extended.as_str(),
+        long.as_str(),
+        "a.b.c",
+    ] {
+        for action in ["ack", "nak", "term", "in-progress"] {
+            gateway
+                .settle(id, action, None)
+                .await
+                .assert_problem(&[404], "");
+        }
+    }
+    // The real lease was not touched by any of that.
+    assert_eq!(server_ack_pending(&js, &gateway).await, 1);
+    assert_eq!(gateway.ack(&message.id).await, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_lease_is_410_and_its_settle_never_reaches_the_server() {
+    let (_server, js, gateway) = setup(&["--consumer", "expiry", "--ack-wait", "1s"]).await;
+    let sequence = js.publish("orders.1", "late").await;
+    let message = gateway.fetch_n(1, 1000).await.remove(0);
+    sleep_past(message.lease_expires(), Duration::from_millis(100)).await;
+
+    for action in ["ack", "nak", "term", "in-progress"] {
+        gateway
+            .settle(&message.id, action, None)
+            .await
+            .assert_problem(&[410], "");
+    }
+    // The stale ack was fenced: the server still redelivers the message.
+    let again = wait_for_redelivery(&gateway, sequence, Duration::from_secs(10)).await;
+    assert_eq!(again.delivered, 2);
+    assert_eq!(gateway.ack(&again.id).await, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn superseded_lease_is_410_and_the_new_id_settles() {
+    let (_server, js, gateway) = setup(&["--consumer", "superseded", "--ack-wait", "1s"]).await;
+    let sequence = js.publish("orders.1", "twice").await;
+    let old = gateway.fetch_n(1, 1000).await.remove(0);
+    let new = wait_for_redelivery(&gateway, sequence, Duration::from_secs(10)).await;
+    assert_eq!(new.delivered, old.delivered + 1);
+    assert_ne!(new.id, old.id);
+
+    // nats-server would accept this stale ack and settle the new delivery: the gateway fences it.
+    gateway
+        .settle(&old.id, "ack", None)
+        .await
+        .assert_problem(&[410], "");
+    assert_eq!(
+        server_ack_pending(&js, &gateway).await,
+        1,
+        "the new delivery is still pending on the server"
+    );
+    assert_eq!(gateway.ack(&new.id).await, 204);
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+    // Still superseded after the new one settled.
+    gateway
+        .settle(&old.id, "ack", None)
+        .await
+        .assert_problem(&[410], "");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_settles_are_retry_safe_and_conflicting_ones_409() {
+    let (_server, js, gateway) = setup(&["--consumer", "idempotent", "--ack-wait", "1s"]).await;
+    js.publish_many("orders.1", 2, "m").await;
+    let messages = gateway.fetch_n(2, 1000).await;
+    assert_eq!(messages.len(), 2);
+    let (acked, naked) = (&messages[0], &messages[1]);
+
+    assert_eq!(gateway.ack(&acked.id).await, 204);
+    assert_eq!(gateway.ack(&acked.id).await, 204, "the same ack again");
+    gateway
+        .settle(&acked.id, "nak", None)
+        .await
+        .assert_problem(&[409], "");
+    gateway
+        .settle(&acked.id, "term", None)
+        .await
+        .assert_problem(&[409], "");
+
+    assert_eq!(gateway.nak(&naked.id, Some(60_000)).await, 204);
+    assert_eq!(
+        gateway.nak(&naked.id, Some(60_000)).await,
+        204,
+        "the same nak again"
+    );
+    gateway
+        .settle(&naked.id, "ack", None)
+        .await
+        .assert_problem(&[409], "");
+
+    // A settled lease past its expiry still answers the repeat as the first time did.
+    sleep_past(acked.lease_expires(), Duration::from_millis(100)).await;
+    assert_eq!(gateway.ack(&acked.id).await, 204);
+    assert_eq!(
+        server_ack_pending(&js, &gateway).await,
+        1,
+        "only the delayed nak"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settle_bodies_are_validated() {
+    let (_server, js, gateway) = setup(&["--consumer", "bodies"]).await;
+    js.publish("orders.1", "x").await;
+    let message = gateway.fetch_n(1, 1000).await.remove(0);
+
+    for (action, body, field) in [
+        ("nak", json!({ "delay_ms": -5 }), "delay_ms"),
+        ("nak", json!({ "delay_ms": "soon" }), "delay_ms"),
+        ("nak", json!({ "delay": 5 }), "delay"),
+        ("term", json!({ "reason": 5 }), "reason"),
+        ("term", json!({ "why": "x" }), "why"),
+    ] {
+        gateway
+            .settle(&message.id, action, Some(&body))
+            .await
+            .assert_problem(&[400, 422], field);
+    }
+    gateway
+        .post_bytes(&format!("/messages/{}/nak", message.id), b"{delay".to_vec())
+        .await
+        .assert_problem(&[400], "");
+    // None of it settled the lease.
+    assert_eq!(server_ack_pending(&js, &gateway).await, 1);
+    assert_eq!(gateway.ack(&message.id).await, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_ack_reports_each_id_in_request_order() {
+    let (_server, js, gateway) = setup(&["--consumer", "batchack", "--ack-wait", "2s"]).await;
+    let sequence = js.publish("orders.1", "expires").await;
+    let stale = gateway.fetch_n(1, 1000).await.remove(0);
+    js.publish_many("orders.2", 2, "fresh").await;
+    // After the first lease expired, one fetch brings its redelivery and the two fresh ones.
+    sleep_past(stale.lease_expires(), Duration::from_millis(100)).await;
+    let mut fresh = Vec::new();
+    let deadline = Deadline::after(
+        "the redelivery and both fresh messages",
+        Duration::from_secs(10),
+    );
+    while fresh.len() < 3 {
+        fresh.extend(gateway.fetch_n(10, 250).await);
+        if fresh.len() < 3 {
+            deadline.tick().await;
+        }
+    }
+    assert_eq!(fresh.len(), 3, "{fresh:?}");
+    let redelivered = fresh
+        .iter()
+        .find(|m| m.stream_sequence == sequence)
+        .expect("the expired message came back")
+        .clone();
+    let others: Vec<&Msg> = fresh
+        .iter()
+        .filter(|m| m.stream_sequence != sequence)
+        .collect();
+
+    let ids = vec![
+        others[0].id.clone(),
+        "bogus-id".to_string(),
+        stale.id.clone(),
+        redelivered.id.clone(),
+        others[1].id.clone(),
+    ];
+    let results = gateway.settle_many_ok("ack", &json!({ "ids": ids })).await;
+    let answered: Vec<&str> = results.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(answered, ids.iter().map(String::as_str).collect::<Vec<_>>());
+    let statuses: Vec<u16> = results.iter().map(|(_, status)| *status).collect();
+    assert_eq!(statuses, vec![204, 404, 410, 204, 204]);
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+    assert_eq!(gateway.leases_in_flight().await, 0);
+
+    // A different outcome for a settled lease is a 409 in the results.
+    let conflict = gateway
+        .settle_many_ok("nak", &json!({ "ids": [others[0].id] }))
+        .await;
+    assert_eq!(conflict, vec![(others[0].id.clone(), 409)]);
+
+    // Repeating the batch is retry-safe.
+    let again = gateway.settle_many_ok("ack", &json!({ "ids": ids })).await;
+    let statuses: Vec<u16> = again.iter().map(|(_, status)| *status).collect();
+    assert_eq!(statuses, vec![204, 404, 410, 204, 204]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_nak_and_term_apply_delay_and_reason() {
+    let (_server, js, gateway) = setup(&["--consumer", "batchnak", "--ack-wait", "30s"]).await;
+    js.publish_many("orders.1", 4, "m").await;
+    let messages = gateway.fetch_n(4, 1000).await;
+    assert_eq!(messages.len(), 4);
+
+    let term_ids = [messages[2].id.clone(), messages[3].id.clone()];
+    let results = gateway
+        .settle_many_ok("term", &json!({ "ids": term_ids, "reason": "bad batch" }))
+        .await;
+    assert!(
+        results.iter().all(|(_, status)| *status == 204),
+        "{results:?}"
+    );
+
+    let nak_ids = [messages[0].id.clone(), messages[1].id.clone()];
+    let naked = Instant::now();
+    let results = gateway
+        .settle_many_ok("nak", &json!({ "ids": nak_ids, "delay_ms": 1500 }))
+        .await;
+    assert!(
+        results.iter().all(|(_, status)| *status == 204),
+        "{results:?}"
+    );
+
+    let mut back = Vec::new();
+    wait_until_len(&gateway, &mut back, 2, Duration::from_secs(10)).await;
+    assert!(
+        naked.elapsed() >= Duration::from_millis(1500),
+        "not before the delay"
+    );
+    let mut sequences: Vec<u64> = back.iter().map(|m| m.stream_sequence).collect();
+    sequences.sort_unstable();
+    assert_eq!(
+        sequences,
+        vec![messages[0].stream_sequence, messages[1].stream_sequence]
+    );
+    assert!(back.iter().all(|m| m.delivered == 2));
+    // The termed ones never come back.
+    assert!(gateway.fetch_n(10, 500).await.is_empty());
+}
+
+async fn wait_until_len(gateway: &Gateway, into: &mut Vec<Msg>, len: usize, timeout: Duration) {
+    let deadline = Deadline::after(format!("{len} messages were fetched"), timeout);
+    loop {
+        into.extend(gateway.fetch_n(10, 250).await);
+        if into.len() >= len {
+            return;
+        }
+        deadline.tick().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_settle_validates_ids() {
+    let (_server, _js, gateway) = setup(&["--consumer", "batchcheck"]).await;
+    let too_many: Vec<String> = (0..1001).map(|i| format!("id-{i}")).collect();
+    for action in ["ack", "nak", "term"] {
+        gateway
+            .settle_many(action, &json!({ "ids": [] }))
+            .await
+            .assert_problem(&[422], "ids");
+        gateway
+            .settle_many(action, &json!({ "ids": too_many }))
+            .await
+            .assert_problem(&[422], "ids");
+        gateway
+            .settle_many(action, &json!({}))
+            .await
+            .assert_problem(&[400, 422], "ids");
+        gateway
+            .settle_many(action, &json!({ "ids": "abc" }))
+            .await
+            .assert_problem(&[400, 422], "ids");
+        gateway
+            .settle_many(action, &json!({ "ids": ["a"], "extra": true }))
+            .await
+            .assert_problem(&[400, 422], "extra");
+    }
+    // 1000 unknown ids are fine: one 404 each.
+    let thousand: Vec<String> = (0..1000).map(|i| format!("id-{i}")).collect();
+    let results = gateway
+        .settle_many_ok("ack", &json!({ "ids": thousand }))
+        .await;
+    assert_eq!(results.len(), 1000);
+    assert!(results.iter().all(|(_, status)| *status == 404));
+
+    let mut huge = br#"{"ids": [""#.to_vec();
+    huge.extend(std::iter::repeat_n(b'a', 3 * 1024 * 1024));
+    huge.extend(br#""]}"#);
+    gateway
+        .post_bytes("/messages/ack", huge)
+        .await
+        .assert_problem(&[413], "");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unconfirmed_settle_is_504_and_the_retry_succeeds() {
+    let (server, js, gateway) = setup(&[
+        "--consumer",
+        "hung",
+        "--settle-timeout",
+        "1s",
+        "--ack-wait",
+        "30s",
+    ])
+    .await;
+    js.publish("orders.1", "x").await;
+    let message = gateway.fetch_n(1, 1000).await.remove(0);
+
+    server.pause();
+    let started = Instant::now();
+    let reply = gateway.settle(&message.id, "ack", None).await;
+    let took = started.elapsed();
+    server.resume();
+    reply.assert_problem(&[504], "");
+    assert!(
+        took < Duration::from_secs(4),
+        "bounded by --settle-timeout: {took:?}"
+    );
+
+    // The lease stayed valid: retrying is safe and confirmed.
+    assert_eq!(gateway.ack(&message.id).await, 204);
+    assert_stays(
+        "the server has no pending ack",
+        Duration::from_millis(300),
+        || async { server_ack_pending(&js, &gateway).await == 0 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_settles_go_to_nats_concurrently() {
+    let (server, js, gateway) = setup(&[
+        "--consumer",
+        "concurrent",
+        "--settle-timeout",
+        "1s",
+        "--ack-wait",
+        "30s",
+    ])
+    .await;
+    js.publish_many("orders.1", 10, "m").await;
+    let messages = gateway.fetch_n(10, 1000).await;
+    assert_eq!(messages.len(), 10);
+    let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
+
+    // A hung server: every settle waits out --settle-timeout (1 s). One after another, ten
+    // would take ten seconds; sent concurrently, about one.
+    server.pause();
+    let started = Instant::now();
+    let reply = gateway.settle_many("ack", &json!({ "ids": ids })).await;
+    let took = started.elapsed();
+    server.resume();
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let statuses: Vec<u64> = reply.body["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .map(|r| r["status"].as_u64().expect("status"))
+        .collect();
+    assert_eq!(statuses, vec![504; 10], "{}", reply.text);
+    assert!(
+        took < Duration::from_secs(4),
+        "settled one after another: {took:?}"
+    );
+
+    // The leases stayed valid: the retry is confirmed for all.
+    let results = gateway.settle_many_ok("ack", &json!({ "ids": ids })).await;
+    assert!(
+        results.iter().all(|(_, status)| *status == 204),
+        "{results:?}"
+    );
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+}
