@@ -77,12 +77,21 @@ pub async fn connect(
 }
 
 /// Find the stream, create or bind the consumer, and reconcile its mutable settings.
-pub async fn bind(config: &Config, client: &Client) -> Result<Bound, BindError> {
+///
+/// `ephemeral_name` (with `--ephemeral`) is chosen once per process: binding again after a
+/// reconnect finds the same consumer instead of making a new one that replays the stream.
+pub async fn bind(
+    config: &Config,
+    client: &Client,
+    ephemeral_name: &str,
+) -> Result<Bound, BindError> {
     let js = jetstream::new(client.clone());
     let stream = get_or_create_stream(config, &js).await?;
     let stream_subjects = stream.cached_info().config.subjects.clone();
     let consumer = if config.ephemeral {
-        create_consumer(&stream, desired_config(config, None)).await?
+        let mut ephemeral = desired_config(config, None);
+        ephemeral.name = Some(ephemeral_name.to_owned());
+        create_consumer(&stream, ephemeral).await?
     } else {
         bind_durable(config, &stream).await?
     };
@@ -408,8 +417,11 @@ pub async fn confirm(
 /// Tell the server to redeliver a message the gateway will not lease, without waiting.
 pub async fn release(client: &Client, reply: &str) {
     let payload = AckCommand::Nak { delay: None }.payload();
-    if let Err(err) = client.publish(reply.to_owned(), payload).await {
-        warn!(error = %err, "could not nak an unleased message; it will be redelivered after ack_wait");
+    // Publishing only queues, but blocks once the queue is full while disconnected.
+    let published =
+        tokio::time::timeout(API_TIMEOUT, client.publish(reply.to_owned(), payload)).await;
+    if !matches!(published, Ok(Ok(()))) {
+        warn!("could not nak an unleased message; the server redelivers it after ack_wait");
     }
 }
 

@@ -9,10 +9,13 @@
 //!
 //! A long poll is served by a chain of short pulls (at most [`MAX_PULL_EXPIRES`] each), so
 //! when a fetch goes away its pull ends at the server within that time: messages published
-//! later stay on the server instead of reaching a gateway with no one to give them to. A
-//! pull's inbox subscription is kept until the server ended the request, so nothing the
-//! server sent is ever dropped. What arrives for nobody (in that window, or beyond a fetch's
-//! `max_bytes`) is held for the next fetch while most of its ack_wait is left, then nak'd.
+//! later stay on the server instead of reaching a gateway with no one to give them to. What
+//! arrives for nobody (in that window, or beyond a fetch's `max_bytes`) is held for the next
+//! fetch while most of its ack_wait is left, then nak'd.
+//!
+//! All pulls reply to one wildcard inbox (the pull id is the last token), read by a small
+//! task that only stamps each message with its arrival time: a lease counts from when the
+//! delivery arrived, however busy the dispatcher is.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -21,7 +24,6 @@ use std::time::Duration;
 use async_nats::{HeaderMap, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
-use futures::stream::{BoxStream, SelectAll};
 use time::OffsetDateTime;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep_until};
@@ -91,6 +93,9 @@ pub enum Command {
     Return(Vec<Delivery>),
     /// Answer every waiting fetch now, stop pulling, nak whatever arrives.
     Shutdown,
+    /// The connection is back: waiting fetches can pull again (handled by the pump that
+    /// follows every command).
+    Reconnected,
     /// Release what is held and end the task.
     Stop,
 }
@@ -134,16 +139,37 @@ struct Pull {
     remaining: usize,
     /// When to give up on the server's end-of-request status.
     give_up_at: Instant,
-    /// Dropping this ends the pull's inbox stream, which unsubscribes it: only done once the
-    /// server ended the request, so that nothing it sent is lost.
-    _subscribed: oneshot::Sender<()>,
+}
+
+/// A message on the pull inbox: the pull it answers (when the subject says) and when it
+/// arrived.
+type Inbound = (Option<u64>, async_nats::Message, Instant);
+
+/// The pull inbox of the current binding and the task reading it.
+struct Inbox {
+    prefix: String,
+    messages: mpsc::UnboundedReceiver<Inbound>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        // Dropping the subscriber inside the reader unsubscribes.
+        self.reader.abort();
+    }
+}
+
+async fn next_inbound(inbox: &mut Option<Inbox>) -> Option<Inbound> {
+    match inbox {
+        Some(inbox) => inbox.messages.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 pub struct Dispatcher {
     shared: Arc<Shared>,
     bound: Option<Bound>,
-    /// The inbox subscriptions of the open pulls, tagged with the pull's id.
-    inboxes: SelectAll<BoxStream<'static, (u64, async_nats::Message)>>,
+    inbox: Option<Inbox>,
     waiters: VecDeque<Waiter>,
     held: VecDeque<Delivery>,
     pulls: HashMap<u64, Pull>,
@@ -156,7 +182,7 @@ impl Dispatcher {
         Self {
             shared,
             bound: None,
-            inboxes: SelectAll::new(),
+            inbox: None,
             waiters: VecDeque::new(),
             held: VecDeque::new(),
             pulls: HashMap::new(),
@@ -181,12 +207,14 @@ impl Dispatcher {
                     Some(Command::Abandon { id }) => self.abandon(id),
                     Some(Command::Return(deliveries)) => self.orphan(None, deliveries),
                     Some(Command::ConnectionLost) => self.forget_pulls(),
+                    Some(Command::Reconnected) => {}
                     Some(Command::Shutdown) => self.shutting_down = true,
                     Some(Command::Stop) | None => break,
                 },
-                Some((pull_id, message)) = self.inboxes.next(), if !self.inboxes.is_empty() => {
-                    self.on_message(pull_id, message);
-                }
+                inbound = next_inbound(&mut self.inbox) => match inbound {
+                    Some((pull_id, message, received_at)) => self.on_message(pull_id, message, received_at),
+                    None => self.inbox = None,
+                },
                 changed = bound.changed() => {
                     if changed.is_err() {
                         break;
@@ -201,7 +229,26 @@ impl Dispatcher {
         }
         self.shutting_down = true;
         self.pump().await;
-        self.forget_pulls();
+        self.drain_open_pulls().await;
+    }
+
+    /// Before stopping, let the open pulls end (they are short) and nak what they bring, so
+    /// that nothing sent to the gateway waits out its ack_wait.
+    async fn drain_open_pulls(&mut self) {
+        let Some(until) = self.pulls.values().map(|pull| pull.give_up_at).max() else {
+            return;
+        };
+        while !self.pulls.is_empty() && Instant::now() < until {
+            tokio::select! {
+                inbound = next_inbound(&mut self.inbox) => match inbound {
+                    Some((pull_id, message, received_at)) => self.on_message(pull_id, message, received_at),
+                    None => break,
+                },
+                () = sleep_until(until) => break,
+            }
+            self.release_held(|_| true).await;
+        }
+        self.release_held(|_| true).await;
     }
 
     fn enqueue(&mut self, id: u64, demand: Demand, answer: oneshot::Sender<Vec<Leased>>) {
@@ -232,18 +279,55 @@ impl Dispatcher {
         self.forget_pulls();
         // Deliveries of a previous binding cannot be leased any more: let the server have them.
         self.release_held(|_| true).await;
+        self.inbox = None;
         self.bound = bound;
+        let Some(bound) = &self.bound else {
+            return;
+        };
+        let prefix = bound.client.new_inbox();
+        let mut subscriber = match bound.client.subscribe(format!("{prefix}.*")).await {
+            Ok(subscriber) => subscriber,
+            Err(err) => {
+                warn!(error = %err, "could not subscribe to the pull inbox; rebinding");
+                self.shared.request_rebind();
+                return;
+            }
+        };
+        let (sender, messages) = mpsc::unbounded_channel();
+        let reader = tokio::spawn(async move {
+            while let Some(message) = subscriber.next().await {
+                let pull_id = message
+                    .subject
+                    .rsplit('.')
+                    .next()
+                    .and_then(|id| id.parse().ok());
+                if sender.send((pull_id, message, Instant::now())).is_err() {
+                    break;
+                }
+            }
+        });
+        self.inbox = Some(Inbox {
+            prefix,
+            messages,
+            reader,
+        });
     }
 
+    /// The server forgot the open pulls (the connection dropped). What they already sent
+    /// still arrives on the inbox and is held for the next fetch.
     fn forget_pulls(&mut self) {
         self.pulls.clear();
-        self.inboxes = SelectAll::new();
         for waiter in &mut self.waiters {
             waiter.pull = None;
         }
     }
 
-    fn on_message(&mut self, pull_id: u64, message: async_nats::Message) {
+    fn on_message(
+        &mut self,
+        pull_id: Option<u64>,
+        message: async_nats::Message,
+        received_at: Instant,
+    ) {
         if let Some(status) = message.status {
             if status.as_u16() == 100 {
                 return;
@@ -258,15 +342,19 @@ impl Dispatcher {
             if status.as_u16() == 503 {
                 self.shared.request_rebind();
             }
-            self.end_pull(pull_id, refused);
+            if let Some(pull_id) = pull_id {
+                self.end_pull(pull_id, refused);
+            }
             return;
         }
-        let Some(delivery) = self.delivery(message) else {
+        let Some(delivery) = self.delivery(message, received_at) else {
             return;
         };
         self.shared.note_delivery(delivery.coordinates.key);
         let mut owner = None;
-        if let Some(pull) = self.pulls.get_mut(&pull_id) {
+        if let Some(pull_id) = pull_id
+            && let Some(pull) = self.pulls.get_mut(&pull_id)
+        {
             pull.remaining = pull.remaining.saturating_sub(1);
             owner = pull.owner;
             if pull.remaining == 0 {
@@ -286,7 +374,7 @@ impl Dispatcher {
         }
     }
 
-    fn delivery(&self, message: async_nats::Message) -> Option<Delivery> {
+    fn delivery(&self, message: async_nats::Message, received_at: Instant) -> Option<Delivery> {
         let bound = self.bound.as_ref()?;
         let message = async_nats::jetstream::Message {
             message,
@@ -300,6 +388,8 @@ impl Dispatcher {
             }
         };
         let coordinates = LeaseCoordinates {
+            // Set when leased, from the binding in force then.
+            epoch: 0,
             key: DeliveryKey {
                 stream_sequence: info.stream_sequence,
                 delivered: u64::try_from(info.delivered).unwrap_or(1),
@@ -323,7 +413,7 @@ impl Dispatcher {
             consumer,
             pending,
             published_at,
-            received_at: Instant::now(),
+            received_at,
         })
     }
 
@@ -344,7 +434,8 @@ impl Dispatcher {
 
     /// The earliest moment something needs doing without an outside event.
     fn next_wake(&self) -> Instant {
-        let far = Instant::now() + Duration::from_secs(3600);
+        let now = Instant::now();
+        let far = now + Duration::from_secs(3600);
         let hold = self.shared.hold();
         let waiters = self.waiters.iter().flat_map(|waiter| {
             let deadline = if waiter.pull.is_some() {
@@ -352,14 +443,26 @@ impl Dispatcher {
             } else {
                 waiter.deadline
             };
-            [Some(deadline), waiter.retry_at].into_iter().flatten()
+            // A retry time already past waits for an event (a pull ending, capacity freed)
+            // instead of spinning.
+            let retry_at = waiter.retry_at.filter(|at| *at > now);
+            [Some(deadline), retry_at].into_iter().flatten()
         });
         let held = self
             .held
             .front()
             .map(|delivery| delivery.received_at + hold);
         let pulls = self.pulls.values().map(|pull| pull.give_up_at);
-        waiters.chain(held).chain(pulls).min().unwrap_or(far)
+        // An expiring lease frees capacity for waiting fetches.
+        let lease_expiry = (!self.waiters.is_empty())
+            .then(|| self.shared.next_release().filter(|at| *at > now))
+            .flatten();
+        waiters
+            .chain(held)
+            .chain(pulls)
+            .chain(lease_expiry)
+            .min()
+            .unwrap_or(far)
     }
 
     async fn pump(&mut self) {
@@ -506,7 +609,7 @@ impl Dispatcher {
         let mut capacity = self
             .shared
             .max_ack_pending()
-            .saturating_sub(self.shared.in_flight() + reserved);
+            .saturating_sub(self.shared.taken() + reserved);
         for index in 0..self.waiters.len() {
             if self.pulls.len() >= max_pulls || capacity == 0 {
                 break;
@@ -534,26 +637,14 @@ impl Dispatcher {
             let expires = (left >= MIN_EXPIRES).then_some(left);
             self.next_pull_id += 1;
             let pull_id = self.next_pull_id;
-            let inbox = bound.client.new_inbox();
-            // Subscribe first: the server checks for interest before delivering.
-            let subscriber = match bound.client.subscribe(inbox.clone()).await {
-                Ok(subscriber) => subscriber,
-                Err(err) => {
-                    warn!(error = %err, "could not subscribe a pull inbox");
-                    return;
-                }
+            let Some(inbox) = &self.inbox else {
+                return;
             };
-            if let Err(err) = consumer::request_pull(&bound, inbox, batch, expires).await {
+            let reply = format!("{}.{pull_id}", inbox.prefix);
+            if let Err(err) = consumer::request_pull(&bound, reply, batch, expires).await {
                 warn!(error = %err, "pull request failed");
                 return;
             }
-            let (subscribed, unsubscribe) = oneshot::channel();
-            self.inboxes.push(
-                subscriber
-                    .take_until(unsubscribe)
-                    .map(move |message| (pull_id, message))
-                    .boxed(),
-            );
             capacity -= batch;
             self.pulls.insert(
                 pull_id,
@@ -561,7 +652,6 @@ impl Dispatcher {
                     owner: Some(self.waiters[index].id),
                     remaining: batch,
                     give_up_at: now + left + PULL_GRACE,
-                    _subscribed: subscribed,
                 },
             );
             let waiter = &mut self.waiters[index];

@@ -5,7 +5,7 @@
 //! away, rebinding after a reconnect or a deleted consumer) and publishes the binding on a
 //! watch channel; the dispatcher and every request read the current binding from there.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -32,10 +32,15 @@ const LEASE_MEMORY_MAX: usize = 500_000;
 pub struct Shared {
     leases: Mutex<LeaseTable>,
     signer: LeaseSigner,
+    /// Bumped when the consumer is recreated; ids of an earlier epoch are void.
+    epoch: AtomicU32,
     ack_wait_ms: AtomicU64,
     max_ack_pending: AtomicUsize,
     rebind: Notify,
+    /// Wakes the dispatcher (one waiter) when a settle frees capacity.
     capacity_freed: Arc<Notify>,
+    /// Wakes every shutdown wait when a settle lands.
+    settled: Notify,
 }
 
 impl Shared {
@@ -72,6 +77,27 @@ impl Shared {
         self.leases().in_flight(Instant::now())
     }
 
+    pub fn next_expiry(&self) -> Option<Instant> {
+        self.leases().next_expiry()
+    }
+
+    /// Slots of max_ack_pending in use (see [`LeaseTable::taken`]).
+    pub fn taken(&self) -> usize {
+        self.leases().taken(Instant::now())
+    }
+
+    /// When a slot of max_ack_pending frees by itself.
+    pub fn next_release(&self) -> Option<Instant> {
+        self.leases().next_release()
+    }
+
+    /// The consumer was recreated: every earlier lease is void, and its id must not match a
+    /// delivery of the new consumer that happens to have the same sequence numbers.
+    fn new_epoch(&self) {
+        self.epoch.fetch_add(1, Ordering::Relaxed);
+        *self.leases() = LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX);
+    }
+
     pub fn note_delivery(&self, key: DeliveryKey) {
         self.leases().note_delivery(key, Instant::now());
     }
@@ -83,10 +109,12 @@ impl Shared {
     /// Issue leases for deliveries about to be handed to a client.
     pub fn lease(&self, deliveries: Vec<Delivery>) -> Vec<Leased> {
         let lifetime = self.ack_wait().saturating_sub(self.margin());
+        let epoch = self.epoch.load(Ordering::Relaxed);
         let mut leases = self.leases();
         deliveries
             .into_iter()
-            .map(|delivery| {
+            .map(|mut delivery| {
+                delivery.coordinates.epoch = epoch;
                 let expires_at = delivery.received_at + lifetime;
                 leases.issue(delivery.coordinates.key, delivery.reply.clone(), expires_at);
                 Leased {
@@ -145,12 +173,14 @@ impl Gateway {
         let shared = Arc::new(Shared {
             leases: Mutex::new(LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
             signer: LeaseSigner::random(&config.stream, &config.consumer),
+            epoch: AtomicU32::new(0),
             ack_wait_ms: AtomicU64::new(
                 u64::try_from(config.ack_wait.as_millis()).unwrap_or(u64::MAX),
             ),
             max_ack_pending: AtomicUsize::new(config.max_ack_pending as usize),
             rebind: Notify::new(),
             capacity_freed: Arc::new(Notify::new()),
+            settled: Notify::new(),
         });
         let config = Arc::new(config);
         let (commands_tx, commands_rx) = mpsc::channel(1024);
@@ -246,9 +276,9 @@ impl Gateway {
         {
             let now = Instant::now();
             let mut leases = self.shared.leases();
-            if leases.in_flight(now) >= max_ack_pending {
+            if leases.taken(now) >= max_ack_pending {
                 let retry_after = leases
-                    .next_expiry()
+                    .next_release()
                     .map(|at| at.saturating_duration_since(now))
                     .unwrap_or(Duration::from_secs(1));
                 return Err(Error::AtCapacity {
@@ -263,17 +293,28 @@ impl Gateway {
             .send(Command::Fetch { id, demand, answer })
             .await
             .map_err(|_| Error::Unavailable("the gateway is stopping".into()))?;
-        // Dropped with the request when the client goes away mid-wait.
-        let mut abandon = AbandonOnDrop {
+        let mut pending = PendingFetch {
             id,
-            commands: &self.commands,
-            armed: true,
+            answered: Some(answered),
+            gateway: self,
         };
-        let leased = answered
-            .await
-            .map_err(|_| Error::Unavailable("the gateway is stopping".into()));
-        abandon.armed = false;
-        leased
+        // The dispatcher answers by the deadline; the bound only guards against it stalling.
+        let bound = demand.wait + Duration::from_secs(5);
+        let answered = pending
+            .answered
+            .as_mut()
+            .ok_or_else(|| Error::Unavailable("the gateway is stopping".into()))?;
+        let leased = match tokio::time::timeout(bound, answered).await {
+            Ok(Ok(leased)) => leased,
+            Ok(Err(_)) => return Err(Error::Unavailable("the gateway is stopping".into())),
+            Err(_) => {
+                return Err(Error::Unavailable(
+                    "no answer from the dispatcher in time; NATS may be unreachable".into(),
+                ));
+            }
+        };
+        pending.answered = None;
+        Ok(leased)
     }
 
     /// Take back leases whose client left before seeing them: the deliveries go to the
@@ -283,12 +324,14 @@ impl Gateway {
         let _ = self.commands.send(Command::Return(deliveries)).await;
     }
 
+    /// The delivery a genuine id names. Forged or malformed: 404; from an earlier binding
+    /// of the consumer: 410.
     fn decode(&self, id: &str) -> Result<DeliveryKey, Error> {
-        self.shared
-            .signer
-            .decode(id)
-            .map(|lease| lease.key)
-            .ok_or(Error::UnknownLease)
+        let lease = self.shared.signer.decode(id).ok_or(Error::UnknownLease)?;
+        if lease.epoch != self.shared.epoch.load(Ordering::Relaxed) {
+            return Err(Error::LeaseGone);
+        }
+        Ok(lease.key)
     }
 
     /// Ack, nak or term one lease; `Ok` only once the server confirmed it.
@@ -314,11 +357,17 @@ impl Gateway {
             }
             Err(_) => Err(ConfirmError::Unavailable),
         };
-        self.shared
-            .leases()
-            .finish_settle(key, kind, confirmed.is_ok(), Instant::now());
+        {
+            let now = Instant::now();
+            let mut leases = self.shared.leases();
+            leases.finish_settle(key, kind, confirmed.is_ok(), now);
+            if let (Ok(()), AckCommand::Nak { delay: Some(delay) }) = (&confirmed, command) {
+                leases.park(key.stream_sequence, now + *delay);
+            }
+        }
         if confirmed.is_ok() {
             self.shared.capacity_freed.notify_one();
+            self.shared.settled.notify_waiters();
         }
         confirmed.map_err(unconfirmed)
     }
@@ -411,16 +460,14 @@ impl Gateway {
     pub async fn settle_grace(&self, grace: Duration) {
         let deadline = Instant::now() + grace;
         loop {
-            let freed = self.shared.capacity_freed.notified();
+            let settled = self.shared.settled.notified();
+            tokio::pin!(settled);
+            // Registered before looking, so a settle landing in between is not missed.
+            settled.as_mut().enable();
             let in_flight = self.shared.in_flight();
             if in_flight == 0 {
                 return;
             }
-            let wake = self
-                .shared
-                .leases()
-                .next_expiry()
-                .map_or(deadline, |at| at.min(deadline));
             if Instant::now() >= deadline {
                 info!(
                     in_flight,
@@ -428,8 +475,13 @@ impl Gateway {
                 );
                 return;
             }
+            let wake = self
+                .shared
+                .next_expiry()
+                .filter(|at| *at > Instant::now())
+                .map_or(deadline, |at| at.min(deadline));
             tokio::select! {
-                () = freed => {}
+                () = settled => {}
                 () = tokio::time::sleep_until(wake) => {}
             }
         }
@@ -451,25 +503,38 @@ impl Gateway {
     }
 }
 
-/// Tells the dispatcher when a waiting fetch is dropped (its HTTP client went away).
-struct AbandonOnDrop<'a> {
+/// A fetch waiting for its answer. Dropped before the answer was taken (the HTTP client
+/// went away), it tells the dispatcher, and takes back any leases already on their way.
+struct PendingFetch<'a> {
     id: u64,
-    commands: &'a mpsc::Sender<Command>,
-    armed: bool,
+    answered: Option<oneshot::Receiver<Vec<Leased>>>,
+    gateway: &'a Gateway,
 }
 
-impl Drop for AbandonOnDrop<'_> {
+impl Drop for PendingFetch<'_> {
     fn drop(&mut self) {
-        if self.armed {
-            // A full queue only delays this: the dispatcher also notices closed answers.
-            let _ = self.commands.try_send(Command::Abandon { id: self.id });
+        let Some(mut answered) = self.answered.take() else {
+            return;
+        };
+        answered.close();
+        let command = match answered.try_recv() {
+            Ok(leased) => Command::Return(self.gateway.shared.withdraw(leased)),
+            Err(_) => Command::Abandon { id: self.id },
+        };
+        let commands = self.gateway.commands.clone();
+        if let Err(mpsc::error::TrySendError::Full(command)) = commands.try_send(command) {
+            tokio::spawn(async move {
+                let _ = commands.send(command).await;
+            });
         }
     }
 }
 
 fn refused(refusal: Refusal) -> Error {
     match refusal {
-        Refusal::Unknown => Error::UnknownLease,
+        // The id's signature proved this gateway issued it: it is no longer remembered
+        // (settled or expired long ago), not unknown.
+        Refusal::Unknown => Error::LeaseGone,
         Refusal::Gone => Error::LeaseGone,
         Refusal::Conflict(settled) | Refusal::Settled(settled) => Error::AlreadySettled { settled },
     }
@@ -505,6 +570,7 @@ async fn supervise(
 ) -> anyhow::Result<()> {
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let client = consumer::connect(config, events_tx).await?;
+    let ephemeral_name = format!("{}-{:016x}", config.consumer, rand::random::<u64>());
     let mut identity_seen: Option<(String, OffsetDateTime)> = None;
     let mut published = false;
     let mut backoff = Duration::from_millis(100);
@@ -519,7 +585,7 @@ async fn supervise(
                 _ => {}
             }
         }
-        let bound = match consumer::bind(config, &client).await {
+        let bound = match consumer::bind(config, &client, &ephemeral_name).await {
             Ok(bound) => bound,
             Err(BindError::Fatal(message)) => anyhow::bail!(message),
             Err(BindError::Transient(err)) => {
@@ -544,7 +610,7 @@ async fn supervise(
         if identity_seen.as_ref() != Some(&identity) {
             if identity_seen.is_some() {
                 warn!(consumer = %identity.0, "the consumer was recreated; every earlier lease is void");
-                shared.leases().supersede_all(Instant::now());
+                shared.new_epoch();
             }
             identity_seen = Some(identity);
             published = false;
@@ -563,6 +629,7 @@ async fn supervise(
                     }
                     Some(Event::Connected) => {
                         info!("reconnected to NATS");
+                        let _ = commands.send(Command::Reconnected).await;
                         break;
                     }
                     Some(Event::ServerError(err)) => error!(error = %err, "NATS server error"),

@@ -1,7 +1,7 @@
 //! Lease ids: self-describing, HMAC-signed tokens naming one delivery of one message.
 //!
-//! An id carries the delivery's coordinates (stream and consumer sequence, delivery count,
-//! publish time) in the clear and a truncated HMAC-SHA256 over them and the stream/consumer
+//! An id carries the delivery's coordinates (binding epoch, stream and consumer sequence,
+//! delivery count, publish time) in the clear and a truncated HMAC-SHA256 over them and the stream/consumer
 //! names. It holds no secret, cannot be forged without the key, and gives a later version
 //! what it needs to let any replica sharing the key settle it without a shared table.
 
@@ -22,13 +22,16 @@ pub struct DeliveryKey {
 /// Everything an id names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseCoordinates {
+    /// Which binding of the consumer issued it: a recreated consumer starts a new epoch,
+    /// and ids of an older one are void even where sequences repeat.
+    pub epoch: u32,
     pub key: DeliveryKey,
     pub consumer_sequence: u64,
     pub published_unix_nanos: i64,
 }
 
 const VERSION: u8 = 1;
-const BODY_LEN: usize = 1 + 8 * 4;
+const BODY_LEN: usize = 1 + 4 + 8 * 4;
 /// 128 bits of tag: unguessable, and keeps ids short enough to paste into a curl line.
 const TAG_LEN: usize = 16;
 const ID_LEN: usize = BODY_LEN + TAG_LEN;
@@ -61,10 +64,11 @@ impl LeaseSigner {
     pub fn encode(&self, lease: &LeaseCoordinates) -> String {
         let mut raw = [0u8; ID_LEN];
         raw[0] = VERSION;
-        raw[1..9].copy_from_slice(&lease.key.stream_sequence.to_be_bytes());
-        raw[9..17].copy_from_slice(&lease.consumer_sequence.to_be_bytes());
-        raw[17..25].copy_from_slice(&lease.key.delivered.to_be_bytes());
-        raw[25..33].copy_from_slice(&lease.published_unix_nanos.to_be_bytes());
+        raw[1..5].copy_from_slice(&lease.epoch.to_be_bytes());
+        raw[5..13].copy_from_slice(&lease.key.stream_sequence.to_be_bytes());
+        raw[13..21].copy_from_slice(&lease.consumer_sequence.to_be_bytes());
+        raw[21..29].copy_from_slice(&lease.key.delivered.to_be_bytes());
+        raw[29..37].copy_from_slice(&lease.published_unix_nanos.to_be_bytes());
         let tag = self.tag(&raw[..BODY_LEN]);
         raw[BODY_LEN..].copy_from_slice(&tag[..TAG_LEN]);
         URL_SAFE_NO_PAD.encode(raw)
@@ -88,13 +92,16 @@ impl LeaseSigner {
             bytes.copy_from_slice(&raw[at..at + 8]);
             bytes
         };
+        let mut epoch = [0u8; 4];
+        epoch.copy_from_slice(&raw[1..5]);
         Some(LeaseCoordinates {
+            epoch: u32::from_be_bytes(epoch),
             key: DeliveryKey {
-                stream_sequence: u64::from_be_bytes(word(1)),
-                delivered: u64::from_be_bytes(word(17)),
+                stream_sequence: u64::from_be_bytes(word(5)),
+                delivered: u64::from_be_bytes(word(21)),
             },
-            consumer_sequence: u64::from_be_bytes(word(9)),
-            published_unix_nanos: i64::from_be_bytes(word(25)),
+            consumer_sequence: u64::from_be_bytes(word(13)),
+            published_unix_nanos: i64::from_be_bytes(word(29)),
         })
     }
 
@@ -111,6 +118,7 @@ mod tests {
 
     fn sample() -> LeaseCoordinates {
         LeaseCoordinates {
+            epoch: 2,
             key: DeliveryKey {
                 stream_sequence: 42,
                 delivered: 3,

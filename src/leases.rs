@@ -83,6 +83,10 @@ pub struct LeaseTable {
     expiries: BTreeSet<(Instant, DeliveryKey)>,
     /// Leases no longer live, in the order they stopped being live, to be forgotten.
     retired: VecDeque<(Instant, DeliveryKey)>,
+    /// Messages nak'd with a delay, by stream sequence: until redelivered the server still
+    /// counts them against max_ack_pending, so the gateway must too.
+    parked: HashMap<u64, Instant>,
+    parked_until: BTreeSet<(Instant, u64)>,
     retention: Duration,
     max_retired: usize,
 }
@@ -95,6 +99,8 @@ impl LeaseTable {
             newest: HashMap::new(),
             expiries: BTreeSet::new(),
             retired: VecDeque::new(),
+            parked: HashMap::new(),
+            parked_until: BTreeSet::new(),
             retention,
             max_retired,
         }
@@ -111,9 +117,36 @@ impl LeaseTable {
         self.expiries.first().map(|(at, _)| *at)
     }
 
+    /// Slots of max_ack_pending taken at `now`: live leases plus delayed naks not yet due.
+    pub fn taken(&mut self, now: Instant) -> usize {
+        self.expire(now);
+        self.expiries.len() + self.parked.len()
+    }
+
+    /// When a slot frees by itself: the earliest lease expiry or delayed nak coming due.
+    pub fn next_release(&self) -> Option<Instant> {
+        let parked = self.parked_until.first().map(|(at, _)| *at);
+        self.next_expiry().into_iter().chain(parked).min()
+    }
+
+    /// A nak with a delay was confirmed: the server keeps the message pending until then.
+    pub fn park(&mut self, stream_sequence: u64, until: Instant) {
+        if let Some(previous) = self.parked.insert(stream_sequence, until) {
+            self.parked_until.remove(&(previous, stream_sequence));
+        }
+        self.parked_until.insert((until, stream_sequence));
+    }
+
+    fn unpark(&mut self, stream_sequence: u64) {
+        if let Some(until) = self.parked.remove(&stream_sequence) {
+            self.parked_until.remove(&(until, stream_sequence));
+        }
+    }
+
     /// A delivery arrived from the server: every older delivery of the same message is stale
     /// from now on, whether or not it was ever leased.
     pub fn note_delivery(&mut self, key: DeliveryKey, now: Instant) {
+        self.unpark(key.stream_sequence);
         let newest = self.newest.entry(key.stream_sequence).or_insert(0);
         if key.delivered <= *newest {
             return;
@@ -188,7 +221,9 @@ impl LeaseTable {
             // A settle overtakes an extension still on its way; the extension then reports
             // that the lease was settled meanwhile.
             State::Active | State::Extending => {
-                if newest.is_some_and(|newest| newest > key.delivered) {
+                let superseded = newest.is_some_and(|newest| newest > key.delivered);
+                // An extension in motion keeps a lease out of expiry; it does not make it live.
+                if superseded || record.expires_at <= now {
                     return Err(Refusal::Gone);
                 }
                 record.state = State::Settling(kind);
@@ -209,13 +244,15 @@ impl LeaseTable {
         let Some(record) = self.records.get_mut(&key) else {
             return;
         };
-        if record.state != State::Settling(kind) {
-            return;
-        }
-        if confirmed {
-            self.retire(key, State::Settled(kind), now);
-        } else {
-            record.state = State::Active;
+        match (record.state, confirmed) {
+            // A concurrent attempt may have failed and reset the state meanwhile: the server
+            // confirmed, so the lease is settled all the same.
+            (State::Settling(settling), true) if settling == kind => {
+                self.retire(key, State::Settled(kind), now)
+            }
+            (State::Active | State::Extending, true) => self.retire(key, State::Settled(kind), now),
+            (State::Settling(settling), false) if settling == kind => record.state = State::Active,
+            _ => {}
         }
     }
 
@@ -245,7 +282,8 @@ impl LeaseTable {
         extended_to: Option<Instant>,
     ) -> Option<Instant> {
         let record = self.records.get_mut(&key)?;
-        if record.state != State::Extending {
+        // Active: a concurrent extension finished first; this one was confirmed too.
+        if !matches!(record.state, State::Extending | State::Active) {
             return None;
         }
         record.state = State::Active;
@@ -259,16 +297,6 @@ impl LeaseTable {
         Some(record.expires_at)
     }
 
-    /// The consumer was recreated: every lease refers to deliveries the new consumer never
-    /// made, so none may settle anything any more.
-    pub fn supersede_all(&mut self, now: Instant) {
-        let live: Vec<DeliveryKey> = self.expiries.iter().map(|(_, key)| *key).collect();
-        for key in live {
-            self.retire(key, State::Superseded, now);
-        }
-        self.newest.clear();
-    }
-
     /// Move leases past their expiry out of the live set, and forget old outcomes.
     pub fn expire(&mut self, now: Instant) {
         let due: Vec<DeliveryKey> = self
@@ -277,6 +305,12 @@ impl LeaseTable {
             .take_while(|(at, _)| *at <= now)
             .map(|(_, key)| *key)
             .collect();
+        while let Some(&(until, stream_sequence)) = self.parked_until.first() {
+            if until > now {
+                break;
+            }
+            self.unpark(stream_sequence);
+        }
         for key in due {
             // A lease whose settle or extension is on its way stays until that answer: the
             // command left before expiry, inside the server's own ack window.
@@ -468,6 +502,23 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn delayed_naks_hold_a_slot_until_due_or_redelivered() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(1, 1), reply(), now + WAIT);
+        assert!(leases.begin_settle(key(1, 1), SettleKind::Nak, now).is_ok());
+        leases.finish_settle(key(1, 1), SettleKind::Nak, true, now);
+        leases.park(1, now + Duration::from_secs(10));
+        leases.park(2, now + Duration::from_secs(20));
+        assert_eq!(leases.taken(now), 2);
+        assert_eq!(leases.next_release(), Some(now + Duration::from_secs(10)));
+        leases.note_delivery(key(2, 2), now);
+        assert_eq!(leases.taken(now), 1);
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(leases.taken(Instant::now()), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn withdrawn_lease_is_unknown_and_not_in_flight() {
         let mut leases = table();
         let now = Instant::now();
@@ -477,20 +528,6 @@ mod tests {
         assert_eq!(
             leases.begin_settle(key(1, 1), SettleKind::Ack, now),
             Err(Refusal::Unknown)
-        );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn recreated_consumer_fences_every_lease() {
-        let mut leases = table();
-        let now = Instant::now();
-        leases.issue(key(1, 1), reply(), now + WAIT);
-        leases.issue(key(2, 1), reply(), now + WAIT);
-        leases.supersede_all(now);
-        assert_eq!(leases.in_flight(now), 0);
-        assert_eq!(
-            leases.begin_settle(key(2, 1), SettleKind::Ack, now),
-            Err(Refusal::Gone)
         );
     }
 }

@@ -68,6 +68,8 @@ pub async fn run(
                     if let Ok(mut slot) = fatal.lock() {
                         *slot = Some(err);
                     }
+                    // Answer waiting long polls now rather than at their deadlines.
+                    gateway.begin_shutdown().await;
                 }
             }
         }

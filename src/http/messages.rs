@@ -3,8 +3,9 @@
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{FromRequestParts, Path, State};
 use axum::http::StatusCode;
+use axum::http::request::Parts;
 use futures::future::join_all;
 
 use super::body::JsonBody;
@@ -18,6 +19,21 @@ use crate::error::Error;
 use crate::gateway::Gateway;
 
 const MAX_IDS: usize = 1000;
+
+/// The `{id}` path segment. One that is not even valid text names no lease: 404 as
+/// problem+json rather than axum's plain-text rejection.
+pub struct LeaseIdPath(String);
+
+impl<S: Send + Sync> FromRequestParts<S> for LeaseIdPath {
+    type Rejection = Error;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        Path::<String>::from_request_parts(parts, state)
+            .await
+            .map(|Path(id)| Self(id))
+            .map_err(|_| Error::UnknownLease)
+    }
+}
 const MAX_DELAY_MS: u64 = 604_800_000;
 const MAX_REASON_CHARS: usize = 1024;
 
@@ -41,7 +57,7 @@ const MAX_REASON_CHARS: usize = 1024;
 )]
 pub async fn ack(
     State(gateway): State<Gateway>,
-    Path(id): Path<String>,
+    LeaseIdPath(id): LeaseIdPath,
 ) -> Result<StatusCode, Error> {
     gateway.settle(&id, &AckCommand::Ack).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -68,7 +84,7 @@ pub async fn ack(
 )]
 pub async fn nak(
     State(gateway): State<Gateway>,
-    Path(id): Path<String>,
+    LeaseIdPath(id): LeaseIdPath,
     JsonBody(body): JsonBody<NakBody>,
 ) -> Result<StatusCode, Error> {
     let command = nak_command(body.delay_ms)?;
@@ -97,7 +113,7 @@ pub async fn nak(
 )]
 pub async fn term(
     State(gateway): State<Gateway>,
-    Path(id): Path<String>,
+    LeaseIdPath(id): LeaseIdPath,
     JsonBody(body): JsonBody<TermBody>,
 ) -> Result<StatusCode, Error> {
     let command = term_command(body.reason)?;
@@ -123,7 +139,7 @@ pub async fn term(
 )]
 pub async fn in_progress(
     State(gateway): State<Gateway>,
-    Path(id): Path<String>,
+    LeaseIdPath(id): LeaseIdPath,
 ) -> Result<Json<ExtendResponse>, Error> {
     let expires_at = gateway.extend(&id).await?;
     Ok(Json(ExtendResponse {
