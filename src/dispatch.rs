@@ -539,6 +539,7 @@ impl Dispatcher {
                     "releasing an unleased delivery"
                 );
                 consumer::release(&bound.client, &delivery.reply).await;
+                self.shared.released(delivery.coordinates.key);
             } else {
                 kept.push_back(delivery);
             }

@@ -102,6 +102,11 @@ impl Shared {
         self.leases().note_delivery(key, Instant::now());
     }
 
+    /// A delivery was nak'd back without ever being leased.
+    pub fn released(&self, key: DeliveryKey) {
+        self.leases().note_unleased(key, Instant::now());
+    }
+
     pub fn request_rebind(&self) {
         self.rebind.notify_one();
     }

@@ -338,8 +338,17 @@ impl LeaseTable {
         }
     }
 
+    /// A delivery that arrived but was never leased (it was nak'd back): remember its
+    /// delivery count only as long as a retired lease's, so `newest` does not grow forever.
+    pub fn note_unleased(&mut self, key: DeliveryKey, now: Instant) {
+        self.retired.push_back((now, key));
+    }
+
     fn forget(&mut self, key: DeliveryKey) {
         let Some(record) = self.records.get(&key) else {
+            if self.newest.get(&key.stream_sequence) == Some(&key.delivered) {
+                self.newest.remove(&key.stream_sequence);
+            }
             return;
         };
         // A record may have been re-issued since it was retired; only forget retired ones.

@@ -1,9 +1,10 @@
 //! Noticing that an HTTP client hung up while its request is still waiting.
 //!
-//! hyper does not read from an HTTP/1 connection while a handler runs, so it cannot tell a
-//! long poll that its client is gone; the handler would lease messages to nobody. The
-//! listener here shares each socket with the request it carries, so a waiting fetch can
-//! peek at it: end-of-stream or a reset means the client left, and the fetch withdraws.
+//! hyper notices a closed connection only when it next polls the socket, which can be after
+//! the dispatcher already leased messages for that request. The listener here shares each
+//! socket with the request it carries, so a waiting fetch peeks at it itself: it withdraws
+//! the moment the client leaves, and checks once more before answering, handing anything
+//! already leased back to the next fetch.
 
 use std::io;
 use std::net::SocketAddr;
