@@ -23,8 +23,12 @@ pub struct Bound {
     pub client: Client,
     pub jetstream: jetstream::Context,
     pub consumer: consumer::PullConsumer,
-    /// The consumer's name (server-chosen for an ephemeral consumer).
+    /// The consumer's name.
     pub consumer_name: String,
+    /// When the consumer was created: with the name, its identity across rebinds.
+    pub created: time::OffsetDateTime,
+    /// The last consumer sequence the server has on record as delivered.
+    pub delivered_consumer_sequence: u64,
     /// Subjects the stream captures: what `POST /publish` may publish to.
     pub stream_subjects: Vec<String>,
     /// Effective settings read back from the server.
@@ -88,14 +92,20 @@ pub async fn bind(
     let js = jetstream::new(client.clone());
     let stream = get_or_create_stream(config, &js).await?;
     let stream_subjects = stream.cached_info().config.subjects.clone();
-    let consumer = if config.ephemeral {
+    let mut consumer = if config.ephemeral {
         let mut ephemeral = desired_config(config, None);
         ephemeral.name = Some(ephemeral_name.to_owned());
         create_consumer(&stream, ephemeral).await?
     } else {
         bind_durable(config, &stream).await?
     };
-    let info = consumer.cached_info().clone();
+    // Read the consumer's state back: the create/update reply right after a server restart
+    // carries a fresh `created`, consumer info the real one (and the delivered position).
+    let info = tokio::time::timeout(API_TIMEOUT, consumer.info())
+        .await
+        .map_err(|_| anyhow::anyhow!("timed out reading consumer info"))?
+        .map_err(|err| anyhow::Error::new(err).context("reading consumer info"))?
+        .clone();
     info!(
         stream = %config.stream,
         consumer = %info.name,
@@ -107,6 +117,8 @@ pub async fn bind(
         client: client.clone(),
         jetstream: js,
         consumer_name: info.name.clone(),
+        created: info.created,
+        delivered_consumer_sequence: info.delivered.consumer_sequence,
         stream_subjects,
         ack_wait: info.config.ack_wait,
         max_ack_pending: usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX),

@@ -350,7 +350,7 @@ impl Dispatcher {
         let Some(delivery) = self.delivery(message, received_at) else {
             return;
         };
-        self.shared.note_delivery(delivery.coordinates.key);
+        self.shared.note_delivery(&delivery.coordinates);
         let mut owner = None;
         if let Some(pull_id) = pull_id
             && let Some(pull) = self.pulls.get_mut(&pull_id)

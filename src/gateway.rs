@@ -20,7 +20,7 @@ use crate::config::Config;
 use crate::consumer::{self, AckCommand, BindError, Bound, ConfirmError};
 use crate::dispatch::{Command, Delivery, Demand, Dispatcher, Leased};
 use crate::error::Error;
-use crate::lease_id::{DeliveryKey, LeaseSigner};
+use crate::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
 use crate::leases::{LeaseTable, Refusal, SettleKind, SettleStart};
 
 /// How long settled and expired leases are remembered, so that retries get the first answer.
@@ -34,6 +34,8 @@ pub struct Shared {
     signer: LeaseSigner,
     /// Bumped when the consumer is recreated; ids of an earlier epoch are void.
     epoch: AtomicU32,
+    /// The highest consumer sequence delivered to the gateway in this epoch.
+    highest_consumer_sequence: AtomicU64,
     ack_wait_ms: AtomicU64,
     max_ack_pending: AtomicUsize,
     rebind: Notify,
@@ -95,11 +97,14 @@ impl Shared {
     /// delivery of the new consumer that happens to have the same sequence numbers.
     fn new_epoch(&self) {
         self.epoch.fetch_add(1, Ordering::Relaxed);
+        self.highest_consumer_sequence.store(0, Ordering::Relaxed);
         *self.leases() = LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX);
     }
 
-    pub fn note_delivery(&self, key: DeliveryKey) {
-        self.leases().note_delivery(key, Instant::now());
+    pub fn note_delivery(&self, coordinates: &LeaseCoordinates) {
+        self.highest_consumer_sequence
+            .fetch_max(coordinates.consumer_sequence, Ordering::Relaxed);
+        self.leases().note_delivery(coordinates.key, Instant::now());
     }
 
     /// A delivery was nak'd back without ever being leased.
@@ -179,6 +184,7 @@ impl Gateway {
             leases: Mutex::new(LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
             signer: LeaseSigner::random(&config.stream, &config.consumer),
             epoch: AtomicU32::new(0),
+            highest_consumer_sequence: AtomicU64::new(0),
             ack_wait_ms: AtomicU64::new(
                 u64::try_from(config.ack_wait.as_millis()).unwrap_or(u64::MAX),
             ),
@@ -601,10 +607,12 @@ async fn supervise(
             }
         };
         backoff = Duration::from_millis(100);
-        let identity = (
-            bound.consumer_name.clone(),
-            bound.consumer.cached_info().created,
-        );
+        let identity = (bound.consumer_name.clone(), bound.created);
+        // A server that lost deliveries in a crash (state not yet on disk) sends them again
+        // with the same sequences and delivery counts, so the ids handed out before would
+        // name the new deliveries too: start a new epoch.
+        let forgot_deliveries = bound.delivered_consumer_sequence
+            < shared.highest_consumer_sequence.load(Ordering::Relaxed);
         shared.ack_wait_ms.store(
             u64::try_from(bound.ack_wait.as_millis()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
@@ -612,9 +620,9 @@ async fn supervise(
         shared
             .max_ack_pending
             .store(bound.max_ack_pending, Ordering::Relaxed);
-        if identity_seen.as_ref() != Some(&identity) {
+        if identity_seen.as_ref() != Some(&identity) || forgot_deliveries {
             if identity_seen.is_some() {
-                warn!(consumer = %identity.0, "the consumer was recreated; every earlier lease is void");
+                warn!(consumer = %identity.0, forgot_deliveries, "the consumer was recreated or lost deliveries; every earlier lease is void");
                 shared.new_epoch();
             }
             identity_seen = Some(identity);
