@@ -13,9 +13,10 @@
 //! arrives for nobody (in that window, or beyond a fetch's `max_bytes`) is held for the next
 //! fetch while most of its ack_wait is left, then nak'd.
 //!
-//! All pulls reply to one wildcard inbox (the pull id is the last token), read by a small
-//! task that only stamps each message with its arrival time: a lease counts from when the
-//! delivery arrived, however busy the dispatcher is.
+//! Each pull has its own inbox subscription (a delivery carries its stream subject, so only
+//! the subscription tells which pull it answers), read by a small task that stamps each
+//! message with its arrival time — a lease counts from when the delivery arrived, however
+//! busy the dispatcher is — and that ends, unsubscribing, once the server ended the pull.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -43,6 +44,8 @@ const PULL_RETRY: Duration = Duration::from_millis(50);
 const MAX_PULL_EXPIRES: Duration = Duration::from_secs(1);
 /// Shorter waits than this are sent as a plain `no_wait` pull.
 const MIN_EXPIRES: Duration = Duration::from_millis(10);
+/// Subscribing only queues a command; it blocks when the queue is full while disconnected.
+const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Upper bound on pulls open at once, whatever max_waiting allows.
 const MAX_OPEN_PULLS: usize = 256;
 
@@ -139,37 +142,18 @@ struct Pull {
     remaining: usize,
     /// When to give up on the server's end-of-request status.
     give_up_at: Instant,
-}
-
-/// A message on the pull inbox: the pull it answers (when the subject says) and when it
-/// arrived.
-type Inbound = (Option<u64>, async_nats::Message, Instant);
-
-/// The pull inbox of the current binding and the task reading it.
-struct Inbox {
-    prefix: String,
-    messages: mpsc::UnboundedReceiver<Inbound>,
+    /// Reads the pull's inbox; ends by itself when the server ended the pull.
     reader: tokio::task::JoinHandle<()>,
 }
 
-impl Drop for Inbox {
-    fn drop(&mut self) {
-        // Dropping the subscriber inside the reader unsubscribes.
-        self.reader.abort();
-    }
-}
-
-async fn next_inbound(inbox: &mut Option<Inbox>) -> Option<Inbound> {
-    match inbox {
-        Some(inbox) => inbox.messages.recv().await,
-        None => std::future::pending().await,
-    }
-}
+/// A message for a pull: the pull's id, the message, and when it arrived.
+type Inbound = (u64, async_nats::Message, Instant);
 
 pub struct Dispatcher {
     shared: Arc<Shared>,
-    bound: Option<Bound>,
-    inbox: Option<Inbox>,
+    bound: Option<Arc<Bound>>,
+    inbound: mpsc::UnboundedReceiver<Inbound>,
+    inbound_sender: mpsc::UnboundedSender<Inbound>,
     waiters: VecDeque<Waiter>,
     held: VecDeque<Delivery>,
     pulls: HashMap<u64, Pull>,
@@ -179,10 +163,12 @@ pub struct Dispatcher {
 
 impl Dispatcher {
     pub fn new(shared: Arc<Shared>) -> Self {
+        let (inbound_sender, inbound) = mpsc::unbounded_channel();
         Self {
             shared,
             bound: None,
-            inbox: None,
+            inbound,
+            inbound_sender,
             waiters: VecDeque::new(),
             held: VecDeque::new(),
             pulls: HashMap::new(),
@@ -194,7 +180,7 @@ impl Dispatcher {
     pub async fn run(
         mut self,
         mut commands: mpsc::Receiver<Command>,
-        mut bound: watch::Receiver<Option<Bound>>,
+        mut bound: watch::Receiver<Option<Arc<Bound>>>,
         capacity_freed: Arc<Notify>,
     ) {
         let initial = bound.borrow_and_update().clone();
@@ -211,10 +197,9 @@ impl Dispatcher {
                     Some(Command::Shutdown) => self.shutting_down = true,
                     Some(Command::Stop) | None => break,
                 },
-                inbound = next_inbound(&mut self.inbox) => match inbound {
-                    Some((pull_id, message, received_at)) => self.on_message(pull_id, message, received_at),
-                    None => self.inbox = None,
-                },
+                Some((pull_id, message, received_at)) = self.inbound.recv() => {
+                    self.on_message(pull_id, message, received_at);
+                }
                 changed = bound.changed() => {
                     if changed.is_err() {
                         break;
@@ -240,10 +225,9 @@ impl Dispatcher {
         };
         while !self.pulls.is_empty() && Instant::now() < until {
             tokio::select! {
-                inbound = next_inbound(&mut self.inbox) => match inbound {
-                    Some((pull_id, message, received_at)) => self.on_message(pull_id, message, received_at),
-                    None => break,
-                },
+                Some((pull_id, message, received_at)) = self.inbound.recv() => {
+                    self.on_message(pull_id, message, received_at);
+                }
                 () = sleep_until(until) => break,
             }
             self.release_held(|_| true).await;
@@ -275,59 +259,30 @@ impl Dispatcher {
         }
     }
 
-    async fn rebind(&mut self, bound: Option<Bound>) {
+    async fn rebind(&mut self, bound: Option<Arc<Bound>>) {
+        for pull in self.pulls.values() {
+            pull.reader.abort();
+        }
+        self.pulls.clear();
         self.forget_pulls();
         // Deliveries of a previous binding cannot be leased any more: let the server have them.
         self.release_held(|_| true).await;
-        self.inbox = None;
         self.bound = bound;
-        let Some(bound) = &self.bound else {
-            return;
-        };
-        let prefix = bound.client.new_inbox();
-        let mut subscriber = match bound.client.subscribe(format!("{prefix}.*")).await {
-            Ok(subscriber) => subscriber,
-            Err(err) => {
-                warn!(error = %err, "could not subscribe to the pull inbox; rebinding");
-                self.shared.request_rebind();
-                return;
-            }
-        };
-        let (sender, messages) = mpsc::unbounded_channel();
-        let reader = tokio::spawn(async move {
-            while let Some(message) = subscriber.next().await {
-                let pull_id = message
-                    .subject
-                    .rsplit('.')
-                    .next()
-                    .and_then(|id| id.parse().ok());
-                if sender.send((pull_id, message, Instant::now())).is_err() {
-                    break;
-                }
-            }
-        });
-        self.inbox = Some(Inbox {
-            prefix,
-            messages,
-            reader,
-        });
     }
 
-    /// The server forgot the open pulls (the connection dropped). What they already sent
-    /// still arrives on the inbox and is held for the next fetch.
+    /// The server forgot the open pulls (the connection dropped). Their readers stay until
+    /// they give up, so what the pulls already sent still arrives and is held.
     fn forget_pulls(&mut self) {
-        self.pulls.clear();
+        for pull in self.pulls.values_mut() {
+            pull.owner = None;
+            pull.remaining = 0;
+        }
         for waiter in &mut self.waiters {
             waiter.pull = None;
         }
     }
 
-    fn on_message(
-        &mut self,
-        pull_id: Option<u64>,
-        message: async_nats::Message,
-        received_at: Instant,
-    ) {
+    fn on_message(&mut self, pull_id: u64, message: async_nats::Message, received_at: Instant) {
         if let Some(status) = message.status {
             if status.as_u16() == 100 {
                 return;
@@ -342,9 +297,7 @@ impl Dispatcher {
             if status.as_u16() == 503 {
                 self.shared.request_rebind();
             }
-            if let Some(pull_id) = pull_id {
-                self.end_pull(pull_id, refused);
-            }
+            self.end_pull(pull_id, refused);
             return;
         }
         let Some(delivery) = self.delivery(message, received_at) else {
@@ -352,9 +305,7 @@ impl Dispatcher {
         };
         self.shared.note_delivery(&delivery.coordinates);
         let mut owner = None;
-        if let Some(pull_id) = pull_id
-            && let Some(pull) = self.pulls.get_mut(&pull_id)
-        {
+        if let Some(pull) = self.pulls.get_mut(&pull_id) {
             pull.remaining = pull.remaining.saturating_sub(1);
             owner = pull.owner;
             if pull.remaining == 0 {
@@ -521,6 +472,10 @@ impl Dispatcher {
             .map(|(id, _)| *id)
             .collect();
         for pull_id in silent {
+            if let Some(pull) = self.pulls.get(&pull_id) {
+                // No end-of-request status came (a lost connection): stop reading.
+                pull.reader.abort();
+            }
             self.end_pull(pull_id, false);
         }
     }
@@ -638,14 +593,25 @@ impl Dispatcher {
             let expires = (left >= MIN_EXPIRES).then_some(left);
             self.next_pull_id += 1;
             let pull_id = self.next_pull_id;
-            let Some(inbox) = &self.inbox else {
+            let inbox = bound.client.new_inbox();
+            // Subscribe before asking: the server delivers only where there is interest.
+            let subscribed =
+                tokio::time::timeout(SUBSCRIBE_TIMEOUT, bound.client.subscribe(inbox.clone()))
+                    .await;
+            let Ok(Ok(subscriber)) = subscribed else {
+                warn!("could not subscribe a pull inbox");
                 return;
             };
-            let reply = format!("{}.{pull_id}", inbox.prefix);
-            if let Err(err) = consumer::request_pull(&bound, reply, batch, expires).await {
+            if let Err(err) = consumer::request_pull(&bound, inbox, batch, expires).await {
                 warn!(error = %err, "pull request failed");
                 return;
             }
+            let reader = tokio::spawn(read_pull(
+                pull_id,
+                batch,
+                subscriber,
+                self.inbound_sender.clone(),
+            ));
             capacity -= batch;
             self.pulls.insert(
                 pull_id,
@@ -653,6 +619,7 @@ impl Dispatcher {
                     owner: Some(self.waiters[index].id),
                     remaining: batch,
                     give_up_at: now + left + PULL_GRACE,
+                    reader,
                 },
             );
             let waiter = &mut self.waiters[index];
@@ -665,6 +632,29 @@ impl Dispatcher {
                 open = self.pulls.len(),
                 "pull limit reached; fetches wait their turn"
             );
+        }
+    }
+}
+
+/// Forward a pull's messages, stamped with their arrival, until the server ended the pull
+/// (a status, or the whole batch delivered); then dropping the subscriber unsubscribes.
+async fn read_pull(
+    pull_id: u64,
+    batch: usize,
+    mut subscriber: async_nats::Subscriber,
+    inbound: mpsc::UnboundedSender<Inbound>,
+) {
+    let mut delivered = 0;
+    while let Some(message) = subscriber.next().await {
+        let ended = match message.status {
+            Some(status) => status.as_u16() != 100,
+            None => {
+                delivered += 1;
+                delivered >= batch
+            }
+        };
+        if inbound.send((pull_id, message, Instant::now())).is_err() || ended {
+            return;
         }
     }
 }

@@ -154,7 +154,7 @@ impl Shared {
 pub struct Gateway {
     shared: Arc<Shared>,
     commands: mpsc::Sender<Command>,
-    bound: watch::Receiver<Option<Bound>>,
+    bound: watch::Receiver<Option<Arc<Bound>>>,
     accepting: Arc<AtomicBool>,
     next_fetch: Arc<AtomicU64>,
     config: Arc<Config>,
@@ -247,7 +247,7 @@ impl Gateway {
         &self.config
     }
 
-    fn bound(&self) -> Result<Bound, Error> {
+    fn bound(&self) -> Result<Arc<Bound>, Error> {
         self.bound.borrow().clone().ok_or_else(|| {
             Error::Unavailable(format!(
                 "not bound to consumer {} of stream {} yet (NATS at {} unreachable or starting)",
@@ -256,7 +256,7 @@ impl Gateway {
         })
     }
 
-    fn connected(&self) -> Result<Bound, Error> {
+    fn connected(&self) -> Result<Arc<Bound>, Error> {
         let bound = self.bound()?;
         if bound.client.connection_state() != async_nats::connection::State::Connected {
             return Err(Error::Unavailable(
@@ -576,7 +576,7 @@ pub fn wall_clock(at: Instant) -> OffsetDateTime {
 async fn supervise(
     config: &Config,
     shared: &Shared,
-    bound_tx: watch::Sender<Option<Bound>>,
+    bound_tx: watch::Sender<Option<Arc<Bound>>>,
     commands: mpsc::Sender<Command>,
 ) -> anyhow::Result<()> {
     let (events_tx, mut events) = mpsc::unbounded_channel();
@@ -629,7 +629,7 @@ async fn supervise(
             published = false;
         }
         if !published {
-            bound_tx.send_replace(Some(bound));
+            bound_tx.send_replace(Some(Arc::new(bound)));
             published = true;
         }
         // Stay bound until the connection comes back after a drop, or a rebind is asked for.

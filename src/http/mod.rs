@@ -15,7 +15,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderName, Request};
 use axum::response::IntoResponse;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
-use tower_http::trace::TraceLayer;
+use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -80,7 +80,11 @@ pub fn router(gateway: Gateway) -> Router {
         .layer(DefaultBodyLimit::max(body::BODY_LIMIT))
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(
-            TraceLayer::new_for_http().make_span_with(|request: &Request<_>| {
+            TraceLayer::new_for_http()
+                // 5xx answers here are expected states (503 while NATS is away, 504 on a slow
+                // confirmation) that the gateway logs where it knows why; not errors of the layer.
+                .on_failure(DefaultOnFailure::new().level(tracing::Level::DEBUG))
+                .make_span_with(|request: &Request<_>| {
                 let request_id = request
                     .headers()
                     .get("x-request-id")
