@@ -59,3 +59,31 @@ async fn fetch_at_max_ack_pending_is_429_with_retry_after() {
         .assert_problem(&[429], "");
     assert_eq!(server_ack_pending(&js, &gateway).await, 5);
 }
+
+/// A pull that delivered its batch stops holding capacity: fetching and acking the whole
+/// max_ack_pending, round after round, always gets full batches (a gateway that lost track
+/// of which pull a delivery answered would keep the capacity reserved and answer [] here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settled_rounds_at_max_ack_pending_keep_getting_full_batches() {
+    let (_server, js, gateway) = setup(&[
+        "--consumer",
+        "rounds",
+        "--max-ack-pending",
+        "10",
+        "--ack-wait",
+        "30s",
+    ])
+    .await;
+    js.publish_many("orders.1", 50, "m").await;
+    for round in 0..5 {
+        let messages = gateway.fetch_n(10, 1000).await;
+        assert_eq!(messages.len(), 10, "round {round}: a full batch");
+        let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
+        let results = gateway.settle_many_ok("ack", &json!({ "ids": ids })).await;
+        assert!(
+            results.iter().all(|(_, status)| *status == 204),
+            "round {round}: {results:?}"
+        );
+    }
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+}
