@@ -199,6 +199,10 @@ impl Dispatcher {
                 },
                 Some((pull_id, message, received_at)) = self.inbound.recv() => {
                     self.on_message(pull_id, message, received_at);
+                    // A pull's batch arrives in a burst: take all of it before one pump.
+                    while let Ok((pull_id, message, received_at)) = self.inbound.try_recv() {
+                        self.on_message(pull_id, message, received_at);
+                    }
                 }
                 changed = bound.changed() => {
                     if changed.is_err() {
@@ -559,6 +563,15 @@ impl Dispatcher {
             return;
         }
         let max_pulls = (bound.max_waiting / 2).clamp(1, MAX_OPEN_PULLS);
+        // Ask to be woken by the next settle while fetches wait for a pull; flagged before
+        // capacity is read, so a settle in between is not missed.
+        if self
+            .waiters
+            .iter()
+            .any(|waiter| waiter.pull.is_none() && waiter.got.is_empty())
+        {
+            self.shared.starving();
+        }
         let reserved: usize = self.held.len()
             + self.waiters.iter().map(|w| w.got.len()).sum::<usize>()
             + self.pulls.values().map(|p| p.remaining).sum::<usize>();

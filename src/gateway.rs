@@ -43,6 +43,8 @@ pub struct Shared {
     capacity_freed: Arc<Notify>,
     /// Wakes every shutdown wait when a settle lands.
     settled: Notify,
+    /// Fetches wait for capacity: the next settle wakes the dispatcher.
+    starved: AtomicBool,
 }
 
 impl Shared {
@@ -110,6 +112,20 @@ impl Shared {
     /// A delivery was nak'd back without ever being leased.
     pub fn released(&self, key: DeliveryKey) {
         self.leases().note_unleased(key, Instant::now());
+    }
+
+    /// A settle freed a slot: wake the dispatcher only if fetches wait for one (a batch ack
+    /// would otherwise wake it once per lease), and any shutdown grace.
+    fn freed_capacity(&self) {
+        if self.starved.swap(false, Ordering::Relaxed) {
+            self.capacity_freed.notify_one();
+        }
+        self.settled.notify_waiters();
+    }
+
+    /// The dispatcher has fetches waiting for capacity.
+    pub fn starving(&self) {
+        self.starved.store(true, Ordering::Relaxed);
     }
 
     pub fn request_rebind(&self) {
@@ -192,6 +208,7 @@ impl Gateway {
             rebind: Notify::new(),
             capacity_freed: Arc::new(Notify::new()),
             settled: Notify::new(),
+            starved: AtomicBool::new(false),
         });
         let config = Arc::new(config);
         let (commands_tx, commands_rx) = mpsc::channel(1024);
@@ -377,8 +394,7 @@ impl Gateway {
             }
         }
         if confirmed.is_ok() {
-            self.shared.capacity_freed.notify_one();
-            self.shared.settled.notify_waiters();
+            self.shared.freed_capacity();
         }
         confirmed.map_err(unconfirmed)
     }

@@ -299,6 +299,15 @@ impl LeaseTable {
 
     /// Move leases past their expiry out of the live set, and forget old outcomes.
     pub fn expire(&mut self, now: Instant) {
+        // The common case on every settle: nothing is due.
+        let lease_due = self.expiries.first().is_some_and(|(at, _)| *at <= now);
+        let parked_due = self.parked_until.first().is_some_and(|(at, _)| *at <= now);
+        let forget_due = self.retired.front().is_some_and(|(at, _)| {
+            *at + self.retention <= now || self.retired.len() > self.max_retired
+        });
+        if !(lease_due || parked_due || forget_due) {
+            return;
+        }
         let due: Vec<DeliveryKey> = self
             .expiries
             .iter()
