@@ -14,7 +14,6 @@ use std::task::{Context, Poll, ready};
 
 use axum::extract::connect_info::Connected;
 use axum::serve::{IncomingStream, Listener};
-use futures::FutureExt;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -133,8 +132,14 @@ impl Client {
         }
     }
 
-    /// Whether the client is known to have gone, without waiting.
+    /// Whether the client has gone, without waiting. Asks the socket itself: the
+    /// runtime's readiness flags can lag behind a hang-up that just arrived.
     pub fn has_hung_up(&self) -> bool {
-        self.hung_up().now_or_never().is_some()
+        let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        match socket2::SockRef::from(self.stream.as_ref()).peek(&mut byte) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(err) => err.kind() != io::ErrorKind::WouldBlock,
+        }
     }
 }

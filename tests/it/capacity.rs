@@ -36,14 +36,7 @@ async fn fetch_at_max_ack_pending_is_429_with_retry_after() {
         took < Duration::from_secs(3),
         "429 at once, not after wait_ms: {took:?}"
     );
-    let retry_after = reply
-        .headers
-        .get("retry-after")
-        .unwrap_or_else(|| panic!("429 without Retry-After: {:?}", reply.headers))
-        .to_str()
-        .expect("ascii header")
-        .parse::<u64>()
-        .expect("Retry-After in whole seconds");
+    let retry_after = reply.retry_after_secs();
     assert!(
         (5..=10).contains(&retry_after),
         "Retry-After is when the earliest lease (ack_wait 10 s) expires: {retry_after}"

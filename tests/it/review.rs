@@ -276,14 +276,7 @@ async fn delayed_naks_count_against_max_ack_pending() {
         took < Duration::from_secs(3),
         "429 at once, not after wait_ms: {took:?}"
     );
-    let retry_after = reply
-        .headers
-        .get("retry-after")
-        .unwrap_or_else(|| panic!("429 without Retry-After: {:?}", reply.headers))
-        .to_str()
-        .expect("ascii header")
-        .parse::<u64>()
-        .expect("Retry-After in whole seconds");
+    let retry_after = reply.retry_after_secs();
     assert!(
         (1..=60).contains(&retry_after),
         "Retry-After within the nak delay (60 s): {retry_after}"
@@ -326,19 +319,7 @@ async fn shutdown_completes_promptly_once_the_last_lease_is_settled() {
     .await;
     js.publish("orders.1", "settled during the grace").await;
     let lease = gateway.fetch_n(1, 2000).await.remove(0);
-    gateway.trigger_shutdown();
-    wait_until(
-        "the shutdown has begun (new fetches are refused)",
-        Duration::from_secs(5),
-        || async {
-            gateway
-                .fetch_reply(Some(&json!({ "wait_ms": 0 })))
-                .await
-                .status
-                == 503
-        },
-    )
-    .await;
+    gateway.begin_shutdown().await;
     let started = Instant::now();
     assert_eq!(gateway.ack(&lease.id).await, 204, "ack during the grace");
     gateway

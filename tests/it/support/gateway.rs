@@ -35,6 +35,18 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// The Retry-After header in whole seconds; panics when it is missing or not a number.
+    #[track_caller]
+    pub fn retry_after_secs(&self) -> u64 {
+        self.headers
+            .get("retry-after")
+            .unwrap_or_else(|| panic!("{} without Retry-After: {:?}", self.status, self.headers))
+            .to_str()
+            .expect("ascii header")
+            .parse::<u64>()
+            .expect("Retry-After in whole seconds")
+    }
+
     pub fn content_type(&self) -> &str {
         self.headers
             .get(CONTENT_TYPE)
@@ -197,6 +209,22 @@ impl Gateway {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
+    }
+
+    /// Trigger the shutdown and wait until new fetches are refused (503): the drain began.
+    pub async fn begin_shutdown(&mut self) {
+        self.trigger_shutdown();
+        crate::support::wait_until(
+            "the shutdown has begun (new fetches are refused)",
+            Duration::from_secs(5),
+            || async {
+                self.fetch_reply(Some(&serde_json::json!({ "wait_ms": 0 })))
+                    .await
+                    .status
+                    == 503
+            },
+        )
+        .await;
     }
 
     /// Wait (bounded) for `run` to return on its own or after `trigger_shutdown`.
