@@ -44,6 +44,9 @@ const PULL_RETRY: Duration = Duration::from_millis(50);
 const MAX_PULL_EXPIRES: Duration = Duration::from_secs(1);
 /// Shorter waits than this are sent as a plain `no_wait` pull.
 const MIN_EXPIRES: Duration = Duration::from_millis(10);
+/// How long the reader of a pull given up on keeps forwarding before it is stopped: the
+/// server's end-of-request status normally comes long before.
+const STRAGGLER_READ: Duration = Duration::from_secs(30);
 /// Subscribing only queues a command; it blocks when the queue is full while disconnected.
 const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Upper bound on pulls open at once, whatever max_waiting allows.
@@ -159,6 +162,8 @@ pub struct Dispatcher {
     pulls: HashMap<u64, Pull>,
     next_pull_id: u64,
     shutting_down: bool,
+    /// Readers of pulls given up on, still forwarding until the server ends them.
+    stragglers: Vec<(Instant, tokio::task::JoinHandle<()>)>,
 }
 
 impl Dispatcher {
@@ -174,6 +179,7 @@ impl Dispatcher {
             pulls: HashMap::new(),
             next_pull_id: 0,
             shutting_down: false,
+            stragglers: Vec::new(),
         }
     }
 
@@ -266,6 +272,9 @@ impl Dispatcher {
     async fn rebind(&mut self, bound: Option<Arc<Bound>>) {
         for pull in self.pulls.values() {
             pull.reader.abort();
+        }
+        for (_, reader) in self.stragglers.drain(..) {
+            reader.abort();
         }
         self.pulls.clear();
         self.forget_pulls();
@@ -373,10 +382,13 @@ impl Dispatcher {
     }
 
     fn end_pull(&mut self, pull_id: u64, refused: bool) {
-        let Some(pull) = self.pulls.remove(&pull_id) else {
-            return;
-        };
-        let Some(owner) = pull.owner else {
+        if let Some(pull) = self.pulls.remove(&pull_id) {
+            self.end_pull_of(pull.owner, refused);
+        }
+    }
+
+    fn end_pull_of(&mut self, owner: Option<u64>, refused: bool) {
+        let Some(owner) = owner else {
             return;
         };
         if let Some(waiter) = self.waiters.iter_mut().find(|w| w.id == owner) {
@@ -476,12 +488,24 @@ impl Dispatcher {
             .map(|(id, _)| *id)
             .collect();
         for pull_id in silent {
-            if let Some(pull) = self.pulls.get(&pull_id) {
-                // No end-of-request status came (a lost connection): stop reading.
-                pull.reader.abort();
+            if let Some(pull) = self.pulls.remove(&pull_id) {
+                // No end-of-request status yet: a busy machine or a lost connection. The pull
+                // no longer counts, but its reader keeps forwarding whatever still arrives
+                // (to `held`); dropping it could strand deliveries for a whole ack_wait.
+                self.stragglers.push((now + STRAGGLER_READ, pull.reader));
+                self.end_pull_of(pull.owner, false);
             }
-            self.end_pull(pull_id, false);
         }
+        self.stragglers.retain(|(reap_at, reader)| {
+            if reader.is_finished() {
+                return false;
+            }
+            if *reap_at <= now {
+                reader.abort();
+                return false;
+            }
+            true
+        });
     }
 
     /// Nak held deliveries that match `release`: the server redelivers them to the next pull.
