@@ -2,10 +2,11 @@
 //! `openapi/openapi.json` kept equal to the served one.
 
 use std::path::Path;
+use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::support::{Gateway, STREAM, nats::free_port, server_ack_pending, setup};
+use crate::support::{Gateway, STREAM, nats::free_port, server_ack_pending, setup, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_endpoint_reports_config_server_counters_and_leases() {
@@ -50,7 +51,15 @@ async fn consumer_endpoint_reports_config_server_counters_and_leases() {
             "counter {counter}: {view}"
         );
     }
-    assert_eq!(view["num_pending"], 3, "{view}");
+    // The server counts a stored message as pending for the consumer a moment after the
+    // publish was acknowledged: wait for it rather than race it.
+    wait_until(
+        "the consumer counts the 3 messages as pending",
+        Duration::from_secs(5),
+        || async { gateway.consumer_view().await["num_pending"] == 3 },
+    )
+    .await;
+    let view = gateway.consumer_view().await;
     assert_eq!(view["num_ack_pending"], 0, "{view}");
     assert_eq!(view["leases_in_flight"], 0, "{view}");
 
