@@ -149,8 +149,22 @@ struct Pull {
     reader: tokio::task::JoinHandle<()>,
 }
 
-/// A message for a pull: the pull's id, the message, and when it arrived.
-type Inbound = (u64, async_nats::Message, Instant);
+/// What a pull's reader forwards to the dispatcher. Nearly every one is a delivery, so it
+/// travels unboxed: boxing would cost an allocation per message to save space on the rare
+/// end-of-pull status.
+#[allow(clippy::large_enum_variant)]
+enum Inbound {
+    Delivery {
+        pull_id: u64,
+        delivery: Delivery,
+    },
+    /// The server ended the pull with this status.
+    Ended {
+        pull_id: u64,
+        status: u16,
+        description: String,
+    },
+}
 
 pub struct Dispatcher {
     shared: Arc<Shared>,
@@ -203,11 +217,11 @@ impl Dispatcher {
                     Some(Command::Shutdown) => self.shutting_down = true,
                     Some(Command::Stop) | None => break,
                 },
-                Some((pull_id, message, received_at)) = self.inbound.recv() => {
-                    self.on_message(pull_id, message, received_at);
+                Some(inbound) = self.inbound.recv() => {
+                    self.on_inbound(inbound);
                     // A pull's batch arrives in a burst: take all of it before one pump.
-                    while let Ok((pull_id, message, received_at)) = self.inbound.try_recv() {
-                        self.on_message(pull_id, message, received_at);
+                    while let Ok(inbound) = self.inbound.try_recv() {
+                        self.on_inbound(inbound);
                     }
                 }
                 changed = bound.changed() => {
@@ -235,9 +249,7 @@ impl Dispatcher {
         };
         while !self.pulls.is_empty() && Instant::now() < until {
             tokio::select! {
-                Some((pull_id, message, received_at)) = self.inbound.recv() => {
-                    self.on_message(pull_id, message, received_at);
-                }
+                Some(inbound) = self.inbound.recv() => self.on_inbound(inbound),
                 () = sleep_until(until) => break,
             }
             self.release_held(|_| true).await;
@@ -295,26 +307,26 @@ impl Dispatcher {
         }
     }
 
-    fn on_message(&mut self, pull_id: u64, message: async_nats::Message, received_at: Instant) {
-        if let Some(status) = message.status {
-            if status.as_u16() == 100 {
+    fn on_inbound(&mut self, inbound: Inbound) {
+        let (pull_id, delivery) = match inbound {
+            Inbound::Delivery { pull_id, delivery } => (pull_id, delivery),
+            Inbound::Ended {
+                pull_id,
+                status,
+                description,
+            } => {
+                debug!(status, description, "pull request ended");
+                let refused = matches!(status, 408 | 409) && description != "Request Timeout";
+                if status == 409 && description.contains("Consumer Deleted") {
+                    warn!("the consumer was deleted; waiting to rebind");
+                    self.shared.request_rebind();
+                }
+                if status == 503 {
+                    self.shared.request_rebind();
+                }
+                self.end_pull(pull_id, refused);
                 return;
             }
-            let description = message.description.as_deref().unwrap_or_default();
-            debug!(status = status.as_u16(), description, "pull request ended");
-            let refused = matches!(status.as_u16(), 408 | 409) && description != "Request Timeout";
-            if status.as_u16() == 409 && description.contains("Consumer Deleted") {
-                warn!("the consumer was deleted; waiting to rebind");
-                self.shared.request_rebind();
-            }
-            if status.as_u16() == 503 {
-                self.shared.request_rebind();
-            }
-            self.end_pull(pull_id, refused);
-            return;
-        }
-        let Some(delivery) = self.delivery(message, received_at) else {
-            return;
         };
         self.shared.note_delivery(&delivery.coordinates);
         let mut owner = None;
@@ -336,49 +348,6 @@ impl Dispatcher {
             }
             None => self.held.push_back(delivery),
         }
-    }
-
-    fn delivery(&self, message: async_nats::Message, received_at: Instant) -> Option<Delivery> {
-        let bound = self.bound.as_ref()?;
-        let message = async_nats::jetstream::Message {
-            message,
-            context: bound.jetstream.clone(),
-        };
-        let info = match message.info() {
-            Ok(info) => info,
-            Err(err) => {
-                warn!(error = %err, subject = %message.subject, "ignoring a message that is not a JetStream delivery");
-                return None;
-            }
-        };
-        let coordinates = LeaseCoordinates {
-            // Set when leased, from the binding in force then.
-            epoch: 0,
-            key: DeliveryKey {
-                stream_sequence: info.stream_sequence,
-                delivered: u64::try_from(info.delivered).unwrap_or(1),
-            },
-            consumer_sequence: info.consumer_sequence,
-            published_unix_nanos: i64::try_from(info.published.unix_timestamp_nanos()).unwrap_or(0),
-        };
-        let stream = info.stream.to_owned();
-        let consumer = info.consumer.to_owned();
-        let pending = info.pending;
-        let published_at = info.published;
-        let reply: Arc<str> = Arc::from(message.reply.as_deref().unwrap_or_default());
-        let message = message.message;
-        Some(Delivery {
-            coordinates,
-            reply,
-            subject: message.subject,
-            payload: message.payload,
-            headers: message.headers,
-            stream,
-            consumer,
-            pending,
-            published_at,
-            received_at,
-        })
     }
 
     fn end_pull(&mut self, pull_id: u64, refused: bool) {
@@ -647,6 +616,7 @@ impl Dispatcher {
                 pull_id,
                 batch,
                 subscriber,
+                bound.jetstream.clone(),
                 self.inbound_sender.clone(),
             ));
             capacity -= batch;
@@ -675,25 +645,90 @@ impl Dispatcher {
 
 /// Forward a pull's messages, stamped with their arrival, until the server ended the pull
 /// (a status, or the whole batch delivered); then dropping the subscriber unsubscribes.
+/// Parsing here, on arrival, also keeps it off the dispatcher's path.
 async fn read_pull(
     pull_id: u64,
     batch: usize,
     mut subscriber: async_nats::Subscriber,
+    jetstream: async_nats::jetstream::Context,
     inbound: mpsc::UnboundedSender<Inbound>,
 ) {
     let mut delivered = 0;
     while let Some(message) = subscriber.next().await {
-        let ended = match message.status {
-            Some(status) => status.as_u16() != 100,
+        let received_at = Instant::now();
+        let (forward, ended) = match message.status {
+            Some(status) if status.as_u16() == 100 => (None, false),
+            Some(status) => (
+                Some(Inbound::Ended {
+                    pull_id,
+                    status: status.as_u16(),
+                    description: message.description.unwrap_or_default(),
+                }),
+                true,
+            ),
             None => {
                 delivered += 1;
-                delivered >= batch
+                let forward = delivery(&jetstream, message, received_at)
+                    .map(|delivery| Inbound::Delivery { pull_id, delivery });
+                (forward, delivered >= batch)
             }
         };
-        if inbound.send((pull_id, message, Instant::now())).is_err() || ended {
+        if let Some(forward) = forward
+            && inbound.send(forward).is_err()
+        {
+            return;
+        }
+        if ended {
             return;
         }
     }
+}
+
+/// A delivery from a JetStream message, or `None` (logged) for anything else.
+fn delivery(
+    jetstream: &async_nats::jetstream::Context,
+    message: async_nats::Message,
+    received_at: Instant,
+) -> Option<Delivery> {
+    let message = async_nats::jetstream::Message {
+        message,
+        context: jetstream.clone(),
+    };
+    let info = match message.info() {
+        Ok(info) => info,
+        Err(err) => {
+            warn!(error = %err, subject = %message.subject, "ignoring a message that is not a JetStream delivery");
+            return None;
+        }
+    };
+    let coordinates = LeaseCoordinates {
+        // Set when leased, from the binding in force then.
+        epoch: 0,
+        key: DeliveryKey {
+            stream_sequence: info.stream_sequence,
+            delivered: u64::try_from(info.delivered).unwrap_or(1),
+        },
+        consumer_sequence: info.consumer_sequence,
+        published_unix_nanos: i64::try_from(info.published.unix_timestamp_nanos()).unwrap_or(0),
+    };
+    let stream = info.stream.to_owned();
+    let consumer = info.consumer.to_owned();
+    let pending = info.pending;
+    let published_at = info.published;
+    let reply: Arc<str> = Arc::from(message.reply.as_deref().unwrap_or_default());
+    let message = message.message;
+    Some(Delivery {
+        coordinates,
+        reply,
+        subject: message.subject,
+        payload: message.payload,
+        headers: message.headers,
+        stream,
+        consumer,
+        pending,
+        published_at,
+        received_at,
+    })
 }
 
 impl Drop for Dispatcher {

@@ -8,7 +8,7 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 use time::OffsetDateTime;
 
-use crate::support::{Deadline, STREAM, rfc3339, setup};
+use crate::support::{Deadline, STREAM, rfc3339, setup, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn empty_body_and_empty_object_use_the_defaults() {
@@ -198,6 +198,13 @@ async fn headers_are_an_object_of_string_arrays() {
 async fn every_message_field_is_present_and_typed() {
     let (_server, js, gateway) = setup(&["--consumer", "fields", "--ack-wait", "20s"]).await;
     js.publish_many("orders.eu.7", 3, "m").await;
+    // `pending` is the server's count, updated a moment after each publish is acknowledged.
+    wait_until(
+        "the consumer counts the 3 messages as pending",
+        Duration::from_secs(5),
+        || async { js.consumer_info(STREAM, "fields").await.num_pending == 3 },
+    )
+    .await;
 
     let before = OffsetDateTime::now_utc();
     let reply = gateway
