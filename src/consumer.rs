@@ -29,6 +29,9 @@ pub struct Bound {
     pub created: time::OffsetDateTime,
     /// The last consumer sequence the server has on record as delivered.
     pub delivered_consumer_sequence: u64,
+    /// The lease epoch of this binding (set by the supervisor): stamped on every delivery
+    /// pulled through it.
+    pub epoch: u32,
     /// Subjects the stream captures: what `POST /publish` may publish to.
     pub stream_subjects: Vec<String>,
     /// Effective settings read back from the server.
@@ -119,6 +122,7 @@ pub async fn bind(
         consumer_name: info.name.clone(),
         created: info.created,
         delivered_consumer_sequence: info.delivered.consumer_sequence,
+        epoch: 0,
         stream_subjects,
         ack_wait: info.config.ack_wait,
         max_ack_pending: usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX),

@@ -158,6 +158,11 @@ enum Inbound {
         pull_id: u64,
         delivery: Delivery,
     },
+    /// A message the pull brought that is not a usable delivery (nak'd on its reply, if any).
+    Unusable {
+        pull_id: u64,
+        reply: Option<Subject>,
+    },
     /// The server ended the pull with this status.
     Ended {
         pull_id: u64,
@@ -178,6 +183,10 @@ pub struct Dispatcher {
     shutting_down: bool,
     /// Readers of pulls given up on, still forwarding until the server ends them.
     stragglers: Vec<(Instant, tokio::task::JoinHandle<()>)>,
+    /// A rebind was asked for and has not happened yet.
+    rebind_requested: bool,
+    /// Reply subjects of messages that were no usable delivery, to nak.
+    unusable: Vec<Subject>,
 }
 
 impl Dispatcher {
@@ -194,6 +203,8 @@ impl Dispatcher {
             next_pull_id: 0,
             shutting_down: false,
             stragglers: Vec::new(),
+            rebind_requested: false,
+            unusable: Vec::new(),
         }
     }
 
@@ -244,10 +255,18 @@ impl Dispatcher {
     /// Before stopping, let the open pulls end (they are short) and nak what they bring, so
     /// that nothing sent to the gateway waits out its ack_wait.
     async fn drain_open_pulls(&mut self) {
-        let Some(until) = self.pulls.values().map(|pull| pull.give_up_at).max() else {
+        let now = Instant::now();
+        self.stragglers.retain(|(_, reader)| !reader.is_finished());
+        let open_until = self.pulls.values().map(|pull| pull.give_up_at).max();
+        let stragglers_until = (!self.stragglers.is_empty()).then_some(now + PULL_GRACE);
+        let Some(until) = open_until.into_iter().chain(stragglers_until).max() else {
             return;
         };
-        while !self.pulls.is_empty() && Instant::now() < until {
+        loop {
+            self.stragglers.retain(|(_, reader)| !reader.is_finished());
+            if (self.pulls.is_empty() && self.stragglers.is_empty()) || Instant::now() >= until {
+                break;
+            }
             tokio::select! {
                 Some(inbound) = self.inbound.recv() => self.on_inbound(inbound),
                 () = sleep_until(until) => break,
@@ -255,6 +274,12 @@ impl Dispatcher {
             self.release_held(|_| true).await;
         }
         self.release_held(|_| true).await;
+        for (_, reader) in self.stragglers.drain(..) {
+            reader.abort();
+        }
+        for (_, pull) in self.pulls.drain() {
+            pull.reader.abort();
+        }
     }
 
     fn enqueue(&mut self, id: u64, demand: Demand, answer: oneshot::Sender<Vec<Leased>>) {
@@ -282,14 +307,14 @@ impl Dispatcher {
     }
 
     async fn rebind(&mut self, bound: Option<Arc<Bound>>) {
-        for pull in self.pulls.values() {
-            pull.reader.abort();
+        // Readers of the old binding's pulls keep forwarding what they still get: deliveries
+        // of an older epoch are nak'd, never leased or dropped.
+        let now = Instant::now();
+        for (_, pull) in self.pulls.drain() {
+            self.stragglers.push((now + STRAGGLER_READ, pull.reader));
         }
-        for (_, reader) in self.stragglers.drain(..) {
-            reader.abort();
-        }
-        self.pulls.clear();
         self.forget_pulls();
+        self.rebind_requested = false;
         // Deliveries of a previous binding cannot be leased any more: let the server have them.
         self.release_held(|_| true).await;
         self.bound = bound;
@@ -310,6 +335,13 @@ impl Dispatcher {
     fn on_inbound(&mut self, inbound: Inbound) {
         let (pull_id, delivery) = match inbound {
             Inbound::Delivery { pull_id, delivery } => (pull_id, delivery),
+            Inbound::Unusable { pull_id, reply } => {
+                self.count_delivery(pull_id);
+                if let Some(reply) = reply {
+                    self.unusable.push(reply);
+                }
+                return;
+            }
             Inbound::Ended {
                 pull_id,
                 status,
@@ -317,26 +349,26 @@ impl Dispatcher {
             } => {
                 debug!(status, description, "pull request ended");
                 let refused = matches!(status, 408 | 409) && description != "Request Timeout";
-                if status == 409 && description.contains("Consumer Deleted") {
+                // Only a pull of the current binding says anything about it.
+                let current = self.pulls.contains_key(&pull_id);
+                if current && status == 409 && description.contains("Consumer Deleted") {
                     warn!("the consumer was deleted; waiting to rebind");
-                    self.shared.request_rebind();
+                    self.request_rebind();
                 }
-                if status == 503 {
-                    self.shared.request_rebind();
+                if current && status == 503 {
+                    self.request_rebind();
                 }
                 self.end_pull(pull_id, refused);
                 return;
             }
         };
-        self.shared.note_delivery(&delivery.coordinates);
-        let mut owner = None;
-        if let Some(pull) = self.pulls.get_mut(&pull_id) {
-            pull.remaining = pull.remaining.saturating_sub(1);
-            owner = pull.owner;
-            if pull.remaining == 0 {
-                self.end_pull(pull_id, false);
-            }
+        let owner = self.count_delivery(pull_id);
+        if delivery.coordinates.epoch != self.shared.epoch() {
+            // From a consumer since recreated: only ever nak'd (by release_held).
+            self.held.push_back(delivery);
+            return;
         }
+        self.shared.note_delivery(&delivery.coordinates);
         let waiter = owner.and_then(|owner| self.waiters.iter_mut().find(|w| w.id == owner));
         match waiter {
             Some(waiter) if waiter.accepts(&delivery) && !waiter.answer.is_closed() => {
@@ -347,6 +379,26 @@ impl Dispatcher {
                 self.held.push_back(delivery);
             }
             None => self.held.push_back(delivery),
+        }
+    }
+
+    /// One more message of `pull_id` arrived; returns the fetch it is for.
+    fn count_delivery(&mut self, pull_id: u64) -> Option<u64> {
+        let pull = self.pulls.get_mut(&pull_id)?;
+        pull.remaining = pull.remaining.saturating_sub(1);
+        let owner = pull.owner;
+        if pull.remaining == 0 {
+            self.end_pull(pull_id, false);
+        }
+        owner
+    }
+
+    /// Ask the supervisor to rebind, once per binding (every open pull reports a deleted
+    /// consumer; a second rebind would cut off the pulls made under the new one).
+    fn request_rebind(&mut self) {
+        if !self.rebind_requested {
+            self.rebind_requested = true;
+            self.shared.request_rebind();
         }
     }
 
@@ -393,10 +445,12 @@ impl Dispatcher {
         let lease_expiry = (!self.waiters.is_empty())
             .then(|| self.shared.next_release().filter(|at| *at > now))
             .flatten();
+        let reaps = self.stragglers.iter().map(|(reap_at, _)| *reap_at);
         waiters
             .chain(held)
             .chain(pulls)
             .chain(lease_expiry)
+            .chain(reaps)
             .min()
             .unwrap_or(far)
     }
@@ -479,10 +533,17 @@ impl Dispatcher {
 
     /// Nak held deliveries that match `release`: the server redelivers them to the next pull.
     async fn release_held(&mut self, release: impl Fn(&Delivery) -> bool) {
+        let epoch = self.shared.epoch();
+        let release =
+            |delivery: &Delivery| delivery.coordinates.epoch != epoch || release(delivery);
         let Some(bound) = &self.bound else {
             self.held.retain(|delivery| !release(delivery));
+            self.unusable.clear();
             return;
         };
+        for reply in self.unusable.drain(..) {
+            consumer::release(&bound.client, &reply).await;
+        }
         let mut kept = VecDeque::with_capacity(self.held.len());
         for delivery in self.held.drain(..) {
             if release(&delivery) {
@@ -535,7 +596,14 @@ impl Dispatcher {
             let Some(waiter) = self.waiters.remove(index) else {
                 break;
             };
-            let leased = self.shared.lease(waiter.got);
+            let epoch = self.shared.epoch();
+            let (got, stale): (Vec<Delivery>, Vec<Delivery>) = waiter
+                .got
+                .into_iter()
+                .partition(|delivery| delivery.coordinates.epoch == epoch);
+            // Released by the next pump.
+            self.held.extend(stale);
+            let leased = self.shared.lease(got);
             if let Err(unanswered) = waiter.answer.send(leased) {
                 // The client went away in the meantime: take the leases back.
                 let got = self.shared.withdraw(unanswered);
@@ -615,6 +683,7 @@ impl Dispatcher {
             let reader = tokio::spawn(read_pull(
                 pull_id,
                 batch,
+                bound.epoch,
                 subscriber,
                 bound.jetstream.clone(),
                 self.inbound_sender.clone(),
@@ -649,6 +718,7 @@ impl Dispatcher {
 async fn read_pull(
     pull_id: u64,
     batch: usize,
+    epoch: u32,
     mut subscriber: async_nats::Subscriber,
     jetstream: async_nats::jetstream::Context,
     inbound: mpsc::UnboundedSender<Inbound>,
@@ -668,8 +738,11 @@ async fn read_pull(
             ),
             None => {
                 delivered += 1;
-                let forward = delivery(&jetstream, message, received_at)
-                    .map(|delivery| Inbound::Delivery { pull_id, delivery });
+                let forward = match delivery(&jetstream, epoch, message, received_at) {
+                    Ok(delivery) => Inbound::Delivery { pull_id, delivery },
+                    Err(reply) => Inbound::Unusable { pull_id, reply },
+                };
+                let forward = Some(forward);
                 (forward, delivered >= batch)
             }
         };
@@ -687,9 +760,10 @@ async fn read_pull(
 /// A delivery from a JetStream message, or `None` (logged) for anything else.
 fn delivery(
     jetstream: &async_nats::jetstream::Context,
+    epoch: u32,
     message: async_nats::Message,
     received_at: Instant,
-) -> Option<Delivery> {
+) -> Result<Delivery, Option<Subject>> {
     let message = async_nats::jetstream::Message {
         message,
         context: jetstream.clone(),
@@ -697,13 +771,13 @@ fn delivery(
     let info = match message.info() {
         Ok(info) => info,
         Err(err) => {
-            warn!(error = %err, subject = %message.subject, "ignoring a message that is not a JetStream delivery");
-            return None;
+            warn!(error = %err, subject = %message.subject, "a message that is not a JetStream delivery; nak'ing it");
+            return Err(message.message.reply);
         }
     };
     let coordinates = LeaseCoordinates {
-        // Set when leased, from the binding in force then.
-        epoch: 0,
+        // The binding the pull was made under: a delivery of an earlier one is never leased.
+        epoch,
         key: DeliveryKey {
             stream_sequence: info.stream_sequence,
             delivered: u64::try_from(info.delivered).unwrap_or(1),
@@ -717,7 +791,7 @@ fn delivery(
     let published_at = info.published;
     let reply: Arc<str> = Arc::from(message.reply.as_deref().unwrap_or_default());
     let message = message.message;
-    Some(Delivery {
+    Ok(Delivery {
         coordinates,
         reply,
         subject: message.subject,

@@ -81,6 +81,11 @@ impl Shared {
         self.leases().in_flight(Instant::now())
     }
 
+    /// The lease epoch in force (see [`LeaseCoordinates::epoch`]).
+    pub fn epoch(&self) -> u32 {
+        self.epoch.load(Ordering::Relaxed)
+    }
+
     pub fn next_expiry(&self) -> Option<Instant> {
         self.leases().next_expiry()
     }
@@ -135,12 +140,10 @@ impl Shared {
     /// Issue leases for deliveries about to be handed to a client.
     pub fn lease(&self, deliveries: Vec<Delivery>) -> Vec<Leased> {
         let lifetime = self.ack_wait().saturating_sub(self.margin());
-        let epoch = self.epoch.load(Ordering::Relaxed);
         let mut leases = self.leases();
         deliveries
             .into_iter()
-            .map(|mut delivery| {
-                delivery.coordinates.epoch = epoch;
+            .map(|delivery| {
                 let expires_at = delivery.received_at + lifetime;
                 leases.issue(delivery.coordinates.key, delivery.reply.clone(), expires_at);
                 Leased {
@@ -645,6 +648,8 @@ async fn supervise(
             published = false;
         }
         if !published {
+            let mut bound = bound;
+            bound.epoch = shared.epoch();
             bound_tx.send_replace(Some(Arc::new(bound)));
             published = true;
         }
