@@ -1,15 +1,19 @@
 //! The JSON body extractor: any Content-Type (curl's `-d` sends a form type), an empty body
 //! means "all defaults", and every rejection is problem+json naming the field at fault.
 
-use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
-use axum::http::StatusCode;
+use axum::http::header;
+use futures::StreamExt;
 use serde::de::DeserializeOwned;
 
 use crate::error::Error;
 
 /// Most bytes a request body may have (a 1000-id batch settle needs about 70 KB).
 pub const BODY_LIMIT: usize = 256 * 1024;
+/// An oversized body is still read (and dropped) up to this size before the 413 goes out:
+/// closing a connection with unread data resets it, and the client may then never see the
+/// answer. Past this, or with a larger Content-Length, the connection is cut at once.
+const DRAIN_LIMIT: usize = 16 * 1024 * 1024;
 
 /// A JSON request body, `T::default()` when empty.
 pub struct JsonBody<T>(pub T);
@@ -21,15 +25,34 @@ where
 {
     type Rejection = Error;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
-            match rejection.status() {
-                StatusCode::PAYLOAD_TOO_LARGE => Error::PayloadTooLarge { limit: BODY_LIMIT },
-                _ => Error::Malformed {
-                    detail: format!("could not read the request body: {rejection}"),
-                },
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        let too_large = || Error::PayloadTooLarge { limit: BODY_LIMIT };
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|length| length.to_str().ok())
+            .and_then(|length| length.parse::<usize>().ok());
+        if declared.is_some_and(|length| length > DRAIN_LIMIT) {
+            return Err(too_large());
+        }
+        let mut body = req.into_body().into_data_stream();
+        let mut bytes = Vec::new();
+        let mut read = 0usize;
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|err| Error::Malformed {
+                detail: format!("could not read the request body: {err}"),
+            })?;
+            read += chunk.len();
+            if read > DRAIN_LIMIT {
+                return Err(too_large());
             }
-        })?;
+            if read <= BODY_LIMIT {
+                bytes.extend_from_slice(&chunk);
+            }
+        }
+        if read > BODY_LIMIT {
+            return Err(too_large());
+        }
         parse(&bytes).map(JsonBody)
     }
 }

@@ -11,7 +11,6 @@ pub mod problem;
 mod publish;
 
 use axum::Router;
-use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderName, Request};
 use axum::response::IntoResponse;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
@@ -77,7 +76,6 @@ pub fn router(gateway: Gateway) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(gateway)
-        .layer(DefaultBodyLimit::max(body::BODY_LIMIT))
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(
             TraceLayer::new_for_http()
