@@ -43,7 +43,7 @@ pub struct Config {
     pub deliver_policy: DeliverPolicy,
 
     /// How long a leased message may stay unsettled before NATS redelivers it (e.g. 30s, 1m).
-    #[arg(long, env = "RUSTSTREAM_ACK_WAIT", default_value = "30s", value_parser = parse_ack_wait)]
+    #[arg(long, env = "RUSTSTREAM_ACK_WAIT", default_value = "30s", value_parser = parse_positive_duration)]
     pub ack_wait: Duration,
 
     /// Most messages leased out at once (the consumer's max_ack_pending).
@@ -159,16 +159,6 @@ fn parse_positive_duration(value: &str) -> Result<Duration, String> {
     let duration = humantime::parse_duration(value).map_err(|err| err.to_string())?;
     if duration.is_zero() {
         return Err("must be greater than zero".into());
-    }
-    Ok(duration)
-}
-
-/// ack_wait below a second leaves too little room between the gateway's lease and the server's
-/// redelivery timer to be useful; NATS itself accepts anything positive.
-fn parse_ack_wait(value: &str) -> Result<Duration, String> {
-    let duration = parse_positive_duration(value)?;
-    if duration < Duration::from_millis(500) {
-        return Err("must be at least 500ms".into());
     }
     Ok(duration)
 }
