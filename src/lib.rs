@@ -9,6 +9,8 @@
 //! - [`lease_id`]: signed, self-describing lease ids.
 //! - [`gateway`]: the core the handlers call; supervises the NATS binding.
 //! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
+//! - [`error`]: the one error type a client can see.
+//! - [`subject`]: NATS subject rules for `POST /publish`.
 //!
 //! [`run`] serves until a shutdown signal, then drains: new fetches get 503, waiting ones
 //! return, settles are accepted for a grace period, unleased deliveries are nak'd.
