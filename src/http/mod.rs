@@ -13,7 +13,9 @@ mod publish;
 use axum::Router;
 use axum::http::{HeaderName, Request};
 use axum::response::IntoResponse;
-use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::request_id::{
+    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
+};
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
@@ -91,7 +93,33 @@ pub fn router(gateway: Gateway) -> Router {
                 tracing::info_span!("http", method = %request.method(), path = %request.uri().path(), request_id)
             }),
         )
-        .layer(SetRequestIdLayer::new(request_id, MakeRequestUuid))
+        .layer(SetRequestIdLayer::new(request_id, SequentialRequestId::new()))
+}
+
+/// Request ids for requests that bring none: a per-process random prefix and a counter.
+/// A UUID per request would cost a `getrandom` system call on every request.
+#[derive(Clone)]
+struct SequentialRequestId {
+    prefix: std::sync::Arc<str>,
+    next: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SequentialRequestId {
+    fn new() -> Self {
+        Self {
+            prefix: format!("{:08x}", rand::random::<u32>()).into(),
+            next: std::sync::Arc::default(),
+        }
+    }
+}
+
+impl MakeRequestId for SequentialRequestId {
+    fn make_request_id<B>(&mut self, _request: &Request<B>) -> Option<RequestId> {
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        axum::http::HeaderValue::from_str(&format!("{}-{n}", self.prefix))
+            .ok()
+            .map(RequestId::new)
+    }
 }
 
 async fn not_found() -> impl IntoResponse {
