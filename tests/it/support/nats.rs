@@ -46,6 +46,11 @@ impl NatsServer {
         panic!("nats-server did not start: {last_error}");
     }
 
+    /// The server's process id (for measuring its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// `nats://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
@@ -87,9 +92,9 @@ impl NatsServer {
     }
 
     fn signal(&self, signal: &str) {
-        let child = self.child.as_ref().expect("nats-server is running");
+        let pid = self.pid().expect("nats-server is running");
         let status = Command::new("kill")
-            .args([signal, &child.id().to_string()])
+            .args([signal, &pid.to_string()])
             .status()
             .expect("run kill");
         assert!(status.success(), "kill {signal} failed");
