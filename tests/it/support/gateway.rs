@@ -332,6 +332,22 @@ impl Gateway {
     }
 
     /// POST /fetch with this body (`None`: no body), any status.
+    /// A long-poll fetch that must be refused with 429 at once (not after its wait);
+    /// returns the Retry-After seconds.
+    pub async fn fetch_refused_at_capacity(&self) -> u64 {
+        let started = std::time::Instant::now();
+        let reply = self
+            .fetch_reply(Some(&serde_json::json!({ "batch": 1, "wait_ms": 10_000 })))
+            .await;
+        let took = started.elapsed();
+        reply.assert_problem(&[429], "");
+        assert!(
+            took < Duration::from_secs(3),
+            "429 at once, not after wait_ms: {took:?}"
+        );
+        reply.retry_after_secs()
+    }
+
     pub async fn fetch_reply(&self, body: Option<&Value>) -> Reply {
         self.post("/fetch", body).await
     }
