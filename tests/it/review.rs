@@ -105,7 +105,7 @@ async fn recreated_consumer_is_rebound_and_old_leases_cannot_settle_new_deliveri
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ephemeral_consumer_survives_a_nats_restart_without_replaying() {
-    let (mut server, js, gateway) = setup(&["--ephemeral", "--consumer", "rv-eph"]).await;
+    let (mut server, js, mut gateway) = setup(&["--ephemeral", "--consumer", "rv-eph"]).await;
     let name_before = gateway.consumer_view().await["name"]
         .as_str()
         .expect("GET /consumer has a name")
@@ -136,24 +136,14 @@ async fn ephemeral_consumer_survives_a_nats_restart_without_replaying() {
     // Well within the server's 5 s inactive threshold for ephemeral consumers.
     let outage = Instant::now();
     server.kill();
-    wait_until(
-        "/readyz answers 503 while NATS is down",
-        Duration::from_secs(5),
-        || async { gateway.readyz().await == 503 },
-    )
-    .await;
+    gateway.wait_unready().await;
     server.restart().await;
     let restarted_after = outage.elapsed();
     assert!(
         restarted_after < Duration::from_secs(4),
         "the restart must beat the 5 s inactive threshold: {restarted_after:?}"
     );
-    wait_until(
-        "/readyz answers 200 after the restart",
-        Duration::from_secs(20),
-        || async { gateway.readyz().await == 200 },
-    )
-    .await;
+    gateway.wait_ready().await;
 
     let js = Js::connect(&server.url()).await;
     let reply = gateway
@@ -435,7 +425,7 @@ fn persisted_consumer_state(server: &NatsServer, consumer: &str) -> Option<(u64,
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_held_across_a_nats_restart_still_settles() {
     let consumer = "rv-blip";
-    let (mut server, js, gateway) = setup(&["--consumer", consumer, "--ack-wait", "30s"]).await;
+    let (mut server, js, mut gateway) = setup(&["--consumer", consumer, "--ack-wait", "30s"]).await;
     js.publish("orders.1", "held across the restart").await;
     let lease = gateway.fetch_n(1, 2000).await.remove(0);
     wait_until(
@@ -451,19 +441,9 @@ async fn a_lease_held_across_a_nats_restart_still_settles() {
     drop(js);
 
     server.kill();
-    wait_until(
-        "/readyz answers 503 while NATS is down",
-        Duration::from_secs(5),
-        || async { gateway.readyz().await == 503 },
-    )
-    .await;
+    gateway.wait_unready().await;
     server.restart().await;
-    wait_until(
-        "/readyz answers 200 after the restart",
-        Duration::from_secs(20),
-        || async { gateway.readyz().await == 200 },
-    )
-    .await;
+    gateway.wait_ready().await;
     let js = Js::connect(&server.url()).await;
     // A round trip through the gateway after the rebind.
     let after = js.publish("orders.1", "after the restart").await;

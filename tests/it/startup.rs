@@ -289,18 +289,13 @@ async fn unreachable_nats_is_healthy_but_not_ready_until_it_comes_up() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_outage_answers_503_and_recovers() {
-    let (mut server, js, gateway) = setup(&["--consumer", "outage"]).await;
+    let (mut server, js, mut gateway) = setup(&["--consumer", "outage"]).await;
     js.publish("orders.1", "before").await;
     let held = gateway.fetch_n(1, 1000).await;
     assert_eq!(held.len(), 1);
 
     server.kill();
-    wait_until(
-        "/readyz answers 503 while NATS is down",
-        Duration::from_secs(10),
-        || async { gateway.readyz().await == 503 },
-    )
-    .await;
+    gateway.wait_unready().await;
     assert_eq!(gateway.healthz().await, 200);
     gateway
         .fetch_reply(Some(&json!({ "wait_ms": 1000 })))
@@ -316,12 +311,7 @@ async fn nats_outage_answers_503_and_recovers() {
     assert_eq!(results, vec![(held[0].id.clone(), 503)]);
 
     server.restart().await;
-    wait_until(
-        "/readyz answers 200 again",
-        Duration::from_secs(20),
-        || async { gateway.readyz().await == 200 },
-    )
-    .await;
+    gateway.wait_ready().await;
     let js = Js::connect(&server.url()).await;
     let sequence = js.publish("orders.2", "after").await;
     let messages = gateway.fetch_n(10, 3000).await;

@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 /// How long `wait_ready` waits for /readyz to answer 200.
-pub const READY_DEADLINE: Duration = Duration::from_secs(15);
+pub const READY_DEADLINE: Duration = Duration::from_secs(20);
 
 /// A running gateway owned by one test.
 pub struct Gateway {
@@ -202,6 +202,16 @@ impl Gateway {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Poll /readyz until it answers 503 (NATS went away).
+    pub async fn wait_unready(&self) {
+        crate::support::wait_until(
+            "/readyz answers 503 while NATS is down",
+            Duration::from_secs(10),
+            || async { self.readyz().await == 503 },
+        )
+        .await;
     }
 
     /// Resolve the shutdown future given to `run` (SIGTERM in the binary); does not wait.
