@@ -183,7 +183,6 @@ pub struct Gateway {
 pub struct Tasks {
     stop: CancellationToken,
     dispatcher: tokio::task::JoinHandle<()>,
-    pub fatal: oneshot::Receiver<anyhow::Error>,
 }
 
 /// What a settle of one lease came to.
@@ -197,8 +196,9 @@ pub struct ConsumerStatus {
 
 impl Gateway {
     /// Start the supervisor and the dispatcher. Returns at once; NATS is reached in the
-    /// background.
-    pub fn start(config: Config) -> (Self, Tasks) {
+    /// background. The receiver gets the error that makes the gateway unable to work as
+    /// configured (missing stream, immutable consumer field differs), if one comes.
+    pub fn start(config: Config) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
         let shared = Arc::new(Shared {
             leases: Mutex::new(LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
             signer: LeaseSigner::random(&config.stream, &config.consumer),
@@ -255,12 +255,8 @@ impl Gateway {
             next_fetch: Arc::new(AtomicU64::new(1)),
             config,
         };
-        let tasks = Tasks {
-            stop,
-            dispatcher,
-            fatal: fatal_rx,
-        };
-        (gateway, tasks)
+        let tasks = Tasks { stop, dispatcher };
+        (gateway, tasks, fatal_rx)
     }
 
     pub fn config(&self) -> &Config {

@@ -46,7 +46,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let grace = config.shutdown_grace;
-    let (gateway, mut tasks) = Gateway::start(config);
+    let (gateway, tasks, fatal_rx) = Gateway::start(config);
     let app = http::router(gateway.clone());
     let address = listener
         .local_addr()
@@ -57,8 +57,6 @@ pub async fn run(
     let stop_serving = {
         let gateway = gateway.clone();
         let fatal = fatal.clone();
-        let fatal_rx = &mut tasks.fatal;
-        let fatal_rx = std::mem::replace(fatal_rx, tokio::sync::oneshot::channel().1);
         async move {
             tokio::select! {
                 () = shutdown => {
