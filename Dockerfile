@@ -10,14 +10,13 @@ WORKDIR /src
 
 # 1) Dependencies only, in a layer of their own: it is rebuilt when Cargo.toml or Cargo.lock
 #    change, not on every source edit. Stub sources stand in for the crate's own targets
-#    (lib, the two binaries, and any target that Cargo.toml gives an explicit path), and
+#    (lib, the binary, and any target that Cargo.toml gives an explicit path), and
 #    the crate's own artifacts are removed afterwards so step 2 always rebuilds it.
 COPY Cargo.toml Cargo.lock ./
 RUN set -eu; \
-    mkdir -p src/bin; \
+    mkdir -p src; \
     echo 'fn main() {}' > src/main.rs; \
     : > src/lib.rs; \
-    echo 'fn main() {}' > src/bin/bench.rs; \
     for p in $(sed -n 's/^[[:space:]]*path[[:space:]]*=[[:space:]]*"\([^"]*\.rs\)".*/\1/p' Cargo.toml); do \
         mkdir -p "$(dirname "$p")"; [ -e "$p" ] || echo 'fn main() {}' > "$p"; \
     done; \
