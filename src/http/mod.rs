@@ -21,6 +21,7 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use crate::auth::Auth;
 use crate::error::Error;
 use crate::gateway::Gateway;
 
@@ -62,8 +63,8 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     api().split_for_parts().1
 }
 
-/// The complete application.
-pub fn router(gateway: Gateway) -> Router {
+/// The complete application; `auth` guards every route but health, readiness and the docs.
+pub fn router(gateway: Gateway, auth: Auth) -> Router {
     let (router, spec) = api().split_for_parts();
     let spec = std::sync::Arc::new(spec);
     let request_id = HeaderName::from_static("x-request-id");
@@ -78,6 +79,10 @@ pub fn router(gateway: Gateway) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(gateway)
+        .layer(axum::middleware::from_fn_with_state(
+            auth,
+            crate::auth::authenticate,
+        ))
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(
             TraceLayer::new_for_http()

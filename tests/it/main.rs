@@ -10,6 +10,7 @@ mod leases;
 mod publish;
 mod review;
 mod robustness;
+mod security;
 mod settle;
 mod shutdown;
 mod startup;
