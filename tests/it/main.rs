@@ -4,6 +4,7 @@
 
 mod capacity;
 mod concurrency;
+mod dead_letter;
 mod fetch;
 mod introspection;
 mod leases;
