@@ -8,6 +8,7 @@ mod fetch;
 mod introspection;
 mod leases;
 mod publish;
+mod readme;
 mod review;
 mod robustness;
 mod settle;
