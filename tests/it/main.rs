@@ -9,6 +9,7 @@ mod fetch;
 mod introspection;
 mod leases;
 mod publish;
+mod readme;
 mod review;
 mod robustness;
 mod settle;
