@@ -4,10 +4,12 @@
 
 mod capacity;
 mod concurrency;
+mod dead_letter;
 mod fetch;
 mod introspection;
 mod leases;
 mod publish;
+mod readme;
 mod review;
 mod robustness;
 mod security;
