@@ -141,12 +141,6 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_AUTH_TOKENS", hide_env_values = true)]
     pub auth_tokens: Option<Secret>,
 
-    /// File holding the lease-id signing key: at least 32 bytes, raw or as hex or base64
-    /// text. Gateways sharing the file verify each other's lease ids (a restarted one its
-    /// predecessor's). Not given: a random key per process.
-    #[arg(long, env = "RUSTSTREAM_LEASE_KEY_FILE")]
-    pub lease_key_file: Option<PathBuf>,
-
     /// Most messages one fetch may ask for (`batch`).
     #[arg(long, env = "RUSTSTREAM_MAX_BATCH", default_value_t = 1000,
           value_parser = clap::value_parser!(u32).range(1..=1000))]
@@ -161,20 +155,6 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_MAX_WAITING_FETCHES_PER_TOKEN", default_value_t = 100,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_waiting_fetches_per_token: u32,
-
-    /// Most open HTTP connections; further clients wait in the listen backlog.
-    #[arg(long, env = "RUSTSTREAM_MAX_CONNECTIONS", default_value_t = 1024,
-          value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_connections: u32,
-
-    /// How long a client may take to send a request's headers (also the idle keep-alive
-    /// time); slower connections are closed.
-    #[arg(long, env = "RUSTSTREAM_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
-    pub header_read_timeout: Duration,
-
-    /// How long a client may take to send a request's body (408 beyond).
-    #[arg(long, env = "RUSTSTREAM_BODY_READ_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
-    pub body_read_timeout: Duration,
 
     /// Log format: text or json (RUST_LOG sets the level; default info).
     #[arg(long, env = "RUSTSTREAM_LOG_FORMAT", default_value = "text")]
