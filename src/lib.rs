@@ -9,6 +9,7 @@
 //! - [`lease_id`]: signed, self-describing lease ids.
 //! - [`gateway`]: the core the handlers call; supervises the NATS binding.
 //! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
+//! - [`metrics`]: Prometheus metric names and one-line recording helpers (`GET /metrics`).
 //! - [`error`]: the one error type a client can see.
 //! - [`subject`]: NATS subject rules for `POST /publish`.
 //!
@@ -23,6 +24,7 @@ pub mod gateway;
 pub mod http;
 pub mod lease_id;
 pub mod leases;
+pub mod metrics;
 pub mod subject;
 
 use std::future::Future;

@@ -7,6 +7,7 @@ mod concurrency;
 mod fetch;
 mod introspection;
 mod leases;
+mod metrics;
 mod publish;
 mod review;
 mod robustness;
