@@ -18,6 +18,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::config::Config;
 use crate::consumer::{self, AckCommand, BindError, Bound, ConfirmError};
+use crate::dead_letter;
 use crate::dispatch::{Command, Delivery, Demand, Dispatcher, Leased};
 use crate::error::Error;
 use crate::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
@@ -189,6 +190,7 @@ pub struct Gateway {
     accepting: Arc<AtomicBool>,
     next_fetch: Arc<AtomicU64>,
     config: Arc<Config>,
+    dead_letters: Arc<dead_letter::Stats>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -241,6 +243,7 @@ impl Gateway {
         let (fatal_tx, fatal_rx) = oneshot::channel();
         let stop = CancellationToken::new();
 
+        let dead_letters = Arc::new(dead_letter::Stats::default());
         let dispatcher = Dispatcher::new(shared.clone());
         let dispatcher = tokio::spawn({
             let bound_rx = bound_rx.clone();
@@ -258,9 +261,14 @@ impl Gateway {
             let shared = shared.clone();
             let commands = commands_tx.clone();
             let stop = stop.clone();
+            let dead_letters = dead_letters.clone();
             async move {
+                let background = Background {
+                    stop: stop.clone(),
+                    dead_letters,
+                };
                 tokio::select! {
-                    result = supervise(&config, &shared, bound_tx, commands) => {
+                    result = supervise(&config, &shared, bound_tx, commands, background) => {
                         if let Err(err) = result {
                             let _ = fatal_tx.send(err);
                         }
@@ -276,6 +284,7 @@ impl Gateway {
             accepting: Arc::new(AtomicBool::new(true)),
             next_fetch: Arc::new(AtomicU64::new(1)),
             config,
+            dead_letters,
         };
         let tasks = Tasks { stop, dispatcher };
         (gateway, tasks, fatal_rx)
@@ -307,6 +316,11 @@ impl Gateway {
     /// Connected to NATS and bound to the consumer.
     pub fn is_ready(&self) -> bool {
         self.accepting.load(Ordering::Relaxed) && self.connected().is_ok()
+    }
+
+    /// What the dead-letter task did so far (all zero when it is off).
+    pub fn dead_letters(&self) -> &dead_letter::Stats {
+        &self.dead_letters
     }
 
     pub fn leases_in_flight(&self) -> usize {
@@ -726,6 +740,12 @@ pub fn wall_clock(at: Instant) -> OffsetDateTime {
     }
 }
 
+/// What the supervisor starts next to the binding, on the same connection.
+struct Background {
+    stop: CancellationToken,
+    dead_letters: Arc<dead_letter::Stats>,
+}
+
 /// Keep the gateway bound: connect, bind, and rebind after reconnects or when asked.
 /// Returns only on a fatal error (missing stream, immutable field differs).
 async fn supervise(
@@ -733,6 +753,7 @@ async fn supervise(
     shared: &Shared,
     bound_tx: watch::Sender<Option<Arc<Bound>>>,
     commands: mpsc::Sender<Command>,
+    background: Background,
 ) -> anyhow::Result<()> {
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let client = consumer::connect(config, events_tx).await?;
@@ -741,6 +762,24 @@ async fn supervise(
     // connection is not one, whether or not async-nats reports it as an event.
     let mut connection_lost = false;
     let ephemeral_name = format!("{}-{:016x}", config.consumer, rand::random::<u64>());
+    if let Some(subject) = &config.dead_letter_subject {
+        let target = dead_letter::Target {
+            stream: config.stream.clone(),
+            consumer: if config.ephemeral {
+                ephemeral_name.clone()
+            } else {
+                config.consumer.clone()
+            },
+            subject: subject.clone(),
+        };
+        // Subscribed once: async-nats renews subscriptions after every reconnect.
+        tokio::spawn(dead_letter::run(
+            client.clone(),
+            target,
+            background.dead_letters.clone(),
+            background.stop.child_token(),
+        ));
+    }
     let mut identity_seen: Option<(String, OffsetDateTime)> = None;
     let mut published = false;
     let mut backoff = Duration::from_millis(100);
@@ -771,6 +810,14 @@ async fn supervise(
             }
         };
         backoff = Duration::from_millis(100);
+        if let Some(subject) = &config.dead_letter_subject
+            && bound
+                .stream_subjects
+                .iter()
+                .any(|filter| crate::subject::matches(filter, subject))
+        {
+            warn!(%subject, stream = %config.stream, "the consumed stream captures the dead-letter subject: dead letters come back to this consumer");
+        }
         let identity = (bound.consumer_name.clone(), bound.created);
         // A server that lost deliveries in a crash (state not yet on disk) sends them again
         // with the same sequences and delivery counts, so the ids handed out before would
