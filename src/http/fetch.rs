@@ -1,8 +1,9 @@
 //! `POST /fetch`: lease a batch of messages.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{ConnectInfo, State};
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 
 use super::body::JsonBody;
@@ -43,7 +44,8 @@ pub async fn fetch(
     client: Option<Extension<ConnectInfo<Client>>>,
     principal: Option<Extension<Principal>>,
     JsonBody(body): JsonBody<FetchBody>,
-) -> Result<Json<FetchResponse>, Error> {
+) -> Result<Response, Error> {
+    let started = Instant::now();
     let encoding = body.encoding.unwrap_or_default();
     let demand = demand(&body, gateway.config())?;
     // Held until the answer is built: counts this fetch against its token's share.
@@ -68,11 +70,15 @@ pub async fn fetch(
         gateway.give_back(leased).await;
         return Err(Error::ClientGone);
     }
+    let count = leased.len();
     let messages = leased
         .into_iter()
         .map(|leased| MessageDto::new(leased, encoding))
         .collect();
-    Ok(Json(FetchResponse { messages }))
+    // Encoded here, so that the latency includes the JSON.
+    let response = Json(FetchResponse { messages }).into_response();
+    gateway.metrics().fetch_served(started.elapsed(), count);
+    Ok(response)
 }
 
 fn demand(body: &FetchBody, config: &Config) -> Result<Demand, Error> {
