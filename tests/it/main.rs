@@ -8,6 +8,7 @@ mod dead_letter;
 mod fetch;
 mod introspection;
 mod leases;
+mod logs;
 mod metrics;
 mod publish;
 mod readme;
