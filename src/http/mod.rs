@@ -10,6 +10,7 @@ mod metrics;
 mod ops;
 pub mod problem;
 mod publish;
+pub mod serve;
 
 use std::time::Duration;
 
