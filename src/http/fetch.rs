@@ -8,7 +8,7 @@ use axum::{Extension, Json};
 use super::body::JsonBody;
 use super::client::Client;
 use super::dto::{FetchBody, FetchResponse, MessageDto};
-use super::problem::Problem;
+use super::responses::{BodyRefusals, FetchRefusals, Guarded};
 use crate::dispatch::Demand;
 use crate::error::Error;
 use crate::gateway::Gateway;
@@ -30,12 +30,7 @@ pub const DEFAULT_WAIT_MS: u64 = 5_000;
     request_body(content = Option<FetchBody>, content_type = "application/json"),
     responses(
         (status = 200, description = "Leased messages (possibly none)", body = FetchResponse),
-        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
-        (status = 429, description = "max_ack_pending leases are out", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u64, description = "Seconds until the earliest lease expires"))),
-        (status = 503, description = "NATS unavailable or shutting down", body = Problem, content_type = "application/problem+json"),
+        Guarded, BodyRefusals, FetchRefusals,
     )
 )]
 pub async fn fetch(

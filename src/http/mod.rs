@@ -9,6 +9,7 @@ mod messages;
 mod ops;
 pub mod problem;
 mod publish;
+pub mod responses;
 
 use axum::Router;
 use axum::http::{HeaderName, Request};
@@ -20,9 +21,11 @@ use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
+use utoipa_swagger_ui::{Config, SwaggerUi};
 
 use crate::error::Error;
 use crate::gateway::Gateway;
+use responses::ProblemResponses;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -35,7 +38,8 @@ use crate::gateway::Gateway;
         (name = "leases", description = "Fetch messages and settle their leases"),
         (name = "messages", description = "Publish to the stream"),
         (name = "operations", description = "Health, readiness and consumer state"),
-    )
+    ),
+    modifiers(&ProblemResponses)
 )]
 struct ApiDoc;
 
@@ -55,6 +59,7 @@ fn api() -> OpenApiRouter<Gateway> {
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))
         .routes(routes!(ops::consumer))
+        .routes(routes!(ops::openapi_json))
 }
 
 /// The OpenAPI document, as served on `/openapi.json`.
@@ -64,20 +69,15 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 
 /// The complete application.
 pub fn router(gateway: Gateway) -> Router {
-    let (router, spec) = api().split_for_parts();
-    let spec = std::sync::Arc::new(spec);
     let request_id = HeaderName::from_static("x-request-id");
-    router
-        .route(
-            "/openapi.json",
-            axum::routing::get(move || {
-                let spec = spec.clone();
-                async move { axum::Json(spec.as_ref().clone()) }
-            }),
-        )
+    api()
+        .split_for_parts()
+        .0
+        .merge(swagger_ui())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(gateway)
+        .layer(axum::middleware::from_fn(problem::with_instance))
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(
             TraceLayer::new_for_http()
@@ -120,6 +120,13 @@ impl MakeRequestId for SequentialRequestId {
             .ok()
             .map(RequestId::new)
     }
+}
+
+/// Swagger UI at `/docs`, reading `/openapi.json`. Its files are compiled into the binary,
+/// and the online validator (which would send the spec to a third party) is off, so the
+/// page works without a network.
+fn swagger_ui() -> SwaggerUi {
+    SwaggerUi::new("/docs").config(Config::from("/openapi.json").validator_url("none"))
 }
 
 async fn not_found() -> impl IntoResponse {

@@ -4,6 +4,7 @@
 
 mod capacity;
 mod concurrency;
+mod docs;
 mod fetch;
 mod introspection;
 mod leases;
