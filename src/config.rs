@@ -57,6 +57,11 @@ pub struct Config {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_deliver: Option<u32>,
 
+    /// Republish messages that exhausted --max-deliver or were terminated to this subject
+    /// (with their headers and delivery metadata); a stream must capture it. Not given: off.
+    #[arg(long, env = "RUSTSTREAM_DEAD_LETTER_SUBJECT", value_parser = parse_dead_letter_subject)]
+    pub dead_letter_subject: Option<String>,
+
     /// Use an ephemeral consumer (no durable name); the server removes it after the gateway is gone.
     #[arg(long, env = "RUSTSTREAM_EPHEMERAL")]
     pub ephemeral: bool,
@@ -155,6 +160,11 @@ pub enum LogFormat {
     Json,
 }
 
+fn parse_dead_letter_subject(value: &str) -> Result<String, String> {
+    crate::subject::validate_publish_subject(value)?;
+    Ok(value.to_owned())
+}
+
 fn parse_positive_duration(value: &str) -> Result<Duration, String> {
     let duration = humantime::parse_duration(value).map_err(|err| err.to_string())?;
     if duration.is_zero() {
@@ -179,6 +189,7 @@ mod tests {
         assert_eq!(config.max_ack_pending, 1024);
         assert_eq!(config.max_deliver, None);
         assert!(!config.ephemeral);
+        assert_eq!(config.dead_letter_subject, None);
         assert_eq!(config.listen, "127.0.0.1:8080".parse().expect("addr"));
     }
 
@@ -199,6 +210,20 @@ mod tests {
         assert!("by-start-sequence=0".parse::<DeliverPolicy>().is_err());
         assert!("by-start-time=yesterday".parse::<DeliverPolicy>().is_err());
         assert!("oldest".parse::<DeliverPolicy>().is_err());
+    }
+
+    #[test]
+    fn dead_letter_subjects_are_concrete() {
+        let config =
+            Config::try_parse_from(["ruststream-nats", "--dead-letter-subject", "DLQ.orders"])
+                .expect("parses");
+        assert_eq!(config.dead_letter_subject.as_deref(), Some("DLQ.orders"));
+        for bad in ["DLQ.*", "DLQ.>", "", "$JS.x", "a..b"] {
+            assert!(
+                Config::try_parse_from(["ruststream-nats", "--dead-letter-subject", bad]).is_err(),
+                "{bad:?} is refused"
+            );
+        }
     }
 
     #[test]

@@ -7,8 +7,10 @@
 //! - [`dispatch`]: turns waiting fetches into pull requests and hands out deliveries.
 //! - [`leases`]: the lease table (issue, fence, expire, settle) — pure state and time.
 //! - [`lease_id`]: signed, self-describing lease ids.
+//! - [`dead_letter`]: republishes exhausted or terminated messages to a dead-letter subject.
 //! - [`gateway`]: the core the handlers call; supervises the NATS binding.
 //! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
+//! - [`metrics`]: Prometheus metric names and one-line recording helpers (`GET /metrics`).
 //! - [`error`]: the one error type a client can see.
 //! - [`subject`]: NATS subject rules for `POST /publish`.
 //!
@@ -17,12 +19,14 @@
 
 pub mod config;
 pub mod consumer;
+pub mod dead_letter;
 pub mod dispatch;
 pub mod error;
 pub mod gateway;
 pub mod http;
 pub mod lease_id;
 pub mod leases;
+pub mod metrics;
 pub mod subject;
 
 use std::future::Future;

@@ -1,8 +1,9 @@
 //! `POST /fetch`: lease a batch of messages.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{ConnectInfo, State};
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 
 use super::body::JsonBody;
@@ -37,7 +38,8 @@ pub async fn fetch(
     State(gateway): State<Gateway>,
     client: Option<Extension<ConnectInfo<Client>>>,
     JsonBody(body): JsonBody<FetchBody>,
-) -> Result<Json<FetchResponse>, Error> {
+) -> Result<Response, Error> {
+    let started = Instant::now();
     let encoding = body.encoding.unwrap_or_default();
     let demand = demand(&body)?;
     let client = client.map(|Extension(ConnectInfo(client))| client);
@@ -55,11 +57,15 @@ pub async fn fetch(
         gateway.give_back(leased).await;
         return Err(Error::ClientGone);
     }
+    let count = leased.len();
     let messages = leased
         .into_iter()
         .map(|leased| MessageDto::new(leased, encoding))
         .collect();
-    Ok(Json(FetchResponse { messages }))
+    // Encoded here, so that the latency includes the JSON.
+    let response = Json(FetchResponse { messages }).into_response();
+    gateway.metrics().fetch_served(started.elapsed(), count);
+    Ok(response)
 }
 
 fn demand(body: &FetchBody) -> Result<Demand, Error> {

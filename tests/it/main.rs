@@ -4,11 +4,14 @@
 
 mod capacity;
 mod concurrency;
+mod dead_letter;
 mod docs;
 mod fetch;
 mod introspection;
 mod leases;
+mod metrics;
 mod publish;
+mod readme;
 mod review;
 mod robustness;
 mod settle;

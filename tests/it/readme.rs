@@ -1,0 +1,275 @@
+//! The README stays true: its ```console examples run, in order, in one bash session against
+//! a live gateway and nats-server, and each command must print what the README shows
+//! (`[..]` matches any text within a line, `...` on its own line any number of lines). The
+//! endpoint list of the spec and the flags of `--help` must each appear in the README too.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use clap::CommandFactory;
+use ruststream_nats::Config;
+use snapbox::IntoData;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+
+use crate::support::gateway::Gateway;
+use crate::support::nats::NatsServer;
+
+/// The address the README's examples use; the test points them at its own gateway.
+const README_ADDRESS: &str = "localhost:8080";
+/// The longest one README command may take (the slowest waits on a delayed nak).
+const COMMAND_DEADLINE: Duration = Duration::from_secs(30);
+
+/// One `$ command` of a console block with the output the README promises for it.
+#[derive(Debug)]
+struct Example {
+    /// 1-based line of the `$` in README.md, for the failure message.
+    line: usize,
+    command: String,
+    expected: String,
+}
+
+fn readme() -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("read {}: {err}", path.display()))
+}
+
+/// Every `$ ` command (with its `> ` continuation lines) in the README's console blocks.
+fn examples(readme: &str) -> Vec<Example> {
+    let mut examples: Vec<Example> = Vec::new();
+    let mut in_console = false;
+    for (index, line) in readme.lines().enumerate() {
+        let trimmed = line.trim_end();
+        if trimmed.starts_with("```") {
+            in_console = !in_console && trimmed == "```console";
+            continue;
+        }
+        if !in_console {
+            continue;
+        }
+        if let Some(command) = trimmed.strip_prefix("$ ") {
+            examples.push(Example {
+                line: index + 1,
+                command: command.to_owned(),
+                expected: String::new(),
+            });
+        } else if let Some(example) = examples.last_mut() {
+            match trimmed.strip_prefix("> ") {
+                Some(more) if example.expected.is_empty() => {
+                    example.command.push('\n');
+                    example.command.push_str(more);
+                }
+                _ => {
+                    example.expected.push_str(trimmed);
+                    example.expected.push('\n');
+                }
+            }
+        } else {
+            panic!(
+                "README.md:{}: console block output before any `$ ` command",
+                index + 1
+            );
+        }
+    }
+    examples
+}
+
+/// A bash session that keeps its variables between commands, like the reader's terminal.
+struct Shell {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Shell {
+    fn start() -> Self {
+        let mut child = Command::new("bash")
+            .args(["--noprofile", "--norc"])
+            .env("LC_ALL", "C")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start bash");
+        let stdin = child.stdin.take().expect("bash stdin");
+        let stdout = BufReader::new(child.stdout.take().expect("bash stdout"));
+        Self {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// Run one command, its stderr merged into its stdout; returns what it printed.
+    async fn run(&mut self, command: &str, marker: &str) -> String {
+        // The marker goes on a line of its own even when the output lacks a final newline.
+        let script = format!("{{\n{command}\n}} 2>&1\nprintf '\\n%s\\n' '{marker}'\n");
+        self.stdin
+            .write_all(script.as_bytes())
+            .await
+            .expect("write to bash");
+        self.stdin.flush().await.expect("flush bash stdin");
+        let mut output = String::new();
+        let read = async {
+            loop {
+                let mut line = String::new();
+                let read = self.stdout.read_line(&mut line).await.expect("read bash");
+                assert!(read > 0, "bash ended while running {command:?}");
+                if line.trim_end() == marker {
+                    break;
+                }
+                output.push_str(&line);
+            }
+        };
+        tokio::time::timeout(COMMAND_DEADLINE, read)
+            .await
+            .unwrap_or_else(|_| panic!("{command:?} still running after {COMMAND_DEADLINE:?}"));
+        normalize(&output)
+    }
+}
+
+impl Drop for Shell {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+/// What a reader compares by eye: no `\r` (HTTP headers), no trailing blanks, no empty tail.
+fn normalize(output: &str) -> String {
+    let mut text: String = output
+        .replace('\r', "")
+        .lines()
+        .map(|line| format!("{}\n", line.trim_end()))
+        .collect();
+    while text.ends_with("\n\n") || text == "\n" {
+        text.pop();
+    }
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readme_console_examples_answer_as_shown() {
+    for tool in ["curl", "jq"] {
+        let found = std::process::Command::new(tool)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success());
+        assert!(
+            found,
+            "the README examples need `{tool}` on PATH (apt-get install {tool})"
+        );
+    }
+    let readme = readme();
+    let examples = examples(&readme);
+    assert!(
+        examples.len() >= 10,
+        "expected the README's curl walkthrough, found {} console commands",
+        examples.len()
+    );
+
+    // The demo's setup: the default stream ORDERS (orders.>) and consumer billing.
+    let server = NatsServer::start().await;
+    let gateway = Gateway::ready(&server.url(), &["--create-stream"]).await;
+    let address = gateway.base().trim_start_matches("http://").to_owned();
+
+    let mut shell = Shell::start();
+    let mut failures = Vec::new();
+    for (number, example) in examples.iter().enumerate() {
+        let command = example.command.replace(README_ADDRESS, &address);
+        let actual = shell
+            .run(&command, &format!("@@readme-example-{number}@@"))
+            .await;
+        let verdict = snapbox::Assert::new().try_eq(
+            Some(&format!("README.md:{}", example.line)),
+            actual.clone().into_data(),
+            example.expected.clone().into_data(),
+        );
+        if let Err(err) = verdict {
+            failures.push(format!(
+                "README.md:{} `$ {}`\n{err}--- actual output:\n{actual}",
+                example.line, example.command
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} README examples did not answer as shown:\n\n{}",
+        failures.len(),
+        examples.len(),
+        failures.join("\n")
+    );
+}
+
+/// "curl for every endpoint": each path of the spec is called by some README example.
+#[test]
+fn readme_examples_call_every_endpoint() {
+    let readme = readme();
+    let commands: Vec<String> = examples(&readme)
+        .into_iter()
+        .map(|example| example.command)
+        .collect();
+    let spec = ruststream_nats::http::openapi();
+    let missing: Vec<&String> = spec
+        .paths
+        .paths
+        .keys()
+        .filter(|path| !commands.iter().any(|command| calls(command, path)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "no README console example calls {missing:?}"
+    );
+}
+
+/// Whether `command` requests `path` on the README's address; a `{id}` in the path is a
+/// lease id, which the examples pass through a shell variable (`$ID`).
+fn calls(command: &str, path: &str) -> bool {
+    command
+        .split(README_ADDRESS)
+        .skip(1)
+        .any(|url| match path.split_once("{id}") {
+            Some((before, after)) => url
+                .strip_prefix(before)
+                .and_then(|rest| rest.strip_prefix('$'))
+                .is_some_and(|rest| rest.contains(after)),
+            None => url
+                .strip_prefix(path)
+                .is_some_and(|rest| !rest.starts_with(|c: char| c == '/' || c.is_alphanumeric())),
+        })
+}
+
+/// The configuration table lists every flag with its environment variable.
+#[test]
+fn readme_configuration_table_lists_every_flag() {
+    let readme = readme();
+    let rows: BTreeSet<&str> = readme
+        .lines()
+        .filter(|line| line.starts_with("| `--"))
+        .collect();
+    let mut missing = Vec::new();
+    for arg in Config::command().get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        if long == "help" || long == "version" {
+            continue;
+        }
+        let flag = format!("| `--{long}` |");
+        let env = arg
+            .get_env()
+            .map(|env| format!("`{}`", env.to_string_lossy()))
+            .unwrap_or_default();
+        let documented = rows
+            .iter()
+            .any(|row| row.starts_with(&flag) && row.contains(&env));
+        if !documented {
+            missing.push(format!("--{long} {env}"));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "README's configuration table lacks rows for: {missing:?}"
+    );
+}
