@@ -27,6 +27,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 use utoipa_swagger_ui::{Config, SwaggerUi};
 
+use crate::auth::Auth;
 use crate::error::Error;
 use crate::gateway::Gateway;
 use crate::metrics as metrics_names;
@@ -73,8 +74,8 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     api().split_for_parts().1
 }
 
-/// The complete application.
-pub fn router(gateway: Gateway) -> Router {
+/// The complete application; `auth` guards every route but health, readiness and the docs.
+pub fn router(gateway: Gateway, auth: Auth) -> Router {
     let request_id = HeaderName::from_static("x-request-id");
     api()
         .split_for_parts()
@@ -87,6 +88,10 @@ pub fn router(gateway: Gateway) -> Router {
             metrics::track,
         ))
         .with_state(gateway)
+        .layer(axum::middleware::from_fn_with_state(
+            auth,
+            crate::auth::authenticate,
+        ))
         .layer(axum::middleware::from_fn(problem::with_instance))
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(

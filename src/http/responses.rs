@@ -5,7 +5,11 @@
 //! answers it, so the spec cannot describe a problem differently from how it is sent.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
+use axum::http::StatusCode;
+
+use utoipa::openapi::example::ExampleBuilder;
 use utoipa::openapi::header::HeaderBuilder;
 use utoipa::openapi::response::{Response, ResponseBuilder};
 use utoipa::openapi::{
@@ -76,7 +80,7 @@ impl ProblemKind {
                 "The lease expired or the message was delivered again (it has a new lease id)."
             }
             Self::TooManyLeases => {
-                "All `max_ack_pending` leases are out; retry after `Retry-After` seconds, when the earliest frees."
+                "All `max_ack_pending` leases are out (or, with authentication on, this token has as many fetches waiting as it may); retry after `Retry-After` seconds."
             }
             Self::Unavailable => {
                 "NATS is unreachable, the consumer is gone, or the gateway is shutting down."
@@ -87,48 +91,72 @@ impl ProblemKind {
         }
     }
 
-    /// The error that answers this kind, as an example of it.
-    fn example(self) -> Error {
+    /// The errors answered as this kind, each an example of it (the first is the main one).
+    fn examples(self) -> Vec<Error> {
         match self {
-            Self::MalformedJson => Error::Malformed {
+            Self::MalformedJson => vec![Error::Malformed {
                 detail: "the request body is not valid JSON: EOF while parsing an object".into(),
-            },
-            Self::PayloadTooLarge => Error::PayloadTooLarge { limit: BODY_LIMIT },
-            Self::InvalidRequest => {
-                Error::invalid("batch", "batch: must be between 1 and 1000, got 0")
-            }
-            Self::LeaseNotFound => Error::UnknownLease,
-            Self::LeaseSettled => Error::AlreadySettled {
+            }],
+            Self::PayloadTooLarge => vec![Error::PayloadTooLarge { limit: BODY_LIMIT }],
+            Self::InvalidRequest => vec![Error::invalid(
+                "batch",
+                "batch: must be between 1 and 1000, got 0",
+            )],
+            Self::LeaseNotFound => vec![Error::UnknownLease],
+            Self::LeaseSettled => vec![Error::AlreadySettled {
                 settled: SettleKind::Ack,
-            },
-            Self::LeaseGone => Error::LeaseGone,
-            Self::TooManyLeases => Error::AtCapacity {
-                max_ack_pending: 1024,
-                retry_after: std::time::Duration::from_secs(3),
-            },
-            Self::Unavailable => {
-                Error::Unavailable("not connected to NATS at nats://127.0.0.1:4222".into())
-            }
-            Self::NotConfirmed => Error::TimedOut,
+            }],
+            Self::LeaseGone => vec![Error::LeaseGone],
+            Self::TooManyLeases => vec![
+                Error::AtCapacity {
+                    max_ack_pending: 1024,
+                    retry_after: Duration::from_secs(3),
+                },
+                Error::TooManyWaitingFetches {
+                    limit: 100,
+                    retry_after: Duration::from_secs(1),
+                },
+            ],
+            Self::Unavailable => vec![Error::Unavailable(
+                "not connected to NATS at nats://127.0.0.1:4222".into(),
+            )],
+            Self::NotConfirmed => vec![Error::TimedOut],
         }
     }
 
     fn status(self) -> String {
-        self.example().status().as_u16().to_string()
+        self.examples()
+            .first()
+            .map_or(StatusCode::INTERNAL_SERVER_ERROR, Error::status)
+            .as_u16()
+            .to_string()
     }
 
-    /// The reusable response: problem+json with an example, plus `Retry-After` for 429.
+    /// The reusable response: problem+json with its examples, plus `Retry-After` for 429.
     fn response(self) -> Response {
-        let error = self.example();
-        let example = serde_json::to_value(error.problem()).ok();
-        let content = ContentBuilder::new()
-            .schema(Some(Ref::from_schema_name(Problem::name())))
-            .example(example)
-            .build();
+        let errors = self.examples();
+        let problems: Vec<Problem> = errors.iter().map(Error::problem).collect();
+        let mut content =
+            ContentBuilder::new().schema(Some(Ref::from_schema_name(Problem::name())));
+        content = match problems.as_slice() {
+            [one] => content.example(serde_json::to_value(one).ok()),
+            several => content.examples_from_iter(several.iter().map(|problem| {
+                let name = problem
+                    .kind
+                    .rsplit(':')
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned();
+                let example = ExampleBuilder::new()
+                    .summary(problem.title.clone())
+                    .value(serde_json::to_value(problem).ok());
+                (name, example)
+            })),
+        };
         let mut response = ResponseBuilder::new()
             .description(self.description())
-            .content(PROBLEM_JSON, content);
-        if matches!(error, Error::AtCapacity { .. }) {
+            .content(PROBLEM_JSON, content.build());
+        if problems.iter().any(|problem| problem.retry_after.is_some()) {
             response = response.header(
                 "Retry-After",
                 HeaderBuilder::new()
@@ -138,7 +166,7 @@ impl ProblemKind {
                             .minimum(Some(1)),
                     ))
                     .description(Some(
-                        "Whole seconds until the earliest lease frees (as `retry_after` in the body)",
+                        "Whole seconds to wait before retrying (as `retry_after` in the body)",
                     ))
                     .build(),
             );
@@ -210,6 +238,15 @@ mod tests {
     #[test]
     fn each_kind_has_its_own_status() {
         let mut statuses: Vec<_> = ProblemKind::ALL.iter().map(|kind| kind.status()).collect();
+        for kind in ProblemKind::ALL {
+            for error in kind.examples() {
+                assert_eq!(
+                    error.status().as_u16().to_string(),
+                    kind.status(),
+                    "{kind:?}: {error:?}"
+                );
+            }
+        }
         statuses.sort();
         statuses.dedup();
         assert_eq!(
