@@ -21,6 +21,7 @@ use crate::consumer::{self, AckCommand, BindError, Bound, ConfirmError};
 use crate::dead_letter;
 use crate::dispatch::{Command, Delivery, Demand, Dispatcher, Leased};
 use crate::error::Error;
+use crate::idempotency::{Begin, Fingerprint, IdempotencyCache, Scope};
 use crate::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
 use crate::leases::{LeaseTable, Refusal, SettleKind, SettleStart};
 
@@ -179,6 +180,7 @@ pub struct Gateway {
     next_fetch: Arc<AtomicU64>,
     config: Arc<Config>,
     dead_letters: Arc<dead_letter::Stats>,
+    idempotency: Arc<IdempotencyCache>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -263,6 +265,7 @@ impl Gateway {
             next_fetch: Arc::new(AtomicU64::new(1)),
             config,
             dead_letters,
+            idempotency: Arc::default(),
         };
         let tasks = Tasks { stop, dispatcher };
         (gateway, tasks, fatal_rx)
@@ -294,6 +297,14 @@ impl Gateway {
     /// Connected to NATS and bound to the consumer.
     pub fn is_ready(&self) -> bool {
         self.accepting.load(Ordering::Relaxed) && self.connected().is_ok()
+    }
+
+    /// Look up a fetch's `Idempotency-Key` (see [`crate::idempotency`]).
+    pub fn begin_idempotent(&self, scope: &Scope, fingerprint: Fingerprint) -> Begin {
+        let now = Instant::now();
+        self.idempotency.begin(scope, fingerprint, |key| {
+            self.shared.leases().is_live(key, now)
+        })
     }
 
     /// What the dead-letter task did so far (all zero when it is off).

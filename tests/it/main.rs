@@ -6,6 +6,7 @@ mod capacity;
 mod concurrency;
 mod dead_letter;
 mod fetch;
+mod idempotency;
 mod introspection;
 mod leases;
 mod publish;
