@@ -283,7 +283,7 @@ mod tests {
         let Begin::First(claim) = cache.begin(&scope, request, |_| true) else {
             panic!("first");
         };
-        let Begin::Wait(mut done) = cache.begin(&scope, request, |_| true) else {
+        let Begin::Wait(done) = cache.begin(&scope, request, |_| true) else {
             panic!("wait");
         };
         drop(claim);
