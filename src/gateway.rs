@@ -6,7 +6,7 @@
 //! watch channel; the dispatcher and every request read the current binding from there.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use async_nats::Event;
@@ -14,7 +14,7 @@ use time::OffsetDateTime;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::config::Config;
 use crate::consumer::{self, AckCommand, BindError, Bound, ConfirmError};
@@ -24,6 +24,7 @@ use crate::error::Error;
 use crate::idempotency::{Begin, Fingerprint, IdempotencyCache, Scope};
 use crate::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
 use crate::leases::{LeaseTable, Refusal, SettleKind, SettleStart};
+use crate::metrics::{Metrics, SettleAction, SettleOutcome, Snapshot};
 
 /// How long settled and expired leases are remembered, so that retries get the first answer.
 const LEASE_MEMORY: Duration = Duration::from_secs(600);
@@ -47,6 +48,9 @@ pub struct Shared {
     settled: Notify,
     /// Fetches wait for capacity: the next settle wakes the dispatcher.
     starved: AtomicBool,
+    pub metrics: Metrics,
+    /// The NATS client once created (it reconnects by itself), for the connection gauge.
+    client: OnceLock<async_nats::Client>,
 }
 
 impl Shared {
@@ -107,10 +111,15 @@ impl Shared {
     fn new_epoch(&self) {
         self.epoch.fetch_add(1, Ordering::Relaxed);
         self.highest_consumer_sequence.store(0, Ordering::Relaxed);
-        *self.leases() = LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX);
+        let mut old = std::mem::replace(
+            &mut *self.leases(),
+            LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX),
+        );
+        self.metrics.leases_expired(old.take_expired());
     }
 
     pub fn note_delivery(&self, coordinates: &LeaseCoordinates) {
+        self.metrics.delivery_received(coordinates.key.delivered);
         self.highest_consumer_sequence
             .fetch_max(coordinates.consumer_sequence, Ordering::Relaxed);
         self.leases().note_delivery(coordinates.key, Instant::now());
@@ -118,6 +127,7 @@ impl Shared {
 
     /// A delivery was nak'd back without ever being leased.
     pub fn released(&self, key: DeliveryKey) {
+        self.metrics.delivery_released();
         self.leases().note_unleased(key, Instant::now());
     }
 
@@ -142,6 +152,7 @@ impl Shared {
     /// Issue leases for deliveries about to be handed to a client.
     pub fn lease(&self, deliveries: Vec<Delivery>) -> Vec<Leased> {
         let lifetime = self.ack_wait().saturating_sub(self.margin());
+        self.metrics.leases_granted(deliveries.len());
         let mut leases = self.leases();
         deliveries
             .into_iter()
@@ -159,6 +170,7 @@ impl Shared {
 
     /// Take back leases whose client never got them.
     pub fn withdraw(&self, leased: Vec<Leased>) -> Vec<Delivery> {
+        self.metrics.leases_withdrawn(leased.len());
         let mut leases = self.leases();
         leased
             .into_iter()
@@ -179,7 +191,6 @@ pub struct Gateway {
     accepting: Arc<AtomicBool>,
     next_fetch: Arc<AtomicU64>,
     config: Arc<Config>,
-    dead_letters: Arc<dead_letter::Stats>,
     idempotency: Arc<IdempotencyCache>,
 }
 
@@ -191,6 +202,14 @@ pub struct Tasks {
 
 /// What a settle of one lease came to.
 pub type SettleResult = Result<(), Error>;
+
+/// What a successful settle sent to the server.
+enum Sent {
+    /// The settle, confirmed by the server.
+    Confirmed,
+    /// Nothing: the lease was already settled this way.
+    Nothing,
+}
 
 /// Consumer state for `GET /consumer`.
 pub struct ConsumerStatus {
@@ -216,6 +235,8 @@ impl Gateway {
             capacity_freed: Arc::new(Notify::new()),
             settled: Notify::new(),
             starved: AtomicBool::new(false),
+            metrics: Metrics::new(),
+            client: OnceLock::new(),
         });
         let config = Arc::new(config);
         let (commands_tx, commands_rx) = mpsc::channel(1024);
@@ -223,7 +244,6 @@ impl Gateway {
         let (fatal_tx, fatal_rx) = oneshot::channel();
         let stop = CancellationToken::new();
 
-        let dead_letters = Arc::new(dead_letter::Stats::default());
         let dispatcher = Dispatcher::new(shared.clone());
         let dispatcher = tokio::spawn({
             let bound_rx = bound_rx.clone();
@@ -241,11 +261,10 @@ impl Gateway {
             let shared = shared.clone();
             let commands = commands_tx.clone();
             let stop = stop.clone();
-            let dead_letters = dead_letters.clone();
             async move {
                 let background = Background {
                     stop: stop.clone(),
-                    dead_letters,
+                    shared: shared.clone(),
                 };
                 tokio::select! {
                     result = supervise(&config, &shared, bound_tx, commands, background) => {
@@ -264,7 +283,6 @@ impl Gateway {
             accepting: Arc::new(AtomicBool::new(true)),
             next_fetch: Arc::new(AtomicU64::new(1)),
             config,
-            dead_letters,
             idempotency: Arc::default(),
         };
         let tasks = Tasks { stop, dispatcher };
@@ -307,17 +325,48 @@ impl Gateway {
         })
     }
 
-    /// What the dead-letter task did so far (all zero when it is off).
-    pub fn dead_letters(&self) -> &dead_letter::Stats {
-        &self.dead_letters
-    }
-
     pub fn leases_in_flight(&self) -> usize {
         self.shared.in_flight()
     }
 
+    /// The gateway's metrics, for recording from the HTTP layer.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// The Prometheus text exposition, with the state-mirroring gauges read now.
+    pub fn render_metrics(&self) -> String {
+        let (leases_in_flight, delayed_naks, expired) = {
+            let mut leases = self.shared.leases();
+            let in_flight = leases.in_flight(Instant::now());
+            (in_flight, leases.delayed_naks(), leases.take_expired())
+        };
+        let metrics = &self.shared.metrics;
+        metrics.leases_expired(expired);
+        let nats_connected = self.shared.client.get().is_some_and(|client| {
+            client.connection_state() == async_nats::connection::State::Connected
+        });
+        metrics.render(Snapshot {
+            leases_in_flight,
+            delayed_naks,
+            max_ack_pending: self.shared.max_ack_pending(),
+            ack_wait: self.shared.ack_wait(),
+            nats_connected,
+        })
+    }
+
     /// Lease up to `demand.batch` messages.
     pub async fn fetch(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
+        let started = Instant::now();
+        let result = self.fetch_leases(demand).await;
+        match &result {
+            Ok(_) => self.shared.metrics.fetch_waited(started.elapsed()),
+            Err(err) => self.shared.metrics.fetch_refused(err),
+        }
+        result
+    }
+
+    async fn fetch_leases(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
         if !self.accepting.load(Ordering::Relaxed) {
             return Err(Error::Unavailable(
                 "the gateway is shutting down; no new fetches".into(),
@@ -376,30 +425,52 @@ impl Gateway {
         let _ = self.commands.send(Command::Return(deliveries)).await;
     }
 
-    /// The delivery a genuine id names. Forged or malformed: 404; from an earlier binding
-    /// of the consumer: 410.
-    fn decode(&self, id: &str) -> Result<DeliveryKey, Error> {
+    /// The lease a genuine id names. Forged or malformed: 404; from an earlier binding of
+    /// the consumer: 410.
+    fn decode(&self, id: &str) -> Result<LeaseCoordinates, Error> {
         let lease = self.shared.signer.decode(id).ok_or(Error::UnknownLease)?;
         if lease.epoch != self.shared.epoch.load(Ordering::Relaxed) {
             return Err(Error::LeaseGone);
         }
-        Ok(lease.key)
+        Ok(lease)
     }
 
     /// Ack, nak or term one lease; `Ok` only once the server confirmed it.
     pub async fn settle(&self, id: &str, command: &AckCommand) -> SettleResult {
-        let kind = match command {
-            AckCommand::Ack => SettleKind::Ack,
-            AckCommand::Nak { .. } => SettleKind::Nak,
-            AckCommand::Term { .. } => SettleKind::Term,
+        let (kind, action) = match command {
+            AckCommand::Ack => (SettleKind::Ack, SettleAction::Ack),
+            AckCommand::Nak { .. } => (SettleKind::Nak, SettleAction::Nak),
+            AckCommand::Term { .. } => (SettleKind::Term, SettleAction::Term),
             AckCommand::InProgress => {
                 return self.extend(id).await.map(|_| ());
             }
         };
-        let key = self.decode(id)?;
+        let lease = match self.decode(id) {
+            Ok(lease) => lease,
+            Err(err) => {
+                self.report(action, id, None, SettleOutcome::of_error(&err));
+                return Err(err);
+            }
+        };
+        let result = self.settle_lease(lease.key, kind, command).await;
+        let outcome = match &result {
+            Ok(Sent::Confirmed) => SettleOutcome::Ok,
+            Ok(Sent::Nothing) => SettleOutcome::Repeated,
+            Err(err) => SettleOutcome::of_error(err),
+        };
+        self.report(action, id, Some(&lease), outcome);
+        result.map(|_| ())
+    }
+
+    async fn settle_lease(
+        &self,
+        key: DeliveryKey,
+        kind: SettleKind,
+        command: &AckCommand,
+    ) -> Result<Sent, Error> {
         let started = self.shared.leases().begin_settle(key, kind, Instant::now());
         let reply = match started {
-            Ok(SettleStart::AlreadyDone) => return Ok(()),
+            Ok(SettleStart::AlreadyDone) => return Ok(Sent::Nothing),
             Ok(SettleStart::Send(reply)) => reply,
             Err(refusal) => return Err(refused(refusal)),
         };
@@ -420,12 +491,72 @@ impl Gateway {
         if confirmed.is_ok() {
             self.shared.freed_capacity();
         }
-        confirmed.map_err(unconfirmed)
+        confirmed.map(|()| Sent::Confirmed).map_err(unconfirmed)
+    }
+
+    /// Count a settle (or extension) of one lease and log it with the lease's coordinates
+    /// (`None`: the id names no lease of the current binding). Per-message events are debug:
+    /// at info they would dominate the log; failures of the server's side are info.
+    fn report(
+        &self,
+        action: SettleAction,
+        id: &str,
+        lease: Option<&LeaseCoordinates>,
+        outcome: SettleOutcome,
+    ) {
+        self.shared.metrics.settled(action, outcome);
+        let kind = action.as_str();
+        let result = outcome.as_str();
+        let server_side = matches!(
+            outcome,
+            SettleOutcome::Timeout | SettleOutcome::Unavailable | SettleOutcome::Error
+        );
+        match lease {
+            Some(lease) => {
+                let stream_sequence = lease.key.stream_sequence;
+                let consumer_sequence = lease.consumer_sequence;
+                let delivered = lease.key.delivered;
+                if server_side {
+                    info!(
+                        lease_id = id,
+                        stream_sequence, consumer_sequence, delivered, kind, result, "lease settle"
+                    );
+                } else {
+                    debug!(
+                        lease_id = id,
+                        stream_sequence, consumer_sequence, delivered, kind, result, "lease settle"
+                    );
+                }
+            }
+            // Not a lease id of this binding: whatever the client sent is not logged.
+            None => debug!(kind, result, "lease settle with an id of no current lease"),
+        }
     }
 
     /// Restart a lease's clock (and the server's ack timer). Returns the new expiry.
     pub async fn extend(&self, id: &str) -> Result<OffsetDateTime, Error> {
-        let key = self.decode(id)?;
+        let lease = match self.decode(id) {
+            Ok(lease) => lease,
+            Err(err) => {
+                self.report(
+                    SettleAction::InProgress,
+                    id,
+                    None,
+                    SettleOutcome::of_error(&err),
+                );
+                return Err(err);
+            }
+        };
+        let result = self.extend_lease(lease.key).await;
+        let outcome = match &result {
+            Ok(_) => SettleOutcome::Ok,
+            Err(err) => SettleOutcome::of_error(err),
+        };
+        self.report(SettleAction::InProgress, id, Some(&lease), outcome);
+        result
+    }
+
+    async fn extend_lease(&self, key: DeliveryKey) -> Result<OffsetDateTime, Error> {
         let reply = self
             .shared
             .leases()
@@ -611,10 +742,20 @@ pub fn wall_clock(at: Instant) -> OffsetDateTime {
     }
 }
 
+/// The gateway's metrics, for a task that outlives a borrow of [`Shared`].
+#[derive(Clone)]
+struct SharedMetrics(Arc<Shared>);
+
+impl AsRef<Metrics> for SharedMetrics {
+    fn as_ref(&self) -> &Metrics {
+        &self.0.metrics
+    }
+}
+
 /// What the supervisor starts next to the binding, on the same connection.
 struct Background {
     stop: CancellationToken,
-    dead_letters: Arc<dead_letter::Stats>,
+    shared: Arc<Shared>,
 }
 
 /// Keep the gateway bound: connect, bind, and rebind after reconnects or when asked.
@@ -628,6 +769,10 @@ async fn supervise(
 ) -> anyhow::Result<()> {
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let client = consumer::connect(config, events_tx).await?;
+    let _ = shared.client.set(client.clone());
+    // A Connected event counts as a reconnect only after a Disconnected one: the first
+    // connection is not one, whether or not async-nats reports it as an event.
+    let mut connection_lost = false;
     let ephemeral_name = format!("{}-{:016x}", config.consumer, rand::random::<u64>());
     if let Some(subject) = &config.dead_letter_subject {
         let target = dead_letter::Target {
@@ -643,7 +788,7 @@ async fn supervise(
         tokio::spawn(dead_letter::run(
             client.clone(),
             target,
-            background.dead_letters.clone(),
+            SharedMetrics(background.shared.clone()),
             background.stop.child_token(),
         ));
     }
@@ -655,7 +800,12 @@ async fn supervise(
         while client.connection_state() != async_nats::connection::State::Connected {
             match tokio::time::timeout(Duration::from_secs(1), events.recv()).await {
                 Ok(Some(Event::Disconnected)) => {
+                    connection_lost = true;
                     let _ = commands.send(Command::ConnectionLost).await;
+                }
+                Ok(Some(Event::Connected)) if connection_lost => {
+                    connection_lost = false;
+                    shared.metrics.nats_reconnected();
                 }
                 Ok(None) => anyhow::bail!("the NATS client stopped"),
                 _ => {}
@@ -712,10 +862,14 @@ async fn supervise(
             tokio::select! {
                 event = events.recv() => match event {
                     Some(Event::Disconnected) => {
+                        connection_lost = true;
                         warn!("disconnected from NATS; leases stay valid, fetches answer 503 until reconnected");
                         let _ = commands.send(Command::ConnectionLost).await;
                     }
                     Some(Event::Connected) => {
+                        if std::mem::take(&mut connection_lost) {
+                            shared.metrics.nats_reconnected();
+                        }
                         info!("reconnected to NATS");
                         let _ = commands.send(Command::Reconnected).await;
                         break;

@@ -89,6 +89,8 @@ pub struct LeaseTable {
     parked_until: BTreeSet<(Instant, u64)>,
     retention: Duration,
     max_retired: usize,
+    /// Leases found expired since [`LeaseTable::take_expired`] last asked (for the metrics).
+    expired: u64,
 }
 
 impl LeaseTable {
@@ -103,6 +105,7 @@ impl LeaseTable {
             parked_until: BTreeSet::new(),
             retention,
             max_retired,
+            expired: 0,
         }
     }
 
@@ -128,6 +131,17 @@ impl LeaseTable {
                     State::Extending | State::Settling(_) => true,
                     State::Settled(_) | State::Expired | State::Superseded => false,
                 })
+    }
+
+    /// Messages nak'd with a delay whose delay is not over (see [`LeaseTable::park`]).
+    pub fn delayed_naks(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// How many leases expired since the last call (expiry is noticed lazily, by any call
+    /// that takes `now`).
+    pub fn take_expired(&mut self) -> u64 {
+        std::mem::take(&mut self.expired)
     }
 
     /// When the earliest live lease expires.
@@ -346,6 +360,7 @@ impl LeaseTable {
             });
             if !in_motion {
                 self.retire(key, State::Expired, now);
+                self.expired += 1;
             }
         }
         while let Some(&(retired_at, key)) = self.retired.front() {
@@ -461,6 +476,8 @@ mod tests {
         tokio::time::advance(WAIT).await;
         let later = Instant::now();
         assert_eq!(leases.in_flight(later), 0);
+        assert_eq!(leases.take_expired(), 1);
+        assert_eq!(leases.take_expired(), 0, "counted once");
         assert_eq!(
             leases.begin_settle(key(1, 1), SettleKind::Ack, later),
             Err(Refusal::Gone)
@@ -547,6 +564,7 @@ mod tests {
         leases.park(1, now + Duration::from_secs(10));
         leases.park(2, now + Duration::from_secs(20));
         assert_eq!(leases.taken(now), 2);
+        assert_eq!(leases.delayed_naks(), 2);
         assert_eq!(leases.next_release(), Some(now + Duration::from_secs(10)));
         leases.note_delivery(key(2, 2), now);
         assert_eq!(leases.taken(now), 1);

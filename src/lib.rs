@@ -11,6 +11,7 @@
 //! - [`gateway`]: the core the handlers call; supervises the NATS binding.
 //! - [`idempotency`]: `Idempotency-Key` on fetch — a repeat gets the first answer.
 //! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
+//! - [`metrics`]: Prometheus metric names and one-line recording helpers (`GET /metrics`).
 //! - [`error`]: the one error type a client can see.
 //! - [`subject`]: NATS subject rules for `POST /publish`.
 //!
@@ -27,6 +28,7 @@ pub mod http;
 pub mod idempotency;
 pub mod lease_id;
 pub mod leases;
+pub mod metrics;
 pub mod subject;
 
 use std::future::Future;

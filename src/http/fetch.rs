@@ -1,6 +1,6 @@
 //! `POST /fetch`: lease a batch of messages.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{ConnectInfo, State};
@@ -59,6 +59,7 @@ pub async fn fetch(
     headers: HeaderMap,
     JsonBody(body): JsonBody<FetchBody>,
 ) -> Result<Response, Error> {
+    let started = Instant::now();
     let encoding = body.encoding.unwrap_or_default();
     let demand = demand(&body)?;
     let client = client.map(|Extension(ConnectInfo(client))| client);
@@ -69,11 +70,15 @@ pub async fn fetch(
             gateway.give_back(leased).await;
             return Err(Error::ClientGone);
         }
+        let count = leased.len();
         let messages = leased
             .into_iter()
             .map(|leased| MessageDto::new(leased, encoding))
             .collect();
-        return Ok(Json(FetchResponse { messages }).into_response());
+        // Encoded here, so that the latency includes the JSON.
+        let response = Json(FetchResponse { messages }).into_response();
+        gateway.metrics().fetch_served(started.elapsed(), count);
+        return Ok(response);
     };
     let key = idempotency::validate_key(key.as_bytes())
         .map_err(|detail| Error::invalid("Idempotency-Key", detail))?;
@@ -118,6 +123,7 @@ pub async fn fetch(
             Begin::First(claim) => claim,
         };
         let leased = lease(&gateway, demand, client.as_ref()).await?;
+        let count = leased.len();
         let keys = leased
             .iter()
             .map(|leased| leased.delivery.coordinates.key)
@@ -132,6 +138,7 @@ pub async fn fetch(
         // Remembered even when the client hung up meanwhile: it said it would retry, and
         // its retry gets these leases instead of stranding them until they expire.
         claim.answer(body.clone(), keys);
+        gateway.metrics().fetch_served(started.elapsed(), count);
         return Ok(json_response(body));
     }
 }

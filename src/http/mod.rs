@@ -6,12 +6,16 @@ pub mod client;
 pub mod dto;
 mod fetch;
 mod messages;
+mod metrics;
 mod ops;
 pub mod problem;
 mod publish;
 
+use std::time::Duration;
+
 use axum::Router;
-use axum::http::{HeaderName, Request};
+use axum::extract::MatchedPath;
+use axum::http::{HeaderName, Request, Response};
 use axum::response::IntoResponse;
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
@@ -23,6 +27,7 @@ use utoipa_axum::routes;
 
 use crate::error::Error;
 use crate::gateway::Gateway;
+use crate::metrics as metrics_names;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -55,6 +60,7 @@ fn api() -> OpenApiRouter<Gateway> {
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))
         .routes(routes!(ops::consumer))
+        .routes(routes!(metrics::metrics))
 }
 
 /// The OpenAPI document, as served on `/openapi.json`.
@@ -77,23 +83,58 @@ pub fn router(gateway: Gateway) -> Router {
         )
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            gateway.clone(),
+            metrics::track,
+        ))
         .with_state(gateway)
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(
             TraceLayer::new_for_http()
+                .make_span_with(request_span)
+                .on_response(finish_request_span)
                 // 5xx answers here are expected states (503 while NATS is away, 504 on a slow
                 // confirmation) that the gateway logs where it knows why; not errors of the layer.
-                .on_failure(DefaultOnFailure::new().level(tracing::Level::DEBUG))
-                .make_span_with(|request: &Request<_>| {
-                let request_id = request
-                    .headers()
-                    .get("x-request-id")
-                    .and_then(|id| id.to_str().ok())
-                    .unwrap_or_default();
-                tracing::info_span!("http", method = %request.method(), path = %request.uri().path(), request_id)
-            }),
+                .on_failure(DefaultOnFailure::new().level(tracing::Level::DEBUG)),
         )
-        .layer(SetRequestIdLayer::new(request_id, SequentialRequestId::new()))
+        .layer(SetRequestIdLayer::new(
+            request_id,
+            SequentialRequestId::new(),
+        ))
+}
+
+/// One span per request: method, route (the matched template, as in the metrics), request id;
+/// status and latency are recorded when the answer leaves. Headers are never recorded (they
+/// may carry credentials), nor the query string; the raw path only when no route matched.
+fn request_span<B>(request: &Request<B>) -> tracing::Span {
+    let request_id = request
+        .headers()
+        .get("x-request-id")
+        .and_then(|id| id.to_str().ok())
+        .unwrap_or_default();
+    let route = request.extensions().get::<MatchedPath>();
+    let span = tracing::info_span!(
+        "request",
+        method = %request.method(),
+        route = route.map_or(metrics_names::UNMATCHED_ROUTE, MatchedPath::as_str),
+        request_id,
+        path = tracing::field::Empty,
+        status = tracing::field::Empty,
+        latency_ms = tracing::field::Empty,
+    );
+    if route.is_none() {
+        span.record("path", request.uri().path());
+    }
+    span
+}
+
+/// The access log: one info event per answered request, in its span, with status and latency.
+fn finish_request_span<B>(response: &Response<B>, latency: Duration, span: &tracing::Span) {
+    let status = response.status().as_u16();
+    let latency_ms = latency.as_secs_f64() * 1000.0;
+    span.record("status", status);
+    span.record("latency_ms", latency_ms);
+    tracing::info!(parent: span, status, latency_ms, "request finished");
 }
 
 /// Request ids for requests that bring none: a per-process random prefix and a counter.

@@ -1,0 +1,51 @@
+//! `GET /metrics` (the Prometheus text format) and the middleware that counts every HTTP
+//! request by method, matched route template and status.
+
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::header::CONTENT_TYPE;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use crate::gateway::Gateway;
+use crate::metrics::{CONTENT_TYPE as METRICS_CONTENT_TYPE, UNMATCHED_ROUTE};
+
+/// Metrics in the Prometheus text exposition format (0.0.4).
+///
+/// Leases in flight, granted, settled (by kind and result) and expired; redeliveries; fetch
+/// wait and latency histograms; empty and refused fetches; the NATS connection; the
+/// consumer's limits; HTTP requests by route and status. See the README for the list.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    operation_id = "getMetrics",
+    tag = "operations",
+    responses(
+        (status = 200, description = "Prometheus text exposition format 0.0.4", body = String,
+            content_type = "text/plain",
+            example = "# TYPE ruststream_leases_in_flight gauge\nruststream_leases_in_flight 3\n"),
+    )
+)]
+pub async fn metrics(State(gateway): State<Gateway>) -> impl IntoResponse {
+    (
+        [(CONTENT_TYPE, METRICS_CONTENT_TYPE)],
+        gateway.render_metrics(),
+    )
+}
+
+/// Count the request under its route template (`/messages/{id}/ack`), never its raw path:
+/// one series per lease id would grow without bound.
+pub async fn track(State(gateway): State<Gateway>, request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = request.method().clone();
+    let route = request.extensions().get::<MatchedPath>().cloned();
+    let response = next.run(request).await;
+    gateway.metrics().http_request(
+        &method,
+        route.as_ref().map_or(UNMATCHED_ROUTE, MatchedPath::as_str),
+        response.status(),
+        started.elapsed(),
+    );
+    response
+}
