@@ -145,7 +145,8 @@ where
         let Ok(slot) = slots.clone().acquire_owned().await else {
             return;
         };
-        let (js, target, metrics, stop) = (js.clone(), target.clone(), metrics.clone(), stop.clone());
+        let (js, target, metrics, stop) =
+            (js.clone(), target.clone(), metrics.clone(), stop.clone());
         tokio::spawn(async move {
             let _slot = slot;
             tokio::select! {
