@@ -21,8 +21,46 @@ pub struct Config {
     pub nats_url: String,
 
     /// NATS credentials file (JWT + nkey seed).
-    #[arg(long, env = "NATS_CREDS")]
+    #[arg(long, env = "NATS_CREDS", conflicts_with_all = ["nats_nkey", "nats_user", "nats_token"])]
     pub nats_creds: Option<PathBuf>,
+
+    /// File holding a NATS user nkey seed (`SU…`), for servers that authenticate by nkey.
+    #[arg(long, env = "NATS_NKEY", conflicts_with_all = ["nats_user", "nats_token"])]
+    pub nats_nkey: Option<PathBuf>,
+
+    /// NATS user name (with --nats-password).
+    #[arg(
+        long,
+        env = "NATS_USER",
+        requires = "nats_password",
+        conflicts_with = "nats_token"
+    )]
+    pub nats_user: Option<String>,
+
+    /// NATS password (with --nats-user). Prefer the environment variable: flags show in `ps`.
+    #[arg(
+        long,
+        env = "NATS_PASSWORD",
+        requires = "nats_user",
+        hide_env_values = true
+    )]
+    pub nats_password: Option<Secret>,
+
+    /// NATS authentication token. Prefer the environment variable: flags show in `ps`.
+    #[arg(long, env = "NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<Secret>,
+
+    /// CA certificate (PEM) that signed the NATS server's certificate; implies TLS.
+    #[arg(long, env = "NATS_CA")]
+    pub nats_tls_ca: Option<PathBuf>,
+
+    /// Client certificate (PEM) for NATS servers that verify clients (with --nats-tls-key).
+    #[arg(long, env = "NATS_CERT", requires = "nats_tls_key")]
+    pub nats_tls_cert: Option<PathBuf>,
+
+    /// Private key (PEM) of --nats-tls-cert.
+    #[arg(long, env = "NATS_KEY", requires = "nats_tls_cert")]
+    pub nats_tls_key: Option<PathBuf>,
 
     /// JetStream stream to consume from.
     #[arg(long, env = "RUSTSTREAM_STREAM", default_value = "ORDERS")]
@@ -92,6 +130,32 @@ pub struct Config {
     )]
     pub stream_subjects: Vec<String>,
 
+    /// File of HTTP bearer tokens, one `<token> <scope>[,<scope>…]` per line (scopes: fetch,
+    /// settle, publish, admin, or * for all; `#` starts a comment). With neither this nor
+    /// --auth-tokens, HTTP authentication is off.
+    #[arg(long, env = "RUSTSTREAM_AUTH_TOKENS_FILE")]
+    pub auth_tokens_file: Option<PathBuf>,
+
+    /// HTTP bearer tokens inline, in the file's format with `;` between entries (added to
+    /// those of --auth-tokens-file).
+    #[arg(long, env = "RUSTSTREAM_AUTH_TOKENS", hide_env_values = true)]
+    pub auth_tokens: Option<Secret>,
+
+    /// Most messages one fetch may ask for (`batch`).
+    #[arg(long, env = "RUSTSTREAM_MAX_BATCH", default_value_t = 1000,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub max_batch: u32,
+
+    /// Longest a fetch may wait for messages (`wait_ms`); at most 30s.
+    #[arg(long, env = "RUSTSTREAM_MAX_WAIT", default_value = "30s", value_parser = parse_max_wait)]
+    pub max_wait: Duration,
+
+    /// Most fetches one bearer token may have waiting at once (429 beyond); applies when
+    /// authentication is on.
+    #[arg(long, env = "RUSTSTREAM_MAX_WAITING_FETCHES_PER_TOKEN", default_value_t = 100,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_waiting_fetches_per_token: u32,
+
     /// Log format: text or json (RUST_LOG sets the level; default info).
     #[arg(long, env = "RUSTSTREAM_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
@@ -153,6 +217,30 @@ impl fmt::Display for DeliverPolicy {
     }
 }
 
+/// A secret from a flag or the environment: usable, never shown by `Debug` (logs, panics).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+impl FromStr for Secret {
+    type Err = String;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        Ok(Self(value.to_owned()))
+    }
+}
+
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
@@ -169,6 +257,14 @@ fn parse_positive_duration(value: &str) -> Result<Duration, String> {
     let duration = humantime::parse_duration(value).map_err(|err| err.to_string())?;
     if duration.is_zero() {
         return Err("must be greater than zero".into());
+    }
+    Ok(duration)
+}
+
+fn parse_max_wait(value: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(value).map_err(|err| err.to_string())?;
+    if duration > Duration::from_secs(30) {
+        return Err("must be at most 30s".into());
     }
     Ok(duration)
 }
@@ -191,6 +287,56 @@ mod tests {
         assert!(!config.ephemeral);
         assert_eq!(config.dead_letter_subject, None);
         assert_eq!(config.listen, "127.0.0.1:8080".parse().expect("addr"));
+        assert_eq!(config.max_batch, 1000);
+        assert_eq!(config.max_wait, Duration::from_secs(30));
+        assert!(config.auth_tokens_file.is_none() && config.auth_tokens.is_none());
+    }
+
+    #[test]
+    fn secrets_never_show_in_debug_output() {
+        let config = Config::try_parse_from([
+            "ruststream-nats",
+            "--nats-user",
+            "alice",
+            "--nats-password",
+            "hunter2-password",
+            "--auth-tokens",
+            "tok-very-secret fetch",
+        ])
+        .expect("parses");
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("hunter2-password"), "{shown}");
+        assert!(!shown.contains("tok-very-secret"), "{shown}");
+        assert_eq!(
+            config.nats_password.as_ref().map(Secret::expose),
+            Some("hunter2-password")
+        );
+    }
+
+    #[test]
+    fn nats_auth_methods_exclude_each_other() {
+        let refused = |args: &[&str]| {
+            let mut all = vec!["ruststream-nats"];
+            all.extend_from_slice(args);
+            Config::try_parse_from(all).is_err()
+        };
+        assert!(refused(&["--nats-user", "a"]), "user needs a password");
+        assert!(refused(&["--nats-password", "a"]), "password needs a user");
+        assert!(refused(&[
+            "--nats-token",
+            "t",
+            "--nats-user",
+            "a",
+            "--nats-password",
+            "p"
+        ]));
+        assert!(refused(&["--nats-creds", "c", "--nats-nkey", "k"]));
+        assert!(
+            refused(&["--nats-tls-cert", "c"]),
+            "a client cert needs its key"
+        );
+        assert!(refused(&["--max-wait", "31s"]));
+        assert!(refused(&["--max-batch", "0"]));
     }
 
     #[test]

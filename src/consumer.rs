@@ -71,16 +71,66 @@ pub async fn connect(
                 let _ = events.send(event);
             }
         });
+    options = authenticate(options, config).await?;
+    options
+        .connect(config.nats_url.as_str())
+        .await
+        .with_context(|| format!("connecting to {}", config.nats_url))
+}
+
+/// Add the configured NATS authentication and TLS to `options`. Files are read and checked
+/// here, so a wrong path or a malformed seed stops the start with a clear error instead of an
+/// endless reconnect loop. No error names a secret: only paths and what is wrong with them.
+async fn authenticate(
+    mut options: ConnectOptions,
+    config: &Config,
+) -> anyhow::Result<ConnectOptions> {
     if let Some(creds) = &config.nats_creds {
         options = options
             .credentials_file(creds)
             .await
             .with_context(|| format!("reading NATS credentials file {}", creds.display()))?;
     }
-    options
-        .connect(config.nats_url.as_str())
-        .await
-        .with_context(|| format!("connecting to {}", config.nats_url))
+    if let Some(path) = &config.nats_nkey {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading NATS nkey seed file {}", path.display()))?;
+        // The file may hold comments or other lines (as `nsc` writes them): take the seed line.
+        let seed = text
+            .lines()
+            .map(str::trim)
+            .find(|line| line.starts_with("SU"))
+            .filter(|seed| nkeys::KeyPair::from_seed(seed).is_ok())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "NATS nkey seed file {} holds no valid user seed (a line starting with SU)",
+                    path.display()
+                )
+            })?;
+        options = options.nkey(seed.to_owned());
+    }
+    if let (Some(user), Some(password)) = (&config.nats_user, &config.nats_password) {
+        options = options.user_and_password(user.clone(), password.expose().to_owned());
+    }
+    if let Some(token) = &config.nats_token {
+        options = options.token(token.expose().to_owned());
+    }
+    let readable = |path: &std::path::Path, what: &str| {
+        std::fs::metadata(path)
+            .map(|_| ())
+            .with_context(|| format!("reading NATS {what} {}", path.display()))
+    };
+    if let Some(ca) = &config.nats_tls_ca {
+        readable(ca, "TLS CA certificate")?;
+        options = options.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    if let (Some(cert), Some(key)) = (&config.nats_tls_cert, &config.nats_tls_key) {
+        readable(cert, "TLS client certificate")?;
+        readable(key, "TLS client key")?;
+        options = options
+            .add_client_certificate(cert.clone(), key.clone())
+            .require_tls(true);
+    }
+    Ok(options)
 }
 
 /// Find the stream, create or bind the consumer, and reconcile its mutable settings.

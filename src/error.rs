@@ -41,6 +41,18 @@ pub enum Error {
     NotFound(String),
     #[error("{0}")]
     MethodNotAllowed(String),
+    /// No bearer token, or one that is not configured.
+    #[error("{}", if *invalid { "the bearer token is not valid" } else { "this endpoint needs a bearer token (Authorization: Bearer <token>)" })]
+    Unauthorized { invalid: bool },
+    /// A valid token without the scope the endpoint needs.
+    #[error("the token lacks the `{scope}` scope this endpoint needs")]
+    Forbidden { scope: &'static str },
+    /// This token already has as many fetches waiting as it may.
+    #[error("this token already has {limit} fetches waiting; retry after one returns")]
+    TooManyWaitingFetches { limit: usize, retry_after: Duration },
+    /// The request body did not arrive in time.
+    #[error("the request body did not arrive within {}s", timeout.as_secs_f64())]
+    BodyTimeout { timeout: Duration },
     /// The client hung up before its answer was ready; nobody reads this.
     #[error("the client closed the connection")]
     ClientGone,

@@ -2,6 +2,7 @@
 //! messages to HTTP clients.
 //!
 //! The map:
+//! - [`auth`]: HTTP bearer tokens with scopes, checked before any handler runs.
 //! - [`config`]: flags and environment variables → validated settings.
 //! - [`consumer`]: the NATS boundary — connect, create/bind the consumer, pull, confirmed settle.
 //! - [`dispatch`]: turns waiting fetches into pull requests and hands out deliveries.
@@ -18,6 +19,7 @@
 //! [`run`] serves until a shutdown signal, then drains: new fetches get 503, waiting ones
 //! return, settles are accepted for a grace period, unleased deliveries are nak'd.
 
+pub mod auth;
 pub mod config;
 pub mod consumer;
 pub mod dead_letter;
@@ -36,7 +38,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context as _;
 use tokio::net::TcpListener;
-use tracing::info;
+use tracing::{info, warn};
 
 pub use config::Config;
 use gateway::Gateway;
@@ -52,8 +54,15 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let grace = config.shutdown_grace;
+    let auth = auth::Auth::from_config(&config)?;
+    if !auth.is_on() {
+        warn!(
+            "HTTP authentication is off (no --auth-tokens-file or --auth-tokens): anyone who \
+             reaches the listen address can fetch, settle and publish"
+        );
+    }
     let (gateway, tasks, fatal_rx) = Gateway::start(config);
-    let app = http::router(gateway.clone());
+    let app = http::router(gateway.clone(), auth);
     let address = listener
         .local_addr()
         .context("reading the listen address")?;

@@ -13,6 +13,8 @@ use super::body::JsonBody;
 use super::client::Client;
 use super::dto::{FetchBody, FetchResponse, MessageDto};
 use super::problem::Problem;
+use crate::auth::Principal;
+use crate::config::Config;
 use crate::dispatch::Demand;
 use crate::error::Error;
 use crate::gateway::Gateway;
@@ -23,9 +25,7 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Set on an answer that repeats an earlier one for the same `Idempotency-Key`.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
-pub const MAX_BATCH: u32 = 1000;
 pub const DEFAULT_BATCH: u32 = 10;
-pub const MAX_WAIT_MS: u64 = 30_000;
 pub const DEFAULT_WAIT_MS: u64 = 5_000;
 
 /// Lease up to `batch` messages.
@@ -56,12 +56,20 @@ pub const DEFAULT_WAIT_MS: u64 = 5_000;
 pub async fn fetch(
     State(gateway): State<Gateway>,
     client: Option<Extension<ConnectInfo<Client>>>,
+    principal: Option<Extension<Principal>>,
     headers: HeaderMap,
     JsonBody(body): JsonBody<FetchBody>,
 ) -> Result<Response, Error> {
     let started = Instant::now();
     let encoding = body.encoding.unwrap_or_default();
-    let demand = demand(&body)?;
+    let demand = demand(&body, gateway.config())?;
+    // Held until the answer is built: counts this fetch against its token's share.
+    let _waiting = match &principal {
+        Some(Extension(Principal(token))) => {
+            Some(token.begin_fetch(gateway.config().max_waiting_fetches_per_token as usize)?)
+        }
+        None => None,
+    };
     let client = client.map(|Extension(ConnectInfo(client))| client);
     let Some(key) = headers.get(IDEMPOTENCY_KEY) else {
         let leased = lease(&gateway, demand, client.as_ref()).await?;
@@ -172,19 +180,21 @@ fn json_response(body: Bytes) -> Response {
         .into_response()
 }
 
-fn demand(body: &FetchBody) -> Result<Demand, Error> {
-    let batch = body.batch.unwrap_or(DEFAULT_BATCH);
-    if !(1..=MAX_BATCH).contains(&batch) {
+fn demand(body: &FetchBody, config: &Config) -> Result<Demand, Error> {
+    let max_batch = config.max_batch;
+    let max_wait_ms = u64::try_from(config.max_wait.as_millis()).unwrap_or(u64::MAX);
+    let batch = body.batch.unwrap_or(DEFAULT_BATCH.min(max_batch));
+    if !(1..=max_batch).contains(&batch) {
         return Err(Error::invalid(
             "batch",
-            format!("batch: must be between 1 and {MAX_BATCH}, got {batch}"),
+            format!("batch: must be between 1 and {max_batch}, got {batch}"),
         ));
     }
-    let wait_ms = body.wait_ms.unwrap_or(DEFAULT_WAIT_MS);
-    if wait_ms > MAX_WAIT_MS {
+    let wait_ms = body.wait_ms.unwrap_or(DEFAULT_WAIT_MS.min(max_wait_ms));
+    if wait_ms > max_wait_ms {
         return Err(Error::invalid(
             "wait_ms",
-            format!("wait_ms: must be between 0 and {MAX_WAIT_MS}, got {wait_ms}"),
+            format!("wait_ms: must be between 0 and {max_wait_ms}, got {wait_ms}"),
         ));
     }
     let max_bytes = match body.max_bytes {

@@ -25,6 +25,7 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use crate::auth::Auth;
 use crate::error::Error;
 use crate::gateway::Gateway;
 use crate::metrics as metrics_names;
@@ -68,8 +69,8 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     api().split_for_parts().1
 }
 
-/// The complete application.
-pub fn router(gateway: Gateway) -> Router {
+/// The complete application; `auth` guards every route but health, readiness and the docs.
+pub fn router(gateway: Gateway, auth: Auth) -> Router {
     let (router, spec) = api().split_for_parts();
     let spec = std::sync::Arc::new(spec);
     let request_id = HeaderName::from_static("x-request-id");
@@ -88,6 +89,10 @@ pub fn router(gateway: Gateway) -> Router {
             metrics::track,
         ))
         .with_state(gateway)
+        .layer(axum::middleware::from_fn_with_state(
+            auth,
+            crate::auth::authenticate,
+        ))
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(
             TraceLayer::new_for_http()

@@ -46,7 +46,12 @@ impl Error {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::LeaseGone => StatusCode::GONE,
             Self::AlreadySettled { .. } => StatusCode::CONFLICT,
-            Self::AtCapacity { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::AtCapacity { .. } | Self::TooManyWaitingFetches { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            Self::Forbidden { .. } => StatusCode::FORBIDDEN,
+            Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::Unavailable(_) | Self::ClientGone => StatusCode::SERVICE_UNAVAILABLE,
             Self::TimedOut => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -65,6 +70,12 @@ impl Error {
             Self::AtCapacity { .. } => ("too-many-leases", "Too many leases in flight"),
             Self::Unavailable(_) => ("unavailable", "NATS unavailable"),
             Self::ClientGone => ("client-gone", "Client closed the connection"),
+            Self::Unauthorized { .. } => ("unauthorized", "Authentication required"),
+            Self::Forbidden { .. } => ("forbidden", "Scope missing"),
+            Self::TooManyWaitingFetches { .. } => {
+                ("too-many-waiting-fetches", "Too many waiting fetches")
+            }
+            Self::BodyTimeout { .. } => ("body-timeout", "Request body too slow"),
             Self::TimedOut => ("not-confirmed", "Settle not confirmed in time"),
         }
     }
@@ -72,7 +83,8 @@ impl Error {
     /// Whole seconds to wait before retrying a 429, never zero.
     fn retry_after_secs(&self) -> Option<u64> {
         match self {
-            Self::AtCapacity { retry_after, .. } => {
+            Self::AtCapacity { retry_after, .. }
+            | Self::TooManyWaitingFetches { retry_after, .. } => {
                 let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
                 Some(secs.max(1))
             }
@@ -105,6 +117,26 @@ impl IntoResponse for Error {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         if let Some(secs) = problem.retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        // RFC 6750: say which scheme is wanted, and why a token was refused.
+        let challenge = match &self {
+            Self::Unauthorized { invalid: false } => {
+                Some("Bearer realm=\"ruststream-nats\"".to_owned())
+            }
+            Self::Unauthorized { invalid: true } => {
+                Some("Bearer realm=\"ruststream-nats\", error=\"invalid_token\"".to_owned())
+            }
+            Self::Forbidden { scope } => Some(format!(
+                "Bearer realm=\"ruststream-nats\", error=\"insufficient_scope\", scope=\"{scope}\""
+            )),
+            _ => None,
+        };
+        if let Some(challenge) = challenge.and_then(|value| HeaderValue::from_str(&value).ok()) {
+            headers.insert(header::WWW_AUTHENTICATE, challenge);
+        }
+        if matches!(self, Self::BodyTimeout { .. }) {
+            // The rest of the body may still be on its way: do not read it as a next request.
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         response
     }

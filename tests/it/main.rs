@@ -14,6 +14,7 @@ mod publish;
 mod readme;
 mod review;
 mod robustness;
+mod security;
 mod settle;
 mod shutdown;
 mod startup;

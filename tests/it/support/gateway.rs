@@ -143,6 +143,21 @@ pub fn http_client() -> reqwest::Client {
         .expect("build reqwest client")
 }
 
+/// As [`http_client`], sending `Authorization: Bearer <token>` on every request.
+pub fn http_client_with_token(token: &str) -> reqwest::Client {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        reqwest::header::AUTHORIZATION,
+        format!("Bearer {token}").parse().expect("header value"),
+    );
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(60))
+        .default_headers(headers)
+        .build()
+        .expect("build reqwest client")
+}
+
 impl Gateway {
     /// Parse `--nats-url <url> <extra…>` like the binary does and start `run` on a port-0
     /// listener. Does not wait for readiness.
@@ -260,7 +275,7 @@ impl Gateway {
 
     // ---- raw requests ---------------------------------------------------------------------
 
-    async fn reply(response: reqwest::Response) -> Reply {
+    pub async fn reply(response: reqwest::Response) -> Reply {
         let status = response.status().as_u16();
         let headers = response.headers().clone();
         let text = response.text().await.expect("read response body");

@@ -1,0 +1,269 @@
+//! HTTP bearer tokens: 401 without a valid token, 403 without the scope, open health and
+//! docs, the per-token cap on waiting fetches, and start-up refusals that never echo a token.
+
+use std::io::Write as _;
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::support::gateway::{Gateway, Reply, http_client, http_client_with_token};
+use crate::support::{Js, NatsServer, STREAM, wait_for};
+
+const TOKENS: &str = "\
+# workers
+worker-fetch-token fetch
+worker-settle-token settle
+both-token fetch,settle
+ops-token admin   # dashboards
+publisher-token publish
+";
+
+fn tokens_file(text: &str) -> tempfile::NamedTempFile {
+    let mut file = tempfile::NamedTempFile::new().expect("temp file");
+    file.write_all(text.as_bytes()).expect("write tokens");
+    file
+}
+
+async fn send(client: &reqwest::Client, method: &str, url: &str) -> Reply {
+    let request = match method {
+        "GET" => client.get(url),
+        _ => client.post(url),
+    };
+    Gateway::reply(request.send().await.expect("request")).await
+}
+
+#[track_caller]
+fn assert_challenge(reply: &Reply, status: u16, expect: &str) {
+    reply.assert_problem(&[status], "");
+    let challenge = reply
+        .headers
+        .get("www-authenticate")
+        .unwrap_or_else(|| panic!("{status} without WWW-Authenticate: {:?}", reply.headers))
+        .to_str()
+        .expect("ascii");
+    assert!(challenge.starts_with("Bearer"), "{challenge}");
+    assert!(
+        challenge.contains(expect),
+        "{challenge} should contain {expect}"
+    );
+}
+
+#[tokio::test]
+async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
+    let server = NatsServer::start().await;
+    let js = Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    let file = tokens_file(TOKENS);
+    let path = file.path().to_str().expect("utf8 path");
+    let gateway = Gateway::ready(
+        &server.url(),
+        &[
+            "--consumer",
+            "auth",
+            "--auth-tokens-file",
+            path,
+            "--auth-tokens",
+            "inline-token *",
+        ],
+    )
+    .await;
+    js.publish("orders.auth", "one").await;
+    let url = |path: &str| gateway.url(path);
+    let anonymous = http_client();
+
+    // Open: probes and the API description carry no token.
+    for path in ["/healthz", "/readyz", "/openapi.json"] {
+        assert_eq!(
+            send(&anonymous, "GET", &url(path)).await.status,
+            200,
+            "{path}"
+        );
+    }
+
+    // No token, a wrong token, a token's prefix, another scheme: 401 with a Bearer challenge.
+    let missing = send(&anonymous, "POST", &url("/fetch")).await;
+    assert_challenge(&missing, 401, "realm=");
+    let wrong = send(
+        &http_client_with_token("worker-fetch-tokeX"),
+        "POST",
+        &url("/fetch"),
+    )
+    .await;
+    assert_challenge(&wrong, 401, "invalid_token");
+    let prefix = send(
+        &http_client_with_token("worker-fetch"),
+        "POST",
+        &url("/fetch"),
+    )
+    .await;
+    assert_challenge(&prefix, 401, "invalid_token");
+    let basic = anonymous
+        .post(url("/fetch"))
+        .header("authorization", "Basic d29ya2VyLWZldGNoLXRva2Vu")
+        .send()
+        .await
+        .expect("request");
+    assert_challenge(&Gateway::reply(basic).await, 401, "Bearer");
+    for (method, path) in [
+        ("POST", "/messages/abc/ack"),
+        ("POST", "/messages/ack"),
+        ("GET", "/consumer"),
+        ("GET", "/metrics"),
+        ("POST", "/publish"),
+        ("GET", "/no-such-endpoint"),
+    ] {
+        assert_challenge(&send(&anonymous, method, &url(path)).await, 401, "Bearer");
+    }
+
+    // A valid token outside its scope: 403 naming the scope, before the body is looked at.
+    let fetcher = http_client_with_token("worker-fetch-token");
+    let settler = http_client_with_token("worker-settle-token");
+    let ops = http_client_with_token("ops-token");
+    for (client, method, path, scope) in [
+        (&fetcher, "POST", "/messages/abc/ack", "settle"),
+        (&fetcher, "POST", "/messages/nak", "settle"),
+        (&fetcher, "GET", "/consumer", "admin"),
+        (&fetcher, "GET", "/metrics", "admin"),
+        (&fetcher, "POST", "/publish", "publish"),
+        (&settler, "POST", "/fetch", "fetch"),
+        (&ops, "POST", "/fetch", "fetch"),
+        (&ops, "POST", "/messages/abc/term", "settle"),
+    ] {
+        let reply = send(client, method, &url(path)).await;
+        assert_challenge(&reply, 403, "insufficient_scope");
+        assert!(reply.text.contains(scope), "{path}: {}", reply.text);
+    }
+
+    // Within scope: the endpoint answers as without authentication.
+    let fetched = fetcher
+        .post(url("/fetch"))
+        .json(&json!({ "batch": 1, "wait_ms": 5000, "encoding": "utf8" }))
+        .send()
+        .await
+        .expect("fetch");
+    let fetched = Gateway::reply(fetched).await;
+    assert_eq!(fetched.status, 200, "{}", fetched.text);
+    let id = fetched.body["messages"][0]["id"]
+        .as_str()
+        .expect("a message")
+        .to_owned();
+    let acked = send(&settler, "POST", &url(&format!("/messages/{id}/ack"))).await;
+    assert_eq!(acked.status, 204, "{}", acked.text);
+    assert_eq!(send(&ops, "GET", &url("/consumer")).await.status, 200);
+    let published = http_client_with_token("publisher-token")
+        .post(url("/publish"))
+        .json(&json!({ "subject": "orders.auth", "data": "two" }))
+        .send()
+        .await
+        .expect("publish");
+    assert_eq!(Gateway::reply(published).await.status, 201);
+    // `*` grants every scope; an authenticated stranger path is a plain 404.
+    let root = http_client_with_token("inline-token");
+    assert_eq!(send(&root, "GET", &url("/consumer")).await.status, 200);
+    send(&root, "GET", &url("/no-such-endpoint"))
+        .await
+        .assert_problem(&[404], "");
+}
+
+#[tokio::test]
+async fn bad_token_sources_refuse_to_start_without_echoing_tokens() {
+    let server = NatsServer::start().await;
+    for (text, expect) in [
+        (
+            "fine-token fetch\nsecret-token-xyz fetch,sttle\n",
+            ":2: unknown scope",
+        ),
+        ("secret-token-xyz\n", ":1: no scopes"),
+        ("# nothing but a comment\n", "names no token"),
+    ] {
+        let file = tokens_file(text);
+        let path = file.path().to_str().expect("utf8 path");
+        let mut gateway = Gateway::start(
+            &server.url(),
+            &["--consumer", "refused", "--auth-tokens-file", path],
+        )
+        .await;
+        let err = gateway
+            .exit_result()
+            .await
+            .expect_err("must refuse to start");
+        let err = format!("{err:#}");
+        assert!(err.contains(expect), "{err}");
+        assert!(
+            !err.contains("secret-token"),
+            "the error shows a token: {err}"
+        );
+    }
+    let mut missing = Gateway::start(
+        &server.url(),
+        &[
+            "--consumer",
+            "refused",
+            "--auth-tokens-file",
+            "/nonexistent/tokens",
+        ],
+    )
+    .await;
+    let err = format!("{:#}", missing.exit_result().await.expect_err("refused"));
+    assert!(err.contains("/nonexistent/tokens"), "{err}");
+}
+
+#[tokio::test]
+async fn each_token_has_its_own_cap_on_waiting_fetches() {
+    let server = NatsServer::start().await;
+    let js = Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    let file = tokens_file("token-a fetch\ntoken-b fetch\n");
+    let path = file.path().to_str().expect("utf8 path");
+    let gateway = Gateway::ready(
+        &server.url(),
+        &[
+            "--consumer",
+            "capped",
+            "--auth-tokens-file",
+            path,
+            "--max-waiting-fetches-per-token",
+            "2",
+        ],
+    )
+    .await;
+    let a = http_client_with_token("token-a");
+    let b = http_client_with_token("token-b");
+    let fetch = |client: &reqwest::Client, wait_ms: u64| {
+        client
+            .post(gateway.url("/fetch"))
+            .json(&json!({ "batch": 1, "wait_ms": wait_ms }))
+            .send()
+    };
+    // Two long polls of token A wait (no messages) ...
+    let long_polls = [fetch(&a, 4000), fetch(&a, 4000)];
+    let long_polls = tokio::spawn(futures::future::join_all(long_polls));
+    // ... so a third of A is refused at once, with Retry-After, while B is served.
+    let refused = wait_for(
+        "a third fetch of token A is refused",
+        Duration::from_secs(3),
+        || async {
+            let reply = Gateway::reply(fetch(&a, 0).await.expect("fetch")).await;
+            (reply.status == 429).then_some(reply)
+        },
+    )
+    .await;
+    refused.assert_problem(&[429], "");
+    assert!(refused.retry_after_secs() >= 1);
+    assert_eq!(
+        Gateway::reply(fetch(&b, 0).await.expect("fetch"))
+            .await
+            .status,
+        200
+    );
+    for reply in long_polls.await.expect("join") {
+        assert_eq!(reply.expect("long poll").status(), 200);
+    }
+    // The long polls returned: A's share is free again.
+    assert_eq!(
+        Gateway::reply(fetch(&a, 0).await.expect("fetch"))
+            .await
+            .status,
+        200
+    );
+}

@@ -1,0 +1,4 @@
+//! Issue 4, security: bearer tokens and scopes, the lease-key file, request limits, NATS
+//! authentication and TLS, and error bodies that reveal nothing internal.
+
+mod auth;
