@@ -22,7 +22,7 @@ use crate::dead_letter;
 use crate::dispatch::{Command, Delivery, Demand, Dispatcher, Leased};
 use crate::error::Error;
 use crate::idempotency::{Begin, Fingerprint, IdempotencyCache, Scope};
-use crate::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
+use crate::lease_id::{DeliveryKey, LeaseCoordinates, LeaseKey, LeaseSigner};
 use crate::leases::{LeaseTable, Refusal, SettleKind, SettleStart};
 use crate::metrics::{Metrics, SettleAction, SettleOutcome, Snapshot};
 
@@ -222,10 +222,26 @@ impl Gateway {
     /// background. The receiver gets the error that makes the gateway unable to work as
     /// configured (missing stream, immutable consumer field differs), if one comes.
     pub fn start(config: Config) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
+        Self::start_with_lease_key(config, None)
+    }
+
+    /// As [`Gateway::start`], signing lease ids with `lease_key` (random when `None`).
+    pub fn start_with_lease_key(
+        config: Config,
+        lease_key: Option<LeaseKey>,
+    ) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
+        let signer = match &lease_key {
+            Some(key) => LeaseSigner::with_key(key.bytes(), &config.stream, &config.consumer),
+            None => LeaseSigner::random(&config.stream, &config.consumer),
+        };
         let shared = Arc::new(Shared {
             leases: Mutex::new(LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
-            signer: LeaseSigner::random(&config.stream, &config.consumer),
-            epoch: AtomicU32::new(0),
+            signer,
+            // A random first epoch: with a shared --lease-key-file, the ids of a previous
+            // process (whose settle state and reply subjects died with it) or of a consumer
+            // recreated meanwhile must not name this process's deliveries, whose sequences
+            // may repeat. They verify (genuine) but answer 410.
+            epoch: AtomicU32::new(rand::random()),
             highest_consumer_sequence: AtomicU64::new(0),
             ack_wait_ms: AtomicU64::new(
                 u64::try_from(config.ack_wait.as_millis()).unwrap_or(u64::MAX),

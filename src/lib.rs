@@ -61,7 +61,11 @@ pub async fn run(
              reaches the listen address can fetch, settle and publish"
         );
     }
-    let (gateway, tasks, fatal_rx) = Gateway::start(config);
+    let lease_key = match &config.lease_key_file {
+        Some(path) => Some(lease_id::LeaseKey::load(path)?),
+        None => None,
+    };
+    let (gateway, tasks, fatal_rx) = Gateway::start_with_lease_key(config, lease_key);
     let app = http::router(gateway.clone(), auth);
     let address = listener
         .local_addr()

@@ -9,6 +9,7 @@ mod fetch;
 mod idempotency;
 mod introspection;
 mod leases;
+mod logs;
 mod metrics;
 mod publish;
 mod readme;
