@@ -133,13 +133,12 @@ fn request_span<B>(request: &Request<B>) -> tracing::Span {
     span
 }
 
-/// The access log: one info event per answered request, in its span, with status and latency.
+/// The access log: status and latency go into the request's span, and one info event in
+/// that span shows the whole of it.
 fn finish_request_span<B>(response: &Response<B>, latency: Duration, span: &tracing::Span) {
-    let status = response.status().as_u16();
-    let latency_ms = latency.as_secs_f64() * 1000.0;
-    span.record("status", status);
-    span.record("latency_ms", latency_ms);
-    tracing::info!(parent: span, status, latency_ms, "request finished");
+    span.record("status", response.status().as_u16());
+    span.record("latency_ms", latency.as_secs_f64() * 1000.0);
+    tracing::info!(parent: span, "request finished");
 }
 
 /// Request ids for requests that bring none: a per-process random prefix and a counter.

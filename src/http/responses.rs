@@ -68,7 +68,7 @@ impl ProblemKind {
             Self::MalformedJson => "The request body is not JSON.",
             Self::PayloadTooLarge => "The request body is larger than 256 KiB.",
             Self::InvalidRequest => {
-                "A field has the wrong type, is out of range, unknown or missing; `field` names it."
+                "A field (or header) has the wrong type, is out of range, unknown or missing, or an Idempotency-Key was reused with another body; `field` names it."
             }
             Self::LeaseNotFound => {
                 "No lease with this id was issued: malformed, forged or unknown."
@@ -98,10 +98,13 @@ impl ProblemKind {
                 detail: "the request body is not valid JSON: EOF while parsing an object".into(),
             }],
             Self::PayloadTooLarge => vec![Error::PayloadTooLarge { limit: BODY_LIMIT }],
-            Self::InvalidRequest => vec![Error::invalid(
-                "batch",
-                "batch: must be between 1 and 1000, got 0",
-            )],
+            Self::InvalidRequest => vec![
+                Error::invalid("batch", "batch: must be between 1 and 1000, got 0"),
+                Error::invalid(
+                    "Idempotency-Key",
+                    "Idempotency-Key: already used with a different request body; use a new key",
+                ),
+            ],
             Self::LeaseNotFound => vec![Error::UnknownLease],
             Self::LeaseSettled => vec![Error::AlreadySettled {
                 settled: SettleKind::Ack,
@@ -141,12 +144,11 @@ impl ProblemKind {
         content = match problems.as_slice() {
             [one] => content.example(serde_json::to_value(one).ok()),
             several => content.examples_from_iter(several.iter().map(|problem| {
-                let name = problem
-                    .kind
-                    .rsplit(':')
-                    .next()
-                    .unwrap_or_default()
-                    .to_owned();
+                let slug = problem.kind.rsplit(':').next().unwrap_or_default();
+                let name = match &problem.field {
+                    Some(field) => format!("{slug}-{}", field.to_lowercase()),
+                    None => slug.to_owned(),
+                };
                 let example = ExampleBuilder::new()
                     .summary(problem.title.clone())
                     .value(serde_json::to_value(problem).ok());

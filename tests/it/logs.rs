@@ -1,0 +1,218 @@
+//! Logs and request ids: `x-request-id` is accepted and returned (or made up); the binary's
+//! `--log-format json` output has one span per request (route template, status, latency),
+//! settle events with the lease id and sequences, and no secret.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::support::gateway::http_client;
+use crate::support::nats::free_port;
+use crate::support::{Js, NatsServer, STREAM, setup, wait_until};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_ids_are_returned_as_given_or_made_up() {
+    let (_server, _js, gateway) = setup(&["--consumer", "request-ids"]).await;
+    let given = gateway
+        .http
+        .get(gateway.url("/healthz"))
+        .header("x-request-id", "client-chosen-42")
+        .send()
+        .await
+        .expect("GET /healthz");
+    assert_eq!(
+        given.headers().get("x-request-id").map(|v| v.as_bytes()),
+        Some(&b"client-chosen-42"[..]),
+        "the client's request id comes back"
+    );
+    let made_up = |reply: &reqwest::Response| {
+        reply
+            .headers()
+            .get("x-request-id")
+            .and_then(|id| id.to_str().ok())
+            .map(str::to_owned)
+            .unwrap_or_else(|| panic!("no x-request-id on {reply:?}"))
+    };
+    let first = gateway
+        .http
+        .get(gateway.url("/nope"))
+        .send()
+        .await
+        .expect("GET");
+    let second = gateway
+        .http
+        .get(gateway.url("/healthz"))
+        .send()
+        .await
+        .expect("GET");
+    let (first, second) = (made_up(&first), made_up(&second));
+    assert!(
+        !first.is_empty() && first != second,
+        "{first:?} vs {second:?}"
+    );
+}
+
+/// The gateway binary as a child process (stopped with SIGTERM on drop), logging to a file.
+struct Binary {
+    child: Child,
+    log: tempfile::NamedTempFile,
+    base: String,
+}
+
+impl Binary {
+    fn start(args: &[&str], rust_log: &str) -> Self {
+        let log = tempfile::NamedTempFile::new().expect("temp log file");
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let child = Command::new(env!("CARGO_BIN_EXE_ruststream-nats"))
+            .args(args)
+            .args(["--listen", &listen])
+            .env("RUST_LOG", rust_log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log.reopen().expect("reopen log file"))
+            .spawn()
+            .expect("spawn the gateway binary");
+        Self {
+            child,
+            log,
+            base: format!("http://{listen}"),
+        }
+    }
+
+    fn text(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
+    }
+
+    /// SIGTERM, then wait (bounded) for a clean exit.
+    async fn stop(&mut self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM failed");
+        wait_until(
+            "the gateway exits after SIGTERM",
+            Duration::from_secs(15),
+            || {
+                let exited = matches!(self.child.try_wait(), Ok(Some(_)));
+                async move { exited }
+            },
+        )
+        .await;
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
+    const TOKEN: &str = "s3cret-bearer-token";
+    const URL_PASSWORD: &str = "s3cret-url-password";
+    let server = NatsServer::start().await;
+    let js = Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    let sequence = js.publish("orders.logged", "hello").await;
+    // Credentials in the URL: the server has no auth and ignores them; they must not be logged.
+    let url = format!("nats://logger:{URL_PASSWORD}@127.0.0.1:{}", server.port());
+    let mut gateway = Binary::start(
+        &[
+            "--nats-url",
+            &url,
+            "--consumer",
+            "logged",
+            "--log-format",
+            "json",
+        ],
+        "info,ruststream_nats=debug",
+    );
+    let http = http_client();
+    wait_until(
+        "the gateway binary is ready",
+        Duration::from_secs(20),
+        || {
+            let request = http.get(format!("{}/readyz", gateway.base)).send();
+            async move { request.await.is_ok_and(|reply| reply.status() == 200) }
+        },
+    )
+    .await;
+
+    let fetched: Value = http
+        .post(format!("{}/fetch", gateway.base))
+        .header("x-request-id", "fetch-1")
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .body(r#"{"batch":1,"wait_ms":2000}"#)
+        .send()
+        .await
+        .expect("POST /fetch")
+        .json()
+        .await
+        .expect("fetch JSON");
+    let id = fetched["messages"][0]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("one message: {fetched}"))
+        .to_owned();
+    let acked = http
+        .post(format!("{}/messages/{id}/ack", gateway.base))
+        .header("x-request-id", "ack-1")
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .send()
+        .await
+        .expect("POST ack");
+    assert_eq!(acked.status(), 204);
+    gateway.stop().await;
+
+    let text = gateway.text();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|line| {
+            serde_json::from_str(line)
+                .unwrap_or_else(|err| panic!("not a JSON log line ({err}): {line}"))
+        })
+        .collect();
+    let field = |line: &Value, name: &str| line["fields"][name].clone();
+    let span = |line: &Value, name: &str| line["span"][name].clone();
+
+    let settle = lines
+        .iter()
+        .find(|line| field(line, "message") == "lease settle")
+        .unwrap_or_else(|| panic!("no settle event in:\n{text}"));
+    assert_eq!(field(settle, "lease_id"), id.as_str(), "{settle}");
+    assert_eq!(field(settle, "stream_sequence"), sequence, "{settle}");
+    assert_eq!(field(settle, "consumer_sequence"), 1, "{settle}");
+    assert_eq!(field(settle, "delivered"), 1, "{settle}");
+    assert_eq!(field(settle, "kind"), "ack", "{settle}");
+    assert_eq!(field(settle, "result"), "ok", "{settle}");
+    assert_eq!(
+        span(settle, "request_id"),
+        "ack-1",
+        "in its request's span: {settle}"
+    );
+
+    let finished = |route: &str, request_id: &str| {
+        lines
+            .iter()
+            .find(|line| {
+                field(line, "message") == "request finished"
+                    && span(line, "route") == route
+                    && span(line, "request_id") == request_id
+            })
+            .unwrap_or_else(|| panic!("no finished {route} request {request_id} in:\n{text}"))
+    };
+    let ack = finished("/messages/{id}/ack", "ack-1");
+    assert_eq!(span(ack, "status"), 204, "{ack}");
+    assert_eq!(span(ack, "method"), "POST", "{ack}");
+    assert!(span(ack, "latency_ms").as_f64().is_some(), "{ack}");
+    let fetch = finished("/fetch", "fetch-1");
+    assert_eq!(span(fetch, "status"), 200, "{fetch}");
+
+    for secret in [TOKEN, URL_PASSWORD] {
+        assert!(!text.contains(secret), "a secret was logged:\n{text}");
+    }
+}
