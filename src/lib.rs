@@ -10,6 +10,7 @@
 //! - [`lease_id`]: signed, self-describing lease ids.
 //! - [`dead_letter`]: republishes exhausted or terminated messages to a dead-letter subject.
 //! - [`gateway`]: the core the handlers call; supervises the NATS binding.
+//! - [`idempotency`]: `Idempotency-Key` on fetch — a repeat gets the first answer.
 //! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
 //! - [`metrics`]: Prometheus metric names and one-line recording helpers (`GET /metrics`).
 //! - [`error`]: the one error type a client can see.
@@ -26,6 +27,7 @@ pub mod dispatch;
 pub mod error;
 pub mod gateway;
 pub mod http;
+pub mod idempotency;
 pub mod lease_id;
 pub mod leases;
 pub mod metrics;

@@ -5,7 +5,9 @@
 mod capacity;
 mod concurrency;
 mod dead_letter;
+mod docs;
 mod fetch;
+mod idempotency;
 mod introspection;
 mod leases;
 mod logs;
