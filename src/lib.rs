@@ -12,6 +12,7 @@
 //! - [`gateway`]: the core the handlers call; supervises the NATS binding.
 //! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
 //! - [`metrics`]: Prometheus metric names and one-line recording helpers (`GET /metrics`).
+//! - [`healthcheck`]: `--healthcheck <URL>`, the container HEALTHCHECK without curl.
 //! - [`error`]: the one error type a client can see.
 //! - [`subject`]: NATS subject rules for `POST /publish`.
 //!
@@ -25,6 +26,7 @@ pub mod dead_letter;
 pub mod dispatch;
 pub mod error;
 pub mod gateway;
+pub mod healthcheck;
 pub mod http;
 pub mod lease_id;
 pub mod leases;

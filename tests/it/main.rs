@@ -4,6 +4,7 @@
 
 mod capacity;
 mod concurrency;
+mod containers;
 mod dead_letter;
 mod fetch;
 mod introspection;
