@@ -141,6 +141,12 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_AUTH_TOKENS", hide_env_values = true)]
     pub auth_tokens: Option<Secret>,
 
+    /// File holding the lease-id signing key: at least 32 bytes, raw or as hex or base64
+    /// text. A gateway restarted with the same file knows its predecessor's ids as genuine
+    /// (410, not 404). Not given: a random key per process.
+    #[arg(long, env = "RUSTSTREAM_LEASE_KEY_FILE")]
+    pub lease_key_file: Option<PathBuf>,
+
     /// Most messages one fetch may ask for (`batch`).
     #[arg(long, env = "RUSTSTREAM_MAX_BATCH", default_value_t = 1000,
           value_parser = clap::value_parser!(u32).range(1..=1000))]

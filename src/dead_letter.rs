@@ -9,7 +9,6 @@
 //! a retry after a timeout) — within that stream's duplicate window (2 min by default).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream::RawMessageErrorKind};
@@ -20,6 +19,8 @@ use time::format_description::well_known::Rfc3339;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
+
+use crate::metrics::Metrics;
 
 /// Header names of the delivery metadata added to a dead letter.
 pub mod headers {
@@ -53,24 +54,6 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Retries of a failed attempt (NATS away, dead-letter stream leaderless) stop after this,
 /// well inside the default 2-minute duplicate window that keeps retries from doubling.
 const RETRY_FOR: Duration = Duration::from_secs(60);
-
-/// What the dead-letter task did, for logs, tests and metrics.
-#[derive(Debug, Default)]
-pub struct Stats {
-    /// Copies the dead-letter stream stored (a copy it reported as a duplicate is not counted).
-    pub dead_lettered: AtomicU64,
-    /// Advisories whose message was no longer in the stream (removed by limits, a work-queue
-    /// term, or purged) — nothing to copy.
-    pub missing: AtomicU64,
-    /// Advisories given up on after retrying for a minute.
-    pub failed: AtomicU64,
-}
-
-impl Stats {
-    pub fn dead_lettered(&self) -> u64 {
-        self.dead_lettered.load(Ordering::Relaxed)
-    }
-}
 
 /// Where the dead letters of which consumer go.
 #[derive(Debug, Clone)]
@@ -112,7 +95,10 @@ fn advisory_subjects(target: &Target) -> [String; 2] {
 
 /// Listen for the consumer's advisories until `stop`, dead-lettering each message named.
 /// async-nats re-subscribes after a reconnect, so one subscription lasts the process.
-pub async fn run(client: Client, target: Target, stats: Arc<Stats>, stop: CancellationToken) {
+pub async fn run<M>(client: Client, target: Target, metrics: M, stop: CancellationToken)
+where
+    M: AsRef<Metrics> + Clone + Send + 'static,
+{
     let [max_deliveries, terminated] = advisory_subjects(&target);
     let subscribed = async {
         let a = client.subscribe(max_deliveries.clone()).await?;
@@ -159,12 +145,13 @@ pub async fn run(client: Client, target: Target, stats: Arc<Stats>, stop: Cancel
         let Ok(slot) = slots.clone().acquire_owned().await else {
             return;
         };
-        let (js, target, stats, stop) = (js.clone(), target.clone(), stats.clone(), stop.clone());
+        let (js, target, metrics, stop) =
+            (js.clone(), target.clone(), metrics.clone(), stop.clone());
         tokio::spawn(async move {
             let _slot = slot;
             tokio::select! {
                 () = stop.cancelled() => {}
-                () = dead_letter(&js, &target, &advisory, &cause, &stats) => {}
+                () = dead_letter(&js, &target, &advisory, &cause, metrics.as_ref()) => {}
             }
         });
     }
@@ -176,7 +163,7 @@ async fn dead_letter(
     target: &Target,
     advisory: &Advisory,
     cause: &Cause,
-    stats: &Stats,
+    metrics: &Metrics,
 ) {
     let sequence = advisory.stream_seq;
     let give_up_at = tokio::time::Instant::now() + RETRY_FOR;
@@ -184,7 +171,7 @@ async fn dead_letter(
     loop {
         match attempt(js, target, advisory, cause).await {
             Ok(Outcome::Stored) => {
-                stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                metrics.dead_lettered();
                 info!(stream_sequence = sequence, ?cause, subject = %target.subject, "dead-lettered");
                 return;
             }
@@ -196,7 +183,7 @@ async fn dead_letter(
                 return;
             }
             Ok(Outcome::Missing) => {
-                stats.missing.fetch_add(1, Ordering::Relaxed);
+                metrics.dead_letter_missing();
                 warn!(
                     stream_sequence = sequence,
                     ?cause,
@@ -206,7 +193,7 @@ async fn dead_letter(
             }
             Err(err) => {
                 if tokio::time::Instant::now() + backoff > give_up_at {
-                    stats.failed.fetch_add(1, Ordering::Relaxed);
+                    metrics.dead_letter_failed();
                     error!(stream_sequence = sequence, ?cause, error = %format!("{err:#}"), subject = %target.subject, "could not dead-letter; giving up");
                     return;
                 }

@@ -21,7 +21,8 @@ use crate::consumer::{self, AckCommand, BindError, Bound, ConfirmError};
 use crate::dead_letter;
 use crate::dispatch::{Command, Delivery, Demand, Dispatcher, Leased};
 use crate::error::Error;
-use crate::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
+use crate::idempotency::{Begin, Fingerprint, IdempotencyCache, Scope};
+use crate::lease_id::{DeliveryKey, LeaseCoordinates, LeaseKey, LeaseSigner};
 use crate::leases::{LeaseTable, Refusal, SettleKind, SettleStart};
 use crate::metrics::{Metrics, SettleAction, SettleOutcome, Snapshot};
 
@@ -190,7 +191,7 @@ pub struct Gateway {
     accepting: Arc<AtomicBool>,
     next_fetch: Arc<AtomicU64>,
     config: Arc<Config>,
-    dead_letters: Arc<dead_letter::Stats>,
+    idempotency: Arc<IdempotencyCache>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -221,10 +222,26 @@ impl Gateway {
     /// background. The receiver gets the error that makes the gateway unable to work as
     /// configured (missing stream, immutable consumer field differs), if one comes.
     pub fn start(config: Config) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
+        Self::start_with_lease_key(config, None)
+    }
+
+    /// As [`Gateway::start`], signing lease ids with `lease_key` (random when `None`).
+    pub fn start_with_lease_key(
+        config: Config,
+        lease_key: Option<LeaseKey>,
+    ) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
+        let signer = match &lease_key {
+            Some(key) => LeaseSigner::with_key(key.bytes(), &config.stream, &config.consumer),
+            None => LeaseSigner::random(&config.stream, &config.consumer),
+        };
         let shared = Arc::new(Shared {
             leases: Mutex::new(LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
-            signer: LeaseSigner::random(&config.stream, &config.consumer),
-            epoch: AtomicU32::new(0),
+            signer,
+            // A random first epoch: with a shared --lease-key-file, the ids of a previous
+            // process (whose settle state and reply subjects died with it) or of a consumer
+            // recreated meanwhile must not name this process's deliveries, whose sequences
+            // may repeat. They verify (genuine) but answer 410.
+            epoch: AtomicU32::new(rand::random()),
             highest_consumer_sequence: AtomicU64::new(0),
             ack_wait_ms: AtomicU64::new(
                 u64::try_from(config.ack_wait.as_millis()).unwrap_or(u64::MAX),
@@ -243,7 +260,6 @@ impl Gateway {
         let (fatal_tx, fatal_rx) = oneshot::channel();
         let stop = CancellationToken::new();
 
-        let dead_letters = Arc::new(dead_letter::Stats::default());
         let dispatcher = Dispatcher::new(shared.clone());
         let dispatcher = tokio::spawn({
             let bound_rx = bound_rx.clone();
@@ -261,11 +277,10 @@ impl Gateway {
             let shared = shared.clone();
             let commands = commands_tx.clone();
             let stop = stop.clone();
-            let dead_letters = dead_letters.clone();
             async move {
                 let background = Background {
                     stop: stop.clone(),
-                    dead_letters,
+                    shared: shared.clone(),
                 };
                 tokio::select! {
                     result = supervise(&config, &shared, bound_tx, commands, background) => {
@@ -284,7 +299,7 @@ impl Gateway {
             accepting: Arc::new(AtomicBool::new(true)),
             next_fetch: Arc::new(AtomicU64::new(1)),
             config,
-            dead_letters,
+            idempotency: Arc::default(),
         };
         let tasks = Tasks { stop, dispatcher };
         (gateway, tasks, fatal_rx)
@@ -318,9 +333,12 @@ impl Gateway {
         self.accepting.load(Ordering::Relaxed) && self.connected().is_ok()
     }
 
-    /// What the dead-letter task did so far (all zero when it is off).
-    pub fn dead_letters(&self) -> &dead_letter::Stats {
-        &self.dead_letters
+    /// Look up a fetch's `Idempotency-Key` (see [`crate::idempotency`]).
+    pub fn begin_idempotent(&self, scope: &Scope, fingerprint: Fingerprint) -> Begin {
+        let now = Instant::now();
+        self.idempotency.begin(scope, fingerprint, |key| {
+            self.shared.leases().is_live(key, now)
+        })
     }
 
     pub fn leases_in_flight(&self) -> usize {
@@ -740,10 +758,20 @@ pub fn wall_clock(at: Instant) -> OffsetDateTime {
     }
 }
 
+/// The gateway's metrics, for a task that outlives a borrow of [`Shared`].
+#[derive(Clone)]
+struct SharedMetrics(Arc<Shared>);
+
+impl AsRef<Metrics> for SharedMetrics {
+    fn as_ref(&self) -> &Metrics {
+        &self.0.metrics
+    }
+}
+
 /// What the supervisor starts next to the binding, on the same connection.
 struct Background {
     stop: CancellationToken,
-    dead_letters: Arc<dead_letter::Stats>,
+    shared: Arc<Shared>,
 }
 
 /// Keep the gateway bound: connect, bind, and rebind after reconnects or when asked.
@@ -776,7 +804,7 @@ async fn supervise(
         tokio::spawn(dead_letter::run(
             client.clone(),
             target,
-            background.dead_letters.clone(),
+            SharedMetrics(background.shared.clone()),
             background.stop.child_token(),
         ));
     }

@@ -12,6 +12,82 @@ use sha2::Sha256;
 
 type HmacSha256 = hmac::Hmac<Sha256>;
 
+/// The shortest signing key accepted from `--lease-key-file`: HMAC-SHA256's own block of
+/// strength (256 bits).
+pub const MIN_KEY_LEN: usize = 32;
+
+/// A lease-signing key from `--lease-key-file`. `Debug` never shows it.
+#[derive(Clone)]
+pub struct LeaseKey(Vec<u8>);
+
+impl std::fmt::Debug for LeaseKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LeaseKey(<redacted>)")
+    }
+}
+
+impl LeaseKey {
+    /// Read a key file: hex or base64 text (surrounding whitespace ignored), else the raw
+    /// bytes; at least [`MIN_KEY_LEN`] bytes once decoded. Errors name the path and the
+    /// length, never the key.
+    pub fn load(path: &std::path::Path) -> anyhow::Result<Self> {
+        let bytes = std::fs::read(path)
+            .map_err(|err| anyhow::anyhow!("reading --lease-key-file {}: {err}", path.display()))?;
+        #[cfg(unix)]
+        if let Ok(meta) = std::fs::metadata(path) {
+            use std::os::unix::fs::PermissionsExt as _;
+            if meta.permissions().mode() & 0o077 != 0 {
+                tracing::warn!(path = %path.display(), "--lease-key-file is readable by other users; chmod 600 it");
+            }
+        }
+        Self::parse(&bytes)
+            .map_err(|why| anyhow::anyhow!("--lease-key-file {}: {why}", path.display()))
+    }
+
+    pub fn parse(bytes: &[u8]) -> Result<Self, String> {
+        let text = std::str::from_utf8(bytes)
+            .map(str::trim)
+            .unwrap_or_default();
+        let key = decode_hex(text)
+            .or_else(|| decode_base64(text))
+            .unwrap_or_else(|| bytes.to_vec());
+        if key.len() < MIN_KEY_LEN {
+            return Err(format!(
+                "the key must be at least {MIN_KEY_LEN} bytes (raw, or as hex or base64 text); it has {}",
+                key.len()
+            ));
+        }
+        Ok(Self(key))
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+fn decode_hex(text: &str) -> Option<Vec<u8>> {
+    if text.is_empty()
+        || !text.len().is_multiple_of(2)
+        || !text.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|at| u8::from_str_radix(&text[at..at + 2], 16).ok())
+        .collect()
+}
+
+fn decode_base64(text: &str) -> Option<Vec<u8>> {
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE};
+    if text.is_empty() {
+        return None;
+    }
+    [STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD]
+        .iter()
+        .find_map(|engine| engine.decode(text).ok())
+}
+
 /// Which delivery of which message a lease is for; the key of the lease table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct DeliveryKey {
@@ -126,6 +202,38 @@ mod tests {
             consumer_sequence: 7,
             published_unix_nanos: 1_790_230_470_084_404_000,
         }
+    }
+
+    #[test]
+    fn key_files_hold_hex_base64_or_raw_bytes_of_at_least_32() {
+        let raw: Vec<u8> = (0u8..32).collect();
+        let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&raw);
+        for text in [
+            format!("{hex}\n"),
+            format!("  {b64}\n"),
+            b64.trim_end_matches('=').into(),
+        ] {
+            assert_eq!(
+                LeaseKey::parse(text.as_bytes()).expect("valid").bytes(),
+                raw
+            );
+        }
+        let binary: Vec<u8> = (200u8..=255).collect();
+        assert_eq!(LeaseKey::parse(&binary).expect("raw").bytes(), binary);
+        let err = LeaseKey::parse(b"short-secret-key\n").expect_err("too short");
+        assert!(
+            err.contains("at least 32 bytes") && !err.contains("short-secret"),
+            "{err}"
+        );
+        assert!(
+            LeaseKey::parse(&hex.as_bytes()[..62]).is_err(),
+            "31 bytes as hex"
+        );
+        assert_eq!(
+            format!("{:?}", LeaseKey::parse(&binary).expect("raw")),
+            "LeaseKey(<redacted>)"
+        );
     }
 
     #[test]

@@ -115,6 +115,24 @@ impl LeaseTable {
         self.expiries.len()
     }
 
+    /// Whether a lease is live: issued, and not settled, expired, superseded or withdrawn.
+    /// One with a settle or extension on its way counts as live (the answer may be "no").
+    pub fn is_live(&self, key: DeliveryKey, now: Instant) -> bool {
+        let superseded = self
+            .newest
+            .get(&key.stream_sequence)
+            .is_some_and(|newest| *newest > key.delivered);
+        !superseded
+            && self
+                .records
+                .get(&key)
+                .is_some_and(|record| match record.state {
+                    State::Active => record.expires_at > now,
+                    State::Extending | State::Settling(_) => true,
+                    State::Settled(_) | State::Expired | State::Superseded => false,
+                })
+    }
+
     /// Messages nak'd with a delay whose delay is not over (see [`LeaseTable::park`]).
     pub fn delayed_naks(&self) -> usize {
         self.parked.len()

@@ -10,6 +10,7 @@
 //! - [`lease_id`]: signed, self-describing lease ids.
 //! - [`dead_letter`]: republishes exhausted or terminated messages to a dead-letter subject.
 //! - [`gateway`]: the core the handlers call; supervises the NATS binding.
+//! - [`idempotency`]: `Idempotency-Key` on fetch — a repeat gets the first answer.
 //! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
 //! - [`metrics`]: Prometheus metric names and one-line recording helpers (`GET /metrics`).
 //! - [`healthcheck`]: `--healthcheck <URL>`, the container HEALTHCHECK without curl.
@@ -28,6 +29,7 @@ pub mod error;
 pub mod gateway;
 pub mod healthcheck;
 pub mod http;
+pub mod idempotency;
 pub mod lease_id;
 pub mod leases;
 pub mod metrics;
@@ -61,7 +63,11 @@ pub async fn run(
              reaches the listen address can fetch, settle and publish"
         );
     }
-    let (gateway, tasks, fatal_rx) = Gateway::start(config);
+    let lease_key = match &config.lease_key_file {
+        Some(path) => Some(lease_id::LeaseKey::load(path)?),
+        None => None,
+    };
+    let (gateway, tasks, fatal_rx) = Gateway::start_with_lease_key(config, lease_key);
     let app = http::router(gateway.clone(), auth);
     let address = listener
         .local_addr()

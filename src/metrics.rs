@@ -62,6 +62,11 @@ pub const DELAYED_NAKS: &str = "ruststream_delayed_naks";
 pub const HTTP_REQUESTS: &str = "ruststream_http_requests_total";
 /// HTTP request durations by `method` and `route` (histogram).
 pub const HTTP_REQUEST_DURATION: &str = "ruststream_http_request_duration_seconds";
+/// Messages copied to the dead-letter subject and stored there (counter).
+pub const DEAD_LETTERED: &str = "ruststream_dead_lettered_total";
+/// Dead-letter advisories not copied, by `reason`: `missing` (the message had already left
+/// the stream) or `failed` (publishing kept failing for a minute) (counter).
+pub const DEAD_LETTERS_SKIPPED: &str = "ruststream_dead_letters_skipped_total";
 /// Always 1, labelled with the gateway's `version` (gauge).
 pub const BUILD_INFO: &str = "ruststream_build_info";
 
@@ -189,6 +194,9 @@ pub struct Metrics {
     delayed_naks: IntGauge,
     http_requests: IntCounterVec,
     http_request_duration: HistogramVec,
+    dead_lettered: IntCounter,
+    dead_letters_missing: IntCounter,
+    dead_letters_failed: IntCounter,
 }
 
 impl Default for Metrics {
@@ -220,6 +228,11 @@ impl Metrics {
         let refused = reg.counter_vec(
             FETCHES_REFUSED,
             "Fetches refused: at_capacity (429, max_ack_pending slots taken) or unavailable (503)",
+            &["reason"],
+        );
+        let dead_letters_skipped = reg.counter_vec(
+            DEAD_LETTERS_SKIPPED,
+            "Dead-letter advisories not copied: missing (the message had left the stream) or failed (publishing kept failing)",
             &["reason"],
         );
         let build_info = reg.gauge_vec(
@@ -306,6 +319,12 @@ impl Metrics {
                 reg.register(vec.clone());
                 vec
             },
+            dead_lettered: reg.counter(
+                DEAD_LETTERED,
+                "Messages copied to the dead-letter subject (max_deliver exhausted or terminated)",
+            ),
+            dead_letters_missing: dead_letters_skipped.with_label_values(&["missing"]),
+            dead_letters_failed: dead_letters_skipped.with_label_values(&["failed"]),
             registry,
         }
     }
@@ -360,6 +379,21 @@ impl Metrics {
             Error::Unavailable(_) => self.fetches_refused_unavailable.inc(),
             _ => {}
         }
+    }
+
+    /// A message was stored in the dead-letter stream.
+    pub fn dead_lettered(&self) {
+        self.dead_lettered.inc();
+    }
+
+    /// A dead-letter advisory named a message no longer in the stream.
+    pub fn dead_letter_missing(&self) {
+        self.dead_letters_missing.inc();
+    }
+
+    /// A dead letter could not be published.
+    pub fn dead_letter_failed(&self) {
+        self.dead_letters_failed.inc();
     }
 
     pub fn nats_reconnected(&self) {

@@ -2,9 +2,12 @@
 
 use std::time::{Duration, Instant};
 
+use axum::body::Body;
 use axum::extract::{ConnectInfo, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
+use bytes::Bytes;
 
 use super::body::JsonBody;
 use super::client::Client;
@@ -15,6 +18,12 @@ use crate::config::Config;
 use crate::dispatch::Demand;
 use crate::error::Error;
 use crate::gateway::Gateway;
+use crate::idempotency::{self, Begin, Fingerprint, Scope};
+
+/// The request header that makes a fetch retry-safe.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// Set on an answer that repeats an earlier one for the same `Idempotency-Key`.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
 pub const DEFAULT_BATCH: u32 = 10;
 pub const DEFAULT_WAIT_MS: u64 = 5_000;
@@ -28,12 +37,17 @@ pub const DEFAULT_WAIT_MS: u64 = 5_000;
     path = "/fetch",
     operation_id = "fetchMessages",
     tag = "leases",
+    params(
+        ("Idempotency-Key" = Option<String>, Header,
+            description = "Makes the fetch retry-safe: repeated (1 to 255 printable ASCII characters, same body) while any lease of its first answer is live, it returns that answer again instead of leasing more. Scoped by the Authorization header."),
+    ),
     request_body(content = Option<FetchBody>, content_type = "application/json"),
     responses(
-        (status = 200, description = "Leased messages (possibly none)", body = FetchResponse),
+        (status = 200, description = "Leased messages (possibly none)", body = FetchResponse,
+            headers(("Idempotent-Replayed" = String, description = "`true` when this repeats the first answer for the Idempotency-Key"))),
         (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Invalid field, or an Idempotency-Key reused with a different body", body = Problem, content_type = "application/problem+json"),
         (status = 429, description = "max_ack_pending leases are out", body = Problem, content_type = "application/problem+json",
             headers(("Retry-After" = u64, description = "Seconds until the earliest lease expires"))),
         (status = 503, description = "NATS unavailable or shutting down", body = Problem, content_type = "application/problem+json"),
@@ -43,6 +57,7 @@ pub async fn fetch(
     State(gateway): State<Gateway>,
     client: Option<Extension<ConnectInfo<Client>>>,
     principal: Option<Extension<Principal>>,
+    headers: HeaderMap,
     JsonBody(body): JsonBody<FetchBody>,
 ) -> Result<Response, Error> {
     let started = Instant::now();
@@ -56,29 +71,113 @@ pub async fn fetch(
         None => None,
     };
     let client = client.map(|Extension(ConnectInfo(client))| client);
-    let leased = match &client {
+    let Some(key) = headers.get(IDEMPOTENCY_KEY) else {
+        let leased = lease(&gateway, demand, client.as_ref()).await?;
+        if client.as_ref().is_some_and(Client::has_hung_up) {
+            // It left while the answer was on its way: nobody would see these leases.
+            gateway.give_back(leased).await;
+            return Err(Error::ClientGone);
+        }
+        let count = leased.len();
+        let messages = leased
+            .into_iter()
+            .map(|leased| MessageDto::new(leased, encoding))
+            .collect();
+        // Encoded here, so that the latency includes the JSON.
+        let response = Json(FetchResponse { messages }).into_response();
+        gateway.metrics().fetch_served(started.elapsed(), count);
+        return Ok(response);
+    };
+    let key = idempotency::validate_key(key.as_bytes())
+        .map_err(|detail| Error::invalid("Idempotency-Key", detail))?;
+    let scope = Scope::new(
+        key,
+        headers
+            .get(header::AUTHORIZATION)
+            .map(HeaderValue::as_bytes),
+    );
+    let fingerprint = Fingerprint::of(&format!(
+        "batch={};wait={:?};max_bytes={:?};encoding={encoding:?}",
+        demand.batch, demand.wait, demand.max_bytes
+    ));
+    loop {
+        let claim = match gateway.begin_idempotent(&scope, fingerprint) {
+            Begin::Replay(body) => {
+                let mut response = json_response(body);
+                response
+                    .headers_mut()
+                    .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+                return Ok(response);
+            }
+            Begin::Mismatch => {
+                return Err(Error::invalid(
+                    "Idempotency-Key",
+                    "Idempotency-Key: already used with a different request body; use a new key",
+                ));
+            }
+            Begin::Wait(mut done) => {
+                // The first request with this key is still waiting: take its answer.
+                match &client {
+                    Some(client) => tokio::select! {
+                        _ = done.changed() => {}
+                        () = client.hung_up() => return Err(Error::ClientGone),
+                    },
+                    None => {
+                        let _ = done.changed().await;
+                    }
+                }
+                continue;
+            }
+            Begin::First(claim) => claim,
+        };
+        let leased = lease(&gateway, demand, client.as_ref()).await?;
+        let count = leased.len();
+        let keys = leased
+            .iter()
+            .map(|leased| leased.delivery.coordinates.key)
+            .collect();
+        let messages = leased
+            .into_iter()
+            .map(|leased| MessageDto::new(leased, encoding))
+            .collect();
+        let body = serde_json::to_vec(&FetchResponse { messages })
+            .map(Bytes::from)
+            .map_err(|err| Error::Unavailable(format!("encoding the answer: {err}")))?;
+        // Remembered even when the client hung up meanwhile: it said it would retry, and
+        // its retry gets these leases instead of stranding them until they expire.
+        claim.answer(body.clone(), keys);
+        gateway.metrics().fetch_served(started.elapsed(), count);
+        return Ok(json_response(body));
+    }
+}
+
+/// Lease for this fetch, giving up when the client hangs up mid-wait.
+async fn lease(
+    gateway: &Gateway,
+    demand: Demand,
+    client: Option<&Client>,
+) -> Result<Vec<crate::dispatch::Leased>, Error> {
+    match client {
         // Dropping the fetch when the client hangs up hands its place (and anything its
         // pull still brings) to the next fetch.
         Some(client) => tokio::select! {
-            leased = gateway.fetch(demand) => leased?,
-            () = client.hung_up() => return Err(Error::ClientGone),
+            leased = gateway.fetch(demand) => leased,
+            () = client.hung_up() => Err(Error::ClientGone),
         },
-        None => gateway.fetch(demand).await?,
-    };
-    if client.as_ref().is_some_and(Client::has_hung_up) {
-        // It left while the answer was on its way: nobody would see these leases.
-        gateway.give_back(leased).await;
-        return Err(Error::ClientGone);
+        None => gateway.fetch(demand).await,
     }
-    let count = leased.len();
-    let messages = leased
-        .into_iter()
-        .map(|leased| MessageDto::new(leased, encoding))
-        .collect();
-    // Encoded here, so that the latency includes the JSON.
-    let response = Json(FetchResponse { messages }).into_response();
-    gateway.metrics().fetch_served(started.elapsed(), count);
-    Ok(response)
+}
+
+fn json_response(body: Bytes) -> Response {
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        Body::from(body),
+    )
+        .into_response()
 }
 
 fn demand(body: &FetchBody, config: &Config) -> Result<Demand, Error> {

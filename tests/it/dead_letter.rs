@@ -105,6 +105,11 @@ async fn a_message_nakked_max_deliver_times_is_dead_lettered_exactly_once() {
         "the original's Nats-Msg-Id is carried, not reused"
     );
     crate::support::rfc3339(header(&letter, headers::PUBLISHED_AT));
+    let metrics = gateway.get("/metrics").await.text;
+    assert!(
+        metrics.contains("\nruststream_dead_lettered_total 1\n"),
+        "counted in /metrics:\n{metrics}"
+    );
 
     // The advisory seen again (a second replica, a retry): the gateway republishes, and the
     // dead-letter stream drops the copy by its Nats-Msg-Id.
@@ -237,4 +242,11 @@ async fn a_dead_letter_whose_message_is_gone_is_skipped_and_the_gateway_keeps_wo
     let dlq = js.js.get_stream(DLQ).await.expect("DLQ stream");
     let letter = dlq.get_raw_message(1).await.expect("a dead letter");
     assert_eq!(header(&letter, headers::STREAM_SEQUENCE), later.to_string());
+    let metrics = gateway.get("/metrics").await.text;
+    assert!(
+        // Two advisories named the vanished message: the server's own MSG_TERMINATED
+        // ("Unacknowledged message was deleted") and the client's term.
+        metrics.contains("ruststream_dead_letters_skipped_total{reason=\"missing\"} 2"),
+        "the vanished message is counted:\n{metrics}"
+    );
 }

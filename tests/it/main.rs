@@ -7,6 +7,7 @@ mod concurrency;
 mod containers;
 mod dead_letter;
 mod fetch;
+mod idempotency;
 mod introspection;
 mod leases;
 mod logs;

@@ -2,3 +2,4 @@
 //! authentication and TLS, and error bodies that reveal nothing internal.
 
 mod auth;
+mod lease_ids;

@@ -1,0 +1,186 @@
+//! Retry-safe fetch: `POST /fetch` repeated with the same `Idempotency-Key` while its leases
+//! are live answers with the same leases; the same key with another body is a 422.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::support::gateway::{Reply, parse_messages};
+use crate::support::{Gateway, server_ack_pending, setup};
+
+async fn fetch_with_key(gateway: &Gateway, key: &str, auth: Option<&str>, body: &Value) -> Reply {
+    let mut request = gateway
+        .http
+        .post(gateway.url("/fetch"))
+        .header("Idempotency-Key", key)
+        .json(body);
+    if let Some(auth) = auth {
+        request = request.header("Authorization", auth);
+    }
+    let response = request.send().await.expect("POST /fetch");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let text = response.text().await.expect("body");
+    let body = serde_json::from_str(&text).unwrap_or(Value::Null);
+    Reply {
+        status,
+        headers,
+        text,
+        body,
+    }
+}
+
+fn replayed(reply: &Reply) -> bool {
+    reply
+        .headers
+        .get("idempotent-replayed")
+        .is_some_and(|value| value == "true")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_fetch_returns_the_same_leases_while_they_are_live() {
+    let (_server, js, gateway) = setup(&["--consumer", "retry", "--ack-wait", "30s"]).await;
+    js.publish_many("orders.1", 3, "m").await;
+    let request = json!({ "batch": 2, "wait_ms": 1000, "encoding": "utf8" });
+
+    let first = fetch_with_key(&gateway, "order-batch-1", None, &request).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    assert!(!replayed(&first));
+    let leased = parse_messages(&first);
+    assert_eq!(leased.len(), 2);
+
+    let again = fetch_with_key(&gateway, "order-batch-1", None, &request).await;
+    assert_eq!(again.status, 200, "{}", again.text);
+    assert!(replayed(&again), "a replay says so: {:?}", again.headers);
+    assert_eq!(again.body, first.body, "the same leases, ids and messages");
+    assert_eq!(
+        server_ack_pending(&js, &gateway).await,
+        2,
+        "nothing more leased"
+    );
+
+    // The third message is still there for anyone else.
+    let other = gateway.fetch_n(10, 1000).await;
+    assert_eq!(other.len(), 1);
+    assert_eq!(gateway.ack(&other[0].id).await, 204);
+
+    // One lease settled, one live: still the same answer; settling again keeps its answer.
+    assert_eq!(gateway.ack(&leased[0].id).await, 204);
+    let after_one = fetch_with_key(&gateway, "order-batch-1", None, &request).await;
+    assert_eq!(after_one.body, first.body);
+    assert_eq!(
+        gateway.ack(&leased[0].id).await,
+        204,
+        "retrying the ack is safe"
+    );
+
+    // Every lease ended: the key is free and fetches afresh.
+    assert_eq!(gateway.nak(&leased[1].id, None).await, 204);
+    let fresh = fetch_with_key(&gateway, "order-batch-1", None, &request).await;
+    assert_eq!(fresh.status, 200, "{}", fresh.text);
+    assert!(!replayed(&fresh));
+    let fresh = parse_messages(&fresh);
+    assert_eq!(fresh.len(), 1, "the nak'd message, redelivered");
+    assert_eq!(fresh[0].stream_sequence, leased[1].stream_sequence);
+    assert_ne!(fresh[0].id, leased[1].id);
+    assert_eq!(gateway.ack(&fresh[0].id).await, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_key_with_a_different_body_is_422() {
+    let (_server, js, gateway) = setup(&["--consumer", "mismatch"]).await;
+    js.publish("orders.1", "x").await;
+    let first = fetch_with_key(
+        &gateway,
+        "k-1",
+        None,
+        &json!({ "batch": 1, "wait_ms": 1000 }),
+    )
+    .await;
+    assert_eq!(parse_messages(&first).len(), 1);
+    fetch_with_key(
+        &gateway,
+        "k-1",
+        None,
+        &json!({ "batch": 5, "wait_ms": 1000 }),
+    )
+    .await
+    .assert_problem(&[422], "Idempotency-Key");
+    // Defaults are the same request: `{"batch": 1, "wait_ms": 1000, "encoding": "base64"}`.
+    let same = fetch_with_key(
+        &gateway,
+        "k-1",
+        None,
+        &json!({ "batch": 1, "wait_ms": 1000, "encoding": "base64" }),
+    )
+    .await;
+    assert_eq!(same.body, first.body);
+    for bad in ["", &"k".repeat(256)] {
+        fetch_with_key(&gateway, bad, None, &json!({ "batch": 1 }))
+            .await
+            .assert_problem(&[422], "Idempotency-Key");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeat_while_the_first_still_waits_gets_the_first_answer() {
+    let (_server, js, gateway) = setup(&["--consumer", "concurrent-retry"]).await;
+    let request = json!({ "batch": 5, "wait_ms": 8000 });
+    let first = {
+        let gateway_url = gateway.url("/fetch");
+        let http = gateway.http.clone();
+        let request = request.clone();
+        tokio::spawn(async move {
+            let response = http
+                .post(gateway_url)
+                .header("Idempotency-Key", "slow")
+                .json(&request)
+                .send()
+                .await
+                .expect("first fetch");
+            response.json::<Value>().await.expect("json")
+        })
+    };
+    let repeat = {
+        let gateway_url = gateway.url("/fetch");
+        let http = gateway.http.clone();
+        let request = request.clone();
+        tokio::spawn(async move {
+            // Pacing, not a condition: the repeat should arrive while the first waits.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let response = http
+                .post(gateway_url)
+                .header("Idempotency-Key", "slow")
+                .json(&request)
+                .send()
+                .await
+                .expect("repeat");
+            response.json::<Value>().await.expect("json")
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    js.publish_many("orders.1", 2, "m").await;
+    let first = first.await.expect("first");
+    let repeat = repeat.await.expect("repeat");
+    let messages = first["messages"].as_array().expect("messages");
+    assert!(!messages.is_empty(), "{first}");
+    assert_eq!(repeat, first, "the repeat carries the first's leases");
+    let leased: usize = messages.len();
+    assert_eq!(server_ack_pending(&js, &gateway).await, leased);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_scoped_by_credential() {
+    let (_server, js, gateway) = setup(&["--consumer", "scoped"]).await;
+    js.publish_many("orders.1", 2, "m").await;
+    let request = json!({ "batch": 1, "wait_ms": 1000 });
+    let alice = fetch_with_key(&gateway, "same", Some("Bearer alice"), &request).await;
+    let bob = fetch_with_key(&gateway, "same", Some("Bearer bob"), &request).await;
+    let alice = parse_messages(&alice);
+    let bob = parse_messages(&bob);
+    assert_eq!((alice.len(), bob.len()), (1, 1));
+    assert_ne!(
+        alice[0].stream_sequence, bob[0].stream_sequence,
+        "another credential's key does not reveal its leases"
+    );
+}

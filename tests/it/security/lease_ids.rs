@@ -1,0 +1,149 @@
+//! Lease ids under attack and across restarts: a tampered or truncated id is a 404 that never
+//! reaches NATS; `--lease-key-file` makes a restarted gateway know its predecessor's ids.
+
+use std::io::Write as _;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use serde_json::json;
+
+use crate::support::gateway::Gateway;
+use crate::support::{Js, NatsServer, STREAM, setup};
+
+fn key_file(text: &str) -> tempfile::NamedTempFile {
+    let mut file = tempfile::NamedTempFile::new().expect("temp file");
+    file.write_all(text.as_bytes()).expect("write key");
+    file
+}
+
+/// Variants of a genuine id that a client could send: every one must answer 404.
+fn forgeries(id: &str) -> Vec<String> {
+    let mut forged = vec![
+        id[..id.len() - 1].to_owned(),
+        format!("{id}A"),
+        id[1..].to_owned(),
+        "A".repeat(id.len()),
+        format!("{}%2e%2e", &id[..id.len() - 6]),
+        "..".to_owned(),
+        "$JS.ACK.ORDERS.x.1.1.1.1.0".to_owned(),
+    ];
+    // Flip one character at the start, in the body, and in the tag.
+    for at in [0, 3, id.len() / 2, id.len() - 2, id.len() - 1] {
+        let mut bytes = id.as_bytes().to_vec();
+        bytes[at] = if bytes[at] == b'B' { b'C' } else { b'B' };
+        forged.push(String::from_utf8(bytes).expect("ascii"));
+    }
+    forged
+}
+
+#[tokio::test]
+async fn tampered_ids_answer_404_and_send_nothing_to_nats() {
+    let (_server, js, gateway) = setup(&["--consumer", "tamper"]).await;
+    js.publish_many("orders.tamper", 2, "t").await;
+    let mut acks = js.client.subscribe("$JS.ACK.>").await.expect("subscribe");
+    js.client.flush().await.expect("flush");
+    let leased = gateway.fetch_n(2, 5000).await;
+    assert_eq!(leased.len(), 2);
+    let (victim, witness) = (&leased[0], &leased[1]);
+
+    for forged in forgeries(&victim.id) {
+        for action in ["ack", "nak", "term", "in-progress"] {
+            let reply = gateway.settle(&urlencode(&forged), action, None).await;
+            reply.assert_problem(&[404], "");
+        }
+    }
+    let batch = gateway
+        .settle_many_ok("ack", &json!({ "ids": forgeries(&victim.id) }))
+        .await;
+    assert!(batch.iter().all(|(_, status)| *status == 404), "{batch:?}");
+
+    // One genuine ack after all that: NATS keeps a connection's messages in order, so once
+    // the subscriber sees it, it would have seen anything the forgeries had sent before.
+    assert_eq!(gateway.ack(&witness.id).await, 204);
+    let first = tokio::time::timeout(Duration::from_secs(5), acks.next())
+        .await
+        .expect("the genuine ack reaches $JS.ACK")
+        .expect("subscription open");
+    let sequence = |subject: &str| subject.split('.').nth(5).map(str::to_owned);
+    assert_eq!(
+        sequence(first.subject.as_str()),
+        Some(witness.stream_sequence.to_string()),
+        "the first ack on the wire must be the genuine one, got {}",
+        first.subject
+    );
+    // And the forged lease is untouched: still valid, settles normally.
+    assert_eq!(gateway.ack(&victim.id).await, 204);
+}
+
+fn urlencode(id: &str) -> String {
+    id.replace('$', "%24")
+}
+
+#[tokio::test]
+async fn a_restart_with_the_same_key_file_knows_its_predecessors_ids() {
+    let server = NatsServer::start().await;
+    let js = Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    js.publish("orders.restart", "one").await;
+    let key = key_file(&format!("{}\n", "5e".repeat(32)));
+    let other_key = key_file(&"ab".repeat(32));
+    let key_path = key.path().to_str().expect("utf8");
+    let flags = [
+        "--consumer",
+        "keyed",
+        "--shutdown-grace",
+        "0s",
+        "--lease-key-file",
+        key_path,
+    ];
+
+    let mut first = Gateway::ready(&server.url(), &flags).await;
+    let leased = first.fetch_n(1, 5000).await;
+    let id = leased[0].id.clone();
+    first.shutdown().await.expect("clean stop");
+
+    // Same key: genuine but not this process's lease (its settle state and reply subject
+    // died with the predecessor) — 410 for every action, never 404, never 5xx.
+    let second = Gateway::ready(&server.url(), &flags).await;
+    for action in ["ack", "nak", "term", "in-progress"] {
+        second
+            .settle(&id, action, None)
+            .await
+            .assert_problem(&[410], "");
+    }
+    drop(second);
+
+    // Another key: the id is not ours at all.
+    let other_path = other_key.path().to_str().expect("utf8");
+    let third = Gateway::ready(
+        &server.url(),
+        &["--consumer", "keyed", "--lease-key-file", other_path],
+    )
+    .await;
+    third
+        .settle(&id, "ack", None)
+        .await
+        .assert_problem(&[404], "");
+}
+
+#[tokio::test]
+async fn a_short_or_missing_key_file_refuses_to_start_without_showing_the_key() {
+    let server = NatsServer::start().await;
+    let short = key_file("too-short-secret\n");
+    for (path, expect) in [
+        (short.path().to_str().expect("utf8"), "at least 32 bytes"),
+        ("/nonexistent/lease.key", "/nonexistent/lease.key"),
+    ] {
+        let mut gateway = Gateway::start(
+            &server.url(),
+            &["--consumer", "k", "--lease-key-file", path],
+        )
+        .await;
+        let err = format!("{:#}", gateway.exit_result().await.expect_err("refused"));
+        assert!(err.contains(expect), "{err}");
+        assert!(
+            !err.contains("too-short-secret"),
+            "the error shows the key: {err}"
+        );
+    }
+}
