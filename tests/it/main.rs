@@ -6,6 +6,7 @@ mod capacity;
 mod concurrency;
 mod containers;
 mod dead_letter;
+mod docs;
 mod fetch;
 mod idempotency;
 mod introspection;
