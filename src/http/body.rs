@@ -1,5 +1,5 @@
 //! The JSON body extractor: any Content-Type (curl's `-d` sends a form type), an empty body
-//! means "all defaults", and every rejection is problem+json naming the field at fault.
+//! (or `null`) means "all defaults", and every rejection is problem+json naming the field at fault.
 
 use axum::extract::{FromRequest, Request};
 use axum::http::header;
@@ -15,7 +15,7 @@ pub const BODY_LIMIT: usize = 256 * 1024;
 /// answer. Past this, or with a larger Content-Length, the connection is cut at once.
 const DRAIN_LIMIT: usize = 16 * 1024 * 1024;
 
-/// A JSON request body, `T::default()` when empty.
+/// A JSON request body, `T::default()` when empty or `null`.
 pub struct JsonBody<T>(pub T);
 
 impl<S, T> FromRequest<S> for JsonBody<T>
@@ -59,7 +59,10 @@ where
 
 /// Parse a body, mapping serde's errors to 400 (not JSON) or 422 (wrong shape or value).
 pub fn parse<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, Error> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
+    // JSON `null` is "no body" too: the spec allows it for the optional bodies, and some
+    // generated clients send it when no body is given.
+    let trimmed = bytes.trim_ascii();
+    if trimmed.is_empty() || trimmed == b"null" {
         return Ok(T::default());
     }
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
@@ -131,6 +134,7 @@ mod tests {
     fn empty_body_means_defaults() {
         assert!(parse::<Sample>(b"").is_ok());
         assert!(parse::<Sample>(b"  \n").is_ok());
+        assert!(parse::<Sample>(b" null ").is_ok());
     }
 
     #[test]

@@ -207,6 +207,7 @@ pub struct BatchResponse {
 
 /// `POST /messages/{id}/in-progress` answer.
 #[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"lease_expires_at": "2026-11-30T12:01:02.5Z"}))]
 pub struct ExtendResponse {
     /// The lease's new end (RFC 3339).
     pub lease_expires_at: String,
@@ -239,6 +240,7 @@ pub struct PublishBody {
 
 /// `POST /publish` answer.
 #[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"stream": "ORDERS", "sequence": 42, "duplicate": false}))]
 pub struct PublishResponse {
     pub stream: String,
     /// The message's stream sequence.
@@ -267,6 +269,27 @@ pub struct ConsumerConfigDto {
 
 /// `GET /consumer` answer.
 #[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({
+    "name": "billing",
+    "stream": "ORDERS",
+    "config": {
+        "durable": true,
+        "deliver_policy": "all",
+        "ack_policy": "explicit",
+        "ack_wait": "30s",
+        "ack_wait_ms": 30000,
+        "max_ack_pending": 1024,
+        "max_deliver": -1,
+        "filter_subject": null,
+        "filter_subjects": [],
+        "max_waiting": 512
+    },
+    "num_pending": 12,
+    "num_ack_pending": 3,
+    "num_redelivered": 0,
+    "num_waiting": 0,
+    "leases_in_flight": 3
+}))]
 pub struct ConsumerDto {
     pub name: String,
     pub stream: String,
@@ -282,11 +305,10 @@ pub struct ConsumerDto {
     pub leases_in_flight: usize,
 }
 
-/// `GET /healthz` and `GET /readyz` answer.
+/// `GET /healthz` and `GET /readyz` answer (a readiness failure is a problem: 503).
 #[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"status": "ok"}))]
 pub struct HealthDto {
-    /// `ok`, or `unavailable` with the reason in `detail`.
+    /// Always `ok`.
     pub status: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub detail: Option<String>,
 }

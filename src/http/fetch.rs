@@ -12,7 +12,7 @@ use bytes::Bytes;
 use super::body::JsonBody;
 use super::client::Client;
 use super::dto::{FetchBody, FetchResponse, MessageDto};
-use super::problem::Problem;
+use super::responses::{BodyRefusals, FetchRefusals, Guarded};
 use crate::auth::Principal;
 use crate::config::Config;
 use crate::dispatch::Demand;
@@ -45,12 +45,7 @@ pub const DEFAULT_WAIT_MS: u64 = 5_000;
     responses(
         (status = 200, description = "Leased messages (possibly none)", body = FetchResponse,
             headers(("Idempotent-Replayed" = String, description = "`true` when this repeats the first answer for the Idempotency-Key"))),
-        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Invalid field, or an Idempotency-Key reused with a different body", body = Problem, content_type = "application/problem+json"),
-        (status = 429, description = "max_ack_pending leases are out", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u64, description = "Seconds until the earliest lease expires"))),
-        (status = 503, description = "NATS unavailable or shutting down", body = Problem, content_type = "application/problem+json"),
+        Guarded, BodyRefusals, FetchRefusals,
     )
 )]
 pub async fn fetch(

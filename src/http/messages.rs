@@ -7,13 +7,14 @@ use axum::extract::{FromRequestParts, Path, State};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use futures::future::join_all;
+use utoipa::IntoParams;
 
 use super::body::JsonBody;
 use super::dto::{
     BatchAckBody, BatchNakBody, BatchResponse, BatchResult, BatchTermBody, ExtendResponse, NakBody,
     TermBody, rfc3339,
 };
-use super::problem::Problem;
+use super::responses::{BodyRefusals, Guarded, LeaseRefusals};
 use crate::consumer::AckCommand;
 use crate::error::Error;
 use crate::gateway::Gateway;
@@ -22,7 +23,13 @@ const MAX_IDS: usize = 1000;
 
 /// The `{id}` path segment. One that is not even valid text names no lease: 404 as
 /// problem+json rather than axum's plain-text rejection.
-pub struct LeaseIdPath(String);
+#[derive(IntoParams)]
+#[into_params(names("id"), parameter_in = Path)]
+pub struct LeaseIdPath(
+    /// Lease id from `POST /fetch`.
+    #[param(example = "AQAAAAAAAAABAAAAAAAAAAEAAAAAAAAAARh5p2wr2Z0A6eTgM0Uq3Zt1mCkV9g6kqw")]
+    String,
+);
 
 impl<S: Send + Sync> FromRequestParts<S> for LeaseIdPath {
     type Rejection = Error;
@@ -45,14 +52,10 @@ const MAX_REASON_CHARS: usize = 1024;
     path = "/messages/{id}/ack",
     operation_id = "ackMessage",
     tag = "leases",
-    params(("id" = String, Path, description = "Lease id from /fetch")),
+    params(LeaseIdPath),
     responses(
         (status = 204, description = "Acked (confirmed by the server)"),
-        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Already settled differently", body = Problem, content_type = "application/problem+json"),
-        (status = 410, description = "Lease expired or superseded", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
-        (status = 504, description = "Not confirmed in time; retry", body = Problem, content_type = "application/problem+json"),
+        Guarded, LeaseRefusals,
     )
 )]
 pub async fn ack(
@@ -69,17 +72,11 @@ pub async fn ack(
     path = "/messages/{id}/nak",
     operation_id = "nakMessage",
     tag = "leases",
-    params(("id" = String, Path, description = "Lease id from /fetch")),
+    params(LeaseIdPath),
     request_body(content = Option<NakBody>, content_type = "application/json"),
     responses(
         (status = 204, description = "Nak'd (confirmed by the server)"),
-        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Already settled differently", body = Problem, content_type = "application/problem+json"),
-        (status = 410, description = "Lease expired or superseded", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
-        (status = 504, description = "Not confirmed in time; retry", body = Problem, content_type = "application/problem+json"),
+        Guarded, BodyRefusals, LeaseRefusals,
     )
 )]
 pub async fn nak(
@@ -98,17 +95,11 @@ pub async fn nak(
     path = "/messages/{id}/term",
     operation_id = "termMessage",
     tag = "leases",
-    params(("id" = String, Path, description = "Lease id from /fetch")),
+    params(LeaseIdPath),
     request_body(content = Option<TermBody>, content_type = "application/json"),
     responses(
         (status = 204, description = "Terminated (confirmed by the server)"),
-        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Already settled differently", body = Problem, content_type = "application/problem+json"),
-        (status = 410, description = "Lease expired or superseded", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
-        (status = 504, description = "Not confirmed in time; retry", body = Problem, content_type = "application/problem+json"),
+        Guarded, BodyRefusals, LeaseRefusals,
     )
 )]
 pub async fn term(
@@ -127,14 +118,10 @@ pub async fn term(
     path = "/messages/{id}/in-progress",
     operation_id = "extendLease",
     tag = "leases",
-    params(("id" = String, Path, description = "Lease id from /fetch")),
+    params(LeaseIdPath),
     responses(
         (status = 200, description = "Lease extended", body = ExtendResponse),
-        (status = 404, description = "No such lease", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "Already settled", body = Problem, content_type = "application/problem+json"),
-        (status = 410, description = "Lease expired or superseded", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
-        (status = 504, description = "Not confirmed in time; retry", body = Problem, content_type = "application/problem+json"),
+        Guarded, LeaseRefusals,
     )
 )]
 pub async fn in_progress(
@@ -156,9 +143,7 @@ pub async fn in_progress(
     request_body(content = BatchAckBody, content_type = "application/json"),
     responses(
         (status = 200, description = "One result per id, in request order", body = BatchResponse),
-        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+        Guarded, BodyRefusals,
     )
 )]
 pub async fn ack_many(
@@ -177,9 +162,7 @@ pub async fn ack_many(
     request_body(content = BatchNakBody, content_type = "application/json"),
     responses(
         (status = 200, description = "One result per id, in request order", body = BatchResponse),
-        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+        Guarded, BodyRefusals,
     )
 )]
 pub async fn nak_many(
@@ -199,9 +182,7 @@ pub async fn nak_many(
     request_body(content = BatchTermBody, content_type = "application/json"),
     responses(
         (status = 200, description = "One result per id, in request order", body = BatchResponse),
-        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
+        Guarded, BodyRefusals,
     )
 )]
 pub async fn term_many(

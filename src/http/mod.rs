@@ -10,6 +10,7 @@ mod metrics;
 mod ops;
 pub mod problem;
 mod publish;
+pub mod responses;
 
 use std::time::Duration;
 
@@ -24,11 +25,13 @@ use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
+use utoipa_swagger_ui::{Config, SwaggerUi};
 
 use crate::auth::Auth;
 use crate::error::Error;
 use crate::gateway::Gateway;
 use crate::metrics as metrics_names;
+use responses::ProblemResponses;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -41,7 +44,8 @@ use crate::metrics as metrics_names;
         (name = "leases", description = "Fetch messages and settle their leases"),
         (name = "messages", description = "Publish to the stream"),
         (name = "operations", description = "Health, readiness and consumer state"),
-    )
+    ),
+    modifiers(&ProblemResponses)
 )]
 struct ApiDoc;
 
@@ -62,6 +66,7 @@ fn api() -> OpenApiRouter<Gateway> {
         .routes(routes!(ops::readyz))
         .routes(routes!(ops::consumer))
         .routes(routes!(metrics::metrics))
+        .routes(routes!(ops::openapi_json))
 }
 
 /// The OpenAPI document, as served on `/openapi.json`.
@@ -71,17 +76,11 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 
 /// The complete application; `auth` guards every route but health, readiness and the docs.
 pub fn router(gateway: Gateway, auth: Auth) -> Router {
-    let (router, spec) = api().split_for_parts();
-    let spec = std::sync::Arc::new(spec);
     let request_id = HeaderName::from_static("x-request-id");
-    router
-        .route(
-            "/openapi.json",
-            axum::routing::get(move || {
-                let spec = spec.clone();
-                async move { axum::Json(spec.as_ref().clone()) }
-            }),
-        )
+    api()
+        .split_for_parts()
+        .0
+        .merge(swagger_ui())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
@@ -93,6 +92,7 @@ pub fn router(gateway: Gateway, auth: Auth) -> Router {
             auth,
             crate::auth::authenticate,
         ))
+        .layer(axum::middleware::from_fn(problem::with_instance))
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(
             TraceLayer::new_for_http()
@@ -165,6 +165,13 @@ impl MakeRequestId for SequentialRequestId {
             .ok()
             .map(RequestId::new)
     }
+}
+
+/// Swagger UI at `/docs`, reading `/openapi.json`. Its files are compiled into the binary,
+/// and the online validator (which would send the spec to a third party) is off, so the
+/// page works without a network.
+fn swagger_ui() -> SwaggerUi {
+    SwaggerUi::new("/docs").config(Config::from("/openapi.json").validator_url("none"))
 }
 
 async fn not_found() -> impl IntoResponse {

@@ -1,11 +1,14 @@
 //! Operational endpoints: liveness, readiness and the consumer's state.
 
+use std::sync::LazyLock;
+
 use axum::Json;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::header;
+use axum::response::IntoResponse;
 
 use super::dto::{ConsumerConfigDto, ConsumerDto, HealthDto};
-use super::problem::Problem;
+use super::responses::{Guarded, NatsRefusals};
 use crate::error::Error;
 use crate::gateway::Gateway;
 
@@ -20,7 +23,6 @@ use crate::gateway::Gateway;
 pub async fn healthz() -> Json<HealthDto> {
     Json(HealthDto {
         status: "ok".into(),
-        detail: None,
     })
 }
 
@@ -32,32 +34,21 @@ pub async fn healthz() -> Json<HealthDto> {
     tag = "operations",
     responses(
         (status = 200, description = "Ready", body = HealthDto),
-        (status = 503, description = "Not connected or not bound yet, or shutting down", body = HealthDto),
+        NatsRefusals,
     )
 )]
-pub async fn readyz(State(gateway): State<Gateway>) -> (StatusCode, Json<HealthDto>) {
-    if gateway.is_ready() {
-        (
-            StatusCode::OK,
-            Json(HealthDto {
-                status: "ok".into(),
-                detail: None,
-            }),
-        )
-    } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(HealthDto {
-                status: "unavailable".into(),
-                detail: Some(format!(
-                    "not connected to NATS at {} and bound to consumer {} of stream {}, or shutting down",
-                    gateway.config().nats_url,
-                    gateway.config().consumer,
-                    gateway.config().stream
-                )),
-            }),
-        )
+pub async fn readyz(State(gateway): State<Gateway>) -> Result<Json<HealthDto>, Error> {
+    if !gateway.is_ready() {
+        return Err(Error::Unavailable(format!(
+            "not connected to NATS at {} and bound to consumer {} of stream {}, or shutting down",
+            gateway.config().nats_url,
+            gateway.config().consumer,
+            gateway.config().stream
+        )));
     }
+    Ok(Json(HealthDto {
+        status: "ok".into(),
+    }))
 }
 
 /// The consumer: its effective config, the server's counters and the gateway's leases.
@@ -68,7 +59,7 @@ pub async fn readyz(State(gateway): State<Gateway>) -> (StatusCode, Json<HealthD
     tag = "operations",
     responses(
         (status = 200, description = "Consumer state", body = ConsumerDto),
-        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
+        Guarded, NatsRefusals,
     )
 )]
 pub async fn consumer(State(gateway): State<Gateway>) -> Result<Json<ConsumerDto>, Error> {
@@ -117,4 +108,22 @@ fn json_name<T: serde::Serialize>(value: &T) -> String {
         Ok(other) => other.to_string(),
         Err(_) => String::new(),
     }
+}
+
+/// This API's OpenAPI 3.1 description (the committed `openapi/openapi.json`).
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    operation_id = "getOpenApi",
+    tag = "operations",
+    responses((status = 200, description = "The OpenAPI document", body = Object))
+)]
+pub async fn openapi_json() -> impl IntoResponse {
+    // Assembled once: the document does not change while the process runs.
+    static SPEC: LazyLock<Vec<u8>> =
+        LazyLock::new(|| serde_json::to_vec(&super::openapi()).unwrap_or_default());
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        SPEC.as_slice(),
+    )
 }

@@ -1,6 +1,9 @@
 //! RFC 9457 problem+json responses for every error a client can see.
 
+use axum::body::Body;
+use axum::extract::Request;
 use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -10,28 +13,36 @@ use crate::error::Error;
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
 /// An RFC 9457 problem details object.
-#[derive(Debug, Serialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 #[schema(example = json!({
     "type": "urn:ruststream-nats:problem:lease-gone",
     "title": "Lease gone",
     "status": 410,
-    "detail": "the lease is no longer valid: it expired or the message was delivered again"
+    "detail": "the lease is no longer valid: it expired or the message was delivered again",
+    "instance": "/messages/AQAAAAAAAAAB/ack"
 }))]
 pub struct Problem {
     /// A URI naming the kind of problem; stable, usable for dispatching in clients.
     #[serde(rename = "type")]
+    #[schema(format = "uri")]
     pub kind: String,
     /// Short summary of the kind of problem.
     pub title: String,
     /// The HTTP status code.
+    #[schema(minimum = 400, maximum = 599)]
     pub status: u16,
     /// What went wrong in this occurrence.
     pub detail: String,
+    /// The request path this occurrence answered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = "uri-reference")]
+    pub instance: Option<String>,
     /// The request field at fault, for validation errors.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
     /// Seconds until a retry can succeed (mirrors the Retry-After header), for 429.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1)]
     pub retry_after: Option<u64>,
 }
 
@@ -99,6 +110,7 @@ impl Error {
             title: title.to_owned(),
             status: self.status().as_u16(),
             detail: self.to_string(),
+            instance: None,
             field: match self {
                 Self::Invalid { field, .. } => field.clone(),
                 _ => None,
@@ -138,6 +150,23 @@ impl IntoResponse for Error {
             // The rest of the body may still be on its way: do not read it as a next request.
             headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
+        // For `with_instance`, which knows the request; the handler that failed does not.
+        response.extensions_mut().insert(problem);
         response
+    }
+}
+
+/// Middleware: names the request path as the `instance` of every problem answered.
+pub async fn with_instance(request: Request, next: Next) -> Response {
+    let path = request.uri().path().to_owned();
+    let (mut parts, body) = next.run(request).await.into_parts();
+    match parts.extensions.remove::<Problem>() {
+        Some(mut problem) => {
+            problem.instance = Some(path);
+            parts.headers.remove(header::CONTENT_LENGTH);
+            let body = serde_json::to_vec(&problem).unwrap_or_default();
+            Response::from_parts(parts, Body::from(body))
+        }
+        None => Response::from_parts(parts, body),
     }
 }

@@ -10,7 +10,7 @@ use base64::engine::general_purpose::STANDARD;
 
 use super::body::JsonBody;
 use super::dto::{Encoding, HeaderValues, PublishBody, PublishResponse};
-use super::problem::Problem;
+use super::responses::{BodyRefusals, Guarded, NatsRefusals};
 use crate::error::Error;
 use crate::gateway::Gateway;
 use crate::subject::validate_publish_subject;
@@ -24,10 +24,7 @@ use crate::subject::validate_publish_subject;
     request_body(content = PublishBody, content_type = "application/json"),
     responses(
         (status = 201, description = "Stored by the stream", body = PublishResponse),
-        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body too large", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Invalid field", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json"),
+        Guarded, BodyRefusals, NatsRefusals,
     )
 )]
 pub async fn publish(

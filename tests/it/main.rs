@@ -5,6 +5,7 @@
 mod capacity;
 mod concurrency;
 mod dead_letter;
+mod docs;
 mod fetch;
 mod idempotency;
 mod introspection;

@@ -1,0 +1,260 @@
+//! The OpenAPI description of error answers: one reusable response per kind of problem
+//! (`#/components/responses/...`), grouped into the sets of refusals each endpoint can give.
+//!
+//! Each response's status, `type`, `title` and example are taken from the [`Error`] that
+//! answers it, so the spec cannot describe a problem differently from how it is sent.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+
+use utoipa::openapi::example::ExampleBuilder;
+use utoipa::openapi::header::HeaderBuilder;
+use utoipa::openapi::response::{Response, ResponseBuilder};
+use utoipa::openapi::{
+    ComponentsBuilder, ContentBuilder, ObjectBuilder, OpenApi, Ref, RefOr, Type,
+};
+use utoipa::{IntoResponses, Modify, PartialSchema, ToSchema};
+
+use super::body::BODY_LIMIT;
+use super::problem::{PROBLEM_JSON, Problem};
+use crate::error::Error;
+use crate::leases::SettleKind;
+
+/// Every kind of problem a route can answer; the name is the response's component name.
+#[derive(Debug, Clone, Copy)]
+pub enum ProblemKind {
+    MalformedJson,
+    PayloadTooLarge,
+    InvalidRequest,
+    LeaseNotFound,
+    LeaseSettled,
+    LeaseGone,
+    TooManyLeases,
+    Unavailable,
+    NotConfirmed,
+}
+
+impl ProblemKind {
+    const ALL: [Self; 9] = [
+        Self::MalformedJson,
+        Self::PayloadTooLarge,
+        Self::InvalidRequest,
+        Self::LeaseNotFound,
+        Self::LeaseSettled,
+        Self::LeaseGone,
+        Self::TooManyLeases,
+        Self::Unavailable,
+        Self::NotConfirmed,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::MalformedJson => "MalformedJson",
+            Self::PayloadTooLarge => "PayloadTooLarge",
+            Self::InvalidRequest => "InvalidRequest",
+            Self::LeaseNotFound => "LeaseNotFound",
+            Self::LeaseSettled => "LeaseSettled",
+            Self::LeaseGone => "LeaseGone",
+            Self::TooManyLeases => "TooManyLeases",
+            Self::Unavailable => "Unavailable",
+            Self::NotConfirmed => "NotConfirmed",
+        }
+    }
+
+    fn description(self) -> &'static str {
+        match self {
+            Self::MalformedJson => "The request body is not JSON.",
+            Self::PayloadTooLarge => "The request body is larger than 256 KiB.",
+            Self::InvalidRequest => {
+                "A field (or header) has the wrong type, is out of range, unknown or missing, or an Idempotency-Key was reused with another body; `field` names it."
+            }
+            Self::LeaseNotFound => {
+                "No lease with this id was issued: malformed, forged or unknown."
+            }
+            Self::LeaseSettled => {
+                "The lease was already settled with another outcome (the same action repeated answers as the first time did)."
+            }
+            Self::LeaseGone => {
+                "The lease expired or the message was delivered again (it has a new lease id)."
+            }
+            Self::TooManyLeases => {
+                "All `max_ack_pending` leases are out (or, with authentication on, this token has as many fetches waiting as it may); retry after `Retry-After` seconds."
+            }
+            Self::Unavailable => {
+                "NATS is unreachable, the consumer is gone, or the gateway is shutting down."
+            }
+            Self::NotConfirmed => {
+                "The NATS server did not confirm in time; the lease stays valid and retrying is safe."
+            }
+        }
+    }
+
+    /// The errors answered as this kind, each an example of it (the first is the main one).
+    fn examples(self) -> Vec<Error> {
+        match self {
+            Self::MalformedJson => vec![Error::Malformed {
+                detail: "the request body is not valid JSON: EOF while parsing an object".into(),
+            }],
+            Self::PayloadTooLarge => vec![Error::PayloadTooLarge { limit: BODY_LIMIT }],
+            Self::InvalidRequest => vec![
+                Error::invalid("batch", "batch: must be between 1 and 1000, got 0"),
+                Error::invalid(
+                    "Idempotency-Key",
+                    "Idempotency-Key: already used with a different request body; use a new key",
+                ),
+            ],
+            Self::LeaseNotFound => vec![Error::UnknownLease],
+            Self::LeaseSettled => vec![Error::AlreadySettled {
+                settled: SettleKind::Ack,
+            }],
+            Self::LeaseGone => vec![Error::LeaseGone],
+            Self::TooManyLeases => vec![
+                Error::AtCapacity {
+                    max_ack_pending: 1024,
+                    retry_after: Duration::from_secs(3),
+                },
+                Error::TooManyWaitingFetches {
+                    limit: 100,
+                    retry_after: Duration::from_secs(1),
+                },
+            ],
+            Self::Unavailable => vec![Error::Unavailable(
+                "not connected to NATS at nats://127.0.0.1:4222".into(),
+            )],
+            Self::NotConfirmed => vec![Error::TimedOut],
+        }
+    }
+
+    fn status(self) -> String {
+        self.examples()
+            .first()
+            .map_or(StatusCode::INTERNAL_SERVER_ERROR, Error::status)
+            .as_u16()
+            .to_string()
+    }
+
+    /// The reusable response: problem+json with its examples, plus `Retry-After` for 429.
+    fn response(self) -> Response {
+        let errors = self.examples();
+        let problems: Vec<Problem> = errors.iter().map(Error::problem).collect();
+        let mut content =
+            ContentBuilder::new().schema(Some(Ref::from_schema_name(Problem::name())));
+        content = match problems.as_slice() {
+            [one] => content.example(serde_json::to_value(one).ok()),
+            several => content.examples_from_iter(several.iter().map(|problem| {
+                let slug = problem.kind.rsplit(':').next().unwrap_or_default();
+                let name = match &problem.field {
+                    Some(field) => format!("{slug}-{}", field.to_lowercase()),
+                    None => slug.to_owned(),
+                };
+                let example = ExampleBuilder::new()
+                    .summary(problem.title.clone())
+                    .value(serde_json::to_value(problem).ok());
+                (name, example)
+            })),
+        };
+        let mut response = ResponseBuilder::new()
+            .description(self.description())
+            .content(PROBLEM_JSON, content.build());
+        if problems.iter().any(|problem| problem.retry_after.is_some()) {
+            response = response.header(
+                "Retry-After",
+                HeaderBuilder::new()
+                    .schema(Some(
+                        ObjectBuilder::new()
+                            .schema_type(Type::Integer)
+                            .minimum(Some(1)),
+                    ))
+                    .description(Some(
+                        "Whole seconds to wait before retrying (as `retry_after` in the body)",
+                    ))
+                    .build(),
+            );
+        }
+        response.build()
+    }
+
+    fn reference(self) -> RefOr<Response> {
+        RefOr::Ref(Ref::from_response_name(self.name()))
+    }
+}
+
+/// Adds every problem response (and the problem schema) to the document's components, so
+/// the sets below can refer to them.
+pub struct ProblemResponses;
+
+impl Modify for ProblemResponses {
+    fn modify(&self, openapi: &mut OpenApi) {
+        let components = openapi.components.take().unwrap_or_default();
+        let mut builder =
+            ComponentsBuilder::from(components).schema(Problem::name(), Problem::schema());
+        for kind in ProblemKind::ALL {
+            builder = builder.response(kind.name(), kind.response());
+        }
+        openapi.components = Some(builder.build());
+    }
+}
+
+fn refusals(kinds: &[ProblemKind]) -> BTreeMap<String, RefOr<Response>> {
+    kinds
+        .iter()
+        .map(|kind| (kind.status(), kind.reference()))
+        .collect()
+}
+
+/// Declares a set of refusals: a type to name in `#[utoipa::path(responses(...))]`.
+macro_rules! refusal_sets {
+    ($($(#[$doc:meta])* $set:ident = [$($kind:ident),*];)*) => {$(
+        $(#[$doc])*
+        pub struct $set;
+
+        impl IntoResponses for $set {
+            fn responses() -> BTreeMap<String, RefOr<Response>> {
+                refusals(&[$(ProblemKind::$kind),*])
+            }
+        }
+    )*};
+}
+
+refusal_sets! {
+    /// What every protected endpoint (all but the probes and the spec) can refuse before
+    /// its handler runs. Empty for now: authentication adds its 401 and 403 here — a
+    /// one-line change — and every protected endpoint already lists this set.
+    Guarded = [];
+    /// An endpoint reading a JSON body: not JSON, too large, or a bad field.
+    BodyRefusals = [MalformedJson, PayloadTooLarge, InvalidRequest];
+    /// An endpoint settling or extending one lease by its id.
+    LeaseRefusals = [LeaseNotFound, LeaseSettled, LeaseGone, Unavailable, NotConfirmed];
+    /// `POST /fetch` beyond its body: no slot free, or no NATS.
+    FetchRefusals = [TooManyLeases, Unavailable];
+    /// An endpoint that needs the NATS server.
+    NatsRefusals = [Unavailable];
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_kind_has_its_own_status() {
+        let mut statuses: Vec<_> = ProblemKind::ALL.iter().map(|kind| kind.status()).collect();
+        for kind in ProblemKind::ALL {
+            for error in kind.examples() {
+                assert_eq!(
+                    error.status().as_u16().to_string(),
+                    kind.status(),
+                    "{kind:?}: {error:?}"
+                );
+            }
+        }
+        statuses.sort();
+        statuses.dedup();
+        assert_eq!(
+            statuses.len(),
+            ProblemKind::ALL.len(),
+            "two kinds of problem would share a status code in one response set"
+        );
+    }
+}
