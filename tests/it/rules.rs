@@ -130,7 +130,7 @@ async fn no_two_valid_leases_of_one_message_exist_at_once() {
                     }
                     // A first delivery of every third message is abandoned: it expires and
                     // goes to someone else.
-                    let abandon = msg.delivered == 1 && (msg.stream_sequence + worker as u64) % 3 == 0;
+                    let abandon = msg.delivered == 1 && (msg.stream_sequence + worker as u64).is_multiple_of(3);
                     if !abandon && gateway.ack(&msg.id).await == 204 {
                         acked.lock().expect("lock").insert(msg.stream_sequence);
                     }
