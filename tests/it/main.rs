@@ -17,6 +17,7 @@ mod publish;
 mod readme;
 mod review;
 mod robustness;
+mod rules;
 mod security;
 mod settle;
 mod shutdown;
