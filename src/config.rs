@@ -180,6 +180,12 @@ pub struct Config {
     /// Log format: text or json (RUST_LOG sets the level; default info).
     #[arg(long, env = "RUSTSTREAM_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
+
+    /// Instead of serving: GET this URL (e.g. http://127.0.0.1:8080/healthz), exit 0 if it
+    /// answers 200, else 1. For a container HEALTHCHECK in an image without curl. No
+    /// environment variable: set in a container's environment it would stop the gateway.
+    #[arg(long, value_name = "URL")]
+    pub healthcheck: Option<String>,
 }
 
 /// Where a newly created consumer starts in the stream.

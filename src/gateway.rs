@@ -694,6 +694,20 @@ impl Gateway {
         {
             warn!("the dispatcher did not stop in time");
         }
+        // Leases still out after the grace can no longer be settled through this process:
+        // nak them, so the server redelivers them now rather than after ack_wait.
+        let revoked = self.shared.leases().revoke_live(Instant::now());
+        if let Ok(bound) = self.bound() {
+            for reply in &revoked {
+                consumer::release(&bound.client, reply).await;
+            }
+            if !revoked.is_empty() {
+                info!(
+                    count = revoked.len(),
+                    "nak'd the leases still out: the server redelivers them at once"
+                );
+            }
+        }
         tasks.stop.cancel();
         if let Ok(bound) = self.bound() {
             let _ = tokio::time::timeout(Duration::from_secs(2), bound.client.flush()).await;

@@ -133,6 +133,24 @@ impl LeaseTable {
                 })
     }
 
+    /// End every live lease now (the gateway is stopping: nobody can settle them any more)
+    /// and return their ack subjects, so the messages can be nak'd back at once. Leases with
+    /// a settle or extension on its way are left alone.
+    pub fn revoke_live(&mut self, now: Instant) -> Vec<Arc<str>> {
+        self.expire(now);
+        let live: Vec<DeliveryKey> = self.expiries.iter().map(|(_, key)| *key).collect();
+        let mut replies = Vec::with_capacity(live.len());
+        for key in live {
+            if let Some(record) = self.records.get(&key)
+                && record.state == State::Active
+            {
+                replies.push(record.reply.clone());
+                self.retire(key, State::Expired, now);
+            }
+        }
+        replies
+    }
+
     /// Messages nak'd with a delay whose delay is not over (see [`LeaseTable::park`]).
     pub fn delayed_naks(&self) -> usize {
         self.parked.len()
@@ -570,6 +588,25 @@ mod tests {
         assert_eq!(leases.taken(now), 1);
         tokio::time::advance(Duration::from_secs(10)).await;
         assert_eq!(leases.taken(Instant::now()), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn revoked_leases_are_gone_and_their_subjects_returned() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(1, 1), reply(), now + WAIT);
+        leases.issue(
+            key(2, 1),
+            Arc::from("$JS.ACK.ORDERS.billing.1.2.2.0.0"),
+            now + WAIT,
+        );
+        assert!(leases.begin_settle(key(2, 1), SettleKind::Ack, now).is_ok());
+        assert_eq!(leases.revoke_live(now), vec![reply()]);
+        assert_eq!(
+            leases.begin_settle(key(1, 1), SettleKind::Ack, now),
+            Err(Refusal::Gone)
+        );
+        assert_eq!(leases.in_flight(now), 1, "the one being settled stays");
     }
 
     #[tokio::test(start_paused = true)]

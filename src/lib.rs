@@ -13,6 +13,7 @@
 //! - [`idempotency`]: `Idempotency-Key` on fetch — a repeat gets the first answer.
 //! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
 //! - [`metrics`]: Prometheus metric names and one-line recording helpers (`GET /metrics`).
+//! - [`healthcheck`]: `--healthcheck <URL>`, the container HEALTHCHECK without curl.
 //! - [`error`]: the one error type a client can see.
 //! - [`subject`]: NATS subject rules for `POST /publish`.
 //!
@@ -26,6 +27,7 @@ pub mod dead_letter;
 pub mod dispatch;
 pub mod error;
 pub mod gateway;
+pub mod healthcheck;
 pub mod http;
 pub mod idempotency;
 pub mod lease_id;

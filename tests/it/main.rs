@@ -4,6 +4,7 @@
 
 mod capacity;
 mod concurrency;
+mod containers;
 mod dead_letter;
 mod docs;
 mod fetch;
@@ -16,6 +17,7 @@ mod publish;
 mod readme;
 mod review;
 mod robustness;
+mod rules;
 mod security;
 mod settle;
 mod shutdown;

@@ -3,6 +3,7 @@
 
 pub mod gateway;
 pub mod nats;
+pub mod process;
 
 use std::future::Future;
 use std::time::Duration;

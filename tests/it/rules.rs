@@ -1,0 +1,333 @@
+//! The delivery rules of issue 4, one test each: only the newest delivery settles (and a
+//! fenced settle never reaches NATS), no two valid leases of a message at once, no re-lease
+//! after a confirmed ack or term, and neither a graceful stop nor a crash of the gateway
+//! leaves a message waiting longer than ack_wait.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use serde_json::{Value, json};
+use time::OffsetDateTime;
+
+use crate::support::process::GatewayProcess;
+use crate::support::{
+    Gateway, Msg, NatsServer, STREAM, assert_stays, server_ack_pending, setup, wait_for,
+};
+
+/// The delivery count token of a v1 ack subject
+/// `$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`.
+fn delivered_of(ack_subject: &str) -> Option<u64> {
+    ack_subject.split('.').nth(4)?.parse().ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_newest_delivery_settles_and_stale_settles_never_reach_nats() {
+    let (_server, js, gateway) = setup(&["--consumer", "newest", "--ack-wait", "1s"]).await;
+    // Everything the gateway sends on the consumer's ack subjects, as a plain NATS client.
+    let mut wire = js
+        .client
+        .subscribe(format!("$JS.ACK.{STREAM}.newest.>"))
+        .await
+        .expect("subscribe to the ack subjects");
+    js.client.flush().await.expect("flush");
+    let sequence = js.publish("orders.1", "once").await;
+    let a = gateway.fetch_n(1, 1000).await.remove(0);
+    let b = wait_for("the redelivery", Duration::from_secs(10), || async {
+        gateway
+            .fetch_n(1, 250)
+            .await
+            .into_iter()
+            .find(|m| m.stream_sequence == sequence && m.delivered == 2)
+    })
+    .await;
+
+    for action in ["ack", "nak", "in-progress"] {
+        gateway
+            .settle(&a.id, action, None)
+            .await
+            .assert_problem(&[410], "");
+    }
+    assert_eq!(gateway.ack(&b.id).await, 204);
+    // One connection's publishes arrive in order: had any of A's settles gone out, it would
+    // come before B's ack.
+    let first_on_the_wire = tokio::time::timeout(Duration::from_secs(5), wire.next())
+        .await
+        .expect("B's ack is on the wire")
+        .expect("subscription open");
+    assert_eq!(
+        (
+            delivered_of(first_on_the_wire.subject.as_str()),
+            first_on_the_wire.payload.as_ref()
+        ),
+        (Some(2), b"+ACK".as_ref()),
+        "the first ack-subject message is B's ack, not one of A's: {}",
+        first_on_the_wire.subject
+    );
+    let info = js.consumer_info(STREAM, "newest").await;
+    assert_eq!(info.num_ack_pending, 0);
+    assert_eq!(info.ack_floor.stream_sequence, sequence, "acked once, by B");
+    assert_stays(
+        "the acked message never comes again",
+        Duration::from_millis(1500),
+        || async { gateway.fetch_n(1, 100).await.is_empty() },
+    )
+    .await;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), wire.next())
+            .await
+            .is_err(),
+        "nothing else was sent on the ack subjects"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_two_valid_leases_of_one_message_exist_at_once() {
+    const MESSAGES: usize = 40;
+    const WORKERS: usize = 16;
+    let (_server, js, gateway) = setup(&["--consumer", "exclusive", "--ack-wait", "1s"]).await;
+    js.publish_many("orders.1", MESSAGES, "m").await;
+    let gateway = Arc::new(gateway);
+    // The newest lease seen per stream sequence, and everything that went wrong.
+    let newest: Arc<Mutex<HashMap<u64, Msg>>> = Arc::default();
+    let acked: Arc<Mutex<HashSet<u64>>> = Arc::default();
+    let violations: Arc<Mutex<Vec<String>>> = Arc::default();
+    let mut workers = Vec::new();
+    for worker in 0..WORKERS {
+        let (gateway, newest, acked, violations) = (
+            gateway.clone(),
+            newest.clone(),
+            acked.clone(),
+            violations.clone(),
+        );
+        workers.push(tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            while acked.lock().expect("lock").len() < MESSAGES
+                && tokio::time::Instant::now() < deadline
+            {
+                for msg in gateway.fetch_n(2, 300).await {
+                    let received = OffsetDateTime::now_utc();
+                    let previous = newest
+                        .lock()
+                        .expect("lock")
+                        .insert(msg.stream_sequence, msg.clone());
+                    if let Some(previous) = previous {
+                        // The older lease must be over: by its clock, and by the gateway's.
+                        if received < previous.lease_expires() {
+                            violations.lock().expect("lock").push(format!(
+                                "seq {}: delivery {} received at {received} before delivery {}'s lease ended at {}",
+                                msg.stream_sequence, msg.delivered, previous.delivered, previous.lease_expires_at
+                            ));
+                        }
+                        let probe = gateway.in_progress(&previous.id).await;
+                        if probe.status != 410 && probe.status != 409 {
+                            violations.lock().expect("lock").push(format!(
+                                "seq {}: the older lease (delivery {}) still answers {} after delivery {} was handed out",
+                                msg.stream_sequence, previous.delivered, probe.status, msg.delivered
+                            ));
+                        }
+                    }
+                    // A first delivery of every third message is abandoned: it expires and
+                    // goes to someone else.
+                    let abandon = msg.delivered == 1 && (msg.stream_sequence + worker as u64).is_multiple_of(3);
+                    if !abandon && gateway.ack(&msg.id).await == 204 {
+                        acked.lock().expect("lock").insert(msg.stream_sequence);
+                    }
+                }
+            }
+        }));
+    }
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+    let violations = violations.lock().expect("lock").clone();
+    assert!(violations.is_empty(), "{violations:#?}");
+    assert_eq!(
+        acked.lock().expect("lock").len(),
+        MESSAGES,
+        "every message acked"
+    );
+    let redelivered = newest
+        .lock()
+        .expect("lock")
+        .values()
+        .filter(|msg| msg.delivered > 1)
+        .count();
+    assert!(
+        redelivered > 0,
+        "some leases expired and were handed out again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confirmed_ack_or_term_is_never_followed_by_a_re_lease() {
+    const MESSAGES: usize = 60;
+    let (_server, js, gateway) = setup(&["--consumer", "final", "--ack-wait", "1s"]).await;
+    js.publish_many("orders.1", MESSAGES, "m").await;
+    let gateway = Arc::new(gateway);
+    let settled: Arc<Mutex<HashSet<u64>>> = Arc::default();
+    let re_leased: Arc<Mutex<Vec<(u64, u64)>>> = Arc::default();
+    let mut workers = Vec::new();
+    for _ in 0..8 {
+        let (gateway, settled, re_leased) = (gateway.clone(), settled.clone(), re_leased.clone());
+        workers.push(tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while settled.lock().expect("lock").len() < MESSAGES
+                && tokio::time::Instant::now() < deadline
+            {
+                let fetched = gateway.fetch_n(5, 200).await;
+                let mut ids = Vec::new();
+                for msg in &fetched {
+                    if settled.lock().expect("lock").contains(&msg.stream_sequence) {
+                        re_leased
+                            .lock()
+                            .expect("lock")
+                            .push((msg.stream_sequence, msg.delivered));
+                    }
+                    ids.push(msg.id.clone());
+                }
+                for (i, msg) in fetched.iter().enumerate() {
+                    let status = if i % 4 == 3 {
+                        gateway.term(&msg.id, Some("done with it")).await
+                    } else {
+                        gateway.ack(&msg.id).await
+                    };
+                    if status == 204 {
+                        settled.lock().expect("lock").insert(msg.stream_sequence);
+                    }
+                }
+            }
+        }));
+    }
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+    assert_eq!(settled.lock().expect("lock").len(), MESSAGES);
+    // Past ack_wait (1 s) nothing settled may come back.
+    assert_stays(
+        "no settled message is handed out again",
+        Duration::from_millis(2500),
+        || async {
+            let again = gateway.fetch_n(10, 100).await;
+            if !again.is_empty() {
+                re_leased
+                    .lock()
+                    .expect("lock")
+                    .extend(again.iter().map(|m| (m.stream_sequence, m.delivered)));
+            }
+            again.is_empty()
+        },
+    )
+    .await;
+    assert!(
+        re_leased.lock().expect("lock").is_empty(),
+        "{:?}",
+        re_leased.lock()
+    );
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+}
+
+async fn fetch_process(gateway: &GatewayProcess, batch: u64) -> Vec<Value> {
+    let response = gateway
+        .http()
+        .post(gateway.url("/fetch"))
+        .json(&json!({ "batch": batch, "wait_ms": 1000 }))
+        .send()
+        .await
+        .expect("POST /fetch");
+    assert_eq!(response.status().as_u16(), 200);
+    let body: Value = response.json().await.expect("json");
+    body["messages"].as_array().expect("messages").clone()
+}
+
+/// Fetch (and ack) from `gateway` until every one of `sequences` came back; returns how long
+/// that took.
+async fn all_come_back(gateway: &Gateway, sequences: &HashSet<u64>, within: Duration) -> Duration {
+    let started = tokio::time::Instant::now();
+    let deadline = crate::support::Deadline::after(
+        format!("stream sequences {sequences:?} are delivered again"),
+        within,
+    );
+    let mut back = HashSet::new();
+    while !sequences.is_subset(&back) {
+        for msg in gateway.fetch_n(10, 200).await {
+            back.insert(msg.stream_sequence);
+            assert_eq!(gateway.ack(&msg.id).await, 204);
+        }
+        if !sequences.is_subset(&back) {
+            deadline.tick_seeing(format_args!("{back:?}")).await;
+        }
+    }
+    started.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_naks_the_leases_still_out_so_they_come_back_at_once() {
+    let server = NatsServer::start().await;
+    let js = crate::support::Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    js.publish_many("orders.1", 3, "m").await;
+    let flags = [
+        "--consumer",
+        "stopping",
+        "--ack-wait",
+        "60s",
+        "--shutdown-grace",
+        "1s",
+    ];
+    let mut first = GatewayProcess::start(&server.url(), &flags).await;
+    let held: HashSet<u64> = fetch_process(&first, 3)
+        .await
+        .iter()
+        .map(|m| m["stream_sequence"].as_u64().expect("sequence"))
+        .collect();
+    assert_eq!(held.len(), 3);
+    assert!(
+        first.terminate(Duration::from_secs(15)).await,
+        "exit 0 after SIGTERM"
+    );
+
+    let second = Gateway::ready(
+        &server.url(),
+        &["--consumer", "stopping", "--ack-wait", "60s"],
+    )
+    .await;
+    let took = all_come_back(&second, &held, Duration::from_secs(10)).await;
+    assert!(
+        took < Duration::from_secs(10),
+        "back at once, not after ack_wait (60 s): {took:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_gateway_leaves_nothing_waiting_longer_than_ack_wait() {
+    const ACK_WAIT: Duration = Duration::from_secs(3);
+    let server = NatsServer::start().await;
+    let js = crate::support::Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    js.publish_many("orders.1", 3, "m").await;
+    let flags = ["--consumer", "crashing", "--ack-wait", "3s"];
+    let mut crashed = GatewayProcess::start(&server.url(), &flags).await;
+    let held: HashSet<u64> = fetch_process(&crashed, 3)
+        .await
+        .iter()
+        .map(|m| m["stream_sequence"].as_u64().expect("sequence"))
+        .collect();
+    let leased_at = tokio::time::Instant::now();
+    assert_eq!(held.len(), 3);
+    crashed.kill9();
+
+    let second = Gateway::ready(
+        &server.url(),
+        &["--consumer", "crashing", "--ack-wait", "3s"],
+    )
+    .await;
+    all_come_back(&second, &held, ACK_WAIT + Duration::from_secs(5)).await;
+    let took = leased_at.elapsed();
+    assert!(
+        took <= ACK_WAIT + Duration::from_secs(2),
+        "redelivered within ack_wait (+ a pull's latency) of the crash: {took:?}"
+    );
+    assert_eq!(server_ack_pending(&js, &second).await, 0);
+}
