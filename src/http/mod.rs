@@ -39,8 +39,11 @@ use responses::ProblemResponses;
     info(
         title = "ruststream-nats",
         description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.",
-        license(name = "MIT OR Apache-2.0")
+        license(name = "MIT OR Apache-2.0", identifier = "MIT OR Apache-2.0")
     ),
+    // Relative: the API is where the document was served from (Swagger UI, generated
+    // clients given a base URL).
+    servers((url = "/", description = "This gateway")),
     tags(
         (name = "leases", description = "Fetch messages and settle their leases"),
         (name = "messages", description = "Publish to the stream"),
@@ -72,7 +75,48 @@ fn api() -> OpenApiRouter<Gateway> {
 
 /// The OpenAPI document, as served on `/openapi.json`.
 pub fn openapi() -> utoipa::openapi::OpenApi {
-    api().split_for_parts().1
+    let mut spec = api().split_for_parts().1;
+    optional_bodies_may_be_absent(&mut spec);
+    spec
+}
+
+/// utoipa renders an `Option<Body>` request body as "the body or JSON null"; describe it as
+/// "may be absent" (`required` unset) with the body's own schema instead, as the gateway takes
+/// it (an empty body means all defaults; `null` is refused like any non-object): generated
+/// clients then leave it out when not given (openapi-python-client otherwise tries to
+/// encode its "unset" marker as JSON).
+fn optional_bodies_may_be_absent(spec: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::{RefOr, schema::Schema};
+    let null = serde_json::json!({ "type": "null" });
+    let operations = spec.paths.paths.values_mut().flat_map(|item| {
+        [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ]
+        .into_iter()
+        .flatten()
+    });
+    for operation in operations {
+        let Some(RefOr::T(body)) = operation.request_body.as_mut() else {
+            continue;
+        };
+        for content in body.content.values_mut() {
+            let RefOr::T(content) = content else { continue };
+            let Some(RefOr::T(Schema::OneOf(one_of))) = &content.schema else {
+                continue;
+            };
+            let (nulls, others): (Vec<_>, Vec<_>) = one_of
+                .items
+                .iter()
+                .partition(|item| serde_json::to_value(item).ok().as_ref() == Some(&null));
+            if let ([_], [body_schema]) = (nulls.as_slice(), others.as_slice()) {
+                content.schema = Some((*body_schema).clone());
+            }
+        }
+    }
 }
 
 /// The complete application; `auth` guards every route but health, readiness and the docs.

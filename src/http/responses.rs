@@ -26,6 +26,7 @@ use crate::leases::SettleKind;
 #[derive(Debug, Clone, Copy)]
 pub enum ProblemKind {
     MalformedJson,
+    BodyTooSlow,
     PayloadTooLarge,
     InvalidRequest,
     LeaseNotFound,
@@ -37,8 +38,9 @@ pub enum ProblemKind {
 }
 
 impl ProblemKind {
-    const ALL: [Self; 9] = [
+    const ALL: [Self; 10] = [
         Self::MalformedJson,
+        Self::BodyTooSlow,
         Self::PayloadTooLarge,
         Self::InvalidRequest,
         Self::LeaseNotFound,
@@ -52,6 +54,7 @@ impl ProblemKind {
     fn name(self) -> &'static str {
         match self {
             Self::MalformedJson => "MalformedJson",
+            Self::BodyTooSlow => "BodyTooSlow",
             Self::PayloadTooLarge => "PayloadTooLarge",
             Self::InvalidRequest => "InvalidRequest",
             Self::LeaseNotFound => "LeaseNotFound",
@@ -66,6 +69,9 @@ impl ProblemKind {
     fn description(self) -> &'static str {
         match self {
             Self::MalformedJson => "The request body is not JSON.",
+            Self::BodyTooSlow => {
+                "The request body did not arrive within `--body-read-timeout`; the connection is closed."
+            }
             Self::PayloadTooLarge => "The request body is larger than 256 KiB.",
             Self::InvalidRequest => {
                 "A field (or header) has the wrong type, is out of range, unknown or missing, or an Idempotency-Key was reused with another body; `field` names it."
@@ -96,6 +102,9 @@ impl ProblemKind {
         match self {
             Self::MalformedJson => vec![Error::Malformed {
                 detail: "the request body is not valid JSON: EOF while parsing an object".into(),
+            }],
+            Self::BodyTooSlow => vec![Error::BodyTimeout {
+                timeout: Duration::from_secs(10),
             }],
             Self::PayloadTooLarge => vec![Error::PayloadTooLarge { limit: BODY_LIMIT }],
             Self::InvalidRequest => vec![
@@ -223,8 +232,8 @@ refusal_sets! {
     /// its handler runs. Empty for now: authentication adds its 401 and 403 here — a
     /// one-line change — and every protected endpoint already lists this set.
     Guarded = [];
-    /// An endpoint reading a JSON body: not JSON, too large, or a bad field.
-    BodyRefusals = [MalformedJson, PayloadTooLarge, InvalidRequest];
+    /// An endpoint reading a JSON body: not JSON, too slow, too large, or a bad field.
+    BodyRefusals = [MalformedJson, BodyTooSlow, PayloadTooLarge, InvalidRequest];
     /// An endpoint settling or extending one lease by its id.
     LeaseRefusals = [LeaseNotFound, LeaseSettled, LeaseGone, Unavailable, NotConfirmed];
     /// `POST /fetch` beyond its body: no slot free, or no NATS.
