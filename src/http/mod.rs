@@ -11,6 +11,7 @@ mod ops;
 pub mod problem;
 mod publish;
 pub mod responses;
+pub mod serve;
 
 use std::time::Duration;
 
