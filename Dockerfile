@@ -30,24 +30,22 @@ RUN cargo build --release --locked --bin ruststream-nats \
     && install -m 0755 target/release/ruststream-nats /usr/local/bin/ruststream-nats
 
 
-FROM debian:bookworm-slim
-# ca-certificates: TLS to NATS (tls:// URLs); curl: the HEALTHCHECK below.
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates curl \
-    && rm -rf /var/lib/apt/lists/*
-RUN groupadd --system --gid 10001 ruststream \
-    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin ruststream
+# Runtime: distroless "cc" (glibc, libgcc, CA certificates for tls:// NATS URLs; no shell, no
+# package manager), the same Debian 12 as the builder, about 25 MB with the gateway. Its
+# "nonroot" variant runs as uid/gid 65532.
+FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=builder /usr/local/bin/ruststream-nats /usr/local/bin/ruststream-nats
 
 # Listen on all interfaces inside the container (the binary's default is 127.0.0.1:8080).
 ENV RUSTSTREAM_LISTEN=0.0.0.0:8080
 EXPOSE 8080
 # Numeric, so orchestrators can verify "runAsNonRoot" without looking up the name.
-USER 10001:10001
+USER 65532:65532
 # /healthz answers 200 whenever the process serves HTTP (/readyz tells whether NATS is
-# bound). The port must match RUSTSTREAM_LISTEN if you change it.
-HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD curl -fsS http://127.0.0.1:8080/healthz || exit 1
+# bound). The image has no curl: the gateway binary does the GET itself (--healthcheck).
+# The port must match RUSTSTREAM_LISTEN if you change it.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["/usr/local/bin/ruststream-nats", "--healthcheck", "http://127.0.0.1:8080/healthz"]
 # Exec form: the gateway is PID 1 and gets SIGTERM from `docker stop` itself, so it drains
 # (naks what it holds) before it exits.
 ENTRYPOINT ["/usr/local/bin/ruststream-nats"]

@@ -162,9 +162,30 @@ pub struct Config {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub max_waiting_fetches_per_token: u32,
 
+    /// Most open HTTP connections; further clients wait in the listen backlog. Keep it below
+    /// the open-files limit (`ulimit -n`).
+    #[arg(long, env = "RUSTSTREAM_MAX_CONNECTIONS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+
+    /// How long a client may take to send a request's headers (also the idle keep-alive
+    /// time); slower connections are closed.
+    #[arg(long, env = "RUSTSTREAM_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    pub header_read_timeout: Duration,
+
+    /// How long a client may take to send a request's body (408 beyond).
+    #[arg(long, env = "RUSTSTREAM_BODY_READ_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    pub body_read_timeout: Duration,
+
     /// Log format: text or json (RUST_LOG sets the level; default info).
     #[arg(long, env = "RUSTSTREAM_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
+
+    /// Instead of serving: GET this URL (e.g. http://127.0.0.1:8080/healthz), exit 0 if it
+    /// answers 200, else 1. For a container HEALTHCHECK in an image without curl. No
+    /// environment variable: set in a container's environment it would stop the gateway.
+    #[arg(long, value_name = "URL")]
+    pub healthcheck: Option<String>,
 }
 
 /// Where a newly created consumer starts in the stream.

@@ -13,6 +13,7 @@
 //! - [`idempotency`]: `Idempotency-Key` on fetch — a repeat gets the first answer.
 //! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
 //! - [`metrics`]: Prometheus metric names and one-line recording helpers (`GET /metrics`).
+//! - [`healthcheck`]: `--healthcheck <URL>`, the container HEALTHCHECK without curl.
 //! - [`error`]: the one error type a client can see.
 //! - [`subject`]: NATS subject rules for `POST /publish`.
 //!
@@ -26,6 +27,7 @@ pub mod dead_letter;
 pub mod dispatch;
 pub mod error;
 pub mod gateway;
+pub mod healthcheck;
 pub mod http;
 pub mod idempotency;
 pub mod lease_id;
@@ -93,14 +95,12 @@ pub async fn run(
             }
         }
     };
-    let listener = http::client::WatchedListener(listener);
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<http::client::Client>(),
-    )
-    .with_graceful_shutdown(stop_serving)
-    .await
-    .context("serving HTTP")?;
+    let limits = http::serve::Limits {
+        max_connections: gateway.config().max_connections as usize,
+        header_read_timeout: gateway.config().header_read_timeout,
+        body_read_timeout: gateway.config().body_read_timeout,
+    };
+    http::serve::serve(listener, app, limits, stop_serving).await;
     gateway.stop(tasks).await;
     let fatal = fatal.lock().ok().and_then(|mut slot| slot.take());
     match fatal {

@@ -1,5 +1,7 @@
 //! The `ruststream-nats` binary: flags → config → run, with SIGTERM/SIGINT as the shutdown.
 
+use std::time::Duration;
+
 use clap::Parser;
 use ruststream_nats::Config;
 use ruststream_nats::config::LogFormat;
@@ -8,6 +10,15 @@ use tracing_subscriber::EnvFilter;
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let config = Config::parse();
+    if let Some(url) = &config.healthcheck {
+        return match ruststream_nats::healthcheck::check(url, Duration::from_secs(3)) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("unhealthy: {err}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     init_tracing(config.log_format);
     let listener = match tokio::net::TcpListener::bind(config.listen).await {
         Ok(listener) => listener,

@@ -15,6 +15,10 @@ pub const BODY_LIMIT: usize = 256 * 1024;
 /// answer. Past this, or with a larger Content-Length, the connection is cut at once.
 const DRAIN_LIMIT: usize = 16 * 1024 * 1024;
 
+/// How long a body may take to arrive, set per request by the serve loop (absent: no limit).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyReadTimeout(pub std::time::Duration);
+
 /// A JSON request body, `T::default()` when empty or `null`.
 pub struct JsonBody<T>(pub T);
 
@@ -35,26 +39,40 @@ where
         if declared.is_some_and(|length| length > DRAIN_LIMIT) {
             return Err(too_large());
         }
-        let mut body = req.into_body().into_data_stream();
-        let mut bytes = Vec::new();
-        let mut read = 0usize;
-        while let Some(chunk) = body.next().await {
-            let chunk = chunk.map_err(|err| Error::Malformed {
-                detail: format!("could not read the request body: {err}"),
-            })?;
-            read += chunk.len();
-            if read > DRAIN_LIMIT {
-                return Err(too_large());
-            }
-            if read <= BODY_LIMIT {
-                bytes.extend_from_slice(&chunk);
-            }
-        }
-        if read > BODY_LIMIT {
-            return Err(too_large());
-        }
+        let timeout = req.extensions().get::<BodyReadTimeout>().copied();
+        let read = read_limited(req.into_body());
+        let bytes = match timeout {
+            Some(BodyReadTimeout(timeout)) => tokio::time::timeout(timeout, read)
+                .await
+                .map_err(|_| Error::BodyTimeout { timeout })??,
+            None => read.await?,
+        };
         parse(&bytes).map(JsonBody)
     }
+}
+
+/// Read a body up to [`BODY_LIMIT`] bytes (413 beyond), draining up to [`DRAIN_LIMIT`].
+async fn read_limited(body: axum::body::Body) -> Result<Vec<u8>, Error> {
+    let too_large = || Error::PayloadTooLarge { limit: BODY_LIMIT };
+    let mut body = body.into_data_stream();
+    let mut bytes = Vec::new();
+    let mut read = 0usize;
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|err| Error::Malformed {
+            detail: format!("could not read the request body: {err}"),
+        })?;
+        read += chunk.len();
+        if read > DRAIN_LIMIT {
+            return Err(too_large());
+        }
+        if read <= BODY_LIMIT {
+            bytes.extend_from_slice(&chunk);
+        }
+    }
+    if read > BODY_LIMIT {
+        return Err(too_large());
+    }
+    Ok(bytes)
 }
 
 /// Parse a body, mapping serde's errors to 400 (not JSON) or 422 (wrong shape or value).

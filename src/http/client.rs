@@ -7,32 +7,17 @@
 //! already leased back to the next fetch.
 
 use std::io;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use axum::extract::connect_info::Connected;
-use axum::serve::{IncomingStream, Listener};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
-/// A TCP listener whose connections can be watched for a hang-up.
-pub struct WatchedListener(pub TcpListener);
-
-impl Listener for WatchedListener {
-    type Io = WatchedStream;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        let (stream, addr) = Listener::accept(&mut self.0).await;
-        let _ = stream.set_nodelay(true);
-        (WatchedStream(Arc::new(stream)), addr)
-    }
-
-    fn local_addr(&self) -> io::Result<Self::Addr> {
-        self.0.local_addr()
-    }
+/// Share `stream` between hyper (the first half) and the requests it carries (the second).
+pub fn watch(stream: TcpStream) -> (WatchedStream, Client) {
+    let stream = Arc::new(stream);
+    (WatchedStream(stream.clone()), Client { stream })
 }
 
 /// A connection, shared between hyper (reading and writing) and the request it carries
@@ -111,14 +96,6 @@ impl AsyncWrite for WatchedStream {
 #[derive(Clone)]
 pub struct Client {
     stream: Arc<TcpStream>,
-}
-
-impl Connected<IncomingStream<'_, WatchedListener>> for Client {
-    fn connect_info(stream: IncomingStream<'_, WatchedListener>) -> Self {
-        Self {
-            stream: stream.io().0.clone(),
-        }
-    }
 }
 
 impl Client {

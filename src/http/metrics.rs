@@ -8,6 +8,7 @@ use axum::http::header::CONTENT_TYPE;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
+use super::responses::Guarded;
 use crate::gateway::Gateway;
 use crate::metrics::{CONTENT_TYPE as METRICS_CONTENT_TYPE, UNMATCHED_ROUTE};
 
@@ -25,6 +26,7 @@ use crate::metrics::{CONTENT_TYPE as METRICS_CONTENT_TYPE, UNMATCHED_ROUTE};
         (status = 200, description = "Prometheus text exposition format 0.0.4", body = String,
             content_type = "text/plain",
             example = "# TYPE ruststream_leases_in_flight gauge\nruststream_leases_in_flight 3\n"),
+        Guarded,
     )
 )]
 pub async fn metrics(State(gateway): State<Gateway>) -> impl IntoResponse {

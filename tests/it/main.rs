@@ -4,6 +4,7 @@
 
 mod capacity;
 mod concurrency;
+mod containers;
 mod dead_letter;
 mod docs;
 mod fetch;

@@ -3,3 +3,4 @@
 
 mod auth;
 mod lease_ids;
+mod limits;

@@ -1,0 +1,122 @@
+//! The HTTP/1 accept loop: hyper with a header-read timeout (slowloris), a cap on open
+//! connections, the hang-up watch of [`super::client`], and graceful shutdown.
+//!
+//! `axum::serve` sets no timer, so hyper's header-read timeout never fires there; this loop
+//! gives hyper a Tokio timer and otherwise does what `axum::serve` does.
+
+use std::future::Future;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::ConnectInfo;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tower_service::Service as _;
+use tracing::{debug, error};
+
+use super::body::BodyReadTimeout;
+use super::client::watch as watch_connection;
+
+/// Connection-level limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Most connections open at once; past it the loop stops accepting (clients wait in the
+    /// kernel's listen backlog) until one closes.
+    pub max_connections: usize,
+    /// How long a client may take to send a request's headers, and how long an idle
+    /// keep-alive connection stays open.
+    pub header_read_timeout: Duration,
+    /// How long a handler waits for a request body.
+    pub body_read_timeout: Duration,
+}
+
+/// Serve `app` on `listener` until `shutdown` resolves; then stop accepting, let every open
+/// connection finish its request in flight, and return.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let stop = CancellationToken::new();
+    let connections = TaskTracker::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let slot = tokio::select! {
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            () = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(err) => {
+                    accept_failed(err).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let (io, client) = watch_connection(stream);
+        let app = app.clone();
+        let body_read_timeout = BodyReadTimeout(limits.body_read_timeout);
+        let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
+            request.extensions_mut().insert(ConnectInfo(client.clone()));
+            request.extensions_mut().insert(body_read_timeout);
+            let mut app = app.clone();
+            async move { app.call(request).await }
+        });
+        let connection = builder.serve_connection(TokioIo::new(io), service);
+        let stop = stop.clone();
+        connections.spawn(async move {
+            let _slot = slot;
+            let mut connection = std::pin::pin!(connection);
+            tokio::select! {
+                result = connection.as_mut() => {
+                    if let Err(err) = result {
+                        debug!(error = %err, "connection ended with an error");
+                    }
+                }
+                () = stop.cancelled() => {
+                    connection.as_mut().graceful_shutdown();
+                    if let Err(err) = connection.await {
+                        debug!(error = %err, "connection ended with an error");
+                    }
+                }
+            }
+        });
+    }
+    drop(listener);
+    stop.cancel();
+    connections.close();
+    connections.wait().await;
+}
+
+/// Per-connection errors (the client reset before we accepted) are nobody's business; others
+/// (out of file descriptors) are logged, and accepting pauses briefly so the loop does not
+/// spin on them.
+async fn accept_failed(err: io::Error) {
+    use io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    if matches!(
+        err.kind(),
+        ConnectionAborted | ConnectionRefused | ConnectionReset
+    ) {
+        return;
+    }
+    error!(error = %err, "accepting a connection failed; retrying in 1s");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+}
