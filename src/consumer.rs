@@ -82,7 +82,7 @@ pub async fn connect(
     options
         .connect(servers.as_slice())
         .await
-        .with_context(|| format!("connecting to {}", config.nats_url))
+        .with_context(|| format!("connecting to {}", config.nats_url_redacted()))
 }
 
 /// Add the configured NATS authentication and TLS to `options`. Files are read and checked
@@ -205,7 +205,8 @@ async fn get_or_create_stream(
             if !config.create_stream {
                 return Err(BindError::Fatal(format!(
                     "stream {} does not exist on {} (create it, or pass --create-stream)",
-                    config.stream, config.nats_url
+                    config.stream,
+                    config.nats_url_redacted()
                 )));
             }
             let created = tokio::time::timeout(
@@ -221,7 +222,8 @@ async fn get_or_create_stream(
             let created = created.map_err(|err| {
                 BindError::Fatal(format!(
                     "could not create stream {} on {}: {err}",
-                    config.stream, config.nats_url
+                    config.stream,
+                    config.nats_url_redacted()
                 ))
             })?;
             info!(stream = %config.stream, subjects = ?config.stream_subjects, "created stream");
