@@ -4,3 +4,4 @@
 mod auth;
 mod lease_ids;
 mod limits;
+mod nats_auth;
