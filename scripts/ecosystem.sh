@@ -13,8 +13,8 @@
 # tests/clients/ts/package-lock.json) into tests/clients/ts/node_modules; both are git-ignored
 # and reused while their pins are unchanged. Needs Python 3 (with venv), Node >= 20.19 with
 # npm, and the Rust toolchain. It builds the gateway, starts nats-server (free port, temporary
-# store) and the gateway (--create-stream, --ack-wait 2s, no authentication), and always stops
-# both. Environment: SCHEMATHESIS_MAX_TIME (seconds, default 75), SCHEMATHESIS_SEED.
+# store) and the gateway (--create-stream, --ack-wait 2s, one bearer token with every scope),
+# and always stops both. Environment: SCHEMATHESIS_MAX_TIME (seconds, default 75), SCHEMATHESIS_SEED.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
@@ -145,6 +145,9 @@ NATS_PORT="$(free_port)"
 NATS_PID=$!
 HTTP_PORT="$(free_port)"
 BASE="http://127.0.0.1:$HTTP_PORT"
+# The spec declares bearer authentication on every protected operation, so the gateway runs
+# with it on: one token with every scope, which the clients and schemathesis send.
+TOKEN="ecosystem-$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
 # The gateway reads RUSTSTREAM_* and NATS_* variables: none of the caller's may change this run
 # (e.g. turn authentication on); RUSTSTREAM_TEST_RUN is scripts/test.sh's leftover marker.
 scrub=()
@@ -153,7 +156,7 @@ while IFS= read -r name; do
 done < <(compgen -e | grep -E '^(RUSTSTREAM|NATS)_' || true)
 env "${scrub[@]}" RUST_LOG=warn "$GATEWAY_BIN" --nats-url "nats://127.0.0.1:$NATS_PORT" --listen "127.0.0.1:$HTTP_PORT" \
     --create-stream --stream ORDERS --stream-subjects 'orders.>' --consumer ecosystem \
-    --ack-wait 2s </dev/null >"$WORK/gateway.log" 2>&1 &
+    --ack-wait 2s --auth-tokens "$TOKEN *" </dev/null >"$WORK/gateway.log" 2>&1 &
 GATEWAY_PID=$!
 deadline=$((SECONDS + 30))
 until answers_200 "$BASE/readyz"; do
@@ -165,18 +168,19 @@ done
 log "gateway ready at $BASE (nats-server on port $NATS_PORT)"
 
 step "Python client flow"
-PYTHONPATH="$WORK/python" "$VENV/bin/python" "$CLIENTS/python/flow.py" "$BASE"
+PYTHONPATH="$WORK/python" "$VENV/bin/python" "$CLIENTS/python/flow.py" "$BASE" "$TOKEN"
 
 step "TypeScript client flow"
-node "$TS/dist/flow.js" "$BASE"
+node "$TS/dist/flow.js" "$BASE" "$TOKEN"
 
 # Messages to lease, so that a generated fetch returns at once instead of waiting out its
 # wait_ms (up to 30s); leases it never settles come back after the 2s ack_wait.
-python3 - "$BASE" <<'PY'
+python3 - "$BASE" "$TOKEN" <<'PY'
 import json, sys, urllib.request
 for n in range(200):
     body = json.dumps({"subject": f"orders.fuzz.{n}", "data": f"message {n}"}).encode()
-    request = urllib.request.Request(sys.argv[1] + "/publish", data=body, method="POST")
+    request = urllib.request.Request(sys.argv[1] + "/publish", data=body, method="POST",
+                                     headers={"Authorization": "Bearer " + sys.argv[2]})
     assert urllib.request.urlopen(request, timeout=10).status == 201
 PY
 
@@ -184,6 +188,7 @@ step "schemathesis (at most ${SCHEMATHESIS_MAX_TIME}s, seed $SCHEMATHESIS_SEED)"
 # Each check is one promise of the spec: no 5xx; only listed status codes; the listed content
 # type, headers and schema; input the schema forbids is refused (4xx).
 (cd "$WORK" && "$VENV/bin/schemathesis" --no-color run "$SPEC" --url "$BASE" \
+    --header "Authorization: Bearer $TOKEN" \
     --checks not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,response_schema_conformance,negative_data_rejection \
     --max-examples 40 --max-time "$SCHEMATHESIS_MAX_TIME" --seed "$SCHEMATHESIS_SEED" \
     --request-timeout 40 --workers 2)

@@ -275,6 +275,31 @@ pub enum LogFormat {
     Json,
 }
 
+impl Config {
+    /// `--nats-url` as messages and logs show it: credentials in a URL (`user:password@`,
+    /// `token@`) replaced by `***`, so no error or log line carries them.
+    pub fn nats_url_redacted(&self) -> String {
+        redact_url_credentials(&self.nats_url)
+    }
+}
+
+/// Each comma-separated URL with its user info (before `@` in the authority) masked.
+fn redact_url_credentials(urls: &str) -> String {
+    urls.split(',')
+        .map(|url| {
+            let authority_at = url.find("://").map_or(0, |at| at + 3);
+            let authority_end = url[authority_at..]
+                .find(['/', '?', '#'])
+                .map_or(url.len(), |end| authority_at + end);
+            match url[authority_at..authority_end].rfind('@') {
+                Some(at) => format!("{}***{}", &url[..authority_at], &url[authority_at + at..]),
+                None => url.to_owned(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 fn parse_dead_letter_subject(value: &str) -> Result<String, String> {
     crate::subject::validate_publish_subject(value)?;
     Ok(value.to_owned())
@@ -299,6 +324,19 @@ fn parse_max_wait(value: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_in_nats_urls_are_masked() {
+        assert_eq!(
+            redact_url_credentials("nats://user:pa55@nats:4222,tls://t0ken@other:4443/x"),
+            "nats://***@nats:4222,tls://***@other:4443/x"
+        );
+        assert_eq!(
+            redact_url_credentials("nats://127.0.0.1:4222"),
+            "nats://127.0.0.1:4222"
+        );
+        assert_eq!(redact_url_credentials("u:p@host:4222"), "***@host:4222");
+    }
 
     #[test]
     fn defaults_match_the_documented_ones() {

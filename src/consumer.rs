@@ -72,10 +72,17 @@ pub async fn connect(
             }
         });
     options = authenticate(options, config).await?;
+    // async-nats parses a string as one URL; a cluster's list is comma-separated.
+    let servers: Vec<&str> = config
+        .nats_url
+        .split(',')
+        .map(str::trim)
+        .filter(|url| !url.is_empty())
+        .collect();
     options
-        .connect(config.nats_url.as_str())
+        .connect(servers.as_slice())
         .await
-        .with_context(|| format!("connecting to {}", config.nats_url))
+        .with_context(|| format!("connecting to {}", config.nats_url_redacted()))
 }
 
 /// Add the configured NATS authentication and TLS to `options`. Files are read and checked
@@ -198,7 +205,8 @@ async fn get_or_create_stream(
             if !config.create_stream {
                 return Err(BindError::Fatal(format!(
                     "stream {} does not exist on {} (create it, or pass --create-stream)",
-                    config.stream, config.nats_url
+                    config.stream,
+                    config.nats_url_redacted()
                 )));
             }
             let created = tokio::time::timeout(
@@ -214,7 +222,8 @@ async fn get_or_create_stream(
             let created = created.map_err(|err| {
                 BindError::Fatal(format!(
                     "could not create stream {} on {}: {err}",
-                    config.stream, config.nats_url
+                    config.stream,
+                    config.nats_url_redacted()
                 ))
             })?;
             info!(stream = %config.stream, subjects = ?config.stream_subjects, "created stream");

@@ -313,7 +313,9 @@ impl Gateway {
         self.bound.borrow().clone().ok_or_else(|| {
             Error::Unavailable(format!(
                 "not bound to consumer {} of stream {} yet (NATS at {} unreachable or starting)",
-                self.config.consumer, self.config.stream, self.config.nats_url
+                self.config.consumer,
+                self.config.stream,
+                self.config.nats_url_redacted()
             ))
         })
     }

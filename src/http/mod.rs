@@ -77,6 +77,7 @@ fn api() -> OpenApiRouter<Gateway> {
 pub fn openapi() -> utoipa::openapi::OpenApi {
     let mut spec = api().split_for_parts().1;
     optional_bodies_may_be_absent(&mut spec);
+    declare_security(&mut spec);
     spec
 }
 
@@ -115,6 +116,49 @@ fn optional_bodies_may_be_absent(spec: &mut utoipa::openapi::OpenApi) {
             if let ([_], [body_schema]) = (nulls.as_slice(), others.as_slice()) {
                 content.schema = Some((*body_schema).clone());
             }
+        }
+    }
+}
+
+/// The bearer scheme, and on each operation the scope it needs — from the same
+/// [`crate::auth::requirement`] the middleware enforces, so the two cannot disagree.
+fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
+    use crate::auth::{Requirement, requirement};
+    use utoipa::openapi::security::{
+        HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
+    };
+    let components = spec.components.get_or_insert_with(Default::default);
+    components.add_security_scheme(
+        "bearer",
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Bearer)
+                .description(Some(
+                    "A token from --auth-tokens-file / --auth-tokens; its scopes (fetch, settle, publish, admin) decide the endpoints it may call. Not required when the gateway runs without tokens.",
+                ))
+                .build(),
+        ),
+    );
+    for (path, item) in spec.paths.paths.iter_mut() {
+        // An open route says so with an empty list (no requirement), rather than by omission.
+        let security = match requirement(path) {
+            Requirement::Open => Vec::new(),
+            Requirement::Scope(scope) => {
+                vec![SecurityRequirement::new("bearer", [scope.as_str()])]
+            }
+            Requirement::Authenticated => {
+                vec![SecurityRequirement::new("bearer", Vec::<&str>::new())]
+            }
+        };
+        let operations = [
+            &mut item.get,
+            &mut item.post,
+            &mut item.put,
+            &mut item.delete,
+            &mut item.patch,
+        ];
+        for operation in operations.into_iter().flatten() {
+            operation.security = Some(security.clone());
         }
     }
 }
@@ -229,6 +273,34 @@ async fn method_not_allowed() -> impl IntoResponse {
 
 #[cfg(test)]
 mod tests {
+    /// Every operation behind authentication says so (bearer, with its scope) and lists
+    /// 401 and 403; the open ones list neither and declare `security: []`.
+    #[test]
+    fn the_spec_declares_who_may_call_what() {
+        let spec = serde_json::to_value(super::openapi()).expect("spec serializes");
+        let scheme = &spec["components"]["securitySchemes"]["bearer"];
+        assert_eq!(scheme["scheme"], "bearer", "{scheme}");
+        let paths = spec["paths"].as_object().expect("paths");
+        for (path, item) in paths {
+            for (method, operation) in item.as_object().expect("path item") {
+                let open = crate::auth::requirement(path) == crate::auth::Requirement::Open;
+                let responses = &operation["responses"];
+                let guarded = responses.get("401").is_some() && responses.get("403").is_some();
+                assert_eq!(
+                    guarded, !open,
+                    "{method} {path}: 401/403 listed iff protected"
+                );
+                // An open operation has an empty list: "no requirement".
+                let requirements = operation["security"].as_array().map(Vec::len);
+                assert_eq!(requirements, Some(usize::from(!open)), "{method} {path}");
+            }
+        }
+        assert_eq!(
+            spec["paths"]["/fetch"]["post"]["security"][0]["bearer"][0],
+            "fetch"
+        );
+    }
+
     /// The committed spec (what client generators read) must be the one the code serves.
     /// Regenerate with `UPDATE_OPENAPI=1 cargo test --lib committed_spec`.
     #[test]

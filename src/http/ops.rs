@@ -41,7 +41,7 @@ pub async fn readyz(State(gateway): State<Gateway>) -> Result<Json<HealthDto>, E
     if !gateway.is_ready() {
         return Err(Error::Unavailable(format!(
             "not connected to NATS at {} and bound to consumer {} of stream {}, or shutting down",
-            gateway.config().nats_url,
+            gateway.config().nats_url_redacted(),
             gateway.config().consumer,
             gateway.config().stream
         )));

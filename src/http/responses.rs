@@ -25,8 +25,10 @@ use crate::leases::SettleKind;
 /// Every kind of problem a route can answer; the name is the response's component name.
 #[derive(Debug, Clone, Copy)]
 pub enum ProblemKind {
+    Unauthorized,
+    Forbidden,
+    BodyTimeout,
     MalformedJson,
-    BodyTooSlow,
     PayloadTooLarge,
     InvalidRequest,
     LeaseNotFound,
@@ -38,9 +40,11 @@ pub enum ProblemKind {
 }
 
 impl ProblemKind {
-    const ALL: [Self; 10] = [
+    const ALL: [Self; 12] = [
+        Self::Unauthorized,
+        Self::Forbidden,
+        Self::BodyTimeout,
         Self::MalformedJson,
-        Self::BodyTooSlow,
         Self::PayloadTooLarge,
         Self::InvalidRequest,
         Self::LeaseNotFound,
@@ -53,8 +57,10 @@ impl ProblemKind {
 
     fn name(self) -> &'static str {
         match self {
+            Self::Unauthorized => "Unauthorized",
+            Self::Forbidden => "Forbidden",
+            Self::BodyTimeout => "BodyTimeout",
             Self::MalformedJson => "MalformedJson",
-            Self::BodyTooSlow => "BodyTooSlow",
             Self::PayloadTooLarge => "PayloadTooLarge",
             Self::InvalidRequest => "InvalidRequest",
             Self::LeaseNotFound => "LeaseNotFound",
@@ -68,10 +74,16 @@ impl ProblemKind {
 
     fn description(self) -> &'static str {
         match self {
-            Self::MalformedJson => "The request body is not JSON.",
-            Self::BodyTooSlow => {
-                "The request body did not arrive within `--body-read-timeout`; the connection is closed."
+            Self::Unauthorized => {
+                "Authentication is on and the request has no valid bearer token (`Authorization: Bearer <token>`)."
             }
+            Self::Forbidden => {
+                "The bearer token is valid but lacks the scope this endpoint needs (fetch, settle, publish or admin)."
+            }
+            Self::BodyTimeout => {
+                "The request body did not arrive within the body-read timeout; the connection is closed."
+            }
+            Self::MalformedJson => "The request body is not JSON.",
             Self::PayloadTooLarge => "The request body is larger than 256 KiB.",
             Self::InvalidRequest => {
                 "A field (or header) has the wrong type, is out of range, unknown or missing, or an Idempotency-Key was reused with another body; `field` names it."
@@ -100,11 +112,16 @@ impl ProblemKind {
     /// The errors answered as this kind, each an example of it (the first is the main one).
     fn examples(self) -> Vec<Error> {
         match self {
+            Self::Unauthorized => vec![
+                Error::Unauthorized { invalid: false },
+                Error::Unauthorized { invalid: true },
+            ],
+            Self::Forbidden => vec![Error::Forbidden { scope: "fetch" }],
+            Self::BodyTimeout => vec![Error::BodyTimeout {
+                timeout: Duration::from_secs(10),
+            }],
             Self::MalformedJson => vec![Error::Malformed {
                 detail: "the request body is not valid JSON: EOF while parsing an object".into(),
-            }],
-            Self::BodyTooSlow => vec![Error::BodyTimeout {
-                timeout: Duration::from_secs(10),
             }],
             Self::PayloadTooLarge => vec![Error::PayloadTooLarge { limit: BODY_LIMIT }],
             Self::InvalidRequest => vec![
@@ -182,6 +199,17 @@ impl ProblemKind {
                     .build(),
             );
         }
+        if matches!(self, Self::Unauthorized | Self::Forbidden) {
+            response = response.header(
+                "WWW-Authenticate",
+                HeaderBuilder::new()
+                    .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
+                    .description(Some(
+                        "`Bearer realm=\"ruststream-nats\"`, with `error=\"invalid_token\"` or `error=\"insufficient_scope\", scope=\"…\"` (RFC 6750)",
+                    ))
+                    .build(),
+            );
+        }
         response.build()
     }
 
@@ -228,12 +256,11 @@ macro_rules! refusal_sets {
 }
 
 refusal_sets! {
-    /// What every protected endpoint (all but the probes and the spec) can refuse before
-    /// its handler runs. Empty for now: authentication adds its 401 and 403 here — a
-    /// one-line change — and every protected endpoint already lists this set.
-    Guarded = [];
-    /// An endpoint reading a JSON body: not JSON, too slow, too large, or a bad field.
-    BodyRefusals = [MalformedJson, BodyTooSlow, PayloadTooLarge, InvalidRequest];
+    /// What every protected endpoint (all but the probes and the docs) can refuse before
+    /// its handler runs: no valid token (401), or a token without the scope (403).
+    Guarded = [Unauthorized, Forbidden];
+    /// An endpoint reading a JSON body: too slow, not JSON, too large, or a bad field.
+    BodyRefusals = [BodyTimeout, MalformedJson, PayloadTooLarge, InvalidRequest];
     /// An endpoint settling or extending one lease by its id.
     LeaseRefusals = [LeaseNotFound, LeaseSettled, LeaseGone, Unavailable, NotConfirmed];
     /// `POST /fetch` beyond its body: no slot free, or no NATS.

@@ -6,7 +6,8 @@ a delay, term the third; then check that the nak'd one comes back after the dela
 higher delivery count, that the acked and termed ones never come back, and that problem+json
 answers parse into the generated Problem model.
 
-Usage: python flow.py BASE_URL   (the generated package `ruststream_nats_client` on sys.path)
+Usage: python flow.py BASE_URL TOKEN   (the generated package `ruststream_nats_client` on
+sys.path; TOKEN a bearer token with every scope)
 """
 
 import sys
@@ -14,7 +15,7 @@ import time
 import uuid
 
 import httpx
-from ruststream_nats_client import Client
+from ruststream_nats_client import AuthenticatedClient, Client
 from ruststream_nats_client.api.leases import (
     ack_message,
     ack_messages,
@@ -79,9 +80,14 @@ def expect_problem(reply, status, kind, field=None):
     return problem
 
 
-def main(base_url):
-    client = Client(base_url=base_url, raise_on_unexpected_status=True, timeout=httpx.Timeout(30.0))
+def main(base_url, bearer):
+    client = AuthenticatedClient(
+        base_url=base_url, token=bearer, raise_on_unexpected_status=True, timeout=httpx.Timeout(30.0)
+    )
     check(get_readiness.sync_detailed(client=client).status_code == 200, "gateway not ready")
+    # Without the token, a protected operation answers 401 as the spec says.
+    anonymous = Client(base_url=base_url, raise_on_unexpected_status=True)
+    expect_problem(get_consumer.sync_detailed(client=anonymous), 401, "unauthorized")
     token = f"py-{uuid.uuid4().hex[:12]}"
 
     for name in ("ack", "nak", "term"):
@@ -144,4 +150,4 @@ def main(base_url):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -7,7 +7,7 @@
 // term the third; the nak'd one comes back after the delay with a higher delivery count, the
 // acked and termed ones never do, and problem+json answers parse as the Problem schema.
 //
-// Usage: node dist/flow.js BASE_URL
+// Usage: node dist/flow.js BASE_URL TOKEN   (TOKEN: a bearer token with every scope)
 
 import createClient from "openapi-fetch";
 import type { components, paths } from "./generated/schema.js";
@@ -21,11 +21,12 @@ declare const process: { argv: string[] };
 const NAK_DELAY_MS = 1500;
 const ACK_WAIT_MS = 2000;
 
-const baseUrl = process.argv[2];
-if (!baseUrl) {
-  throw new Error("usage: node dist/flow.js BASE_URL");
+const [baseUrl, bearer] = process.argv.slice(2);
+if (!baseUrl || !bearer) {
+  throw new Error("usage: node dist/flow.js BASE_URL TOKEN");
 }
-const client = createClient<paths>({ baseUrl });
+const client = createClient<paths>({ baseUrl, headers: { Authorization: `Bearer ${bearer}` } });
+const anonymous = createClient<paths>({ baseUrl });
 
 function check(condition: unknown, message: string): asserts condition {
   if (!condition) {
@@ -73,6 +74,9 @@ async function fetchOurs(token: string, waitMs = 1000): Promise<Message[]> {
 async function main(): Promise<void> {
   const ready = await client.GET("/readyz");
   check(ready.response.status === 200 && ready.data?.status === "ok", "gateway not ready");
+  // Without the token, a protected operation answers 401 as the spec says.
+  const refused = await anonymous.GET("/consumer");
+  expectProblem(refused.response, refused.error, 401, "unauthorized");
   const token = `ts-${Math.random().toString(16).slice(2, 14)}`;
 
   for (const name of ["ack", "nak", "term"]) {
