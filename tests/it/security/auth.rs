@@ -72,7 +72,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
     let anonymous = http_client();
 
     // Open: probes and the API description carry no token.
-    for path in ["/healthz", "/readyz", "/openapi.json"] {
+    for path in ["/healthz", "/readyz", "/openapi.json", "/docs/"] {
         assert_eq!(
             send(&anonymous, "GET", &url(path)).await.status,
             200,
