@@ -75,7 +75,8 @@ enum Outcome {
 struct Ledger {
     /// Confirmed (2xx) settles that end a message, by id.
     settled: HashMap<String, Outcome>,
-    /// The reason each termed id was terminated with.
+    /// The reason each term was sent with (whatever its answer: a term whose answer was lost
+    /// may have landed and been dead-lettered).
     term_reasons: HashMap<String, String>,
     /// Ids with an ack sent whose answer never came (fault, vanished client, 504).
     ack_unconfirmed: HashSet<String>,
@@ -256,6 +257,9 @@ async fn batch_ack(http: &reqwest::Client, base: &str, ledger: &Shared, leases: 
 
 async fn term(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease) {
     let reason = format!("ledger: {} rejected on purpose", lease.ledger_id);
+    lock(ledger)
+        .term_reasons
+        .insert(lease.ledger_id.clone(), reason.clone());
     let answer = http
         .post(format!("{base}/messages/{}/term", lease.id))
         .json(&json!({ "reason": reason }))
@@ -263,9 +267,6 @@ async fn term(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease
         .await;
     if answer.is_ok_and(|response| response.status().as_u16() == 204) {
         confirm(ledger, lease, Outcome::Termed);
-        lock(ledger)
-            .term_reasons
-            .insert(lease.ledger_id.clone(), reason);
     } else {
         // Not confirmed: the message comes back, and is then acked or termed again. A term
         // that did land counts as unconfirmed-but-settled, like an ack.
@@ -721,7 +722,13 @@ async fn run(scenario: Scenario) -> Report {
     // The workers have stopped: take the ledger out to read it.
     let ledger = std::mem::take(&mut *lock(&ledger));
     // Dead letters arrive shortly after the term: wait (bounded) until as many as terms.
-    let termed_ids = ledger.term_reasons.len();
+    let termed: Vec<&String> = ledger
+        .settled
+        .iter()
+        .filter(|(_, outcome)| **outcome == Outcome::Termed)
+        .map(|(id, _)| id)
+        .collect();
+    let termed_ids = termed.len();
     let dead_deadline = Instant::now() + Duration::from_secs(10);
     let letters = loop {
         let letters = dead_letters(&js).await.unwrap_or_default();
@@ -741,11 +748,10 @@ async fn run(scenario: Scenario) -> Report {
         })
         .collect();
     dead_letter_mismatches.extend(
-        ledger
-            .term_reasons
-            .keys()
-            .filter(|id| !letters.contains_key(*id))
-            .map(|id| format!("{id}: termed, not dead-lettered")),
+        termed
+            .iter()
+            .filter(|id| !letters.contains_key(**id))
+            .map(|id| format!("{id}: termed (204), not dead-lettered")),
     );
     let acked = ledger
         .settled
