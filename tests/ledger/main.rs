@@ -15,6 +15,9 @@
 //!   disk before the confirmation: a confirmed ack survives kill -9 (NATS-FACTS: by default
 //!   file storage fsyncs every 2 minutes, and Jepsen lost acknowledged writes that way).
 //! - **recovery**: after each fault is healed, a fetch answers 200 again within 20 s.
+//! - **dead letters**: the gateway runs with `--dead-letter-subject`; in the runs without a
+//!   server or gateway fault, the dead-letter stream holds exactly the termed ids, once each,
+//!   with the reasons the ledger recorded.
 
 // The integration suite's fixtures, shared by path (as examples/bench.rs does); they name
 // each other as `crate::support::…`.
@@ -45,6 +48,9 @@ use support::process::GatewayProcess;
 
 const STREAM: &str = "LEDGER";
 const CONSUMER: &str = "ledger";
+/// Termed messages are dead-lettered here; the ledger checks them against its terms.
+const DLQ_STREAM: &str = "LEDGER_DLQ";
+const DLQ_SUBJECT: &str = "dlq.ledger";
 /// Messages per run.
 const K: usize = 300;
 /// HTTP workers per run.
@@ -69,7 +75,8 @@ enum Outcome {
 struct Ledger {
     /// Confirmed (2xx) settles that end a message, by id.
     settled: HashMap<String, Outcome>,
-    /// The reason each termed id was terminated with.
+    /// The reason each term was sent with (whatever its answer: a term whose answer was lost
+    /// may have landed and been dead-lettered).
     term_reasons: HashMap<String, String>,
     /// Ids with an ack sent whose answer never came (fault, vanished client, 504).
     ack_unconfirmed: HashSet<String>,
@@ -250,6 +257,9 @@ async fn batch_ack(http: &reqwest::Client, base: &str, ledger: &Shared, leases: 
 
 async fn term(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease) {
     let reason = format!("ledger: {} rejected on purpose", lease.ledger_id);
+    lock(ledger)
+        .term_reasons
+        .insert(lease.ledger_id.clone(), reason.clone());
     let answer = http
         .post(format!("{base}/messages/{}/term", lease.id))
         .json(&json!({ "reason": reason }))
@@ -257,9 +267,6 @@ async fn term(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease
         .await;
     if answer.is_ok_and(|response| response.status().as_u16() == 204) {
         confirm(ledger, lease, Outcome::Termed);
-        lock(ledger)
-            .term_reasons
-            .insert(lease.ledger_id.clone(), reason);
     } else {
         // Not confirmed: the message comes back, and is then acked or termed again. A term
         // that did land counts as unconfirmed-but-settled, like an ack.
@@ -410,6 +417,10 @@ struct Report {
     lost: Vec<String>,
     /// Termed ids without a recorded reason (must be 0: every term is on purpose).
     terms_without_reason: usize,
+    /// Dead letters stored, and how many of them disagree with the ledger's terms (an id
+    /// not termed with a 2xx, a missing one, a different reason, a second copy).
+    dead_lettered: usize,
+    dead_letter_mismatches: Vec<String>,
     duplicates: Vec<(String, u64)>,
     redeliveries: u64,
     recoveries: Vec<(&'static str, Option<Duration>)>,
@@ -431,12 +442,14 @@ impl Report {
                 .join("; ")
         };
         format!(
-            "| {:<28} | {:>3} | {:>5} ({:>2} unconfirmed) | {:>6} | {:>4} | {:>10} | {:>12} | {} | {:.0}s |",
+            "| {:<28} | {:>3} | {:>5} ({:>2} unconfirmed) | {:>6} | {:>3} ({} differ) | {:>4} | {:>10} | {:>12} | {} | {:.0}s |",
             self.scenario,
             K,
             self.acked + self.acked_unconfirmed,
             self.acked_unconfirmed,
             self.termed,
+            self.dead_lettered,
+            self.dead_letter_mismatches.len(),
             self.lost.len(),
             self.duplicates.len(),
             self.redeliveries,
@@ -446,7 +459,7 @@ impl Report {
     }
 }
 
-const HEADER: &str = "| scenario                     |   K | acked (of which unconfirmed) | termed | lost | duplicates | redeliveries | recovery after fault | run |\n|---|---|---|---|---|---|---|---|---|";
+const HEADER: &str = "| scenario                     |   K | acked (of which unconfirmed) | termed | dead-lettered | lost | duplicates | redeliveries | recovery after fault | run |\n|---|---|---|---|---|---|---|---|---|---|";
 
 /// Print past the test harness' capture, so CI logs show the table.
 fn print_table(title: &str, reports: &[Report]) {
@@ -458,33 +471,59 @@ fn print_table(title: &str, reports: &[Report]) {
     let _ = std::io::stderr().write_all(text.as_bytes());
 }
 
-async fn create_stream(urls: &str, replicas: usize) -> jetstream::Context {
+/// Connect and create the work stream and the dead-letter stream (retrying while a fresh
+/// cluster elects its meta leader).
+async fn create_streams(urls: &str, replicas: usize) -> jetstream::Context {
     let client = async_nats::ConnectOptions::new()
         .retry_on_initial_connect()
         .connect(urls.split(',').collect::<Vec<_>>().as_slice())
         .await
         .expect("connect the test client");
     let js = jetstream::new(client);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let created = js
-            .create_stream(stream::Config {
-                name: STREAM.to_owned(),
-                subjects: vec!["ledger.>".to_owned()],
-                num_replicas: replicas,
-                ..Default::default()
-            })
-            .await;
-        match created {
-            Ok(_) => return js,
-            // A fresh cluster elects its meta leader first.
-            Err(err) if Instant::now() < deadline => {
-                let _ = err;
-                tokio::time::sleep(Duration::from_millis(250)).await;
+    for (name, subject) in [(STREAM, "ledger.>"), (DLQ_STREAM, DLQ_SUBJECT)] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let created = js
+                .create_stream(stream::Config {
+                    name: name.to_owned(),
+                    subjects: vec![subject.to_owned()],
+                    num_replicas: replicas,
+                    ..Default::default()
+                })
+                .await;
+            match created {
+                Ok(_) => break,
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Err(err) => panic!("create stream {name}: {err}"),
             }
-            Err(err) => panic!("create stream {STREAM}: {err}"),
         }
     }
+    js
+}
+
+/// The dead letters stored: ledger id → term reason header.
+async fn dead_letters(js: &jetstream::Context) -> Option<HashMap<String, String>> {
+    let mut stream = js.get_stream(DLQ_STREAM).await.ok()?;
+    let last = stream.info().await.ok()?.state.last_sequence;
+    let mut letters = HashMap::new();
+    for sequence in 1..=last {
+        let Ok(letter) = stream.get_raw_message(sequence).await else {
+            continue;
+        };
+        let id = String::from_utf8_lossy(&letter.payload).into_owned();
+        let reason = letter
+            .headers
+            .get("Ruststream-Dead-Letter-Term-Reason")
+            .map(|value| value.as_str().to_owned())
+            .unwrap_or_default();
+        // A second copy of one id would be a failed dedup: keep it visible.
+        if letters.insert(id.clone(), reason).is_some() {
+            letters.insert(format!("{id} (again)"), String::new());
+        }
+    }
+    Some(letters)
 }
 
 async fn publish_all(js: &jetstream::Context) -> Vec<String> {
@@ -554,7 +593,7 @@ async fn run(scenario: Scenario) -> Report {
     };
     let mut cluster = Cluster::start(replicas).await;
     let urls = cluster.urls();
-    let js = create_stream(&urls, replicas).await;
+    let js = create_streams(&urls, replicas).await;
     let ids = publish_all(&js).await;
     let mut gateway = GatewayProcess::start(
         &urls,
@@ -569,6 +608,8 @@ async fn run(scenario: Scenario) -> Report {
             "2s",
             "--shutdown-grace",
             "1s",
+            "--dead-letter-subject",
+            DLQ_SUBJECT,
         ],
     )
     .await;
@@ -680,6 +721,38 @@ async fn run(scenario: Scenario) -> Report {
     }
     // The workers have stopped: take the ledger out to read it.
     let ledger = std::mem::take(&mut *lock(&ledger));
+    // Dead letters arrive shortly after the term: wait (bounded) until as many as terms.
+    let termed: Vec<&String> = ledger
+        .settled
+        .iter()
+        .filter(|(_, outcome)| **outcome == Outcome::Termed)
+        .map(|(id, _)| id)
+        .collect();
+    let termed_ids = termed.len();
+    let dead_deadline = Instant::now() + Duration::from_secs(10);
+    let letters = loop {
+        let letters = dead_letters(&js).await.unwrap_or_default();
+        if letters.len() >= termed_ids || Instant::now() >= dead_deadline {
+            break letters;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut dead_letter_mismatches: Vec<String> = letters
+        .iter()
+        .filter(|(id, reason)| ledger.term_reasons.get(*id) != Some(*reason))
+        .map(|(id, reason)| {
+            format!(
+                "{id}: dead-lettered with {reason:?}, ledger {:?}",
+                ledger.term_reasons.get(id)
+            )
+        })
+        .collect();
+    dead_letter_mismatches.extend(
+        termed
+            .iter()
+            .filter(|id| !letters.contains_key(**id))
+            .map(|id| format!("{id}: termed (204), not dead-lettered")),
+    );
     let acked = ledger
         .settled
         .values()
@@ -755,6 +828,8 @@ async fn run(scenario: Scenario) -> Report {
         termed,
         lost,
         terms_without_reason,
+        dead_lettered: letters.len(),
+        dead_letter_mismatches,
         duplicates: ledger.duplicates.clone(),
         redeliveries: ledger.redeliveries,
         recoveries,
@@ -762,8 +837,18 @@ async fn run(scenario: Scenario) -> Report {
     }
 }
 
-fn check(report: &Report, duplicates_allowed: bool) -> Vec<String> {
+/// `faulty`: a server or gateway was killed during the run; then duplicates are reported, not
+/// failed, and so are dead-letter differences (an advisory published while no gateway was
+/// connected is missed, a term whose answer was lost is dead-lettered but not in the ledger).
+fn check(report: &Report, faulty: bool) -> Vec<String> {
+    let duplicates_allowed = faulty;
     let mut failures = Vec::new();
+    if !faulty && !report.dead_letter_mismatches.is_empty() {
+        failures.push(format!(
+            "{}: dead letters differ from the ledger's terms: {:?}",
+            report.scenario, report.dead_letter_mismatches
+        ));
+    }
     if !report.lost.is_empty() {
         failures.push(format!(
             "{}: lost {} ids, e.g. {:?}",
