@@ -38,7 +38,7 @@ use responses::ProblemResponses;
 #[openapi(
     info(
         title = "ruststream-nats",
-        description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.",
+        description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.\n\nEvery error is an RFC 9457 `application/problem+json` object. Each operation lists the statuses it answers; besides those, a path not listed here answers 404 and a listed path called with another method 405 (with `Allow`), both problem+json.",
         license(name = "MIT OR Apache-2.0", identifier = "MIT OR Apache-2.0")
     ),
     // Relative: the API is where the document was served from (Swagger UI, generated
