@@ -72,8 +72,15 @@ pub async fn connect(
             }
         });
     options = authenticate(options, config).await?;
+    // async-nats parses a string as one URL; a cluster's list is comma-separated.
+    let servers: Vec<&str> = config
+        .nats_url
+        .split(',')
+        .map(str::trim)
+        .filter(|url| !url.is_empty())
+        .collect();
     options
-        .connect(config.nats_url.as_str())
+        .connect(servers.as_slice())
         .await
         .with_context(|| format!("connecting to {}", config.nats_url_redacted()))
 }

@@ -699,11 +699,20 @@ impl Gateway {
         // Leases still out after the grace can no longer be settled through this process:
         // nak them, so the server redelivers them now rather than after ack_wait.
         let revoked = self.shared.leases().revoke_live(Instant::now());
-        if let Ok(bound) = self.bound() {
-            for reply in &revoked {
-                consumer::release(&bound.client, reply).await;
-            }
-            if !revoked.is_empty() {
+        if !revoked.is_empty()
+            && let Ok(bound) = self.connected()
+        {
+            // Bounded as a whole: a connection that drops now must not hold up the exit
+            // (the server then redelivers after ack_wait, as after a crash).
+            let naks = async {
+                for reply in &revoked {
+                    consumer::release(&bound.client, reply).await;
+                }
+            };
+            if tokio::time::timeout(Duration::from_secs(2), naks)
+                .await
+                .is_ok()
+            {
                 info!(
                     count = revoked.len(),
                     "nak'd the leases still out: the server redelivers them at once"

@@ -265,4 +265,87 @@ mod tests {
         let other_key = LeaseSigner::with_key(b"other", "ORDERS", "billing");
         assert_eq!(other_key.decode(&id), None);
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn coordinates() -> impl Strategy<Value = LeaseCoordinates> {
+            (
+                any::<u32>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<i64>(),
+            )
+                .prop_map(
+                    |(epoch, stream_sequence, delivered, consumer_sequence, published)| {
+                        LeaseCoordinates {
+                            epoch,
+                            key: DeliveryKey {
+                                stream_sequence,
+                                delivered,
+                            },
+                            consumer_sequence,
+                            published_unix_nanos: published,
+                        }
+                    },
+                )
+        }
+
+        fn signer() -> LeaseSigner {
+            LeaseSigner::with_key(&[7u8; 32], "ORDERS", "billing")
+        }
+
+        proptest! {
+            #[test]
+            fn every_id_round_trips(lease in coordinates()) {
+                let signer = signer();
+                let id = signer.encode(&lease);
+                prop_assert_eq!(signer.decode(&id), Some(lease));
+            }
+
+            #[test]
+            fn arbitrary_text_never_panics_and_never_verifies(text in any::<String>()) {
+                prop_assert_eq!(signer().decode(&text), None);
+            }
+
+            #[test]
+            fn arbitrary_bytes_never_verify(bytes in proptest::collection::vec(any::<u8>(), 0..100)) {
+                let text = String::from_utf8_lossy(&bytes);
+                prop_assert_eq!(signer().decode(&text), None);
+                // Bytes of an id's length, base64-encoded: well-formed but unsigned.
+                let well_formed = URL_SAFE_NO_PAD.encode(&bytes);
+                prop_assert_eq!(signer().decode(&well_formed), None);
+            }
+
+            #[test]
+            fn changing_any_character_is_rejected(
+                lease in coordinates(),
+                at in any::<proptest::sample::Index>(),
+                replacement in proptest::sample::select(
+                    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_".to_vec()
+                ),
+            ) {
+                let signer = signer();
+                let id = signer.encode(&lease);
+                let at = at.index(id.len());
+                let mut bytes = id.clone().into_bytes();
+                prop_assume!(bytes[at] != replacement);
+                bytes[at] = replacement;
+                let tampered = String::from_utf8(bytes).expect("ascii");
+                // The last character carries only 4 bits of the tag plus 2 padding bits that
+                // a lenient decoder could ignore: this one must not, and all must fail.
+                prop_assert_eq!(signer.decode(&tampered), None, "{} → {}", id, tampered);
+            }
+
+            #[test]
+            fn truncating_or_extending_is_rejected(lease in coordinates(), cut in 1usize..71) {
+                let signer = signer();
+                let id = signer.encode(&lease);
+                prop_assert_eq!(signer.decode(&id[..id.len() - cut.min(id.len())]), None);
+                prop_assert_eq!(signer.decode(&format!("{id}A")), None);
+            }
+        }
+    }
 }

@@ -46,7 +46,8 @@ pub const FETCH_WAIT: &str = "ruststream_fetch_wait_seconds";
 pub const FETCH_LATENCY: &str = "ruststream_fetch_latency_seconds";
 /// Fetches answered 200 with no message (counter).
 pub const FETCHES_EMPTY: &str = "ruststream_fetches_empty_total";
-/// Fetches refused, by `reason`: `at_capacity` (429) or `unavailable` (503) (counter).
+/// Fetches refused, by `reason`: `at_capacity` (429), `token_limit` (429, the token's
+/// waiting fetches) or `unavailable` (503) (counter).
 pub const FETCHES_REFUSED: &str = "ruststream_fetches_refused_total";
 /// 1 while the NATS connection is up, else 0 (gauge).
 pub const NATS_CONNECTED: &str = "ruststream_nats_connected";
@@ -187,6 +188,7 @@ pub struct Metrics {
     fetches_empty: IntCounter,
     fetches_refused_at_capacity: IntCounter,
     fetches_refused_unavailable: IntCounter,
+    fetches_refused_token_limit: IntCounter,
     nats_connected: IntGauge,
     nats_reconnects: IntCounter,
     max_ack_pending: IntGauge,
@@ -227,7 +229,7 @@ impl Metrics {
             .collect();
         let refused = reg.counter_vec(
             FETCHES_REFUSED,
-            "Fetches refused: at_capacity (429, max_ack_pending slots taken) or unavailable (503)",
+            "Fetches refused: at_capacity (429, max_ack_pending slots taken), token_limit (429, the token's waiting fetches) or unavailable (503)",
             &["reason"],
         );
         let dead_letters_skipped = reg.counter_vec(
@@ -287,6 +289,7 @@ impl Metrics {
             fetches_empty: reg.counter(FETCHES_EMPTY, "Fetches answered 200 with no message"),
             fetches_refused_at_capacity: refused.with_label_values(&["at_capacity"]),
             fetches_refused_unavailable: refused.with_label_values(&["unavailable"]),
+            fetches_refused_token_limit: refused.with_label_values(&["token_limit"]),
             nats_connected: reg.gauge(NATS_CONNECTED, "1 while the NATS connection is up, else 0"),
             nats_reconnects: reg.counter(
                 NATS_RECONNECTS,
@@ -377,6 +380,7 @@ impl Metrics {
         match err {
             Error::AtCapacity { .. } => self.fetches_refused_at_capacity.inc(),
             Error::Unavailable(_) => self.fetches_refused_unavailable.inc(),
+            Error::TooManyWaitingFetches { .. } => self.fetches_refused_token_limit.inc(),
             _ => {}
         }
     }

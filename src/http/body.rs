@@ -173,4 +173,85 @@ mod tests {
             Err(Error::Malformed { .. })
         ));
     }
+
+    mod properties {
+        use super::*;
+        use crate::http::dto::{
+            BatchAckBody, BatchNakBody, BatchTermBody, FetchBody, NakBody, PublishBody, TermBody,
+        };
+        use proptest::prelude::*;
+
+        /// Parse as every body type: each outcome is a value, 400 or 422 — never a panic,
+        /// never a server error.
+        fn parse_all(bytes: &[u8]) -> Result<(), TestCaseError> {
+            fn check<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<(), TestCaseError> {
+                match parse::<T>(bytes) {
+                    Ok(_) => Ok(()),
+                    Err(err @ (Error::Malformed { .. } | Error::Invalid { .. })) => {
+                        prop_assert!(err.status().is_client_error());
+                        Ok(())
+                    }
+                    Err(other) => Err(TestCaseError::fail(format!("unexpected {other:?}"))),
+                }
+            }
+            check::<FetchBody>(bytes)?;
+            check::<NakBody>(bytes)?;
+            check::<TermBody>(bytes)?;
+            check::<BatchAckBody>(bytes)?;
+            check::<BatchNakBody>(bytes)?;
+            check::<BatchTermBody>(bytes)?;
+            check::<PublishBody>(bytes)
+        }
+
+        /// JSON values whose keys are mostly the fields the bodies know, with values of any
+        /// type: reaches the field checks, not only the syntax errors.
+        fn json_value() -> impl Strategy<Value = serde_json::Value> {
+            let leaf = prop_oneof![
+                Just(serde_json::Value::Null),
+                any::<bool>().prop_map(serde_json::Value::from),
+                any::<i64>().prop_map(serde_json::Value::from),
+                any::<u64>().prop_map(serde_json::Value::from),
+                any::<f64>().prop_map(serde_json::Value::from),
+                ".{0,12}".prop_map(serde_json::Value::from),
+            ];
+            let key = prop_oneof![
+                proptest::sample::select(vec![
+                    "batch",
+                    "wait_ms",
+                    "max_bytes",
+                    "encoding",
+                    "delay_ms",
+                    "reason",
+                    "ids",
+                    "subject",
+                    "data",
+                    "headers",
+                ])
+                .prop_map(str::to_owned),
+                ".{0,8}",
+            ];
+            leaf.prop_recursive(3, 24, 6, move |inner| {
+                prop_oneof![
+                    proptest::collection::vec(inner.clone(), 0..6)
+                        .prop_map(serde_json::Value::from),
+                    proptest::collection::btree_map(key.clone(), inner, 0..6)
+                        .prop_map(|map| serde_json::Value::Object(map.into_iter().collect())),
+                ]
+            })
+        }
+
+        proptest! {
+            #[test]
+            fn arbitrary_bytes_are_a_value_or_a_client_error(
+                bytes in proptest::collection::vec(any::<u8>(), 0..256)
+            ) {
+                parse_all(&bytes)?;
+            }
+
+            #[test]
+            fn arbitrary_json_is_a_value_or_a_client_error(value in json_value()) {
+                parse_all(value.to_string().as_bytes())?;
+            }
+        }
+    }
 }

@@ -61,7 +61,12 @@ pub async fn fetch(
     // Held until the answer is built: counts this fetch against its token's share.
     let _waiting = match &principal {
         Some(Extension(Principal(token))) => {
-            Some(token.begin_fetch(gateway.config().max_waiting_fetches_per_token as usize)?)
+            let limit = gateway.config().max_waiting_fetches_per_token as usize;
+            Some(
+                token
+                    .begin_fetch(limit)
+                    .inspect_err(|err| gateway.metrics().fetch_refused(err))?,
+            )
         }
         None => None,
     };

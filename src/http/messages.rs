@@ -218,7 +218,7 @@ async fn settle_many(
             Err(err) => BatchResult {
                 id,
                 status: err.status().as_u16(),
-                detail: Some(err.to_string()),
+                detail: Some(err.public_detail()),
             },
         })
         .collect();

@@ -12,6 +12,9 @@ use crate::error::Error;
 
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
+/// What internal NATS subjects contain; no client-facing detail may show one.
+const INTERNAL_SUBJECT_MARKERS: [&str; 4] = ["$JS.", "$SYS.", "_INBOX.", "$KV."];
+
 /// An RFC 9457 problem details object.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 #[schema(example = json!({
@@ -103,13 +106,40 @@ impl Error {
         }
     }
 
+    /// The detail as a client may see it: any word naming an internal NATS subject (the
+    /// JetStream API, acks, inboxes, system events), which an error from the NATS client
+    /// could carry, is replaced. A safety net: the texts we write never name one.
+    pub fn public_detail(&self) -> String {
+        let detail = self.to_string();
+        if !INTERNAL_SUBJECT_MARKERS
+            .iter()
+            .any(|marker| detail.contains(marker))
+        {
+            return detail;
+        }
+        detail
+            .split(' ')
+            .map(|word| {
+                if INTERNAL_SUBJECT_MARKERS
+                    .iter()
+                    .any(|marker| word.contains(marker))
+                {
+                    "<internal subject>"
+                } else {
+                    word
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     pub fn problem(&self) -> Problem {
         let (slug, title) = self.slug_and_title();
         Problem {
             kind: format!("urn:ruststream-nats:problem:{slug}"),
             title: title.to_owned(),
             status: self.status().as_u16(),
-            detail: self.to_string(),
+            detail: self.public_detail(),
             instance: None,
             field: match self {
                 Self::Invalid { field, .. } => field.clone(),
@@ -168,5 +198,25 @@ pub async fn with_instance(request: Request, next: Next) -> Response {
             Response::from_parts(parts, Body::from(body))
         }
         None => Response::from_parts(parts, body),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn details_never_name_internal_subjects() {
+        let err = Error::Unavailable(
+            "asking for consumer info: request to $JS.API.CONSUMER.INFO.ORDERS.billing timed out (reply _INBOX.abc.1)".into(),
+        );
+        let detail = err.problem().detail;
+        assert!(
+            !detail.contains("$JS") && !detail.contains("_INBOX"),
+            "{detail}"
+        );
+        assert!(detail.starts_with("asking for consumer info:"), "{detail}");
+        let plain = Error::LeaseGone;
+        assert_eq!(plain.problem().detail, plain.to_string());
     }
 }

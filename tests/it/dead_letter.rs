@@ -250,3 +250,42 @@ async fn a_dead_letter_whose_message_is_gone_is_skipped_and_the_gateway_keeps_wo
         "the vanished message is counted:\n{metrics}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_lettering_survives_a_nats_restart() {
+    let (mut server, js, gateway) = setup(&[
+        "--consumer",
+        "reconnecting",
+        "--dead-letter-subject",
+        "DLQ.orders",
+    ])
+    .await;
+    js.create_stream(DLQ, &["DLQ.>"]).await;
+    server.restart().await;
+    let js = Js::connect(&server.url()).await;
+    js.publish("orders.after", "termed after the restart").await;
+    // Fetches answer 503 until the gateway has reconnected.
+    let message = wait_for(
+        "a delivery after the restart",
+        Duration::from_secs(15),
+        || async {
+            let reply = gateway
+                .fetch_reply(Some(&serde_json::json!({ "batch": 1, "wait_ms": 500 })))
+                .await;
+            if reply.status != 200 {
+                return None;
+            }
+            crate::support::gateway::parse_messages(&reply)
+                .into_iter()
+                .next()
+        },
+    )
+    .await;
+    assert_eq!(gateway.term(&message.id, Some("after restart")).await, 204);
+    wait_for(
+        "the message is dead-lettered through the renewed subscription",
+        Duration::from_secs(10),
+        || async { (dlq_count(&js).await == 1).then_some(()) },
+    )
+    .await;
+}

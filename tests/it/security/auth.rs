@@ -72,7 +72,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
     let anonymous = http_client();
 
     // Open: probes and the API description carry no token.
-    for path in ["/healthz", "/readyz", "/openapi.json"] {
+    for path in ["/healthz", "/readyz", "/openapi.json", "/docs/"] {
         assert_eq!(
             send(&anonymous, "GET", &url(path)).await.status,
             200,
@@ -213,7 +213,7 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
     let server = NatsServer::start().await;
     let js = Js::connect(&server.url()).await;
     js.create_stream(STREAM, &["orders.>"]).await;
-    let file = tokens_file("token-a fetch\ntoken-b fetch\n");
+    let file = tokens_file("token-a fetch\ntoken-b fetch\nadmin-token admin\n");
     let path = file.path().to_str().expect("utf8 path");
     let gateway = Gateway::ready(
         &server.url(),
@@ -266,4 +266,19 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
             .status,
         200
     );
+    // Operators see the refusal.
+    let metrics = Gateway::reply(
+        http_client_with_token("admin-token")
+            .get(gateway.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics"),
+    )
+    .await;
+    let refused = metrics
+        .text
+        .lines()
+        .find(|line| line.starts_with(r#"ruststream_fetches_refused_total{reason="token_limit"}"#))
+        .unwrap_or_else(|| panic!("no token_limit series:\n{}", metrics.text));
+    assert!(!refused.ends_with(" 0"), "{refused}");
 }

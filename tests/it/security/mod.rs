@@ -2,5 +2,7 @@
 //! authentication and TLS, and error bodies that reveal nothing internal.
 
 mod auth;
+mod errors;
 mod lease_ids;
 mod limits;
+mod nats_auth;

@@ -3,6 +3,7 @@
 
 pub mod gateway;
 pub mod nats;
+pub mod nats_secure;
 pub mod process;
 
 use std::future::Future;

@@ -1,0 +1,349 @@
+//! The gateway against nats-servers that demand authentication or TLS: user/password, token,
+//! nkey, creds (operator mode with JWTs built here), TLS with a CA and a client certificate
+//! (made here with rcgen). Each works end to end (publish, fetch, ack); each wrong secret
+//! keeps the gateway unready; no secret reaches the gateway's log.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use nkeys::KeyPair;
+use serde_json::{Value, json};
+
+use crate::support::gateway::Gateway;
+use crate::support::nats::free_port;
+use crate::support::nats_secure::{ConfiguredServer, quoted};
+use crate::support::{assert_stays, wait_until};
+
+/// Start a gateway (creating the stream) and drive publish → fetch → ack through it.
+async fn assert_gateway_works(url: &str, flags: &[&str]) {
+    let mut all = vec!["--consumer", "secure", "--create-stream"];
+    all.extend_from_slice(flags);
+    let gateway = Gateway::ready(url, &all).await;
+    let published = gateway
+        .post(
+            "/publish",
+            Some(&json!({ "subject": "orders.secure", "data": "hi" })),
+        )
+        .await;
+    assert_eq!(published.status, 201, "{}", published.text);
+    let leased = gateway.fetch_n(1, 5000).await;
+    assert_eq!(leased.len(), 1);
+    assert_eq!(gateway.ack(&leased[0].id).await, 204);
+}
+
+/// A gateway with these flags never becomes ready (the server refuses it).
+async fn assert_refused(url: &str, flags: &[&str]) {
+    let mut all = vec!["--consumer", "secure", "--create-stream"];
+    all.extend_from_slice(flags);
+    let gateway = Gateway::start(url, &all).await;
+    wait_until("/healthz answers", Duration::from_secs(5), || async {
+        gateway.healthz().await == 200
+    })
+    .await;
+    assert_stays("/readyz is 503", Duration::from_secs(2), || async {
+        gateway.readyz().await == 503
+    })
+    .await;
+}
+
+/// Run the gateway binary for a while with `env`, then return its log (debug level).
+async fn binary_log(url: &str, env: &[(&str, &str)]) -> String {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let log_path = dir.path().join("gateway.log");
+    let log = std::fs::File::create(&log_path).expect("log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ruststream-nats"))
+        .args(["--nats-url", url, "--consumer", "secure", "--create-stream"])
+        .args(["--listen", &format!("127.0.0.1:{}", free_port())])
+        .envs(env.iter().copied())
+        .env("RUST_LOG", "debug")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("spawn the gateway");
+    // Long enough for a few refused connection attempts to be logged.
+    wait_until("the refusal is logged", Duration::from_secs(10), || async {
+        std::fs::read_to_string(&log_path)
+            .unwrap_or_default()
+            .to_lowercase()
+            .contains("authorization")
+    })
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    std::fs::read_to_string(&log_path).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn user_and_password() {
+    let server =
+        ConfiguredServer::start("authorization { user: alice, password: \"pw-3f9a-secret\" }")
+            .await;
+    assert_gateway_works(
+        &server.url(),
+        &["--nats-user", "alice", "--nats-password", "pw-3f9a-secret"],
+    )
+    .await;
+    assert_refused(
+        &server.url(),
+        &["--nats-user", "alice", "--nats-password", "pw-wrong"],
+    )
+    .await;
+    assert_refused(&server.url(), &[]).await;
+    let log = binary_log(
+        &server.url(),
+        &[
+            ("NATS_USER", "alice"),
+            ("NATS_PASSWORD", "pw-wrong-7c1e-secret"),
+        ],
+    )
+    .await;
+    assert!(
+        !log.contains("pw-wrong-7c1e-secret"),
+        "the password is in the log:\n{log}"
+    );
+}
+
+#[tokio::test]
+async fn token() {
+    let server = ConfiguredServer::start("authorization { token: \"tok-51d0-secret\" }").await;
+    assert_gateway_works(&server.url(), &["--nats-token", "tok-51d0-secret"]).await;
+    assert_refused(&server.url(), &["--nats-token", "tok-wrong"]).await;
+    let log = binary_log(&server.url(), &[("NATS_TOKEN", "tok-wrong-88ab-secret")]).await;
+    assert!(
+        !log.contains("tok-wrong-88ab-secret"),
+        "the token is in the log:\n{log}"
+    );
+}
+
+#[tokio::test]
+async fn nkey_seed_file() {
+    let user = KeyPair::new_user();
+    let server = ConfiguredServer::start(&format!(
+        "authorization {{ users: [ {{ nkey: {} }} ] }}",
+        user.public_key()
+    ))
+    .await;
+    let files = ConfiguredServer::files();
+    let seed_path = files.path().join("user.nk");
+    let seed = user.seed().expect("seed");
+    std::fs::write(&seed_path, format!("{seed}\n")).expect("write seed");
+    assert_gateway_works(
+        &server.url(),
+        &["--nats-nkey", seed_path.to_str().expect("utf8")],
+    )
+    .await;
+
+    // Another user's seed is refused by the server; a file without a seed by the gateway.
+    let stranger = files.path().join("stranger.nk");
+    std::fs::write(&stranger, KeyPair::new_user().seed().expect("seed")).expect("write");
+    assert_refused(
+        &server.url(),
+        &["--nats-nkey", stranger.to_str().expect("utf8")],
+    )
+    .await;
+    let garbage = files.path().join("garbage.nk");
+    std::fs::write(&garbage, "SUnot-a-seed-but-secret-ish\n").expect("write");
+    let mut gateway = Gateway::start(
+        &server.url(),
+        &[
+            "--consumer",
+            "secure",
+            "--nats-nkey",
+            garbage.to_str().expect("utf8"),
+        ],
+    )
+    .await;
+    let err = format!("{:#}", gateway.exit_result().await.expect_err("refused"));
+    assert!(err.contains("no valid user seed"), "{err}");
+    assert!(
+        !err.contains("secret-ish"),
+        "the error shows the file's content: {err}"
+    );
+}
+
+/// A NATS JWT (v2): header and claims signed with the issuer's nkey.
+fn jwt(issuer: &KeyPair, subject: &str, name: &str, nats: Value) -> String {
+    let header = json!({ "typ": "JWT", "alg": "ed25519-nkey" });
+    let claims = json!({
+        "jti": format!("{:032X}", rand::random::<u128>()),
+        "iat": 1_700_000_000,
+        "iss": issuer.public_key(),
+        "name": name,
+        "sub": subject,
+        "nats": nats,
+    });
+    let signing_input = format!(
+        "{}.{}",
+        URL_SAFE_NO_PAD.encode(header.to_string()),
+        URL_SAFE_NO_PAD.encode(claims.to_string())
+    );
+    let signature = issuer.sign(signing_input.as_bytes()).expect("sign");
+    format!("{signing_input}.{}", URL_SAFE_NO_PAD.encode(signature))
+}
+
+#[tokio::test]
+async fn creds_file_in_operator_mode() {
+    let operator = KeyPair::new_operator();
+    let account = KeyPair::new_account();
+    let user = KeyPair::new_user();
+    let operator_jwt = jwt(
+        &operator,
+        &operator.public_key(),
+        "it-operator",
+        json!({ "type": "operator", "version": 2 }),
+    );
+    let unlimited = json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+        "wildcards": true, "conn": -1, "leaf": -1,
+        "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+    });
+    let account_jwt = jwt(
+        &operator,
+        &account.public_key(),
+        "it-account",
+        json!({ "limits": unlimited, "type": "account", "version": 2 }),
+    );
+    let user_jwt = jwt(
+        &account,
+        &user.public_key(),
+        "it-user",
+        json!({ "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2 }),
+    );
+    // JetStream needs a system account in operator mode.
+    let system = KeyPair::new_account();
+    let system_jwt = jwt(
+        &operator,
+        &system.public_key(),
+        "SYS",
+        json!({ "type": "account", "version": 2 }),
+    );
+    let server = ConfiguredServer::start(&format!(
+        "operator: {operator_jwt}\nsystem_account: {sys}\nresolver: MEMORY\n\
+         resolver_preload: {{ {sys}: {system_jwt}, {acc}: {account_jwt} }}",
+        sys = system.public_key(),
+        acc = account.public_key(),
+    ))
+    .await;
+    let files = ConfiguredServer::files();
+    let creds = files.path().join("user.creds");
+    std::fs::write(&creds, creds_file(&user_jwt, &user.seed().expect("seed"))).expect("write");
+    assert_gateway_works(
+        &server.url(),
+        &["--nats-creds", creds.to_str().expect("utf8")],
+    )
+    .await;
+
+    // A user signed by an account the server does not know is refused.
+    let rogue_account = KeyPair::new_account();
+    let rogue_jwt = jwt(
+        &rogue_account,
+        &user.public_key(),
+        "rogue",
+        json!({ "pub": {}, "sub": {}, "type": "user", "version": 2 }),
+    );
+    let rogue = files.path().join("rogue.creds");
+    std::fs::write(&rogue, creds_file(&rogue_jwt, &user.seed().expect("seed"))).expect("write");
+    assert_refused(
+        &server.url(),
+        &["--nats-creds", rogue.to_str().expect("utf8")],
+    )
+    .await;
+}
+
+fn creds_file(jwt: &str, seed: &str) -> String {
+    format!(
+        "-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n\
+         -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+    )
+}
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files.
+struct Pki {
+    _dir: tempfile::TempDir,
+    ca: String,
+    server_cert: String,
+    server_key: String,
+    client_cert: String,
+    client_key: String,
+}
+
+fn make_pki() -> Pki {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa,
+        KeyPair as CertKey,
+    };
+    let dir = ConfiguredServer::files();
+    let write = |name: &str, text: String| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write pem");
+        path.to_str().expect("utf8").to_owned()
+    };
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca =
+        CertifiedIssuer::self_signed(ca_params, CertKey::generate().expect("key")).expect("ca");
+    let leaf = |names: Vec<String>, purpose: ExtendedKeyUsagePurpose| {
+        let key = CertKey::generate().expect("key");
+        let mut params = CertificateParams::new(names).expect("params");
+        params.extended_key_usages = vec![purpose];
+        let cert = params.signed_by(&key, &ca).expect("sign");
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(
+        vec!["127.0.0.1".into(), "localhost".into()],
+        ExtendedKeyUsagePurpose::ServerAuth,
+    );
+    let (client_cert, client_key) = leaf(
+        vec!["gateway.test".into()],
+        ExtendedKeyUsagePurpose::ClientAuth,
+    );
+    Pki {
+        ca: write("ca.pem", ca.pem()),
+        server_cert: write("server.pem", server_cert),
+        server_key: write("server-key.pem", server_key),
+        client_cert: write("client.pem", client_cert),
+        client_key: write("client-key.pem", client_key),
+        _dir: dir,
+    }
+}
+
+#[tokio::test]
+async fn tls_with_ca_and_client_certificate() {
+    let pki = make_pki();
+    let server = ConfiguredServer::start(&format!(
+        "tls {{ cert_file: {}, key_file: {}, ca_file: {}, verify: true, timeout: 2 }}",
+        quoted(Path::new(&pki.server_cert)),
+        quoted(Path::new(&pki.server_key)),
+        quoted(Path::new(&pki.ca)),
+    ))
+    .await;
+    let tls = [
+        "--nats-tls-ca",
+        pki.ca.as_str(),
+        "--nats-tls-cert",
+        pki.client_cert.as_str(),
+        "--nats-tls-key",
+        pki.client_key.as_str(),
+    ];
+    assert_gateway_works(&server.url(), &tls).await;
+    // Without a client certificate the server (verify: true) refuses the handshake.
+    assert_refused(&server.url(), &tls[..2]).await;
+    // A CA that did not sign the server's certificate: the gateway refuses the server.
+    let other = make_pki();
+    assert_refused(
+        &server.url(),
+        &[
+            "--nats-tls-ca",
+            other.ca.as_str(),
+            "--nats-tls-cert",
+            pki.client_cert.as_str(),
+            "--nats-tls-key",
+            pki.client_key.as_str(),
+        ],
+    )
+    .await;
+}

@@ -1,0 +1,915 @@
+//! The ledger test (anchor: Jepsen's NATS queue workload). Publish K messages with unique ids,
+//! run W HTTP workers against the gateway (a child process, so it can be killed -9) with mixed
+//! behaviour — mostly ack, some batch-ack, some nak with a delay, some term with a recorded
+//! reason, some abandon the lease and let it expire — inject one kind of fault per run, and
+//! keep a ledger of every delivery and every settle answer.
+//!
+//! Per run it prints K, acked, termed, lost, duplicates, redeliveries and the time to recover
+//! after each fault, and asserts:
+//! - **lost = 0**: every id ended acked or termed on purpose, and the server holds nothing
+//!   pending or unacknowledged. An ack whose answer a fault swallowed (gateway killed, client
+//!   gone) counts as acked once the message never comes back.
+//! - **duplicates** (a message handed out again after its ack or term got 2xx) are 0 in the
+//!   runs without a server or gateway fault; in the others they are counted and reported.
+//!   Every server runs with `jetstream { sync_interval: always }`, so what it confirmed is on
+//!   disk before the confirmation: a confirmed ack survives kill -9 (NATS-FACTS: by default
+//!   file storage fsyncs every 2 minutes, and Jepsen lost acknowledged writes that way).
+//! - **recovery**: after each fault is healed, a fetch answers 200 again within 20 s.
+//! - **dead letters**: the gateway runs with `--dead-letter-subject`; in the runs without a
+//!   server or gateway fault, the dead-letter stream holds exactly the termed ids, once each,
+//!   with the reasons the ledger recorded.
+
+// The integration suite's fixtures, shared by path (as examples/bench.rs does); they name
+// each other as `crate::support::…`.
+#[path = "../it/support/cluster.rs"]
+mod cluster;
+#[path = "../it/support/nats.rs"]
+#[allow(dead_code)]
+mod nats;
+#[path = "../it/support/process.rs"]
+#[allow(dead_code)]
+mod process;
+mod support {
+    pub(crate) use super::{cluster, nats, process};
+}
+
+use std::collections::{HashMap, HashSet};
+use std::io::Write as _;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use support::cluster::Cluster;
+use support::process::GatewayProcess;
+
+const STREAM: &str = "LEDGER";
+const CONSUMER: &str = "ledger";
+/// Termed messages are dead-lettered here; the ledger checks them against its terms.
+const DLQ_STREAM: &str = "LEDGER_DLQ";
+const DLQ_SUBJECT: &str = "dlq.ledger";
+/// Messages per run.
+const K: usize = 300;
+/// HTTP workers per run.
+const W: usize = 8;
+/// The consumer's ack_wait: short, so abandoned leases come back quickly.
+const ACK_WAIT: &str = "2s";
+/// A fetch must answer 200 again within this long after a fault is healed.
+const RECOVERY_BOUND: Duration = Duration::from_secs(20);
+/// The longest one run may take before it is declared stuck.
+const RUN_DEADLINE: Duration = Duration::from_secs(90);
+
+/// Runs share two cores: one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Acked,
+    Termed,
+}
+
+#[derive(Default)]
+struct Ledger {
+    /// Confirmed (2xx) settles that end a message, by id.
+    settled: HashMap<String, Outcome>,
+    /// The reason each term was sent with (whatever its answer: a term whose answer was lost
+    /// may have landed and been dead-lettered).
+    term_reasons: HashMap<String, String>,
+    /// Ids with an ack sent whose answer never came (fault, vanished client, 504).
+    ack_unconfirmed: HashSet<String>,
+    deliveries: u64,
+    redeliveries: u64,
+    /// Every `(id, delivered)` seen, for the diagnosis of a lost id.
+    seen: HashMap<String, Vec<u64>>,
+    /// `(id, delivered)` of deliveries after the id's ack or term got 2xx.
+    duplicates: Vec<(String, u64)>,
+}
+
+type Shared = Arc<Mutex<Ledger>>;
+
+fn lock(ledger: &Shared) -> std::sync::MutexGuard<'_, Ledger> {
+    ledger
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A leased message, as much of it as the ledger needs.
+#[derive(Debug, Clone)]
+struct Lease {
+    id: String,
+    ledger_id: String,
+    delivered: u64,
+}
+
+fn record_delivery(ledger: &Shared, message: &Value) -> Option<Lease> {
+    let lease = Lease {
+        id: message["id"].as_str()?.to_owned(),
+        ledger_id: message["data"].as_str()?.to_owned(),
+        delivered: message["delivered"].as_u64()?,
+    };
+    let mut ledger = lock(ledger);
+    ledger.deliveries += 1;
+    ledger
+        .seen
+        .entry(lease.ledger_id.clone())
+        .or_default()
+        .push(lease.delivered);
+    if lease.delivered > 1 {
+        ledger.redeliveries += 1;
+    }
+    if ledger.settled.contains_key(&lease.ledger_id) {
+        ledger
+            .duplicates
+            .push((lease.ledger_id.clone(), lease.delivered));
+    }
+    Some(lease)
+}
+
+/// A settle of `lease` got 2xx. The first confirmed outcome of an id stands (a duplicate
+/// delivery settled again does not change what happened to the message).
+fn confirm(ledger: &Shared, lease: &Lease, outcome: Outcome) {
+    lock(ledger)
+        .settled
+        .entry(lease.ledger_id.clone())
+        .or_insert(outcome);
+}
+
+/// What a worker does with one delivery: a fixed function of id and delivery count, so runs
+/// are comparable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Behaviour {
+    Ack,
+    BatchAck,
+    NakWithDelay,
+    Term,
+    Abandon,
+}
+
+fn behaviour(lease: &Lease) -> Behaviour {
+    let n: u64 = lease
+        .ledger_id
+        .trim_start_matches("id-")
+        .parse()
+        .unwrap_or(0);
+    let roll = (n.wrapping_mul(2_654_435_761) ^ lease.delivered.wrapping_mul(40_503)) % 100;
+    if lease.delivered > 2 {
+        // Converge: later deliveries are acked.
+        return if roll < 50 {
+            Behaviour::BatchAck
+        } else {
+            Behaviour::Ack
+        };
+    }
+    match roll {
+        0..5 => Behaviour::Abandon,
+        5..13 => Behaviour::NakWithDelay,
+        13..18 if lease.delivered == 1 => Behaviour::Term,
+        13..45 => Behaviour::BatchAck,
+        _ => Behaviour::Ack,
+    }
+}
+
+fn http_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(15))
+        .build()
+        .expect("reqwest client")
+}
+
+/// Send an ack (single) and record the answer; retry a 504 (the lease stays valid).
+async fn ack(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease) {
+    ack_after(http, base, ledger, lease, false).await;
+}
+
+/// `unanswered`: an earlier attempt of this ack got no definite answer (504, or a batch that
+/// failed), so it may have landed at the server however the retries end.
+async fn ack_after(
+    http: &reqwest::Client,
+    base: &str,
+    ledger: &Shared,
+    lease: &Lease,
+    mut unanswered: bool,
+) {
+    for _ in 0..3 {
+        let answer = http
+            .post(format!("{base}/messages/{}/ack", lease.id))
+            .send()
+            .await;
+        match answer.map(|response| response.status().as_u16()) {
+            Ok(204) => {
+                confirm(ledger, lease, Outcome::Acked);
+                return;
+            }
+            Ok(504) => unanswered = true,
+            // Expired or superseded (410), from a gateway since restarted (404): it comes back,
+            // unless an unanswered earlier attempt landed after all.
+            Ok(404 | 409 | 410) => break,
+            // 503 or no answer: the ack may or may not have reached the server.
+            _ => {
+                unanswered = true;
+                break;
+            }
+        }
+    }
+    if unanswered {
+        lock(ledger).ack_unconfirmed.insert(lease.ledger_id.clone());
+    }
+}
+
+async fn batch_ack(http: &reqwest::Client, base: &str, ledger: &Shared, leases: &[Lease]) {
+    if leases.is_empty() {
+        return;
+    }
+    let ids: Vec<&str> = leases.iter().map(|lease| lease.id.as_str()).collect();
+    let answer = http
+        .post(format!("{base}/messages/ack"))
+        .json(&json!({ "ids": ids }))
+        .send()
+        .await;
+    let results = match answer {
+        Ok(response) if response.status().as_u16() == 200 => response
+            .json::<Value>()
+            .await
+            .ok()
+            .and_then(|body| body["results"].as_array().cloned()),
+        _ => None,
+    };
+    let Some(results) = results else {
+        let mut ledger = lock(ledger);
+        for lease in leases {
+            ledger.ack_unconfirmed.insert(lease.ledger_id.clone());
+        }
+        return;
+    };
+    for (lease, result) in leases.iter().zip(results) {
+        match result["status"].as_u64() {
+            Some(204) => confirm(ledger, lease, Outcome::Acked),
+            Some(404 | 409 | 410) => {}
+            // 504 in a batch: retry it alone.
+            _ => ack_after(http, base, ledger, lease, true).await,
+        }
+    }
+}
+
+async fn term(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease) {
+    let reason = format!("ledger: {} rejected on purpose", lease.ledger_id);
+    lock(ledger)
+        .term_reasons
+        .insert(lease.ledger_id.clone(), reason.clone());
+    let answer = http
+        .post(format!("{base}/messages/{}/term", lease.id))
+        .json(&json!({ "reason": reason }))
+        .send()
+        .await;
+    if answer.is_ok_and(|response| response.status().as_u16() == 204) {
+        confirm(ledger, lease, Outcome::Termed);
+    } else {
+        // Not confirmed: the message comes back, and is then acked or termed again. A term
+        // that did land counts as unconfirmed-but-settled, like an ack.
+        lock(ledger).ack_unconfirmed.insert(lease.ledger_id.clone());
+    }
+}
+
+async fn worker(base: String, ledger: Shared, stop: CancellationToken) {
+    let http = http_client();
+    while !stop.is_cancelled() {
+        let answer = http
+            .post(format!("{base}/fetch"))
+            .json(&json!({ "batch": 5, "wait_ms": 500, "encoding": "utf8" }))
+            .send()
+            .await;
+        let body = match answer {
+            Ok(response) if response.status().as_u16() == 200 => {
+                response.json::<Value>().await.ok()
+            }
+            _ => None,
+        };
+        let Some(body) = body else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let leases: Vec<Lease> = body["messages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|message| record_delivery(&ledger, message))
+            .collect();
+        let mut batch = Vec::new();
+        for lease in leases {
+            match behaviour(&lease) {
+                Behaviour::Ack => ack(&http, &base, &ledger, &lease).await,
+                Behaviour::BatchAck => batch.push(lease),
+                Behaviour::NakWithDelay => {
+                    let _ = http
+                        .post(format!("{base}/messages/{}/nak", lease.id))
+                        .json(&json!({ "delay_ms": 300 }))
+                        .send()
+                        .await;
+                }
+                Behaviour::Term => term(&http, &base, &ledger, &lease).await,
+                Behaviour::Abandon => {}
+            }
+        }
+        batch_ack(&http, &base, &ledger, &batch).await;
+    }
+}
+
+/// Clients that vanish: a long poll dropped mid-wait, and an ack dropped mid-flight.
+async fn vanishing_client(base: String, ledger: Shared, stop: CancellationToken, round: u64) {
+    let http = http_client();
+    let mut round = round;
+    while !stop.is_cancelled() {
+        round += 1;
+        // Mid-fetch: gone after 50–350 ms of a 2 s long poll.
+        let patience = Duration::from_millis(50 + (round * 70) % 300);
+        let fetched = http
+            .post(format!("{base}/fetch"))
+            .json(&json!({ "batch": 3, "wait_ms": 2000, "encoding": "utf8" }))
+            .timeout(patience)
+            .send()
+            .await;
+        if let Ok(response) = fetched
+            && let Ok(body) = response.json::<Value>().await
+        {
+            // Answered before it left: those are real leases, abandoned.
+            for message in body["messages"].as_array().into_iter().flatten() {
+                record_delivery(&ledger, message);
+            }
+        }
+        // Mid-settle: fetch normally, then send acks and hang up before the answer.
+        let fetched = http
+            .post(format!("{base}/fetch"))
+            .json(&json!({ "batch": 2, "wait_ms": 200, "encoding": "utf8" }))
+            .send()
+            .await;
+        let Ok(response) = fetched else { continue };
+        let Ok(body) = response.json::<Value>().await else {
+            continue;
+        };
+        for message in body["messages"].as_array().into_iter().flatten() {
+            let Some(lease) = record_delivery(&ledger, message) else {
+                continue;
+            };
+            lock(&ledger)
+                .ack_unconfirmed
+                .insert(lease.ledger_id.clone());
+            let _ = http
+                .post(format!("{base}/messages/{}/ack", lease.id))
+                .timeout(Duration::from_millis(1))
+                .send()
+                .await;
+        }
+    }
+}
+
+/// A fault injected during a run, and how long after it was healed a fetch answered 200.
+struct Fault {
+    name: &'static str,
+    recovered: tokio::task::JoinHandle<Option<Duration>>,
+}
+
+impl Fault {
+    /// Start probing right after the heal: `POST /fetch` (wait 0) every 50 ms until one
+    /// answers 200; a message it leases is nak'd back at once.
+    fn healed(name: &'static str, base: &str) -> Self {
+        let base = base.to_owned();
+        let recovered = tokio::spawn(async move {
+            let healed_at = Instant::now();
+            let http = http_client();
+            while healed_at.elapsed() < RECOVERY_BOUND + Duration::from_secs(5) {
+                let answer = http
+                    .post(format!("{base}/fetch"))
+                    .json(&json!({ "batch": 1, "wait_ms": 0 }))
+                    .timeout(Duration::from_secs(2))
+                    .send()
+                    .await;
+                if let Ok(response) = answer
+                    && response.status().as_u16() == 200
+                {
+                    let took = healed_at.elapsed();
+                    if let Ok(body) = response.json::<Value>().await {
+                        for message in body["messages"].as_array().into_iter().flatten() {
+                            if let Some(id) = message["id"].as_str() {
+                                let _ = http.post(format!("{base}/messages/{id}/nak")).send().await;
+                            }
+                        }
+                    }
+                    return Some(took);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            None
+        });
+        Self { name, recovered }
+    }
+}
+
+/// What a run ended with.
+struct Report {
+    scenario: &'static str,
+    acked: usize,
+    acked_unconfirmed: usize,
+    termed: usize,
+    lost: Vec<String>,
+    /// Termed ids without a recorded reason (must be 0: every term is on purpose).
+    terms_without_reason: usize,
+    /// Dead letters stored, and how many of them disagree with the ledger's terms (an id
+    /// not termed with a 2xx, a missing one, a different reason, a second copy).
+    dead_lettered: usize,
+    dead_letter_mismatches: Vec<String>,
+    duplicates: Vec<(String, u64)>,
+    redeliveries: u64,
+    recoveries: Vec<(&'static str, Option<Duration>)>,
+    took: Duration,
+}
+
+impl Report {
+    fn row(&self) -> String {
+        let recoveries = if self.recoveries.is_empty() {
+            "–".to_owned()
+        } else {
+            self.recoveries
+                .iter()
+                .map(|(name, took)| match took {
+                    Some(took) => format!("{name} {:.1}s", took.as_secs_f64()),
+                    None => format!("{name} NOT RECOVERED"),
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        format!(
+            "| {:<28} | {:>3} | {:>5} ({:>2} unconfirmed) | {:>6} | {:>3} ({} differ) | {:>4} | {:>10} | {:>12} | {} | {:.0}s |",
+            self.scenario,
+            K,
+            self.acked + self.acked_unconfirmed,
+            self.acked_unconfirmed,
+            self.termed,
+            self.dead_lettered,
+            self.dead_letter_mismatches.len(),
+            self.lost.len(),
+            self.duplicates.len(),
+            self.redeliveries,
+            recoveries,
+            self.took.as_secs_f64()
+        )
+    }
+}
+
+const HEADER: &str = "| scenario                     |   K | acked (of which unconfirmed) | termed | dead-lettered | lost | duplicates | redeliveries | recovery after fault | run |\n|---|---|---|---|---|---|---|---|---|---|";
+
+/// Print past the test harness' capture, so CI logs show the table.
+fn print_table(title: &str, reports: &[Report]) {
+    let mut text = format!("\n==== ledger: {title} ====\n{HEADER}\n");
+    for report in reports {
+        text.push_str(&report.row());
+        text.push('\n');
+    }
+    let _ = std::io::stderr().write_all(text.as_bytes());
+}
+
+/// Connect and create the work stream and the dead-letter stream (retrying while a fresh
+/// cluster elects its meta leader).
+async fn create_streams(urls: &str, replicas: usize) -> jetstream::Context {
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect(urls.split(',').collect::<Vec<_>>().as_slice())
+        .await
+        .expect("connect the test client");
+    let js = jetstream::new(client);
+    for (name, subject) in [(STREAM, "ledger.>"), (DLQ_STREAM, DLQ_SUBJECT)] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let created = js
+                .create_stream(stream::Config {
+                    name: name.to_owned(),
+                    subjects: vec![subject.to_owned()],
+                    num_replicas: replicas,
+                    ..Default::default()
+                })
+                .await;
+            match created {
+                Ok(_) => break,
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Err(err) => panic!("create stream {name}: {err}"),
+            }
+        }
+    }
+    js
+}
+
+/// The dead letters stored: ledger id → term reason header.
+async fn dead_letters(js: &jetstream::Context) -> Option<HashMap<String, String>> {
+    let mut stream = js.get_stream(DLQ_STREAM).await.ok()?;
+    let last = stream.info().await.ok()?.state.last_sequence;
+    let mut letters = HashMap::new();
+    for sequence in 1..=last {
+        let Ok(letter) = stream.get_raw_message(sequence).await else {
+            continue;
+        };
+        let id = String::from_utf8_lossy(&letter.payload).into_owned();
+        let reason = letter
+            .headers
+            .get("Ruststream-Dead-Letter-Term-Reason")
+            .map(|value| value.as_str().to_owned())
+            .unwrap_or_default();
+        // A second copy of one id would be a failed dedup: keep it visible.
+        if letters.insert(id.clone(), reason).is_some() {
+            letters.insert(format!("{id} (again)"), String::new());
+        }
+    }
+    Some(letters)
+}
+
+async fn publish_all(js: &jetstream::Context) -> Vec<String> {
+    let ids: Vec<String> = (0..K).map(|n| format!("id-{n}")).collect();
+    let mut acks = Vec::with_capacity(K);
+    for id in &ids {
+        acks.push(
+            js.publish("ledger.work", id.clone().into())
+                .await
+                .expect("publish"),
+        );
+    }
+    for ack in acks {
+        ack.await.expect("the stream stored the message");
+    }
+    ids
+}
+
+/// The consumer's `(num_pending, num_ack_pending)`, if the cluster answers.
+async fn server_backlog(js: &jetstream::Context) -> Option<(u64, usize)> {
+    let mut stream = tokio::time::timeout(Duration::from_secs(2), js.get_stream(STREAM))
+        .await
+        .ok()?
+        .ok()?;
+    let info = tokio::time::timeout(Duration::from_secs(2), stream.consumer_info(CONSUMER))
+        .await
+        .ok()?
+        .ok()?;
+    let _ = &mut stream;
+    Some((info.num_pending, info.num_ack_pending))
+}
+
+/// The name of the server leading the consumer.
+async fn consumer_leader(js: &jetstream::Context) -> Option<String> {
+    let stream = js.get_stream(STREAM).await.ok()?;
+    let info = stream.consumer_info(CONSUMER).await.ok()?;
+    info.cluster.and_then(|cluster| cluster.leader)
+}
+
+/// What a run injects.
+enum Scenario {
+    NoFault,
+    KillNatsServer,
+    KillGateway,
+    VanishingClients,
+    ClusterFaults,
+}
+
+impl Scenario {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::NoFault => "no fault",
+            Self::KillNatsServer => "nats-server kill -9",
+            Self::KillGateway => "gateway kill -9",
+            Self::VanishingClients => "clients vanish mid-fetch/ack",
+            Self::ClusterFaults => "3-node cluster: leader/pause",
+        }
+    }
+}
+
+async fn run(scenario: Scenario) -> Report {
+    let started = Instant::now();
+    let replicas = if matches!(scenario, Scenario::ClusterFaults) {
+        3
+    } else {
+        1
+    };
+    let mut cluster = Cluster::start(replicas).await;
+    let urls = cluster.urls();
+    let js = create_streams(&urls, replicas).await;
+    let ids = publish_all(&js).await;
+    let mut gateway = GatewayProcess::start(
+        &urls,
+        &[
+            "--stream",
+            STREAM,
+            "--consumer",
+            CONSUMER,
+            "--ack-wait",
+            ACK_WAIT,
+            "--settle-timeout",
+            "2s",
+            "--shutdown-grace",
+            "1s",
+            "--dead-letter-subject",
+            DLQ_SUBJECT,
+        ],
+    )
+    .await;
+    let base = gateway.url("");
+    let ledger: Shared = Arc::default();
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for _ in 0..W {
+        tasks.push(tokio::spawn(worker(
+            base.clone(),
+            ledger.clone(),
+            stop.clone(),
+        )));
+    }
+    if matches!(scenario, Scenario::VanishingClients) {
+        for round in 0..2 {
+            tasks.push(tokio::spawn(vanishing_client(
+                base.clone(),
+                ledger.clone(),
+                stop.clone(),
+                round,
+            )));
+        }
+    }
+    let settled = |ledger: &Shared| lock(ledger).settled.len();
+    let wait_for_settled = |fraction: usize| {
+        let ledger = ledger.clone();
+        async move {
+            let deadline = Instant::now() + RUN_DEADLINE;
+            while settled(&ledger) < K * fraction / 100 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+
+    let mut faults = Vec::new();
+    match scenario {
+        Scenario::NoFault | Scenario::VanishingClients => {}
+        Scenario::KillNatsServer => {
+            wait_for_settled(30).await;
+            cluster.nodes[0].kill9();
+            // Down for a second (pacing: the outage itself is the fault).
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            cluster.nodes[0].restart().await;
+            faults.push(Fault::healed("restart", &base));
+        }
+        Scenario::KillGateway => {
+            wait_for_settled(30).await;
+            gateway.kill9();
+            // Measured from the restart of the process, its start-up included.
+            let probe = Fault::healed("restart", &base);
+            gateway.restart().await;
+            faults.push(probe);
+        }
+        Scenario::ClusterFaults => {
+            wait_for_settled(15).await;
+            let leader = consumer_leader(&js)
+                .await
+                .expect("the consumer has a leader");
+            cluster.node(&leader).kill9();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            cluster.node(&leader).restart().await;
+            faults.push(Fault::healed("leader kill", &base));
+            wait_for_settled(45).await;
+            // Pause a node for 3 s: a hung server, sockets open, nothing answered.
+            let paused = cluster
+                .nodes
+                .iter()
+                .position(|node| node.name != leader)
+                .expect("another node");
+            cluster.nodes[paused].pause();
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            cluster.nodes[paused].resume();
+            faults.push(Fault::healed("pause 3s", &base));
+        }
+    }
+
+    // Run until every id is settled, or nothing is left anywhere (an ack that landed without
+    // its answer never comes back), and at least 2 ack_waits after the last fault healed.
+    let last_heal = Instant::now();
+    let deadline = Instant::now() + RUN_DEADLINE;
+    let mut quiet_since: Option<Instant> = None;
+    loop {
+        let all_settled = settled(&ledger) == K;
+        let quiet = !all_settled
+            && last_heal.elapsed() >= Duration::from_secs(4)
+            && server_backlog(&js).await == Some((0, 0));
+        quiet_since = if quiet {
+            quiet_since.or(Some(Instant::now()))
+        } else {
+            None
+        };
+        if all_settled || quiet_since.is_some_and(|at| at.elapsed() >= Duration::from_secs(3)) {
+            break;
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.cancel();
+    for task in tasks {
+        let _ = task.await;
+    }
+    let backlog = server_backlog(&js).await;
+    let mut recoveries = Vec::new();
+    for fault in faults {
+        recoveries.push((fault.name, fault.recovered.await.ok().flatten()));
+    }
+    // The workers have stopped: take the ledger out to read it.
+    let ledger = std::mem::take(&mut *lock(&ledger));
+    // Dead letters arrive shortly after the term: wait (bounded) until as many as terms.
+    let termed: Vec<&String> = ledger
+        .settled
+        .iter()
+        .filter(|(_, outcome)| **outcome == Outcome::Termed)
+        .map(|(id, _)| id)
+        .collect();
+    let termed_ids = termed.len();
+    let dead_deadline = Instant::now() + Duration::from_secs(10);
+    let letters = loop {
+        let letters = dead_letters(&js).await.unwrap_or_default();
+        if letters.len() >= termed_ids || Instant::now() >= dead_deadline {
+            break letters;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut dead_letter_mismatches: Vec<String> = letters
+        .iter()
+        .filter(|(id, reason)| ledger.term_reasons.get(*id) != Some(*reason))
+        .map(|(id, reason)| {
+            format!(
+                "{id}: dead-lettered with {reason:?}, ledger {:?}",
+                ledger.term_reasons.get(id)
+            )
+        })
+        .collect();
+    dead_letter_mismatches.extend(
+        termed
+            .iter()
+            .filter(|id| !letters.contains_key(**id))
+            .map(|id| format!("{id}: termed (204), not dead-lettered")),
+    );
+    let acked = ledger
+        .settled
+        .values()
+        .filter(|outcome| **outcome == Outcome::Acked)
+        .count();
+    let termed = ledger.settled.len() - acked;
+    // Not settled with a 2xx: fine only if an ack (or term) was sent and the server holds
+    // nothing (the settle landed, its answer was lost).
+    let unsettled: Vec<&String> = ids
+        .iter()
+        .filter(|id| !ledger.settled.contains_key(*id))
+        .collect();
+    let server_empty = backlog == Some((0, 0));
+    let lost: Vec<String> = unsettled
+        .iter()
+        .filter(|id| !server_empty || !ledger.ack_unconfirmed.contains(**id))
+        .map(|id| (*id).clone())
+        .collect();
+    let terms_without_reason = ledger
+        .settled
+        .iter()
+        .filter(|(id, outcome)| {
+            **outcome == Outcome::Termed && !ledger.term_reasons.contains_key(*id)
+        })
+        .count();
+    if !lost.is_empty() {
+        let stream = js.get_stream(STREAM).await.ok();
+        for id in &lost {
+            let sequence = id.trim_start_matches("id-").parse::<u64>().unwrap_or(0) + 1;
+            let stored = match &stream {
+                Some(stream) => stream.get_raw_message(sequence).await.is_ok(),
+                None => false,
+            };
+            let seen = ledger.seen.get(id).cloned().unwrap_or_default();
+            let behaviours: Vec<String> = seen
+                .iter()
+                .map(|delivered| {
+                    let lease = Lease {
+                        id: String::new(),
+                        ledger_id: id.clone(),
+                        delivered: *delivered,
+                    };
+                    format!("{delivered}:{:?}", behaviour(&lease))
+                })
+                .collect();
+            eprintln!(
+                "lost {id} (stream seq {sequence}, in stream: {stored}): deliveries {behaviours:?}"
+            );
+        }
+        let info = match &stream {
+            Some(stream) => stream
+                .consumer_info(CONSUMER)
+                .await
+                .ok()
+                .map(|info| format!("{info:?}")),
+            None => None,
+        };
+        eprintln!(
+            "{}: server backlog (num_pending, num_ack_pending) {backlog:?}; consumer {info:?}; gateway log (warnings):\n{}",
+            scenario.name(),
+            gateway
+                .log()
+                .lines()
+                .filter(|line| line.contains("WARN") || line.contains("ERROR"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+    Report {
+        scenario: scenario.name(),
+        acked,
+        acked_unconfirmed: unsettled.len() - lost.len(),
+        termed,
+        lost,
+        terms_without_reason,
+        dead_lettered: letters.len(),
+        dead_letter_mismatches,
+        duplicates: ledger.duplicates.clone(),
+        redeliveries: ledger.redeliveries,
+        recoveries,
+        took: started.elapsed(),
+    }
+}
+
+/// `faulty`: a server or gateway was killed during the run; then duplicates are reported, not
+/// failed, and so are dead-letter differences (an advisory published while no gateway was
+/// connected is missed, a term whose answer was lost is dead-lettered but not in the ledger).
+fn check(report: &Report, faulty: bool) -> Vec<String> {
+    let duplicates_allowed = faulty;
+    let mut failures = Vec::new();
+    if !faulty && !report.dead_letter_mismatches.is_empty() {
+        failures.push(format!(
+            "{}: dead letters differ from the ledger's terms: {:?}",
+            report.scenario, report.dead_letter_mismatches
+        ));
+    }
+    if !report.lost.is_empty() {
+        failures.push(format!(
+            "{}: lost {} ids, e.g. {:?}",
+            report.scenario,
+            report.lost.len(),
+            &report.lost[..report.lost.len().min(10)]
+        ));
+    }
+    if report.terms_without_reason > 0 {
+        failures.push(format!(
+            "{}: {} ids termed without a recorded reason",
+            report.scenario, report.terms_without_reason
+        ));
+    }
+    if !duplicates_allowed && !report.duplicates.is_empty() {
+        failures.push(format!(
+            "{}: {} messages handed out again after a confirmed ack/term: {:?}",
+            report.scenario,
+            report.duplicates.len(),
+            &report.duplicates[..report.duplicates.len().min(10)]
+        ));
+    }
+    for (fault, recovered) in &report.recoveries {
+        match recovered {
+            Some(took) if *took <= RECOVERY_BOUND => {}
+            other => failures.push(format!(
+                "{}: no fetch answered 200 within {RECOVERY_BOUND:?} after {fault}: {other:?}",
+                report.scenario
+            )),
+        }
+    }
+    failures
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_single_node_faults() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let mut reports = Vec::new();
+    let mut failures = Vec::new();
+    for (scenario, duplicates_allowed) in [
+        (Scenario::NoFault, false),
+        (Scenario::VanishingClients, false),
+        (Scenario::KillNatsServer, true),
+        (Scenario::KillGateway, true),
+    ] {
+        let report = run(scenario).await;
+        failures.extend(check(&report, duplicates_allowed));
+        reports.push(report);
+    }
+    print_table("single nats-server (sync_interval: always)", &reports);
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_cluster_faults() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let report = run(Scenario::ClusterFaults).await;
+    let failures = check(&report, true);
+    print_table(
+        "3-node cluster, stream R3 (sync_interval: always)",
+        &[report],
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+}
