@@ -125,33 +125,38 @@ pub struct Tokens {
 }
 
 impl Tokens {
-    /// Parse entries: `<token> <scope>[,<scope>…]` per line (`;` also separates entries),
-    /// blank lines and `#` comments ignored. Errors name the entry by `source:number`, never
-    /// by its token.
+    /// Parse token entries. Lines: `<token> <scope>[,<scope>…]` (or `<token>:<scopes>`;
+    /// scopes separated by commas or spaces), `;` also ending an entry where `separators`
+    /// says so, blank lines and `#` comments ignored. Or JSON: `{"<token>": [scopes]}`,
+    /// `[{"token": …, "scopes": […]}]` or `{"tokens": [that array]}` (scopes as an array or
+    /// a comma-separated string). Errors name the entry by `source:number`, never its token.
     pub fn parse(text: &str, source: &str, separators: &[char]) -> Result<Self, String> {
-        let mut entries = Vec::new();
-        for (index, line) in text.split(separators).enumerate() {
-            let origin = format!("{source}:{}", index + 1);
-            let line = line.split('#').next().unwrap_or_default().trim();
-            if line.is_empty() {
-                continue;
-            }
-            let mut words = line.split_whitespace();
-            let token = words.next().unwrap_or_default();
-            let scopes = words.collect::<Vec<_>>().join("");
-            if !is_b64token(token) {
+        let trimmed = text.trim_start();
+        let raw = if trimmed.starts_with('{') || trimmed.starts_with('[') {
+            json_entries(trimmed, source)?
+        } else {
+            line_entries(text, source, separators)
+        };
+        let mut entries = Vec::with_capacity(raw.len());
+        for RawEntry {
+            origin,
+            token,
+            scopes,
+        } in raw
+        {
+            if !is_b64token(&token) {
                 return Err(format!(
                     "{origin}: a token may hold only letters, digits and -._~+/ (then =)"
                 ));
             }
             if scopes.is_empty() {
                 return Err(format!(
-                    "{origin}: no scopes after the token (expected fetch, settle, publish, admin or *)"
+                    "{origin}: no scopes for the token (expected fetch, settle, publish, admin or *)"
                 ));
             }
             let mut bits = 0u8;
-            for scope in scopes.split(',').filter(|scope| !scope.is_empty()) {
-                bits |= match scope {
+            for scope in &scopes {
+                bits |= match scope.as_str() {
                     "*" => Scope::ALL.iter().fold(0, |bits, scope| bits | scope.bit()),
                     _ => Scope::ALL
                         .iter()
@@ -192,6 +197,101 @@ impl Tokens {
             found.conditional_assign(&index, digest.ct_eq(&entry.digest));
         }
         self.entries.get(found as usize).cloned()
+    }
+}
+
+/// One entry as written, before validation.
+struct RawEntry {
+    origin: String,
+    token: String,
+    scopes: Vec<String>,
+}
+
+fn split_scopes(text: &str) -> Vec<String> {
+    text.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|scope| !scope.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+fn line_entries(text: &str, source: &str, separators: &[char]) -> Vec<RawEntry> {
+    let mut entries = Vec::new();
+    for (index, line) in text.split(separators).enumerate() {
+        let line = line.split('#').next().unwrap_or_default().trim();
+        if line.is_empty() {
+            continue;
+        }
+        let (first, rest) = line.split_once(char::is_whitespace).unwrap_or((line, ""));
+        // `token:scopes` (`:` is not a token character, so this is unambiguous).
+        let (token, scopes) = match first.split_once(':') {
+            Some((token, scopes)) => (token, format!("{scopes} {rest}")),
+            None => (first, rest.to_owned()),
+        };
+        entries.push(RawEntry {
+            origin: format!("{source}:{}", index + 1),
+            token: token.to_owned(),
+            scopes: split_scopes(&scopes),
+        });
+    }
+    entries
+}
+
+fn json_entries(text: &str, source: &str) -> Result<Vec<RawEntry>, String> {
+    use serde_json::Value;
+    // serde_json's message names a position, never the input.
+    let value: Value =
+        serde_json::from_str(text).map_err(|err| format!("{source}: not valid JSON: {err}"))?;
+    let scopes_of = |origin: &str, scopes: Option<&Value>| match scopes {
+        Some(Value::String(text)) => Ok(split_scopes(text)),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| {
+                item.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| format!("{origin}: scopes must be strings"))
+            })
+            .collect(),
+        Some(_) => Err(format!("{origin}: scopes must be an array or a string")),
+        None => Ok(Vec::new()),
+    };
+    let listed = |items: &[Value]| {
+        items
+            .iter()
+            .enumerate()
+            .map(|(index, item)| {
+                let origin = format!("{source}: entry {}", index + 1);
+                let token = item
+                    .get("token")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| format!("{origin}: no \"token\" string"))?;
+                Ok(RawEntry {
+                    scopes: scopes_of(&origin, item.get("scopes"))?,
+                    token: token.to_owned(),
+                    origin,
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()
+    };
+    match &value {
+        Value::Array(items) => listed(items),
+        Value::Object(map) => match map.get("tokens") {
+            Some(Value::Array(items)) if map.len() == 1 => listed(items),
+            _ => map
+                .iter()
+                .enumerate()
+                .map(|(index, (token, scopes))| {
+                    let origin = format!("{source}: entry {}", index + 1);
+                    Ok(RawEntry {
+                        scopes: scopes_of(&origin, Some(scopes))?,
+                        token: token.clone(),
+                        origin,
+                    })
+                })
+                .collect(),
+        },
+        _ => Err(format!(
+            "{source}: expected a JSON object or array of tokens"
+        )),
     }
 }
 
@@ -336,6 +436,33 @@ mod tests {
             "a prefix is not the token"
         );
         assert!(tokens.authenticate("").is_none());
+    }
+
+    #[test]
+    fn json_and_colon_forms_parse_too() {
+        for text in [
+            r#"{"tok-a": ["fetch", "settle"], "tok-b": "admin"}"#,
+            r#"[{"token": "tok-a", "scopes": "fetch,settle"}, {"token": "tok-b", "scopes": ["admin"]}]"#,
+            r#"{"tokens": [{"token": "tok-a", "scopes": ["fetch", "settle"]}, {"token": "tok-b", "scopes": ["admin"]}]}"#,
+            "tok-a:fetch,settle\ntok-b: admin",
+            "tok-a fetch settle\ntok-b admin",
+        ] {
+            let tokens = tokens(text);
+            assert_eq!(tokens.len(), 2, "{text}");
+            let a = tokens.authenticate("tok-a").expect("tok-a");
+            assert!(a.allows(Scope::Fetch) && a.allows(Scope::Settle) && !a.allows(Scope::Admin));
+            let b = tokens.authenticate("tok-b").expect("tok-b");
+            assert!(b.allows(Scope::Admin) && !b.allows(Scope::Fetch), "{text}");
+        }
+        for bad in [
+            r#"{"secret-tok": 5}"#,
+            r#"[{"scopes": ["fetch"]}]"#,
+            "[1",
+            r#""secret-tok""#,
+        ] {
+            let err = Tokens::parse(bad, "test", &['\n']).err().expect("refused");
+            assert!(!err.contains("secret-tok"), "{err}");
+        }
     }
 
     #[test]

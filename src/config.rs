@@ -131,8 +131,8 @@ pub struct Config {
     pub stream_subjects: Vec<String>,
 
     /// File of HTTP bearer tokens, one `<token> <scope>[,<scope>…]` per line (scopes: fetch,
-    /// settle, publish, admin, or * for all; `#` starts a comment). With neither this nor
-    /// --auth-tokens, HTTP authentication is off.
+    /// settle, publish, admin, or * for all; `#` starts a comment), or JSON
+    /// `{"<token>": [scopes]}`. With neither this nor --auth-tokens, HTTP authentication is off.
     #[arg(long, env = "RUSTSTREAM_AUTH_TOKENS_FILE")]
     pub auth_tokens_file: Option<PathBuf>,
 
