@@ -72,3 +72,11 @@ trap 'exit 129' HUP
 # binary has no tests of its own (test = false in Cargo.toml) and the benchmark example is
 # compiled by clippy in .ci/run, so neither adds an empty "0 passed" summary.
 cargo test --lib --tests "$@"
+
+# The spec as its users meet it (scripts/ecosystem.sh): redocly lint, generated Python and
+# TypeScript clients driving the lease flow, schemathesis against a live gateway. Needs Node
+# (>= 20.19) besides Python; skipped when arguments pick particular tests, or with
+# RUSTSTREAM_SKIP_ECOSYSTEM=1.
+if (($# == 0)) && [[ "${RUSTSTREAM_SKIP_ECOSYSTEM:-}" != 1 ]]; then
+    "$ROOT/scripts/ecosystem.sh"
+fi

@@ -23,21 +23,23 @@ pub enum Encoding {
     Utf8,
 }
 
-/// `POST /fetch` body; every field is optional.
+/// `POST /fetch` body; every field is optional. (The defaults are in the descriptions, not
+/// as schema `default`s: openapi-typescript would make such fields required.)
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"batch": 10, "wait_ms": 5000, "encoding": "utf8"}))]
 pub struct FetchBody {
     /// Most messages to lease (1..=1000, default 10).
-    #[schema(minimum = 1, maximum = 1000, default = 10)]
+    #[schema(minimum = 1, maximum = 1000)]
     pub batch: Option<u32>,
     /// How long to wait while no message is available (0..=30000 ms, default 5000).
-    #[schema(minimum = 0, maximum = 30000, default = 5000)]
+    #[schema(minimum = 0, maximum = 30000)]
     pub wait_ms: Option<u64>,
     /// Stop before the payloads would exceed this many bytes (at least one message is
     /// always returned).
     #[schema(minimum = 1)]
-    pub max_bytes: Option<u64>,
+    // Signed, as the schema's int64 says: a larger number is refused (422), not taken.
+    pub max_bytes: Option<i64>,
     /// Encoding of `data` (default base64).
     pub encoding: Option<Encoding>,
 }
@@ -145,7 +147,7 @@ pub struct NakBody {
 pub struct TermBody {
     /// Why the message is terminated; shown in the server's MSG_TERMINATED advisory
     /// (at most 1024 characters, one line).
-    #[schema(max_length = 1024)]
+    #[schema(max_length = 1024, pattern = "^[^\\r\\n]*$")]
     pub reason: Option<String>,
 }
 
@@ -181,7 +183,7 @@ pub struct BatchTermBody {
     #[schema(min_items = 1, max_items = 1000)]
     pub ids: Vec<String>,
     /// As for a single term.
-    #[schema(max_length = 1024)]
+    #[schema(max_length = 1024, pattern = "^[^\\r\\n]*$")]
     pub reason: Option<String>,
 }
 

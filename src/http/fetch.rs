@@ -39,7 +39,9 @@ pub const DEFAULT_WAIT_MS: u64 = 5_000;
     tag = "leases",
     params(
         ("Idempotency-Key" = Option<String>, Header,
-            description = "Makes the fetch retry-safe: repeated (1 to 255 printable ASCII characters, same body) while any lease of its first answer is live, it returns that answer again instead of leasing more. Scoped by the Authorization header."),
+            description = "Makes the fetch retry-safe: repeated (1 to 255 printable ASCII characters, same body) while any lease of its first answer is live, it returns that answer again instead of leasing more. Scoped by the Authorization header.",
+            // Printable ASCII; HTTP drops spaces at either end, so none are allowed there.
+            min_length = 1, max_length = 255, pattern = "^[!-~]([ -~]{0,253}[!-~])?$"),
     ),
     request_body(content = Option<FetchBody>, content_type = "application/json"),
     responses(
@@ -198,7 +200,7 @@ fn demand(body: &FetchBody, config: &Config) -> Result<Demand, Error> {
         ));
     }
     let max_bytes = match body.max_bytes {
-        Some(0) => {
+        Some(max) if max < 1 => {
             return Err(Error::invalid("max_bytes", "max_bytes: must be at least 1"));
         }
         Some(max) => Some(usize::try_from(max).unwrap_or(usize::MAX)),

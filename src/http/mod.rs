@@ -39,8 +39,11 @@ use responses::ProblemResponses;
     info(
         title = "ruststream-nats",
         description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.",
-        license(name = "MIT OR Apache-2.0")
+        license(name = "MIT OR Apache-2.0", identifier = "MIT OR Apache-2.0")
     ),
+    // Relative: the API is where the document was served from (Swagger UI, generated
+    // clients given a base URL).
+    servers((url = "/", description = "This gateway")),
     tags(
         (name = "leases", description = "Fetch messages and settle their leases"),
         (name = "messages", description = "Publish to the stream"),
@@ -73,8 +76,48 @@ fn api() -> OpenApiRouter<Gateway> {
 /// The OpenAPI document, as served on `/openapi.json`.
 pub fn openapi() -> utoipa::openapi::OpenApi {
     let mut spec = api().split_for_parts().1;
+    optional_bodies_may_be_absent(&mut spec);
     declare_security(&mut spec);
     spec
+}
+
+/// utoipa renders an `Option<Body>` request body as "the body or JSON null"; describe it as
+/// "may be absent" (`required` unset) with the body's own schema instead, as the gateway takes
+/// it (an empty body means all defaults; `null` is refused like any non-object): generated
+/// clients then leave it out when not given (openapi-python-client otherwise tries to
+/// encode its "unset" marker as JSON).
+fn optional_bodies_may_be_absent(spec: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::{RefOr, schema::Schema};
+    let null = serde_json::json!({ "type": "null" });
+    let operations = spec.paths.paths.values_mut().flat_map(|item| {
+        [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+        ]
+        .into_iter()
+        .flatten()
+    });
+    for operation in operations {
+        let Some(RefOr::T(body)) = operation.request_body.as_mut() else {
+            continue;
+        };
+        for content in body.content.values_mut() {
+            let RefOr::T(content) = content else { continue };
+            let Some(RefOr::T(Schema::OneOf(one_of))) = &content.schema else {
+                continue;
+            };
+            let (nulls, others): (Vec<_>, Vec<_>) = one_of
+                .items
+                .iter()
+                .partition(|item| serde_json::to_value(item).ok().as_ref() == Some(&null));
+            if let ([_], [body_schema]) = (nulls.as_slice(), others.as_slice()) {
+                content.schema = Some((*body_schema).clone());
+            }
+        }
+    }
 }
 
 /// The bearer scheme, and on each operation the scope it needs — from the same
@@ -97,10 +140,15 @@ fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
         ),
     );
     for (path, item) in spec.paths.paths.iter_mut() {
-        let scopes: Vec<&str> = match requirement(path) {
-            Requirement::Open => continue,
-            Requirement::Scope(scope) => vec![scope.as_str()],
-            Requirement::Authenticated => Vec::new(),
+        // An open route says so with an empty list (no requirement), rather than by omission.
+        let security = match requirement(path) {
+            Requirement::Open => Vec::new(),
+            Requirement::Scope(scope) => {
+                vec![SecurityRequirement::new("bearer", [scope.as_str()])]
+            }
+            Requirement::Authenticated => {
+                vec![SecurityRequirement::new("bearer", Vec::<&str>::new())]
+            }
         };
         let operations = [
             &mut item.get,
@@ -110,7 +158,7 @@ fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
             &mut item.patch,
         ];
         for operation in operations.into_iter().flatten() {
-            operation.security = Some(vec![SecurityRequirement::new("bearer", scopes.clone())]);
+            operation.security = Some(security.clone());
         }
     }
 }
@@ -226,7 +274,7 @@ async fn method_not_allowed() -> impl IntoResponse {
 #[cfg(test)]
 mod tests {
     /// Every operation behind authentication says so (bearer, with its scope) and lists
-    /// 401 and 403; the open ones list neither.
+    /// 401 and 403; the open ones list neither and declare `security: []`.
     #[test]
     fn the_spec_declares_who_may_call_what() {
         let spec = serde_json::to_value(super::openapi()).expect("spec serializes");
@@ -242,11 +290,9 @@ mod tests {
                     guarded, !open,
                     "{method} {path}: 401/403 listed iff protected"
                 );
-                assert_eq!(
-                    operation.get("security").is_some(),
-                    !open,
-                    "{method} {path}"
-                );
+                // An open operation has an empty list: "no requirement".
+                let requirements = operation["security"].as_array().map(Vec::len);
+                assert_eq!(requirements, Some(usize::from(!open)), "{method} {path}");
             }
         }
         assert_eq!(
