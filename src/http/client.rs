@@ -1,8 +1,8 @@
 //! Noticing that an HTTP client hung up while its request is still waiting.
 //!
 //! hyper notices a closed connection only when it next polls the socket, which can be after
-//! the dispatcher already leased messages for that request. The listener here shares each
-//! socket with the request it carries, so a waiting fetch peeks at it itself: it withdraws
+//! the dispatcher already leased messages for that request. The serve loop
+//! ([`super::serve`]) shares each socket with the request it carries, so a waiting fetch peeks at it itself: it withdraws
 //! the moment the client leaves, and checks once more before answering, handing anything
 //! already leased back to the next fetch.
 
