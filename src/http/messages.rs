@@ -6,7 +6,6 @@ use axum::Json;
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
-use futures::future::join_all;
 use utoipa::IntoParams;
 
 use super::body::JsonBody;
@@ -193,7 +192,7 @@ pub async fn term_many(
     settle_many(&gateway, body.ids, command).await
 }
 
-/// Settle every id concurrently: one batch costs about one NATS round trip, not one each.
+/// Settle every id concurrently (see [`Gateway::settle_many`]).
 async fn settle_many(
     gateway: &Gateway,
     ids: Vec<String>,
@@ -205,7 +204,7 @@ async fn settle_many(
             format!("ids: must hold 1 to {MAX_IDS} lease ids, got {}", ids.len()),
         ));
     }
-    let outcomes = join_all(ids.iter().map(|id| gateway.settle(id, &command))).await;
+    let outcomes = gateway.settle_many(&ids, &command).await;
     let results = ids
         .into_iter()
         .zip(outcomes)
