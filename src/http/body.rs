@@ -89,6 +89,20 @@ pub fn parse<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, Error> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
+    // Every body is a JSON object; serde would also build a struct from an array (`[5000]`).
+    if bytes.iter().find(|byte| !byte.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(
+            match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+                Ok(_) => Error::Invalid {
+                    field: None,
+                    detail: "the request body must be a JSON object".into(),
+                },
+                Err(err) => Error::Malformed {
+                    detail: format!("the request body is not valid JSON: {err}"),
+                },
+            },
+        );
+    }
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
     let parsed: Result<T, _> = serde_path_to_error::deserialize(&mut deserializer);
     if parsed.is_ok() {
@@ -165,6 +179,23 @@ mod tests {
         assert_eq!(field_of(r#"{"batch": "ten"}"#).as_deref(), Some("batch"));
         assert_eq!(field_of(r#"{"batch": -1}"#).as_deref(), Some("batch"));
         assert_eq!(field_of(r#"{"bacth": 1}"#).as_deref(), Some("bacth"));
+    }
+
+    #[test]
+    fn a_body_is_an_object() {
+        for body in ["[]", "[5]", "5", "\"x\"", "null", " true "] {
+            assert!(
+                matches!(
+                    parse::<Sample>(body.as_bytes()),
+                    Err(Error::Invalid { field: None, .. })
+                ),
+                "{body}"
+            );
+        }
+        assert!(matches!(
+            parse::<Sample>(b"[1"),
+            Err(Error::Malformed { .. })
+        ));
     }
 
     #[test]
