@@ -13,6 +13,8 @@ mod publish;
 pub mod responses;
 pub mod serve;
 
+pub use body::BODY_LIMIT;
+
 use std::time::Duration;
 
 use axum::Router;

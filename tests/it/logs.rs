@@ -130,7 +130,8 @@ async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
             "--log-format",
             "json",
         ],
-        "info,ruststream_nats=debug",
+        // The default level: settle events must show there.
+        "info",
     );
     let http = http_client();
     wait_until(
