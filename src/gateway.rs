@@ -311,12 +311,8 @@ impl Gateway {
 
     fn bound(&self) -> Result<Arc<Bound>, Error> {
         self.bound.borrow().clone().ok_or_else(|| {
-            Error::Unavailable(format!(
-                "not bound to consumer {} of stream {} yet (NATS at {} unreachable or starting)",
-                self.config.consumer,
-                self.config.stream,
-                self.config.nats_url_redacted()
-            ))
+            // No NATS address here: anyone may read /readyz, and the address is no one's business.
+            Error::Unavailable("consumer not bound (NATS unreachable or starting)".into())
         })
     }
 
@@ -332,7 +328,20 @@ impl Gateway {
 
     /// Connected to NATS and bound to the consumer.
     pub fn is_ready(&self) -> bool {
-        self.accepting.load(Ordering::Relaxed) && self.connected().is_ok()
+        self.readiness().is_ok()
+    }
+
+    /// Why the gateway is not ready, in words safe for anyone (no address, no names).
+    pub fn readiness(&self) -> Result<(), Error> {
+        if !self.accepting.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable("shutting down".into()));
+        }
+        self.connected().map(drop).map_err(|err| match err {
+            Error::Unavailable(_) if self.bound.borrow().is_some() => {
+                Error::Unavailable("not connected to NATS".into())
+            }
+            other => other,
+        })
     }
 
     /// Look up a fetch's `Idempotency-Key` (see [`crate::idempotency`]).
