@@ -125,6 +125,18 @@ async fn credentials_in_the_url() {
         !log.contains("pw-wrong-4d1c-secret"),
         "the password is in the log:\n{log}"
     );
+    // Credentials both in the URL and as a flag: which would win is not obvious, so neither.
+    let mut both = Gateway::start(
+        &with_credentials("pw-both-9b3f-secret"),
+        &["--nats-token", "some-token"],
+    )
+    .await;
+    let refused = format!(
+        "{:#}",
+        both.exit_result().await.expect_err("refused to start")
+    );
+    assert!(refused.contains("one way"), "{refused}");
+    assert!(!refused.contains("pw-both-9b3f-secret"), "{refused}");
 }
 
 #[tokio::test]
