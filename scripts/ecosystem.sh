@@ -102,7 +102,8 @@ if [[ "$(cat "$TS/node_modules/.stamp" 2>/dev/null)" != "$NPM_STAMP" ]]; then
     (cd "$TS" && npm ci --no-audit --no-fund --loglevel=error)
     echo "$NPM_STAMP" >"$TS/node_modules/.stamp"
 fi
-npx_ts() { (cd "$TS" && npx --no-install "$@"); }
+# No telemetry or update checks from redocly: CI reaches package registries only.
+npx_ts() { (cd "$TS" && REDOCLY_TELEMETRY=off REDOCLY_SUPPRESS_UPDATE_NOTICE=true npx --no-install "$@"); }
 
 step "redocly lint"
 npx_ts redocly lint --config "$ROOT/openapi/redocly.yaml" "$SPEC" --format=stylish

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use axum::extract::{Request, State};
+use axum::extract::{MatchedPath, Request, State};
 use axum::http::header;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -30,7 +30,7 @@ pub enum Scope {
     Settle,
     /// `POST /publish`.
     Publish,
-    /// `GET /consumer` and `GET /metrics`.
+    /// `GET /consumer` and `GET /metrics`; also `POST /publish`.
     Admin,
 }
 
@@ -49,6 +49,17 @@ impl Scope {
     fn bit(self) -> u8 {
         1 << (self as u8)
     }
+
+    /// The scopes any one of which grants what this scope guards: `admin` may publish too
+    /// (an operator injecting or replaying a message), `publish` alone still suffices.
+    pub fn granted_by(self) -> &'static [Self] {
+        match self {
+            Self::Publish => &[Self::Publish, Self::Admin],
+            Self::Fetch => &[Self::Fetch],
+            Self::Settle => &[Self::Settle],
+            Self::Admin => &[Self::Admin],
+        }
+    }
 }
 
 /// What a request needs before it reaches its handler.
@@ -58,7 +69,8 @@ pub enum Requirement {
     Open,
     /// A valid token with this scope.
     Scope(Scope),
-    /// Any valid token (paths that name no endpoint: a stranger learns nothing from a 404).
+    /// Any valid token: a route outside the map above (none today), protected by default.
+    /// A path no route matches answers 404 without a token: it reveals nothing.
     Authenticated,
 }
 
@@ -89,7 +101,10 @@ pub struct TokenEntry {
 
 impl TokenEntry {
     pub fn allows(&self, scope: Scope) -> bool {
-        self.scopes & scope.bit() != 0
+        scope
+            .granted_by()
+            .iter()
+            .any(|granting| self.scopes & granting.bit() != 0)
     }
 
     /// Count one more waiting fetch for this token, unless it already has `limit`.
@@ -358,7 +373,9 @@ impl Auth {
             return Ok(None);
         };
         let needed = requirement(request.uri().path());
-        if needed == Requirement::Open {
+        // No route matched (this runs inside the router): the answer is a 404 either way.
+        let unmatched = request.extensions().get::<MatchedPath>().is_none();
+        if needed == Requirement::Open || (needed == Requirement::Authenticated && unmatched) {
             return Ok(None);
         }
         let mut values = request.headers().get_all(header::AUTHORIZATION).iter();
@@ -423,6 +440,8 @@ mod tests {
         assert!(!worker.allows(Scope::Admin) && !worker.allows(Scope::Publish));
         let ops = tokens.authenticate("ops-token").expect("known");
         assert!(ops.allows(Scope::Admin) && !ops.allows(Scope::Fetch));
+        assert!(ops.allows(Scope::Publish), "admin may publish too");
+        assert!(!ops.allows(Scope::Settle));
         let root = tokens.authenticate("root").expect("known");
         assert!(Scope::ALL.iter().all(|scope| root.allows(*scope)));
         assert!(

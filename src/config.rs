@@ -177,6 +177,12 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_BODY_READ_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
     pub body_read_timeout: Duration,
 
+    /// Most bytes a request body may have (413 beyond); the default, 256 KiB, fits a
+    /// 1000-id batch settle.
+    #[arg(long, env = "RUSTSTREAM_MAX_BODY_BYTES", default_value_t = 262_144,
+          value_parser = clap::value_parser!(u32).range(1..=67_108_864))]
+    pub max_body_bytes: u32,
+
     /// Log format: text or json (RUST_LOG sets the level; default info).
     #[arg(long, env = "RUSTSTREAM_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
@@ -283,16 +289,97 @@ impl Config {
     }
 }
 
+/// Credentials written into `--nats-url` (`user:password@`, `token@`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UrlCredentials {
+    UserPassword(String, Secret),
+    Token(Secret),
+}
+
+/// `--nats-url` ready for the NATS client: the servers without user info, and the
+/// credentials they carried, to be given as connect options instead (the client logs server
+/// addresses at debug, so a URL must never carry a secret past this point).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsServers {
+    pub urls: Vec<String>,
+    pub credentials: Option<UrlCredentials>,
+}
+
+impl Config {
+    /// Split `--nats-url` into [`NatsServers`]. Refuses URLs carrying different credentials,
+    /// and credentials in a URL together with --nats-user/--nats-token/--nats-creds/--nats-nkey
+    /// (which would win is not obvious). Errors never show a secret.
+    pub fn nats_servers(&self) -> Result<NatsServers, String> {
+        let mut urls = Vec::new();
+        let mut credentials = None;
+        for url in self.nats_url.split(',').map(str::trim) {
+            if url.is_empty() {
+                continue;
+            }
+            let (without, found) = split_url_credentials(url);
+            urls.push(without);
+            let Some(found) = found else { continue };
+            if credentials.as_ref().is_some_and(|seen| *seen != found) {
+                return Err(format!(
+                    "the URLs of --nats-url carry different credentials ({}): give one set",
+                    self.nats_url_redacted()
+                ));
+            }
+            credentials = Some(found);
+        }
+        let other_auth = self.nats_user.is_some()
+            || self.nats_token.is_some()
+            || self.nats_creds.is_some()
+            || self.nats_nkey.is_some();
+        if credentials.is_some() && other_auth {
+            return Err(format!(
+                "--nats-url ({}) carries credentials and --nats-user/--nats-token/--nats-creds/\
+                 --nats-nkey is given too: give the NATS credentials one way",
+                self.nats_url_redacted()
+            ));
+        }
+        Ok(NatsServers { urls, credentials })
+    }
+}
+
+/// The byte range of a URL's authority (after `scheme://`, before the path).
+fn authority(url: &str) -> (usize, usize) {
+    let start = url.find("://").map_or(0, |at| at + 3);
+    let end = url[start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |end| start + end);
+    (start, end)
+}
+
+/// A URL without its user info, and the credentials that user info held (percent-decoded).
+fn split_url_credentials(url: &str) -> (String, Option<UrlCredentials>) {
+    let (start, end) = authority(url);
+    let Some(at) = url[start..end].rfind('@') else {
+        return (url.to_owned(), None);
+    };
+    let userinfo = &url[start..start + at];
+    let without = format!("{}{}", &url[..start], &url[start + at + 1..]);
+    let decode = |text: &str| {
+        percent_encoding::percent_decode_str(text)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    let credentials = match userinfo.split_once(':') {
+        Some((user, password)) => {
+            UrlCredentials::UserPassword(decode(user), Secret(decode(password)))
+        }
+        None => UrlCredentials::Token(Secret(decode(userinfo))),
+    };
+    (without, Some(credentials))
+}
+
 /// Each comma-separated URL with its user info (before `@` in the authority) masked.
 fn redact_url_credentials(urls: &str) -> String {
     urls.split(',')
         .map(|url| {
-            let authority_at = url.find("://").map_or(0, |at| at + 3);
-            let authority_end = url[authority_at..]
-                .find(['/', '?', '#'])
-                .map_or(url.len(), |end| authority_at + end);
-            match url[authority_at..authority_end].rfind('@') {
-                Some(at) => format!("{}***{}", &url[..authority_at], &url[authority_at + at..]),
+            let (start, end) = authority(url);
+            match url[start..end].rfind('@') {
+                Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
                 None => url.to_owned(),
             }
         })
@@ -339,6 +426,57 @@ mod tests {
     }
 
     #[test]
+    fn credentials_leave_nats_urls_as_connect_options() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["ruststream-nats"];
+            all.extend_from_slice(args);
+            Config::try_parse_from(all).expect("parses").nats_servers()
+        };
+        let servers = parse(&[
+            "--nats-url",
+            "nats://alice:p%40ss@a:4222, nats://alice:p%40ss@b",
+        ])
+        .expect("one set of credentials");
+        assert_eq!(servers.urls, ["nats://a:4222", "nats://b"]);
+        assert_eq!(
+            servers.credentials,
+            Some(UrlCredentials::UserPassword(
+                "alice".into(),
+                Secret("p@ss".into())
+            ))
+        );
+        let servers = parse(&["--nats-url", "tls://t0ken@a:4443/x"]).expect("a token");
+        assert_eq!(servers.urls, ["tls://a:4443/x"]);
+        assert_eq!(
+            servers.credentials,
+            Some(UrlCredentials::Token(Secret("t0ken".into())))
+        );
+        let servers = parse(&["--nats-url", "nats://a:4222"]).expect("none");
+        assert_eq!((servers.urls.len(), servers.credentials), (1, None));
+
+        let refused =
+            parse(&["--nats-url", "nats://u:secret1@a,nats://u:other@b"]).expect_err("two sets");
+        assert!(!refused.contains("secret1"), "{refused}");
+        let refused = parse(&["--nats-url", "nats://u:secret1@a", "--nats-token", "t"])
+            .expect_err("URL credentials and --nats-token");
+        assert!(
+            refused.contains("one way") && !refused.contains("secret1"),
+            "{refused}"
+        );
+        assert!(
+            parse(&[
+                "--nats-url",
+                "nats://t@a",
+                "--nats-user",
+                "u",
+                "--nats-password",
+                "p"
+            ])
+            .is_err()
+        );
+    }
+
+    #[test]
     fn defaults_match_the_documented_ones() {
         let config = Config::try_parse_from(["ruststream-nats"]).expect("defaults parse");
         assert_eq!(config.nats_url, "nats://127.0.0.1:4222");
@@ -354,6 +492,7 @@ mod tests {
         assert_eq!(config.listen, "127.0.0.1:8080".parse().expect("addr"));
         assert_eq!(config.max_batch, 1000);
         assert_eq!(config.max_wait, Duration::from_secs(30));
+        assert_eq!(config.max_body_bytes as usize, crate::http::BODY_LIMIT);
         assert!(config.auth_tokens_file.is_none() && config.auth_tokens.is_none());
     }
 

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use crate::config::{Config, DeliverPolicy};
+use crate::config::{Config, DeliverPolicy, UrlCredentials};
 
 /// How long any JetStream API call on the start-up path may take before it is retried.
 const API_TIMEOUT: Duration = Duration::from_secs(5);
@@ -72,15 +72,19 @@ pub async fn connect(
             }
         });
     options = authenticate(options, config).await?;
-    // async-nats parses a string as one URL; a cluster's list is comma-separated.
-    let servers: Vec<&str> = config
-        .nats_url
-        .split(',')
-        .map(str::trim)
-        .filter(|url| !url.is_empty())
-        .collect();
+    // async-nats parses a string as one URL; a cluster's list is comma-separated. Credentials
+    // in the URLs go in as options: the client logs the URLs it connects to.
+    let servers = config.nats_servers().map_err(anyhow::Error::msg)?;
+    options = match servers.credentials {
+        Some(UrlCredentials::UserPassword(user, password)) => {
+            options.user_and_password(user, password.expose().to_owned())
+        }
+        Some(UrlCredentials::Token(token)) => options.token(token.expose().to_owned()),
+        None => options,
+    };
+    let urls: Vec<&str> = servers.urls.iter().map(String::as_str).collect();
     options
-        .connect(servers.as_slice())
+        .connect(urls.as_slice())
         .await
         .with_context(|| format!("connecting to {}", config.nats_url_redacted()))
 }

@@ -313,12 +313,8 @@ impl Gateway {
 
     fn bound(&self) -> Result<Arc<Bound>, Error> {
         self.bound.borrow().clone().ok_or_else(|| {
-            Error::Unavailable(format!(
-                "not bound to consumer {} of stream {} yet (NATS at {} unreachable or starting)",
-                self.config.consumer,
-                self.config.stream,
-                self.config.nats_url_redacted()
-            ))
+            // No NATS address here: anyone may read /readyz, and the address is no one's business.
+            Error::Unavailable("consumer not bound (NATS unreachable or starting)".into())
         })
     }
 
@@ -334,7 +330,20 @@ impl Gateway {
 
     /// Connected to NATS and bound to the consumer.
     pub fn is_ready(&self) -> bool {
-        self.accepting.load(Ordering::Relaxed) && self.connected().is_ok()
+        self.readiness().is_ok()
+    }
+
+    /// Why the gateway is not ready, in words safe for anyone (no address, no names).
+    pub fn readiness(&self) -> Result<(), Error> {
+        if !self.accepting.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable("shutting down".into()));
+        }
+        self.connected().map(drop).map_err(|err| match err {
+            Error::Unavailable(_) if self.bound.borrow().is_some() => {
+                Error::Unavailable("not connected to NATS".into())
+            }
+            other => other,
+        })
     }
 
     /// Look up a fetch's `Idempotency-Key` (see [`crate::idempotency`]).
@@ -537,8 +546,8 @@ impl Gateway {
     }
 
     /// Count a settle (or extension) of one lease and log it with the lease's coordinates
-    /// (`None`: the id names no lease of the current binding). Per-message events are debug:
-    /// at info they would dominate the log; failures of the server's side are info.
+    /// (`None`: the id names no lease of the current binding, logged at debug only: nothing
+    /// of a stranger's input goes to the default log).
     fn report(
         &self,
         action: SettleAction,
@@ -549,27 +558,18 @@ impl Gateway {
         self.shared.metrics.settled(action, outcome);
         let kind = action.as_str();
         let result = outcome.as_str();
-        let server_side = matches!(
-            outcome,
-            SettleOutcome::Timeout | SettleOutcome::Unavailable | SettleOutcome::Error
-        );
         match lease {
-            Some(lease) => {
-                let stream_sequence = lease.key.stream_sequence;
-                let consumer_sequence = lease.consumer_sequence;
-                let delivered = lease.key.delivered;
-                if server_side {
-                    info!(
-                        lease_id = id,
-                        stream_sequence, consumer_sequence, delivered, kind, result, "lease settle"
-                    );
-                } else {
-                    debug!(
-                        lease_id = id,
-                        stream_sequence, consumer_sequence, delivered, kind, result, "lease settle"
-                    );
-                }
-            }
+            // At info, the default level: issue 3 asks for lease ids and sequences on every
+            // settle, so a message's fate can be traced in the logs as shipped.
+            Some(lease) => info!(
+                lease_id = id,
+                stream_sequence = lease.key.stream_sequence,
+                consumer_sequence = lease.consumer_sequence,
+                delivered = lease.key.delivered,
+                kind,
+                result,
+                "lease settle"
+            ),
             // Not a lease id of this binding: whatever the client sent is not logged.
             None => debug!(kind, result, "lease settle with an id of no current lease"),
         }

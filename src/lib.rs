@@ -57,6 +57,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let grace = config.shutdown_grace;
     let auth = auth::Auth::from_config(&config)?;
+    config.nats_servers().map_err(anyhow::Error::msg)?;
     if !auth.is_on() {
         warn!(
             "HTTP authentication is off (no --auth-tokens-file or --auth-tokens): anyone who \
@@ -99,6 +100,7 @@ pub async fn run(
         max_connections: gateway.config().max_connections as usize,
         header_read_timeout: gateway.config().header_read_timeout,
         body_read_timeout: gateway.config().body_read_timeout,
+        max_body_bytes: gateway.config().max_body_bytes as usize,
     };
     http::serve::serve(listener, app, limits, stop_serving).await;
     gateway.stop(tasks).await;

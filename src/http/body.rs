@@ -8,7 +8,8 @@ use serde::de::DeserializeOwned;
 
 use crate::error::Error;
 
-/// Most bytes a request body may have (a 1000-id batch settle needs about 70 KB).
+/// Most bytes a request body may have by default (a 1000-id batch settle needs about 70 KB);
+/// `--max-body-bytes` changes it.
 pub const BODY_LIMIT: usize = 256 * 1024;
 /// An oversized body is still read (and dropped) up to this size before the 413 goes out:
 /// closing a connection with unread data resets it, and the client may then never see the
@@ -18,6 +19,10 @@ const DRAIN_LIMIT: usize = 16 * 1024 * 1024;
 /// How long a body may take to arrive, set per request by the serve loop (absent: no limit).
 #[derive(Debug, Clone, Copy)]
 pub struct BodyReadTimeout(pub std::time::Duration);
+
+/// Most bytes a request body may have, set per request by the serve loop (absent: [`BODY_LIMIT`]).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
 
 /// A JSON request body, `T::default()` when empty.
 pub struct JsonBody<T>(pub T);
@@ -30,17 +35,21 @@ where
     type Rejection = Error;
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
-        let too_large = || Error::PayloadTooLarge { limit: BODY_LIMIT };
+        let limit = req
+            .extensions()
+            .get::<BodyLimit>()
+            .map_or(BODY_LIMIT, |BodyLimit(limit)| *limit);
+        let too_large = || Error::PayloadTooLarge { limit };
         let declared = req
             .headers()
             .get(header::CONTENT_LENGTH)
             .and_then(|length| length.to_str().ok())
             .and_then(|length| length.parse::<usize>().ok());
-        if declared.is_some_and(|length| length > DRAIN_LIMIT) {
+        if declared.is_some_and(|length| length > DRAIN_LIMIT.max(limit)) {
             return Err(too_large());
         }
         let timeout = req.extensions().get::<BodyReadTimeout>().copied();
-        let read = read_limited(req.into_body());
+        let read = read_limited(req.into_body(), limit);
         let bytes = match timeout {
             Some(BodyReadTimeout(timeout)) => tokio::time::timeout(timeout, read)
                 .await
@@ -51,9 +60,9 @@ where
     }
 }
 
-/// Read a body up to [`BODY_LIMIT`] bytes (413 beyond), draining up to [`DRAIN_LIMIT`].
-async fn read_limited(body: axum::body::Body) -> Result<Vec<u8>, Error> {
-    let too_large = || Error::PayloadTooLarge { limit: BODY_LIMIT };
+/// Read a body up to `limit` bytes (413 beyond), draining up to [`DRAIN_LIMIT`].
+async fn read_limited(body: axum::body::Body, limit: usize) -> Result<Vec<u8>, Error> {
+    let too_large = || Error::PayloadTooLarge { limit };
     let mut body = body.into_data_stream();
     let mut bytes = Vec::new();
     let mut read = 0usize;
@@ -62,14 +71,14 @@ async fn read_limited(body: axum::body::Body) -> Result<Vec<u8>, Error> {
             detail: format!("could not read the request body: {err}"),
         })?;
         read += chunk.len();
-        if read > DRAIN_LIMIT {
+        if read > DRAIN_LIMIT.max(limit) {
             return Err(too_large());
         }
-        if read <= BODY_LIMIT {
+        if read <= limit {
             bytes.extend_from_slice(&chunk);
         }
     }
-    if read > BODY_LIMIT {
+    if read > limit {
         return Err(too_large());
     }
     Ok(bytes)
@@ -77,8 +86,23 @@ async fn read_limited(body: axum::body::Body) -> Result<Vec<u8>, Error> {
 
 /// Parse a body, mapping serde's errors to 400 (not JSON) or 422 (wrong shape or value).
 pub fn parse<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, Error> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
+    // No body at all; whitespace alone is not JSON (400, as the spec's schema says).
+    if bytes.is_empty() {
         return Ok(T::default());
+    }
+    // Every body is a JSON object; serde would also build a struct from an array (`[5000]`).
+    if bytes.iter().find(|byte| !byte.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(
+            match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+                Ok(_) => Error::Invalid {
+                    field: None,
+                    detail: "the request body must be a JSON object".into(),
+                },
+                Err(err) => Error::Malformed {
+                    detail: format!("the request body is not valid JSON: {err}"),
+                },
+            },
+        );
     }
     let mut deserializer = serde_json::Deserializer::from_slice(bytes);
     let parsed: Result<T, _> = serde_path_to_error::deserialize(&mut deserializer);
@@ -148,7 +172,10 @@ mod tests {
     #[test]
     fn empty_body_means_defaults() {
         assert!(parse::<Sample>(b"").is_ok());
-        assert!(parse::<Sample>(b"  \n").is_ok());
+        assert!(matches!(
+            parse::<Sample>(b" \r\n"),
+            Err(Error::Malformed { .. })
+        ));
     }
 
     #[test]
@@ -156,6 +183,23 @@ mod tests {
         assert_eq!(field_of(r#"{"batch": "ten"}"#).as_deref(), Some("batch"));
         assert_eq!(field_of(r#"{"batch": -1}"#).as_deref(), Some("batch"));
         assert_eq!(field_of(r#"{"bacth": 1}"#).as_deref(), Some("bacth"));
+    }
+
+    #[test]
+    fn a_body_is_an_object() {
+        for body in ["[]", "[5]", "5", "\"x\"", "null", " true "] {
+            assert!(
+                matches!(
+                    parse::<Sample>(body.as_bytes()),
+                    Err(Error::Invalid { field: None, .. })
+                ),
+                "{body}"
+            );
+        }
+        assert!(matches!(
+            parse::<Sample>(b"[1"),
+            Err(Error::Malformed { .. })
+        ));
     }
 
     #[test]

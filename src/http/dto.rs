@@ -23,6 +23,38 @@ pub enum Encoding {
     Utf8,
 }
 
+/// An optional integer that may also be spelled as an integral float (`5000.0`): JSON Schema
+/// counts that as an integer, and so do encoders that keep every number a float. A fraction,
+/// or a value out of `T`'s range, is refused (422, naming the field).
+fn integral<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: TryFrom<i64> + TryFrom<u64>,
+{
+    use serde::de::Error as _;
+    let Some(number) = Option::<serde_json::Number>::deserialize(deserializer)? else {
+        return Ok(None);
+    };
+    let out_of_range = || D::Error::custom(format!("{number} is out of range"));
+    if let Some(value) = number.as_u64() {
+        return T::try_from(value).map(Some).map_err(|_| out_of_range());
+    }
+    if let Some(value) = number.as_i64() {
+        return T::try_from(value).map(Some).map_err(|_| out_of_range());
+    }
+    match number.as_f64() {
+        // 2^63 and beyond do not fit any target here; below it the cast is exact.
+        Some(value) if value.fract() == 0.0 && value.abs() < 2f64.powi(63) => {
+            T::try_from(value as i64)
+                .map(Some)
+                .map_err(|_| out_of_range())
+        }
+        _ => Err(D::Error::custom(format!(
+            "invalid type: {number} is not an integer"
+        ))),
+    }
+}
+
 /// `POST /fetch` body; every field is optional. (The defaults are in the descriptions, not
 /// as schema `default`s: openapi-typescript would make such fields required.)
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -31,14 +63,17 @@ pub enum Encoding {
 pub struct FetchBody {
     /// Most messages to lease (1..=1000, default 10).
     #[schema(minimum = 1, maximum = 1000)]
+    #[serde(default, deserialize_with = "integral")]
     pub batch: Option<u32>,
     /// How long to wait while no message is available (0..=30000 ms, default 5000).
     #[schema(minimum = 0, maximum = 30000)]
+    #[serde(default, deserialize_with = "integral")]
     pub wait_ms: Option<u64>,
     /// Stop before the payloads would exceed this many bytes (at least one message is
     /// always returned).
     #[schema(minimum = 1)]
     // Signed, as the schema's int64 says: a larger number is refused (422), not taken.
+    #[serde(default, deserialize_with = "integral")]
     pub max_bytes: Option<i64>,
     /// Encoding of `data` (default base64).
     pub encoding: Option<Encoding>,
@@ -137,6 +172,7 @@ pub struct FetchResponse {
 pub struct NakBody {
     /// Redeliver no sooner than this many milliseconds from now (0..=604800000).
     #[schema(minimum = 0, maximum = 604_800_000)]
+    #[serde(default, deserialize_with = "integral")]
     pub delay_ms: Option<u64>,
 }
 
@@ -171,6 +207,7 @@ pub struct BatchNakBody {
     pub ids: Vec<String>,
     /// As for a single nak.
     #[schema(minimum = 0, maximum = 604_800_000)]
+    #[serde(default, deserialize_with = "integral")]
     pub delay_ms: Option<u64>,
 }
 
@@ -313,4 +350,34 @@ pub struct ConsumerDto {
 pub struct HealthDto {
     /// Always `ok`.
     pub status: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FetchBody;
+    use crate::error::Error;
+    use crate::http::body::parse;
+
+    #[test]
+    fn integers_may_be_spelled_as_integral_floats() {
+        let body: FetchBody = parse(br#"{"batch": 10.0, "wait_ms": 5e3, "max_bytes": 1}"#)
+            .expect("integral floats are integers");
+        assert_eq!(
+            (body.batch, body.wait_ms, body.max_bytes),
+            (Some(10), Some(5000), Some(1))
+        );
+        for bad in [
+            r#"{"batch": 1.5}"#,
+            r#"{"batch": -1}"#,
+            r#"{"batch": 5e9}"#,
+            r#"{"wait_ms": "1"}"#,
+            r#"{"max_bytes": 9223372036854775808}"#,
+            r#"{"max_bytes": 1e19}"#,
+        ] {
+            match parse::<FetchBody>(bad.as_bytes()) {
+                Err(Error::Invalid { field, .. }) => assert!(field.is_some(), "{bad}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
 }

@@ -40,8 +40,9 @@ pub const DEFAULT_WAIT_MS: u64 = 5_000;
     params(
         ("Idempotency-Key" = Option<String>, Header,
             description = "Makes the fetch retry-safe: repeated (1 to 255 printable ASCII characters, same body) while any lease of its first answer is live, it returns that answer again instead of leasing more. Scoped by the Authorization header.",
-            // Printable ASCII; HTTP drops spaces at either end, so none are allowed there.
-            min_length = 1, max_length = 255, pattern = "^[!-~]([ -~]{0,253}[!-~])?$"),
+            // The key: 1 to 255 printable ASCII characters. HTTP drops spaces and tabs around a
+            // header value, so the raw header may carry them (and be longer).
+            pattern = "^[ \\t]*[!-~]([ -~]{0,253}[!-~])?[ \\t]*$"),
     ),
     request_body(content = Option<FetchBody>, content_type = "application/json"),
     responses(

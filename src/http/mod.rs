@@ -13,12 +13,15 @@ mod publish;
 pub mod responses;
 pub mod serve;
 
+pub use body::BODY_LIMIT;
+
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::MatchedPath;
 use axum::http::{HeaderName, Request, Response};
 use axum::response::IntoResponse;
+use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
 };
@@ -141,11 +144,14 @@ fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
     );
     for (path, item) in spec.paths.paths.iter_mut() {
         // An open route says so with an empty list (no requirement), rather than by omission.
+        // Several requirements are alternatives: any one of the scopes suffices.
         let security = match requirement(path) {
             Requirement::Open => Vec::new(),
-            Requirement::Scope(scope) => {
-                vec![SecurityRequirement::new("bearer", [scope.as_str()])]
-            }
+            Requirement::Scope(scope) => scope
+                .granted_by()
+                .iter()
+                .map(|granting| SecurityRequirement::new("bearer", [granting.as_str()]))
+                .collect(),
             Requirement::Authenticated => {
                 vec![SecurityRequirement::new("bearer", Vec::<&str>::new())]
             }
@@ -173,14 +179,16 @@ pub fn router(gateway: Gateway, auth: Auth) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
+            auth,
+            crate::auth::authenticate,
+        ))
+        // Outside authentication, so refusals (401/403) are counted under their route too.
+        .layer(axum::middleware::from_fn_with_state(
             gateway.clone(),
             metrics::track,
         ))
         .with_state(gateway)
-        .layer(axum::middleware::from_fn_with_state(
-            auth,
-            crate::auth::authenticate,
-        ))
+        .layer(CatchPanicLayer::custom(problem::panic_response))
         .layer(axum::middleware::from_fn(problem::with_instance))
         .layer(PropagateRequestIdLayer::new(request_id.clone()))
         .layer(
@@ -292,12 +300,21 @@ mod tests {
                 );
                 // An open operation has an empty list: "no requirement".
                 let requirements = operation["security"].as_array().map(Vec::len);
-                assert_eq!(requirements, Some(usize::from(!open)), "{method} {path}");
+                if open {
+                    assert_eq!(requirements, Some(0), "{method} {path}");
+                } else {
+                    assert!(requirements.is_some_and(|n| n >= 1), "{method} {path}");
+                }
             }
         }
         assert_eq!(
-            spec["paths"]["/fetch"]["post"]["security"][0]["bearer"][0],
-            "fetch"
+            spec["paths"]["/fetch"]["post"]["security"],
+            serde_json::json!([{ "bearer": ["fetch"] }])
+        );
+        // `publish` or `admin`: two alternative requirements.
+        assert_eq!(
+            spec["paths"]["/publish"]["post"]["security"],
+            serde_json::json!([{ "bearer": ["publish"] }, { "bearer": ["admin"] }])
         );
     }
 

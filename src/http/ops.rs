@@ -38,14 +38,8 @@ pub async fn healthz() -> Json<HealthDto> {
     )
 )]
 pub async fn readyz(State(gateway): State<Gateway>) -> Result<Json<HealthDto>, Error> {
-    if !gateway.is_ready() {
-        return Err(Error::Unavailable(format!(
-            "not connected to NATS at {} and bound to consumer {} of stream {}, or shutting down",
-            gateway.config().nats_url_redacted(),
-            gateway.config().consumer,
-            gateway.config().stream
-        )));
-    }
+    // The detail is generic (callers are unauthenticated): the log says where NATS is.
+    gateway.readiness()?;
     Ok(Json(HealthDto {
         status: "ok".into(),
     }))

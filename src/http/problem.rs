@@ -186,6 +186,35 @@ impl IntoResponse for Error {
     }
 }
 
+/// [`tower_http::catch_panic`]'s answer when a handler panicked: a problem+json 500 instead
+/// of a dropped connection. The panic's message goes to the log only: it may name internals.
+pub fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|message| (*message).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    tracing::error!(panic = %message, "a request handler panicked");
+    let problem = Problem {
+        kind: "urn:ruststream-nats:problem:internal".into(),
+        title: "Internal error".into(),
+        status: StatusCode::INTERNAL_SERVER_ERROR.as_u16(),
+        detail: "the gateway failed while answering this request; the failure is logged".into(),
+        instance: None,
+        field: None,
+        retry_after: None,
+    };
+    let body = serde_json::to_vec(&problem).unwrap_or_default();
+    let mut response = (
+        StatusCode::INTERNAL_SERVER_ERROR,
+        [(header::CONTENT_TYPE, PROBLEM_JSON)],
+        body,
+    )
+        .into_response();
+    response.extensions_mut().insert(problem);
+    response
+}
+
 /// Middleware: names the request path as the `instance` of every problem answered.
 pub async fn with_instance(request: Request, next: Next) -> Response {
     let path = request.uri().path().to_owned();
@@ -204,6 +233,53 @@ pub async fn with_instance(request: Request, next: Next) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A panic becomes a problem+json 500 that does not repeat the panic's message; behind
+    /// `with_instance` (as in the router) it names the request path.
+    #[tokio::test]
+    async fn a_panicking_handler_answers_a_problem_500_without_internals() {
+        use tower_service::Service as _;
+        let mut app = axum::Router::new()
+            .route(
+                "/boom",
+                axum::routing::get(|| async {
+                    if std::hint::black_box(true) {
+                        panic!("secret internal state 0xdeadbeef");
+                    }
+                }),
+            )
+            .layer(tower_http::catch_panic::CatchPanicLayer::custom(
+                panic_response,
+            ))
+            .layer(axum::middleware::from_fn(with_instance));
+        let request = Request::builder()
+            .uri("/boom")
+            .body(Body::empty())
+            .expect("request");
+        let response = app
+            .call(request)
+            .await
+            .expect("an answer, not a dropped connection");
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            response
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .map(|v| v.as_bytes()),
+            Some(PROBLEM_JSON.as_bytes())
+        );
+        let body = axum::body::to_bytes(response.into_body(), 64 * 1024)
+            .await
+            .expect("body");
+        let problem: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+        assert_eq!(problem["status"], 500, "{problem}");
+        assert_eq!(problem["instance"], "/boom", "{problem}");
+        let text = String::from_utf8_lossy(&body);
+        assert!(
+            !text.contains("deadbeef") && !text.contains("secret"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn details_never_name_internal_subjects() {

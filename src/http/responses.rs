@@ -146,9 +146,7 @@ impl ProblemKind {
                     retry_after: Duration::from_secs(1),
                 },
             ],
-            Self::Unavailable => vec![Error::Unavailable(
-                "not connected to NATS at nats://127.0.0.1:4222".into(),
-            )],
+            Self::Unavailable => vec![Error::Unavailable("not connected to NATS".into())],
             Self::NotConfirmed => vec![Error::TimedOut],
         }
     }

@@ -20,7 +20,7 @@ use tokio_util::task::TaskTracker;
 use tower_service::Service as _;
 use tracing::{debug, error};
 
-use super::body::BodyReadTimeout;
+use super::body::{BodyLimit, BodyReadTimeout};
 use super::client::watch as watch_connection;
 
 /// Connection-level limits.
@@ -34,6 +34,8 @@ pub struct Limits {
     pub header_read_timeout: Duration,
     /// How long a handler waits for a request body.
     pub body_read_timeout: Duration,
+    /// Most bytes a request body may have (413 beyond).
+    pub max_body_bytes: usize,
 }
 
 /// Serve `app` on `listener` until `shutdown` resolves; then stop accepting, let every open
@@ -74,9 +76,11 @@ pub async fn serve(
         let (io, client) = watch_connection(stream);
         let app = app.clone();
         let body_read_timeout = BodyReadTimeout(limits.body_read_timeout);
+        let body_limit = BodyLimit(limits.max_body_bytes);
         let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
             request.extensions_mut().insert(ConnectInfo(client.clone()));
             request.extensions_mut().insert(body_read_timeout);
+            request.extensions_mut().insert(body_limit);
             let mut app = app.clone();
             async move { app.call(request).await }
         });

@@ -94,6 +94,12 @@ fn words(value: &Yaml) -> Vec<String> {
 fn gateway_arguments(origin: &str, env: &[(String, String)], args: &[String]) -> Vec<String> {
     let command = Config::command();
     let mut argv = vec!["ruststream-nats".to_owned()];
+    // A flag given on the command line wins over its variable, as clap does it.
+    let given: Vec<&str> = args
+        .iter()
+        .filter_map(|word| word.strip_prefix("--"))
+        .map(|flag| flag.split_once('=').map_or(flag, |(long, _)| long))
+        .collect();
     for (key, value) in env {
         if !(key.starts_with("RUSTSTREAM_") || key.starts_with("NATS_")) {
             continue;
@@ -103,6 +109,9 @@ fn gateway_arguments(origin: &str, env: &[(String, String)], args: &[String]) ->
             .find(|arg| arg.get_env().is_some_and(|env| env == key.as_str()))
             .unwrap_or_else(|| panic!("{origin} sets {key}, which no gateway flag reads"));
         let long = arg.get_long().expect("every env flag has a long name");
+        if given.contains(&long) {
+            continue;
+        }
         if arg.get_action().takes_values() {
             argv.push(format!("--{long}={value}"));
         } else if matches!(value.as_str(), "true" | "1" | "yes" | "on") {
@@ -156,11 +165,7 @@ fn compose_gives_the_gateway_only_flags_and_variables_it_has() {
         ports.iter().any(|port| port.ends_with(":8080")),
         "{origin} publishes 8080: {ports:?}"
     );
-    let nats_url = env
-        .iter()
-        .find(|(key, _)| key == "NATS_URL")
-        .map(|(_, url)| url.clone())
-        .unwrap_or_else(|| panic!("{origin} sets NATS_URL"));
+    let nats_url = config.nats_url.clone();
     let nats_host = nats_url
         .trim_start_matches("nats://")
         .split(':')
@@ -169,7 +174,7 @@ fn compose_gives_the_gateway_only_flags_and_variables_it_has() {
         .to_owned();
     assert!(
         services.contains_key(&Yaml::String(nats_host.clone())),
-        "{origin}'s NATS_URL names a compose service: {nats_url}"
+        "{origin}'s NATS URL names a compose service: {nats_url}"
     );
 
     // NATS with JetStream storing on a volume.

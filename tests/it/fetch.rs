@@ -417,3 +417,46 @@ async fn messages_beyond_max_bytes_go_to_the_next_fetch() {
     sequences.sort_unstable();
     assert_eq!(sequences, published);
 }
+
+/// `--max-batch`, `--max-wait` and `--max-body-bytes` set below their defaults are enforced
+/// at the configured values: one past each cap is refused (422 naming the field, 413), the
+/// caps themselves are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configured_batch_wait_and_body_caps_are_enforced() {
+    let (_server, _js, gateway) = setup(&[
+        "--consumer",
+        "caps",
+        "--max-batch",
+        "5",
+        "--max-wait",
+        "2s",
+        "--max-body-bytes",
+        "1024",
+    ])
+    .await;
+    gateway
+        .fetch_reply(Some(&json!({ "batch": 6, "wait_ms": 0 })))
+        .await
+        .assert_problem(&[422], "batch");
+    gateway
+        .fetch_reply(Some(&json!({ "batch": 1, "wait_ms": 2001 })))
+        .await
+        .assert_problem(&[422], "wait_ms");
+    let at_caps = gateway
+        .fetch_reply(Some(&json!({ "batch": 5, "wait_ms": 2000 })))
+        .await;
+    assert_eq!(at_caps.status, 200, "{}", at_caps.text);
+
+    // JSON padded with whitespace to exactly the cap, then one byte more.
+    let padded = |size: usize| {
+        let mut body = br#"{"batch": 1, "wait_ms": 0}"#.to_vec();
+        body.resize(size, b' ');
+        body
+    };
+    let at_cap = gateway.post_bytes("/fetch", padded(1024)).await;
+    assert_eq!(at_cap.status, 200, "{}", at_cap.text);
+    gateway
+        .post_bytes("/fetch", padded(1025))
+        .await
+        .assert_problem(&[413], "1024");
+}

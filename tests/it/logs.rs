@@ -130,7 +130,8 @@ async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
             "--log-format",
             "json",
         ],
-        "info,ruststream_nats=debug",
+        // The default level: settle events must show there.
+        "info",
     );
     let http = http_client();
     wait_until(
@@ -215,4 +216,43 @@ async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
     for secret in [TOKEN, URL_PASSWORD] {
         assert!(!text.contains(secret), "a secret was logged:\n{text}");
     }
+}
+
+/// Without a token source the gateway warns at start that HTTP authentication is off; with
+/// tokens it does not. NATS need not be up: the warning comes before HTTP is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warning_says_when_http_authentication_is_off() {
+    const WARNING: &str = "HTTP authentication is off";
+    let unreachable = format!("nats://127.0.0.1:{}", free_port());
+    let started = |args: &[&str]| {
+        let mut all = vec!["--nats-url", unreachable.as_str()];
+        all.extend_from_slice(args);
+        Binary::start(&all, "info")
+    };
+    let listening = |binary: &Binary| {
+        let text = binary.text();
+        async move { text.contains("listening") }
+    };
+
+    let open = started(&[]);
+    wait_until("the open gateway listens", Duration::from_secs(20), || {
+        listening(&open)
+    })
+    .await;
+    let text = open.text();
+    let warning = text
+        .lines()
+        .find(|line| line.contains(WARNING))
+        .unwrap_or_else(|| panic!("no warning in:\n{text}"));
+    assert!(warning.contains("WARN"), "not at warn level: {warning}");
+
+    let guarded = started(&["--auth-tokens", "some-token fetch"]);
+    wait_until(
+        "the guarded gateway listens",
+        Duration::from_secs(20),
+        || listening(&guarded),
+    )
+    .await;
+    let text = guarded.text();
+    assert!(!text.contains(WARNING), "warned with tokens given:\n{text}");
 }

@@ -110,10 +110,13 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
         ("GET", "/consumer"),
         ("GET", "/metrics"),
         ("POST", "/publish"),
-        ("GET", "/no-such-endpoint"),
     ] {
         assert_challenge(&send(&anonymous, method, &url(path)).await, 401, "Bearer");
     }
+    // A path no route matches is a plain 404 without a token: it reveals nothing.
+    let unknown = send(&anonymous, "GET", &url("/no-such-endpoint")).await;
+    unknown.assert_problem(&[404], "");
+    assert!(!unknown.headers.contains_key("www-authenticate"));
 
     // A valid token outside its scope: 403 naming the scope, before the body is looked at.
     let fetcher = http_client_with_token("worker-fetch-token");
@@ -157,6 +160,28 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
         .await
         .expect("publish");
     assert_eq!(Gateway::reply(published).await.status, 201);
+    // `admin` may publish too (an operator injecting or replaying a message).
+    let published = ops
+        .post(url("/publish"))
+        .json(&json!({ "subject": "orders.auth", "data": "three" }))
+        .send()
+        .await
+        .expect("publish as admin");
+    assert_eq!(Gateway::reply(published).await.status, 201);
+
+    // Refusals are counted under their route template like any answer.
+    let metrics = send(&ops, "GET", &url("/metrics")).await;
+    for series in [
+        r#"ruststream_http_requests_total{method="POST",route="/fetch",status="401"}"#,
+        r#"ruststream_http_requests_total{method="POST",route="/fetch",status="403"}"#,
+        r#"ruststream_http_requests_total{method="POST",route="/messages/{id}/ack",status="403"}"#,
+    ] {
+        assert!(
+            metrics.text.lines().any(|line| line.starts_with(series)),
+            "{series} missing from:\n{}",
+            metrics.text
+        );
+    }
     // `*` grants every scope; an authenticated stranger path is a plain 404.
     let root = http_client_with_token("inline-token");
     assert_eq!(send(&root, "GET", &url("/consumer")).await.status, 200);

@@ -107,6 +107,38 @@ async fn user_and_password() {
     );
 }
 
+/// `nats://user:password@host`: the credentials work (given to the client as options), and
+/// the client's debug log, which names the server it connects to, never shows the password.
+#[tokio::test]
+async fn credentials_in_the_url() {
+    let server =
+        ConfiguredServer::start("authorization { user: alice, password: \"pw-u7e2-secret\" }")
+            .await;
+    let with_credentials = |password: &str| {
+        server
+            .url()
+            .replacen("://", &format!("://alice:{password}@"), 1)
+    };
+    assert_gateway_works(&with_credentials("pw-u7e2-secret"), &[]).await;
+    let log = binary_log(&with_credentials("pw-wrong-4d1c-secret"), &[]).await;
+    assert!(
+        !log.contains("pw-wrong-4d1c-secret"),
+        "the password is in the log:\n{log}"
+    );
+    // Credentials both in the URL and as a flag: which would win is not obvious, so neither.
+    let mut both = Gateway::start(
+        &with_credentials("pw-both-9b3f-secret"),
+        &["--nats-token", "some-token"],
+    )
+    .await;
+    let refused = format!(
+        "{:#}",
+        both.exit_result().await.expect_err("refused to start")
+    );
+    assert!(refused.contains("one way"), "{refused}");
+    assert!(!refused.contains("pw-both-9b3f-secret"), "{refused}");
+}
+
 #[tokio::test]
 async fn token() {
     let server = ConfiguredServer::start("authorization { token: \"tok-51d0-secret\" }").await;
