@@ -3,6 +3,7 @@
 
 mod body;
 pub mod client;
+mod docs;
 pub mod dto;
 mod fetch;
 mod messages;
@@ -29,7 +30,6 @@ use tower_http::trace::{DefaultOnFailure, TraceLayer};
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
-use utoipa_swagger_ui::{Config, SwaggerUi};
 
 use crate::auth::Auth;
 use crate::error::Error;
@@ -175,7 +175,7 @@ pub fn router(gateway: Gateway, auth: Auth) -> Router {
     api()
         .split_for_parts()
         .0
-        .merge(swagger_ui())
+        .merge(docs::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
@@ -262,13 +262,6 @@ impl MakeRequestId for SequentialRequestId {
             .ok()
             .map(RequestId::new)
     }
-}
-
-/// Swagger UI at `/docs`, reading `/openapi.json`. Its files are compiled into the binary,
-/// and the online validator (which would send the spec to a third party) is off, so the
-/// page works without a network.
-fn swagger_ui() -> SwaggerUi {
-    SwaggerUi::new("/docs").config(Config::from("/openapi.json").validator_url("none"))
 }
 
 async fn not_found() -> impl IntoResponse {
