@@ -57,7 +57,13 @@ async fn waiting_polls_return_and_new_fetches_are_refused() {
             assert_eq!(status, 503, "a fetch during shutdown");
             assert!(content_type.starts_with("application/problem+json"));
         }
-        Err(err) => assert!(err.is_connect(), "refused, not broken: {err}"),
+        // Refused, or closed unanswered: with no lease out the grace ends at once, and a
+        // connection (pooled, or accepted just then) is closed as the server stops; either
+        // way no fetch was served. A response other than 503 is what must never happen.
+        Err(err) => assert!(
+            err.is_connect() || err.is_request(),
+            "no answer, as expected, but not for a transport reason: {err}"
+        ),
     }
 
     gateway
