@@ -17,17 +17,7 @@ async fn fetch_with_key(gateway: &Gateway, key: &str, auth: Option<&str>, body: 
     if let Some(auth) = auth {
         request = request.header("Authorization", auth);
     }
-    let response = request.send().await.expect("POST /fetch");
-    let status = response.status().as_u16();
-    let headers = response.headers().clone();
-    let text = response.text().await.expect("body");
-    let body = serde_json::from_str(&text).unwrap_or(Value::Null);
-    Reply {
-        status,
-        headers,
-        text,
-        body,
-    }
+    Gateway::reply(request.send().await.expect("POST /fetch")).await
 }
 
 fn replayed(reply: &Reply) -> bool {

@@ -131,30 +131,44 @@ impl NatsServer {
             .spawn()
             .map_err(|err| format!("spawn {}: {err}", binary.display()))?;
         self.child = Some(child);
-
-        let deadline = Instant::now() + START_DEADLINE;
-        loop {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                self.child = None;
-                return Err(format!("exited with {status}; log:\n{}", self.log()));
-            }
-            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-                .await
-                .is_ok()
-            {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                self.kill();
-                return Err(format!(
-                    "no TCP connect within {START_DEADLINE:?}; log:\n{}",
-                    self.log()
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let log_path = self.log_path();
+        let started = wait_until_listening(&mut self.child, self.port, &log_path).await;
+        if started.is_err() {
+            self.kill();
         }
+        started
+    }
+}
+
+/// Wait until the server just spawned into `child` accepts TCP connections on `port`; an
+/// exit (the child is cleared) or [`START_DEADLINE`] is an error quoting the server's log.
+pub async fn wait_until_listening(
+    child: &mut Option<Child>,
+    port: u16,
+    log_path: &Path,
+) -> Result<(), String> {
+    let log = || std::fs::read_to_string(log_path).unwrap_or_default();
+    let deadline = Instant::now() + START_DEADLINE;
+    loop {
+        if let Some(running) = child.as_mut()
+            && let Ok(Some(status)) = running.try_wait()
+        {
+            *child = None;
+            return Err(format!("exited with {status}; log:\n{}", log()));
+        }
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "no TCP connect within {START_DEADLINE:?}; log:\n{}",
+                log()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

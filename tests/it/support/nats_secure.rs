@@ -5,12 +5,10 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
 
 use tempfile::TempDir;
-use tokio::time::Instant;
 
-use super::nats::{free_port, nats_server_binary};
+use super::nats::{free_port, nats_server_binary, wait_until_listening};
 
 /// A nats-server with JetStream, configured by a snippet the test writes.
 pub struct ConfiguredServer {
@@ -55,10 +53,6 @@ impl ConfiguredServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_default()
-    }
-
     fn log_path(&self) -> PathBuf {
         self.dir.path().join("nats-server.log")
     }
@@ -83,25 +77,8 @@ impl ConfiguredServer {
             .spawn()
             .map_err(|err| format!("spawn nats-server: {err}"))?;
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                self.child = None;
-                return Err(format!("exited with {status}; log:\n{}", self.log()));
-            }
-            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-                .await
-                .is_ok()
-            {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(format!("no TCP connect in 10 s; log:\n{}", self.log()));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let log_path = self.log_path();
+        wait_until_listening(&mut self.child, self.port, &log_path).await
     }
 }
 
