@@ -4,9 +4,10 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use tokio::task::JoinHandle;
 
 use crate::support::gateway::{Reply, parse_messages};
-use crate::support::{Gateway, server_ack_pending, setup};
+use crate::support::{Gateway, server_ack_pending, setup, wait_until};
 
 async fn fetch_with_key(gateway: &Gateway, key: &str, auth: Option<&str>, body: &Value) -> Reply {
     let mut request = gateway
@@ -112,42 +113,42 @@ async fn the_same_key_with_a_different_body_is_422() {
     }
 }
 
+/// `POST /fetch` with `key` in a task of its own; its answer as JSON.
+fn spawn_keyed_fetch(gateway: &Gateway, key: &'static str, request: &Value) -> JoinHandle<Value> {
+    let url = gateway.url("/fetch");
+    let http = gateway.http.clone();
+    let request = request.clone();
+    tokio::spawn(async move {
+        let response = http
+            .post(url)
+            .header("Idempotency-Key", key)
+            .json(&request)
+            .send()
+            .await
+            .expect("POST /fetch");
+        response.json::<Value>().await.expect("json")
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeat_while_the_first_still_waits_gets_the_first_answer() {
     let (_server, js, gateway) = setup(&["--consumer", "concurrent-retry"]).await;
     let request = json!({ "batch": 5, "wait_ms": 8000 });
-    let first = {
-        let gateway_url = gateway.url("/fetch");
-        let http = gateway.http.clone();
-        let request = request.clone();
-        tokio::spawn(async move {
-            let response = http
-                .post(gateway_url)
-                .header("Idempotency-Key", "slow")
-                .json(&request)
-                .send()
+    let first = spawn_keyed_fetch(&gateway, "slow", &request);
+    wait_until(
+        "the first fetch waits at the server",
+        Duration::from_secs(10),
+        || async {
+            js.consumer_info(&gateway.stream, &gateway.consumer)
                 .await
-                .expect("first fetch");
-            response.json::<Value>().await.expect("json")
-        })
-    };
-    let repeat = {
-        let gateway_url = gateway.url("/fetch");
-        let http = gateway.http.clone();
-        let request = request.clone();
-        tokio::spawn(async move {
-            // Pacing, not a condition: the repeat should arrive while the first waits.
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let response = http
-                .post(gateway_url)
-                .header("Idempotency-Key", "slow")
-                .json(&request)
-                .send()
-                .await
-                .expect("repeat");
-            response.json::<Value>().await.expect("json")
-        })
-    };
+                .num_waiting
+                >= 1
+        },
+    )
+    .await;
+    let repeat = spawn_keyed_fetch(&gateway, "slow", &request);
+    // Pacing, not a condition: the repeat should reach the gateway while the first waits
+    // (a later one would get the same answer as a replay, which the assertions accept too).
     tokio::time::sleep(Duration::from_millis(800)).await;
     js.publish_many("orders.1", 2, "m").await;
     let first = first.await.expect("first");
