@@ -13,6 +13,9 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 /// An HTTP gateway that leases NATS JetStream messages to HTTP clients.
+/// The default of `--max-body-bytes`: 256 KiB fits a 1000-id batch settle.
+pub(crate) const DEFAULT_MAX_BODY_BYTES: u32 = 262_144;
+
 #[derive(Debug, Clone, Parser)]
 #[command(name = "ruststream-nats", version, about, long_about = None)]
 pub struct Config {
@@ -179,7 +182,7 @@ pub struct Config {
 
     /// Most bytes a request body may have (413 beyond); the default, 256 KiB, fits a
     /// 1000-id batch settle.
-    #[arg(long, env = "RUSTSTREAM_MAX_BODY_BYTES", default_value_t = 262_144,
+    #[arg(long, env = "RUSTSTREAM_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES,
           value_parser = clap::value_parser!(u32).range(1..=67_108_864))]
     pub max_body_bytes: u32,
 
@@ -388,7 +391,7 @@ fn redact_url_credentials(urls: &str) -> String {
 }
 
 fn parse_dead_letter_subject(value: &str) -> Result<String, String> {
-    crate::subject::validate_publish_subject(value)?;
+    crate::domain::subject::validate_publish_subject(value)?;
     Ok(value.to_owned())
 }
 
@@ -492,7 +495,7 @@ mod tests {
         assert_eq!(config.listen, "127.0.0.1:8080".parse().expect("addr"));
         assert_eq!(config.max_batch, 1000);
         assert_eq!(config.max_wait, Duration::from_secs(30));
-        assert_eq!(config.max_body_bytes as usize, crate::http::BODY_LIMIT);
+        assert_eq!(config.max_body_bytes, 262_144);
         assert!(config.auth_tokens_file.is_none() && config.auth_tokens.is_none());
     }
 

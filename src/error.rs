@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
-use crate::leases::SettleKind;
+use crate::domain::settle::SettleKind;
 
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+pub(crate) enum Error {
     /// The request body is not JSON at all.
     #[error("{detail}")]
     Malformed { detail: String },
@@ -59,7 +59,7 @@ pub enum Error {
 }
 
 impl Error {
-    pub fn invalid(field: &str, detail: impl Into<String>) -> Self {
+    pub(crate) fn invalid(field: &str, detail: impl Into<String>) -> Self {
         Self::Invalid {
             field: Some(field.to_owned()),
             detail: detail.into(),

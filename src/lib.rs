@@ -1,39 +1,39 @@
 //! ruststream-nats: an HTTP gateway that holds a NATS JetStream pull consumer and leases its
 //! messages to HTTP clients.
 //!
-//! The map:
-//! - [`auth`]: HTTP bearer tokens with scopes, checked before any handler runs.
-//! - [`config`]: flags and environment variables → validated settings.
-//! - [`consumer`]: the NATS boundary — connect, create/bind the consumer, pull, confirmed settle.
-//! - [`dispatch`]: turns waiting fetches into pull requests and hands out deliveries.
-//! - [`leases`]: the lease table (issue, fence, expire, settle) — pure state and time.
-//! - [`lease_id`]: signed, self-describing lease ids.
-//! - [`dead_letter`]: republishes exhausted or terminated messages to a dead-letter subject.
-//! - [`gateway`]: the core the handlers call; supervises the NATS binding.
-//! - [`idempotency`]: `Idempotency-Key` on fetch — a repeat gets the first answer.
-//! - [`http`]: routes, JSON extraction, problem+json errors; [`http::openapi`] the spec.
-//! - [`metrics`]: Prometheus metric names and one-line recording helpers (`GET /metrics`).
+//! The map, top to bottom; each room imports only from rooms below it:
+//! - [`http`]: routes (one file per resource), bearer-token auth, JSON extraction,
+//!   problem+json errors, the accept loop; [`http::openapi`] the spec.
+//! - `gateway`: the core the handlers call — fetch (with idempotency), settle, extend,
+//!   inspect, publish, shutdown — and the supervisor that keeps the NATS binding.
+//! - `dispatch`: waiting fetches → pull requests; deliveries → the fetch that asked.
+//! - `nats`: the NATS boundary — connect, bind, pulls, confirmed settles, publish,
+//!   connection events, [`dead_letter`] copies.
+//! - `state`: the lease state shared by the core and the dispatcher.
+//! - `domain`: lease ids, the lease table, idempotency records, subject rules, the
+//!   delivery values — pure state and time.
+//! - [`config`], `error`, `metrics`: flags → settings, the one error a client sees, the
+//!   Prometheus registry; usable from every room.
 //! - [`healthcheck`]: `--healthcheck <URL>`, the container HEALTHCHECK without curl.
-//! - [`error`]: the one error type a client can see.
-//! - [`subject`]: NATS subject rules for `POST /publish`.
 //!
 //! [`run`] serves until a shutdown signal, then drains: new fetches get 503, waiting ones
 //! return, settles are accepted for a grace period, unleased deliveries are nak'd.
 
-pub mod auth;
 pub mod config;
-pub mod consumer;
-pub mod dead_letter;
-pub mod dispatch;
-pub mod error;
-pub mod gateway;
+mod dispatch;
+mod domain;
+mod error;
+mod gateway;
 pub mod healthcheck;
 pub mod http;
-pub mod idempotency;
-pub mod lease_id;
-pub mod leases;
-pub mod metrics;
-pub mod subject;
+mod metrics;
+mod nats;
+mod state;
+
+/// Dead-letter copies, as their readers see them.
+pub mod dead_letter {
+    pub use crate::nats::dead_letter::headers;
+}
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -56,7 +56,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let grace = config.shutdown_grace;
-    let auth = auth::Auth::from_config(&config)?;
+    let auth = http::auth::Auth::from_config(&config)?;
     config.nats_servers().map_err(anyhow::Error::msg)?;
     if !auth.is_on() {
         warn!(
@@ -65,10 +65,10 @@ pub async fn run(
         );
     }
     let lease_key = match &config.lease_key_file {
-        Some(path) => Some(lease_id::LeaseKey::load(path)?),
+        Some(path) => Some(domain::lease_id::LeaseKey::load(path)?),
         None => None,
     };
-    let (gateway, tasks, fatal_rx) = Gateway::start_with_lease_key(config, lease_key);
+    let (gateway, tasks, fatal_rx) = Gateway::start(config, lease_key);
     let app = http::router(gateway.clone(), auth);
     let address = listener
         .local_addr()

@@ -22,58 +22,56 @@ use prometheus::{
     TextEncoder,
 };
 
-use crate::error::Error;
-
 /// Leases handed out and not yet settled or expired (gauge).
-pub const LEASES_IN_FLIGHT: &str = "ruststream_leases_in_flight";
+pub(crate) const LEASES_IN_FLIGHT: &str = "ruststream_leases_in_flight";
 /// Leases handed to clients by `POST /fetch` (counter).
-pub const LEASES_GRANTED: &str = "ruststream_leases_granted_total";
+pub(crate) const LEASES_GRANTED: &str = "ruststream_leases_granted_total";
 /// Settle and extend requests per lease, by `kind` and `result` (counter).
-pub const LEASES_SETTLED: &str = "ruststream_leases_settled_total";
+pub(crate) const LEASES_SETTLED: &str = "ruststream_leases_settled_total";
 /// Leases that reached `lease_expires_at` unsettled (counter).
-pub const LEASES_EXPIRED: &str = "ruststream_leases_expired_total";
+pub(crate) const LEASES_EXPIRED: &str = "ruststream_leases_expired_total";
 /// Leases taken back because the fetch's client hung up before the answer (counter).
-pub const LEASES_WITHDRAWN: &str = "ruststream_leases_withdrawn_total";
+pub(crate) const LEASES_WITHDRAWN: &str = "ruststream_leases_withdrawn_total";
 /// Deliveries received from the NATS server (counter).
-pub const DELIVERIES_RECEIVED: &str = "ruststream_deliveries_received_total";
+pub(crate) const DELIVERIES_RECEIVED: &str = "ruststream_deliveries_received_total";
 /// Deliveries received with `delivered > 1` (counter).
-pub const REDELIVERIES: &str = "ruststream_redeliveries_total";
+pub(crate) const REDELIVERIES: &str = "ruststream_redeliveries_total";
 /// Deliveries nak'd back to the server without ever being leased (counter).
-pub const DELIVERIES_RELEASED: &str = "ruststream_deliveries_released_total";
+pub(crate) const DELIVERIES_RELEASED: &str = "ruststream_deliveries_released_total";
 /// Time a fetch waited in the gateway for messages, from queued to answered (histogram).
-pub const FETCH_WAIT: &str = "ruststream_fetch_wait_seconds";
+pub(crate) const FETCH_WAIT: &str = "ruststream_fetch_wait_seconds";
 /// Time to serve a `POST /fetch` answered 200: the wait plus leasing and JSON (histogram).
-pub const FETCH_LATENCY: &str = "ruststream_fetch_latency_seconds";
+pub(crate) const FETCH_LATENCY: &str = "ruststream_fetch_latency_seconds";
 /// Fetches answered 200 with no message (counter).
-pub const FETCHES_EMPTY: &str = "ruststream_fetches_empty_total";
+pub(crate) const FETCHES_EMPTY: &str = "ruststream_fetches_empty_total";
 /// Fetches refused, by `reason`: `at_capacity` (429), `token_limit` (429, the token's
 /// waiting fetches) or `unavailable` (503) (counter).
-pub const FETCHES_REFUSED: &str = "ruststream_fetches_refused_total";
+pub(crate) const FETCHES_REFUSED: &str = "ruststream_fetches_refused_total";
 /// 1 while the NATS connection is up, else 0 (gauge).
-pub const NATS_CONNECTED: &str = "ruststream_nats_connected";
+pub(crate) const NATS_CONNECTED: &str = "ruststream_nats_connected";
 /// Times the NATS connection came back after a loss (counter).
-pub const NATS_RECONNECTS: &str = "ruststream_nats_reconnects_total";
+pub(crate) const NATS_RECONNECTS: &str = "ruststream_nats_reconnects_total";
 /// The consumer's effective max_ack_pending (gauge).
-pub const MAX_ACK_PENDING: &str = "ruststream_max_ack_pending";
+pub(crate) const MAX_ACK_PENDING: &str = "ruststream_max_ack_pending";
 /// The consumer's effective ack_wait (gauge).
-pub const ACK_WAIT: &str = "ruststream_ack_wait_seconds";
+pub(crate) const ACK_WAIT: &str = "ruststream_ack_wait_seconds";
 /// Messages nak'd with a delay and not yet redelivered: they hold a max_ack_pending slot (gauge).
-pub const DELAYED_NAKS: &str = "ruststream_delayed_naks";
+pub(crate) const DELAYED_NAKS: &str = "ruststream_delayed_naks";
 /// HTTP requests by `method`, `route` (the matched template) and `status` (counter).
-pub const HTTP_REQUESTS: &str = "ruststream_http_requests_total";
+pub(crate) const HTTP_REQUESTS: &str = "ruststream_http_requests_total";
 /// HTTP request durations by `method` and `route` (histogram).
-pub const HTTP_REQUEST_DURATION: &str = "ruststream_http_request_duration_seconds";
+pub(crate) const HTTP_REQUEST_DURATION: &str = "ruststream_http_request_duration_seconds";
 /// Messages copied to the dead-letter subject and stored there (counter).
-pub const DEAD_LETTERED: &str = "ruststream_dead_lettered_total";
+pub(crate) const DEAD_LETTERED: &str = "ruststream_dead_lettered_total";
 /// Dead-letter advisories not copied, by `reason`: `missing` (the message had already left
 /// the stream) or `failed` (publishing kept failing for a minute) (counter).
-pub const DEAD_LETTERS_SKIPPED: &str = "ruststream_dead_letters_skipped_total";
+pub(crate) const DEAD_LETTERS_SKIPPED: &str = "ruststream_dead_letters_skipped_total";
 /// Always 1, labelled with the gateway's `version` (gauge).
-pub const BUILD_INFO: &str = "ruststream_build_info";
+pub(crate) const BUILD_INFO: &str = "ruststream_build_info";
 
 /// The `route` label of a request that matched no route: never the raw path, which would
 /// make a new series per lease id or per probe.
-pub const UNMATCHED_ROUTE: &str = "unmatched";
+pub(crate) const UNMATCHED_ROUTE: &str = "unmatched";
 
 /// Seconds: 1 ms to 30 s, the range of both a settle round trip and the longest long poll.
 const DURATION_BUCKETS: &[f64] = &[
@@ -82,7 +80,7 @@ const DURATION_BUCKETS: &[f64] = &[
 
 /// What was asked of a lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SettleAction {
+pub(crate) enum SettleAction {
     Ack,
     Nak,
     Term,
@@ -92,7 +90,7 @@ pub enum SettleAction {
 impl SettleAction {
     const ALL: [Self; 4] = [Self::Ack, Self::Nak, Self::Term, Self::InProgress];
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Ack => "ack",
             Self::Nak => "nak",
@@ -104,7 +102,7 @@ impl SettleAction {
 
 /// How a settle (or extension) of one lease ended, as the `result` label says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SettleOutcome {
+pub(crate) enum SettleOutcome {
     /// Confirmed by the server.
     Ok,
     /// The same settle again: answered as the first time, nothing sent.
@@ -135,7 +133,7 @@ impl SettleOutcome {
         Self::Error,
     ];
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Ok => "ok",
             Self::Repeated => "repeated",
@@ -147,32 +145,31 @@ impl SettleOutcome {
             Self::Error => "error",
         }
     }
+}
 
-    /// The outcome a failed settle reports.
-    pub fn of_error(err: &Error) -> Self {
-        match err {
-            Error::AlreadySettled { .. } => Self::AlreadySettled,
-            Error::LeaseGone => Self::Gone,
-            Error::UnknownLease => Self::Unknown,
-            Error::TimedOut => Self::Timeout,
-            Error::Unavailable(_) => Self::Unavailable,
-            _ => Self::Error,
-        }
-    }
+/// Why a fetch was refused (`reason` of `ruststream_fetches_refused_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FetchRefusal {
+    /// Every max_ack_pending slot is taken (429).
+    AtCapacity,
+    /// The token has as many fetches waiting as it may (429).
+    TokenLimit,
+    /// NATS unreachable, consumer gone, or shutting down (503).
+    Unavailable,
 }
 
 /// Scrape-time state, read from the gateway when `/metrics` is asked for.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Snapshot {
-    pub leases_in_flight: usize,
-    pub delayed_naks: usize,
-    pub max_ack_pending: usize,
-    pub ack_wait: Duration,
-    pub nats_connected: bool,
+pub(crate) struct Snapshot {
+    pub(crate) leases_in_flight: usize,
+    pub(crate) delayed_naks: usize,
+    pub(crate) max_ack_pending: usize,
+    pub(crate) ack_wait: Duration,
+    pub(crate) nats_connected: bool,
 }
 
 /// One gateway's metrics: its own registry and a handle per series.
-pub struct Metrics {
+pub(crate) struct Metrics {
     registry: Registry,
     leases_in_flight: IntGauge,
     leases_granted: IntCounter,
@@ -210,7 +207,7 @@ impl Default for Metrics {
 impl Metrics {
     /// A fresh registry with every series registered (counters at 0), so a first scrape
     /// already lists them all and rates work from the start.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let registry = Registry::new();
         let reg = Registrar(&registry);
         let settled = reg.counter_vec(
@@ -334,78 +331,83 @@ impl Metrics {
 
     // ---- recording: one line at each call site ----------------------------------------------
 
-    pub fn leases_granted(&self, count: usize) {
+    pub(crate) fn leases_granted(&self, count: usize) {
         self.leases_granted.inc_by(count as u64);
     }
 
     /// Leases found past their expiry (the lease table notices lazily; a scrape makes it look).
-    pub fn leases_expired(&self, count: u64) {
+    pub(crate) fn leases_expired(&self, count: u64) {
         self.leases_expired.inc_by(count);
     }
 
-    pub fn leases_withdrawn(&self, count: usize) {
+    pub(crate) fn leases_withdrawn(&self, count: usize) {
         self.leases_withdrawn.inc_by(count as u64);
     }
 
-    pub fn settled(&self, action: SettleAction, outcome: SettleOutcome) {
+    pub(crate) fn settled(&self, action: SettleAction, outcome: SettleOutcome) {
         self.leases_settled[action as usize][outcome as usize].inc();
     }
 
     /// A delivery arrived from the server; `delivered` is its delivery count.
-    pub fn delivery_received(&self, delivered: u64) {
+    pub(crate) fn delivery_received(&self, delivered: u64) {
         self.deliveries_received.inc();
         if delivered > 1 {
             self.redeliveries.inc();
         }
     }
 
-    pub fn delivery_released(&self) {
+    pub(crate) fn delivery_released(&self) {
         self.deliveries_released.inc();
     }
 
-    pub fn fetch_waited(&self, wait: Duration) {
+    pub(crate) fn fetch_waited(&self, wait: Duration) {
         self.fetch_wait.observe(wait.as_secs_f64());
     }
 
     /// A fetch answered 200 with `messages` messages after `latency`.
-    pub fn fetch_served(&self, latency: Duration, messages: usize) {
+    pub(crate) fn fetch_served(&self, latency: Duration, messages: usize) {
         self.fetch_latency.observe(latency.as_secs_f64());
         if messages == 0 {
             self.fetches_empty.inc();
         }
     }
 
-    /// A fetch the gateway refused; other errors (validation, client gone) are not counted.
-    pub fn fetch_refused(&self, err: &Error) {
-        match err {
-            Error::AtCapacity { .. } => self.fetches_refused_at_capacity.inc(),
-            Error::Unavailable(_) => self.fetches_refused_unavailable.inc(),
-            Error::TooManyWaitingFetches { .. } => self.fetches_refused_token_limit.inc(),
-            _ => {}
+    /// A fetch the gateway refused.
+    pub(crate) fn fetch_refused(&self, refusal: FetchRefusal) {
+        match refusal {
+            FetchRefusal::AtCapacity => self.fetches_refused_at_capacity.inc(),
+            FetchRefusal::Unavailable => self.fetches_refused_unavailable.inc(),
+            FetchRefusal::TokenLimit => self.fetches_refused_token_limit.inc(),
         }
     }
 
     /// A message was stored in the dead-letter stream.
-    pub fn dead_lettered(&self) {
+    pub(crate) fn dead_lettered(&self) {
         self.dead_lettered.inc();
     }
 
     /// A dead-letter advisory named a message no longer in the stream.
-    pub fn dead_letter_missing(&self) {
+    pub(crate) fn dead_letter_missing(&self) {
         self.dead_letters_missing.inc();
     }
 
     /// A dead letter could not be published.
-    pub fn dead_letter_failed(&self) {
+    pub(crate) fn dead_letter_failed(&self) {
         self.dead_letters_failed.inc();
     }
 
-    pub fn nats_reconnected(&self) {
+    pub(crate) fn nats_reconnected(&self) {
         self.nats_reconnects.inc();
     }
 
     /// One HTTP request answered; `route` is the matched template or [`UNMATCHED_ROUTE`].
-    pub fn http_request(&self, method: &Method, route: &str, status: StatusCode, took: Duration) {
+    pub(crate) fn http_request(
+        &self,
+        method: &Method,
+        route: &str,
+        status: StatusCode,
+        took: Duration,
+    ) {
         let method = method.as_str();
         self.http_requests
             .with_label_values(&[method, route, status.as_str()])
@@ -418,7 +420,7 @@ impl Metrics {
     // ---- scraping --------------------------------------------------------------------------
 
     /// The Prometheus text exposition (format 0.0.4), after taking in `snapshot`.
-    pub fn render(&self, snapshot: Snapshot) -> String {
+    pub(crate) fn render(&self, snapshot: Snapshot) -> String {
         let gauge = |value: usize| i64::try_from(value).unwrap_or(i64::MAX);
         self.leases_in_flight.set(gauge(snapshot.leases_in_flight));
         self.delayed_naks.set(gauge(snapshot.delayed_naks));
@@ -435,7 +437,7 @@ impl Metrics {
 }
 
 /// The content type of [`Metrics::render`]'s output (as Prometheus' own exporters send it).
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+pub(crate) const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Builds and registers metrics. Names and help texts are constants of this module, so a
 /// failure here is a programming error caught by the first test that starts a gateway.
@@ -558,10 +560,7 @@ mod tests {
         metrics.delivery_received(1);
         metrics.delivery_received(3);
         metrics.fetch_served(Duration::from_millis(3), 0);
-        metrics.fetch_refused(&Error::AtCapacity {
-            max_ack_pending: 1,
-            retry_after: Duration::from_secs(1),
-        });
+        metrics.fetch_refused(FetchRefusal::AtCapacity);
         metrics.http_request(
             &Method::POST,
             "/messages/{id}/ack",

@@ -10,7 +10,7 @@ use crate::error::Error;
 
 /// Most bytes a request body may have by default (a 1000-id batch settle needs about 70 KB);
 /// `--max-body-bytes` changes it.
-pub const BODY_LIMIT: usize = 256 * 1024;
+pub(crate) const BODY_LIMIT: usize = crate::config::DEFAULT_MAX_BODY_BYTES as usize;
 /// An oversized body is still read (and dropped) up to this size before the 413 goes out:
 /// closing a connection with unread data resets it, and the client may then never see the
 /// answer. Past this, or with a larger Content-Length, the connection is cut at once.
@@ -18,14 +18,14 @@ const DRAIN_LIMIT: usize = 16 * 1024 * 1024;
 
 /// How long a body may take to arrive, set per request by the serve loop (absent: no limit).
 #[derive(Debug, Clone, Copy)]
-pub struct BodyReadTimeout(pub std::time::Duration);
+pub(crate) struct BodyReadTimeout(pub std::time::Duration);
 
 /// Most bytes a request body may have, set per request by the serve loop (absent: [`BODY_LIMIT`]).
 #[derive(Debug, Clone, Copy)]
-pub struct BodyLimit(pub usize);
+pub(crate) struct BodyLimit(pub usize);
 
 /// A JSON request body, `T::default()` when empty.
-pub struct JsonBody<T>(pub T);
+pub(crate) struct JsonBody<T>(pub T);
 
 impl<S, T> FromRequest<S> for JsonBody<T>
 where
@@ -85,7 +85,7 @@ async fn read_limited(body: axum::body::Body, limit: usize) -> Result<Vec<u8>, E
 }
 
 /// Parse a body, mapping serde's errors to 400 (not JSON) or 422 (wrong shape or value).
-pub fn parse<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, Error> {
+pub(crate) fn parse<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, Error> {
     // No body at all; whitespace alone is not JSON (400, as the spec's schema says).
     if bytes.is_empty() {
         return Ok(T::default());

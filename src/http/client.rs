@@ -15,14 +15,14 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 /// Share `stream` between hyper (the first half) and the requests it carries (the second).
-pub fn watch(stream: TcpStream) -> (WatchedStream, Client) {
+pub(crate) fn watch(stream: TcpStream) -> (WatchedStream, Client) {
     let stream = Arc::new(stream);
     (WatchedStream(stream.clone()), Client { stream })
 }
 
 /// A connection, shared between hyper (reading and writing) and the request it carries
 /// (peeking only).
-pub struct WatchedStream(Arc<TcpStream>);
+pub(crate) struct WatchedStream(Arc<TcpStream>);
 
 impl AsyncRead for WatchedStream {
     fn poll_read(
@@ -94,14 +94,14 @@ impl AsyncWrite for WatchedStream {
 
 /// The client connection a request came on; handlers take it from the request's extensions.
 #[derive(Clone)]
-pub struct Client {
+pub(crate) struct Client {
     stream: Arc<TcpStream>,
 }
 
 impl Client {
     /// Resolves when the client closed or reset the connection. Stays pending while it is
     /// open, including when it already sent more (a pipelined request): that client is there.
-    pub async fn hung_up(&self) {
+    pub(crate) async fn hung_up(&self) {
         let mut byte = [0u8; 1];
         match self.stream.peek(&mut byte).await {
             Ok(0) | Err(_) => {}
@@ -111,7 +111,7 @@ impl Client {
 
     /// Whether the client has gone, without waiting. Asks the socket itself: the
     /// runtime's readiness flags can lag behind a hang-up that just arrived.
-    pub fn has_hung_up(&self) -> bool {
+    pub(crate) fn has_hung_up(&self) -> bool {
         let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
         match socket2::SockRef::from(self.stream.as_ref()).peek(&mut byte) {
             Ok(0) => true,

@@ -23,7 +23,7 @@ static CONFIG: LazyLock<Arc<Config<'static>>> =
     LazyLock::new(|| Arc::new(Config::from("/openapi.json").validator_url("none")));
 
 /// `/docs`, `/docs/` and `/docs/<file>`.
-pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
+pub(crate) fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
     Router::new()
         .route(DOCS_PATH, get(index))
         .route(&format!("{DOCS_PATH}/"), get(index))

@@ -9,13 +9,13 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use utoipa::ToSchema;
 
-use crate::dispatch::Leased;
-use crate::gateway::wall_clock;
+use crate::domain::delivery::Leased;
+use crate::domain::wall_clock;
 
 /// How `data` is encoded.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
-pub enum Encoding {
+pub(crate) enum Encoding {
     /// Standard base64 (RFC 4648, with padding). Always possible.
     #[default]
     Base64,
@@ -60,23 +60,23 @@ where
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"batch": 10, "wait_ms": 5000, "encoding": "utf8"}))]
-pub struct FetchBody {
+pub(crate) struct FetchBody {
     /// Most messages to lease (1..=1000, default 10).
     #[schema(minimum = 1, maximum = 1000)]
     #[serde(default, deserialize_with = "integral")]
-    pub batch: Option<u32>,
+    pub(crate) batch: Option<u32>,
     /// How long to wait while no message is available (0..=30000 ms, default 5000).
     #[schema(minimum = 0, maximum = 30000)]
     #[serde(default, deserialize_with = "integral")]
-    pub wait_ms: Option<u64>,
+    pub(crate) wait_ms: Option<u64>,
     /// Stop before the payloads would exceed this many bytes (at least one message is
     /// always returned).
     #[schema(minimum = 1)]
     // Signed, as the schema's int64 says: a larger number is refused (422), not taken.
     #[serde(default, deserialize_with = "integral")]
-    pub max_bytes: Option<i64>,
+    pub(crate) max_bytes: Option<i64>,
     /// Encoding of `data` (default base64).
-    pub encoding: Option<Encoding>,
+    pub(crate) encoding: Option<Encoding>,
 }
 
 /// One leased message.
@@ -96,32 +96,32 @@ pub struct FetchBody {
     "published_at": "2026-11-30T12:00:00.123456789Z",
     "lease_expires_at": "2026-11-30T12:00:29.123456789Z"
 }))]
-pub struct MessageDto {
+pub(crate) struct MessageDto {
     /// Lease id: opaque, URL-safe; settle the message with it.
-    pub id: String,
-    pub subject: String,
+    pub(crate) id: String,
+    pub(crate) subject: String,
     /// The payload, encoded as `encoding` says.
-    pub data: String,
-    pub encoding: Encoding,
+    pub(crate) data: String,
+    pub(crate) encoding: Encoding,
     /// NATS headers; a header may repeat.
-    pub headers: BTreeMap<String, Vec<String>>,
-    pub stream: String,
-    pub consumer: String,
-    pub stream_sequence: u64,
-    pub consumer_sequence: u64,
+    pub(crate) headers: BTreeMap<String, Vec<String>>,
+    pub(crate) stream: String,
+    pub(crate) consumer: String,
+    pub(crate) stream_sequence: u64,
+    pub(crate) consumer_sequence: u64,
     /// Delivery attempt, from 1.
-    pub delivered: u64,
+    pub(crate) delivered: u64,
     /// Messages left for the consumer after this one, as the server saw it.
-    pub pending: u64,
+    pub(crate) pending: u64,
     /// When the message was published (RFC 3339).
-    pub published_at: String,
+    pub(crate) published_at: String,
     /// When the lease ends (RFC 3339): settle or extend before then. Never later than the
     /// server's redelivery.
-    pub lease_expires_at: String,
+    pub(crate) lease_expires_at: String,
 }
 
 impl MessageDto {
-    pub fn new(leased: Leased, wanted: Encoding) -> Self {
+    pub(crate) fn new(leased: Leased, wanted: Encoding) -> Self {
         let delivery = leased.delivery;
         let (data, encoding) = match (wanted, std::str::from_utf8(&delivery.payload)) {
             (Encoding::Utf8, Ok(text)) => (text.to_owned(), Encoding::Utf8),
@@ -154,84 +154,84 @@ impl MessageDto {
     }
 }
 
-pub fn rfc3339(at: OffsetDateTime) -> String {
+pub(crate) fn rfc3339(at: OffsetDateTime) -> String {
     at.format(&Rfc3339).unwrap_or_else(|_| at.to_string())
 }
 
 /// `POST /fetch` answer.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct FetchResponse {
+pub(crate) struct FetchResponse {
     /// Leased messages; empty when none arrived within `wait_ms`.
-    pub messages: Vec<MessageDto>,
+    pub(crate) messages: Vec<MessageDto>,
 }
 
 /// `POST /messages/{id}/nak` body (optional).
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"delay_ms": 5000}))]
-pub struct NakBody {
+pub(crate) struct NakBody {
     /// Redeliver no sooner than this many milliseconds from now (0..=604800000).
     #[schema(minimum = 0, maximum = 604_800_000)]
     #[serde(default, deserialize_with = "integral")]
-    pub delay_ms: Option<u64>,
+    pub(crate) delay_ms: Option<u64>,
 }
 
 /// `POST /messages/{id}/term` body (optional).
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"reason": "invalid order"}))]
-pub struct TermBody {
+pub(crate) struct TermBody {
     /// Why the message is terminated; shown in the server's MSG_TERMINATED advisory
     /// (at most 1024 characters, one line).
     #[schema(max_length = 1024, pattern = "^[^\\r\\n]*$")]
-    pub reason: Option<String>,
+    pub(crate) reason: Option<String>,
 }
 
 /// `POST /messages/ack` body.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"ids": ["AQAAAAAAAAAB…", "AQAAAAAAAAAC…"]}))]
-pub struct BatchAckBody {
+pub(crate) struct BatchAckBody {
     /// Lease ids (1..=1000).
     #[schema(min_items = 1, max_items = 1000)]
-    pub ids: Vec<String>,
+    pub(crate) ids: Vec<String>,
 }
 
 /// `POST /messages/nak` body.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"ids": ["AQAAAAAAAAAB…"], "delay_ms": 5000}))]
-pub struct BatchNakBody {
+pub(crate) struct BatchNakBody {
     /// Lease ids (1..=1000).
     #[schema(min_items = 1, max_items = 1000)]
-    pub ids: Vec<String>,
+    pub(crate) ids: Vec<String>,
     /// As for a single nak.
     #[schema(minimum = 0, maximum = 604_800_000)]
     #[serde(default, deserialize_with = "integral")]
-    pub delay_ms: Option<u64>,
+    pub(crate) delay_ms: Option<u64>,
 }
 
 /// `POST /messages/term` body.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"ids": ["AQAAAAAAAAAB…"], "reason": "invalid order"}))]
-pub struct BatchTermBody {
+pub(crate) struct BatchTermBody {
     /// Lease ids (1..=1000).
     #[schema(min_items = 1, max_items = 1000)]
-    pub ids: Vec<String>,
+    pub(crate) ids: Vec<String>,
     /// As for a single term.
     #[schema(max_length = 1024, pattern = "^[^\\r\\n]*$")]
-    pub reason: Option<String>,
+    pub(crate) reason: Option<String>,
 }
 
 /// The outcome for one id of a batch settle.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct BatchResult {
-    pub id: String,
+pub(crate) struct BatchResult {
+    pub(crate) id: String,
     /// What the single-lease endpoint would have answered: 204, 404, 409, 410, 503 or 504.
-    pub status: u16,
+    pub(crate) status: u16,
     /// Why it failed; null on success.
-    pub detail: Option<String>,
+    pub(crate) detail: Option<String>,
 }
 
 /// Batch settle answer, in request order.
@@ -240,22 +240,22 @@ pub struct BatchResult {
     {"id": "AQAAAAAAAAAB…", "status": 204, "detail": null},
     {"id": "bogus", "status": 404, "detail": "no lease with this id was issued by this gateway"}
 ]}))]
-pub struct BatchResponse {
-    pub results: Vec<BatchResult>,
+pub(crate) struct BatchResponse {
+    pub(crate) results: Vec<BatchResult>,
 }
 
 /// `POST /messages/{id}/in-progress` answer.
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(example = json!({"lease_expires_at": "2026-11-30T12:01:02.5Z"}))]
-pub struct ExtendResponse {
+pub(crate) struct ExtendResponse {
     /// The lease's new end (RFC 3339).
-    pub lease_expires_at: String,
+    pub(crate) lease_expires_at: String,
 }
 
 /// A header value, or several.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(untagged)]
-pub enum HeaderValues {
+pub(crate) enum HeaderValues {
     One(String),
     Many(Vec<String>),
 }
@@ -264,46 +264,46 @@ pub enum HeaderValues {
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"subject": "orders.created", "data": "hello"}))]
-pub struct PublishBody {
+pub(crate) struct PublishBody {
     /// A concrete subject the stream captures (no wildcards).
-    pub subject: String,
+    pub(crate) subject: String,
     /// The payload, encoded as `encoding` says.
     #[serde(default)]
-    pub data: String,
+    pub(crate) data: String,
     /// Encoding of `data` (default utf8 here, for typing at a shell).
-    pub encoding: Option<Encoding>,
+    pub(crate) encoding: Option<Encoding>,
     /// NATS headers (e.g. `Nats-Msg-Id` for de-duplication).
     #[serde(default)]
-    pub headers: BTreeMap<String, HeaderValues>,
+    pub(crate) headers: BTreeMap<String, HeaderValues>,
 }
 
 /// `POST /publish` answer.
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(example = json!({"stream": "ORDERS", "sequence": 42, "duplicate": false}))]
-pub struct PublishResponse {
-    pub stream: String,
+pub(crate) struct PublishResponse {
+    pub(crate) stream: String,
     /// The message's stream sequence.
-    pub sequence: u64,
+    pub(crate) sequence: u64,
     /// The stream already had a message with this `Nats-Msg-Id`.
-    pub duplicate: bool,
+    pub(crate) duplicate: bool,
 }
 
 /// Effective consumer settings.
 #[derive(Debug, Serialize, ToSchema)]
-pub struct ConsumerConfigDto {
-    pub durable: bool,
-    pub deliver_policy: String,
-    pub ack_policy: String,
+pub(crate) struct ConsumerConfigDto {
+    pub(crate) durable: bool,
+    pub(crate) deliver_policy: String,
+    pub(crate) ack_policy: String,
     /// ack_wait as a duration string (e.g. `30s`).
-    pub ack_wait: String,
-    pub ack_wait_ms: u64,
-    pub max_ack_pending: i64,
+    pub(crate) ack_wait: String,
+    pub(crate) ack_wait_ms: u64,
+    pub(crate) max_ack_pending: i64,
     /// -1: unlimited.
-    pub max_deliver: i64,
+    pub(crate) max_deliver: i64,
     /// The filter subject, when the consumer has exactly one.
-    pub filter_subject: Option<String>,
-    pub filter_subjects: Vec<String>,
-    pub max_waiting: i64,
+    pub(crate) filter_subject: Option<String>,
+    pub(crate) filter_subjects: Vec<String>,
+    pub(crate) max_waiting: i64,
 }
 
 /// `GET /consumer` answer.
@@ -329,27 +329,27 @@ pub struct ConsumerConfigDto {
     "num_waiting": 0,
     "leases_in_flight": 3
 }))]
-pub struct ConsumerDto {
-    pub name: String,
-    pub stream: String,
-    pub config: ConsumerConfigDto,
+pub(crate) struct ConsumerDto {
+    pub(crate) name: String,
+    pub(crate) stream: String,
+    pub(crate) config: ConsumerConfigDto,
     /// Messages not yet delivered (server).
-    pub num_pending: u64,
+    pub(crate) num_pending: u64,
     /// Delivered, not yet acked (server).
-    pub num_ack_pending: usize,
-    pub num_redelivered: usize,
+    pub(crate) num_ack_pending: usize,
+    pub(crate) num_redelivered: usize,
     /// Pull requests waiting at the server.
-    pub num_waiting: usize,
+    pub(crate) num_waiting: usize,
     /// Live leases held by clients of this gateway.
-    pub leases_in_flight: usize,
+    pub(crate) leases_in_flight: usize,
 }
 
 /// `GET /healthz` and `GET /readyz` answer (a readiness failure is a problem: 503).
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(example = json!({"status": "ok"}))]
-pub struct HealthDto {
+pub(crate) struct HealthDto {
     /// Always `ok`.
-    pub status: String,
+    pub(crate) status: String,
 }
 
 #[cfg(test)]

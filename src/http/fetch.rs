@@ -13,20 +13,21 @@ use super::body::JsonBody;
 use super::client::Client;
 use super::dto::{FetchBody, FetchResponse, MessageDto};
 use super::responses::{BodyRefusals, FetchRefusals, Guarded};
-use crate::auth::Principal;
 use crate::config::Config;
-use crate::dispatch::Demand;
+use crate::domain::delivery::Demand;
+use crate::domain::idempotency::{self, Begin, Fingerprint, Scope};
 use crate::error::Error;
 use crate::gateway::Gateway;
-use crate::idempotency::{self, Begin, Fingerprint, Scope};
+use crate::http::auth::Principal;
+use crate::metrics::FetchRefusal;
 
 /// The request header that makes a fetch retry-safe.
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+pub(crate) const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Set on an answer that repeats an earlier one for the same `Idempotency-Key`.
-pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+pub(crate) const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
-pub const DEFAULT_BATCH: u32 = 10;
-pub const DEFAULT_WAIT_MS: u64 = 5_000;
+pub(crate) const DEFAULT_BATCH: u32 = 10;
+pub(crate) const DEFAULT_WAIT_MS: u64 = 5_000;
 
 /// Lease up to `batch` messages.
 ///
@@ -51,7 +52,7 @@ pub const DEFAULT_WAIT_MS: u64 = 5_000;
         Guarded, BodyRefusals, FetchRefusals,
     )
 )]
-pub async fn fetch(
+pub(crate) async fn fetch(
     State(gateway): State<Gateway>,
     client: Option<Extension<ConnectInfo<Client>>>,
     principal: Option<Extension<Principal>>,
@@ -68,7 +69,7 @@ pub async fn fetch(
             Some(
                 token
                     .begin_fetch(limit)
-                    .inspect_err(|err| gateway.metrics().fetch_refused(err))?,
+                    .inspect_err(|_| gateway.metrics().fetch_refused(FetchRefusal::TokenLimit))?,
             )
         }
         None => None,
@@ -159,7 +160,7 @@ async fn lease(
     gateway: &Gateway,
     demand: Demand,
     client: Option<&Client>,
-) -> Result<Vec<crate::dispatch::Leased>, Error> {
+) -> Result<Vec<crate::domain::delivery::Leased>, Error> {
     match client {
         // Dropping the fetch when the client hangs up hands its place (and anything its
         // pull still brings) to the next fetch.

@@ -14,7 +14,7 @@ use super::dto::{
     TermBody, rfc3339,
 };
 use super::responses::{BodyRefusals, Guarded, LeaseRefusals};
-use crate::consumer::AckCommand;
+use crate::domain::settle::AckCommand;
 use crate::error::Error;
 use crate::gateway::Gateway;
 
@@ -24,7 +24,7 @@ const MAX_IDS: usize = 1000;
 /// problem+json rather than axum's plain-text rejection.
 #[derive(IntoParams)]
 #[into_params(names("id"), parameter_in = Path)]
-pub struct LeaseIdPath(
+pub(crate) struct LeaseIdPath(
     /// Lease id from `POST /fetch`.
     #[param(example = "AQAAAAAAAAABAAAAAAAAAAEAAAAAAAAAARh5p2wr2Z0A6eTgM0Uq3Zt1mCkV9g6kqw")]
     String,
@@ -57,7 +57,7 @@ const MAX_REASON_CHARS: usize = 1024;
         Guarded, LeaseRefusals,
     )
 )]
-pub async fn ack(
+pub(crate) async fn ack(
     State(gateway): State<Gateway>,
     LeaseIdPath(id): LeaseIdPath,
 ) -> Result<StatusCode, Error> {
@@ -78,7 +78,7 @@ pub async fn ack(
         Guarded, BodyRefusals, LeaseRefusals,
     )
 )]
-pub async fn nak(
+pub(crate) async fn nak(
     State(gateway): State<Gateway>,
     LeaseIdPath(id): LeaseIdPath,
     JsonBody(body): JsonBody<NakBody>,
@@ -101,7 +101,7 @@ pub async fn nak(
         Guarded, BodyRefusals, LeaseRefusals,
     )
 )]
-pub async fn term(
+pub(crate) async fn term(
     State(gateway): State<Gateway>,
     LeaseIdPath(id): LeaseIdPath,
     JsonBody(body): JsonBody<TermBody>,
@@ -123,7 +123,7 @@ pub async fn term(
         Guarded, LeaseRefusals,
     )
 )]
-pub async fn in_progress(
+pub(crate) async fn in_progress(
     State(gateway): State<Gateway>,
     LeaseIdPath(id): LeaseIdPath,
 ) -> Result<Json<ExtendResponse>, Error> {
@@ -145,7 +145,7 @@ pub async fn in_progress(
         Guarded, BodyRefusals,
     )
 )]
-pub async fn ack_many(
+pub(crate) async fn ack_many(
     State(gateway): State<Gateway>,
     JsonBody(body): JsonBody<BatchAckBody>,
 ) -> Result<Json<BatchResponse>, Error> {
@@ -164,7 +164,7 @@ pub async fn ack_many(
         Guarded, BodyRefusals,
     )
 )]
-pub async fn nak_many(
+pub(crate) async fn nak_many(
     State(gateway): State<Gateway>,
     JsonBody(body): JsonBody<BatchNakBody>,
 ) -> Result<Json<BatchResponse>, Error> {
@@ -184,7 +184,7 @@ pub async fn nak_many(
         Guarded, BodyRefusals,
     )
 )]
-pub async fn term_many(
+pub(crate) async fn term_many(
     State(gateway): State<Gateway>,
     JsonBody(body): JsonBody<BatchTermBody>,
 ) -> Result<Json<BatchResponse>, Error> {

@@ -29,7 +29,7 @@ use crate::metrics::{CONTENT_TYPE as METRICS_CONTENT_TYPE, UNMATCHED_ROUTE};
         Guarded,
     )
 )]
-pub async fn metrics(State(gateway): State<Gateway>) -> impl IntoResponse {
+pub(crate) async fn metrics(State(gateway): State<Gateway>) -> impl IntoResponse {
     (
         [(CONTENT_TYPE, METRICS_CONTENT_TYPE)],
         gateway.render_metrics(),
@@ -38,7 +38,11 @@ pub async fn metrics(State(gateway): State<Gateway>) -> impl IntoResponse {
 
 /// Count the request under its route template (`/messages/{id}/ack`), never its raw path:
 /// one series per lease id would grow without bound.
-pub async fn track(State(gateway): State<Gateway>, request: Request, next: Next) -> Response {
+pub(crate) async fn track(
+    State(gateway): State<Gateway>,
+    request: Request,
+    next: Next,
+) -> Response {
     let started = Instant::now();
     let method = request.method().clone();
     let route = request.extensions().get::<MatchedPath>().cloned();

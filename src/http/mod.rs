@@ -1,20 +1,19 @@
 //! The HTTP layer: routes (one file per resource), the JSON body extractor, problem+json
 //! errors and the middleware stack. Handlers are thin: parse, call the gateway, map.
 
+pub(crate) mod auth;
 mod body;
-pub mod client;
+pub(crate) mod client;
 mod docs;
-pub mod dto;
+pub(crate) mod dto;
 mod fetch;
 mod messages;
 mod metrics;
 mod ops;
-pub mod problem;
+pub(crate) mod problem;
 mod publish;
-pub mod responses;
-pub mod serve;
-
-pub use body::BODY_LIMIT;
+pub(crate) mod responses;
+pub(crate) mod serve;
 
 use std::time::Duration;
 
@@ -31,9 +30,9 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::auth::Auth;
 use crate::error::Error;
 use crate::gateway::Gateway;
+use crate::http::auth::Auth;
 use crate::metrics as metrics_names;
 use responses::ProblemResponses;
 
@@ -124,9 +123,9 @@ fn optional_bodies_may_be_absent(spec: &mut utoipa::openapi::OpenApi) {
 }
 
 /// The bearer scheme, and on each operation the scope it needs — from the same
-/// [`crate::auth::requirement`] the middleware enforces, so the two cannot disagree.
+/// [`crate::http::auth::requirement`] the middleware enforces, so the two cannot disagree.
 fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
-    use crate::auth::{Requirement, requirement};
+    use crate::http::auth::{Requirement, requirement};
     use utoipa::openapi::security::{
         HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
     };
@@ -170,7 +169,7 @@ fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
 }
 
 /// The complete application; `auth` guards every route but health, readiness and the docs.
-pub fn router(gateway: Gateway, auth: Auth) -> Router {
+pub(crate) fn router(gateway: Gateway, auth: Auth) -> Router {
     let request_id = HeaderName::from_static("x-request-id");
     api()
         .split_for_parts()
@@ -180,7 +179,7 @@ pub fn router(gateway: Gateway, auth: Auth) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             auth,
-            crate::auth::authenticate,
+            crate::http::auth::authenticate,
         ))
         // Outside authentication, so refusals (401/403) are counted under their route too.
         .layer(axum::middleware::from_fn_with_state(
@@ -284,7 +283,8 @@ mod tests {
         let paths = spec["paths"].as_object().expect("paths");
         for (path, item) in paths {
             for (method, operation) in item.as_object().expect("path item") {
-                let open = crate::auth::requirement(path) == crate::auth::Requirement::Open;
+                let open =
+                    crate::http::auth::requirement(path) == crate::http::auth::Requirement::Open;
                 let responses = &operation["responses"];
                 let guarded = responses.get("401").is_some() && responses.get("403").is_some();
                 assert_eq!(

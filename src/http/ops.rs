@@ -20,7 +20,7 @@ use crate::gateway::Gateway;
     tag = "operations",
     responses((status = 200, description = "Alive", body = HealthDto))
 )]
-pub async fn healthz() -> Json<HealthDto> {
+pub(crate) async fn healthz() -> Json<HealthDto> {
     Json(HealthDto {
         status: "ok".into(),
     })
@@ -37,7 +37,7 @@ pub async fn healthz() -> Json<HealthDto> {
         NatsRefusals,
     )
 )]
-pub async fn readyz(State(gateway): State<Gateway>) -> Result<Json<HealthDto>, Error> {
+pub(crate) async fn readyz(State(gateway): State<Gateway>) -> Result<Json<HealthDto>, Error> {
     // The detail is generic (callers are unauthenticated): the log says where NATS is.
     gateway.readiness()?;
     Ok(Json(HealthDto {
@@ -56,7 +56,7 @@ pub async fn readyz(State(gateway): State<Gateway>) -> Result<Json<HealthDto>, E
         Guarded, NatsRefusals,
     )
 )]
-pub async fn consumer(State(gateway): State<Gateway>) -> Result<Json<ConsumerDto>, Error> {
+pub(crate) async fn consumer(State(gateway): State<Gateway>) -> Result<Json<ConsumerDto>, Error> {
     let status = gateway.status().await?;
     let info = status.info;
     let config = info.config;
@@ -112,7 +112,7 @@ fn json_name<T: serde::Serialize>(value: &T) -> String {
     tag = "operations",
     responses((status = 200, description = "The OpenAPI document", body = Object))
 )]
-pub async fn openapi_json() -> impl IntoResponse {
+pub(crate) async fn openapi_json() -> impl IntoResponse {
     // Assembled once: the document does not change while the process runs.
     static SPEC: LazyLock<Vec<u8>> =
         LazyLock::new(|| serde_json::to_vec(&super::openapi()).unwrap_or_default());

@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 
 use crate::error::Error;
 
-pub const PROBLEM_JSON: &str = "application/problem+json";
+pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 
 /// What internal NATS subjects contain; no client-facing detail may show one.
 const INTERNAL_SUBJECT_MARKERS: [&str; 4] = ["$JS.", "$SYS.", "_INBOX.", "$KV."];
@@ -24,34 +24,34 @@ const INTERNAL_SUBJECT_MARKERS: [&str; 4] = ["$JS.", "$SYS.", "_INBOX.", "$KV."]
     "detail": "the lease is no longer valid: it expired or the message was delivered again",
     "instance": "/messages/AQAAAAAAAAAB/ack"
 }))]
-pub struct Problem {
+pub(crate) struct Problem {
     /// A URI naming the kind of problem; stable, usable for dispatching in clients.
     #[serde(rename = "type")]
     #[schema(format = "uri")]
-    pub kind: String,
+    pub(crate) kind: String,
     /// Short summary of the kind of problem.
-    pub title: String,
+    pub(crate) title: String,
     /// The HTTP status code.
     #[schema(minimum = 400, maximum = 599)]
-    pub status: u16,
+    pub(crate) status: u16,
     /// What went wrong in this occurrence.
-    pub detail: String,
+    pub(crate) detail: String,
     /// The request path this occurrence answered.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(format = "uri-reference")]
-    pub instance: Option<String>,
+    pub(crate) instance: Option<String>,
     /// The request field at fault, for validation errors.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub field: Option<String>,
+    pub(crate) field: Option<String>,
     /// Seconds until a retry can succeed (mirrors the Retry-After header), for 429.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1)]
-    pub retry_after: Option<u64>,
+    pub(crate) retry_after: Option<u64>,
 }
 
 impl Error {
     /// The HTTP status for this error.
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match self {
             Self::Malformed { .. } => StatusCode::BAD_REQUEST,
             Self::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
@@ -109,7 +109,7 @@ impl Error {
     /// The detail as a client may see it: any word naming an internal NATS subject (the
     /// JetStream API, acks, inboxes, system events), which an error from the NATS client
     /// could carry, is replaced. A safety net: the texts we write never name one.
-    pub fn public_detail(&self) -> String {
+    pub(crate) fn public_detail(&self) -> String {
         let detail = self.to_string();
         if !INTERNAL_SUBJECT_MARKERS
             .iter()
@@ -133,7 +133,7 @@ impl Error {
             .join(" ")
     }
 
-    pub fn problem(&self) -> Problem {
+    pub(crate) fn problem(&self) -> Problem {
         let (slug, title) = self.slug_and_title();
         Problem {
             kind: format!("urn:ruststream-nats:problem:{slug}"),
@@ -188,7 +188,7 @@ impl IntoResponse for Error {
 
 /// [`tower_http::catch_panic`]'s answer when a handler panicked: a problem+json 500 instead
 /// of a dropped connection. The panic's message goes to the log only: it may name internals.
-pub fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
+pub(crate) fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Response {
     let message = panic
         .downcast_ref::<&str>()
         .map(|message| (*message).to_owned())
@@ -216,7 +216,7 @@ pub fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> Respons
 }
 
 /// Middleware: names the request path as the `instance` of every problem answered.
-pub async fn with_instance(request: Request, next: Next) -> Response {
+pub(crate) async fn with_instance(request: Request, next: Next) -> Response {
     let path = request.uri().path().to_owned();
     let (mut parts, body) = next.run(request).await.into_parts();
     match parts.extensions.remove::<Problem>() {

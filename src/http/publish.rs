@@ -11,9 +11,9 @@ use base64::engine::general_purpose::STANDARD;
 use super::body::JsonBody;
 use super::dto::{Encoding, HeaderValues, PublishBody, PublishResponse};
 use super::responses::{BodyRefusals, Guarded, NatsRefusals};
+use crate::domain::subject::validate_publish_subject;
 use crate::error::Error;
 use crate::gateway::Gateway;
-use crate::subject::validate_publish_subject;
 
 /// Publish a message to a subject the stream captures; answers once the stream stored it.
 #[utoipa::path(
@@ -27,7 +27,7 @@ use crate::subject::validate_publish_subject;
         Guarded, BodyRefusals, NatsRefusals,
     )
 )]
-pub async fn publish(
+pub(crate) async fn publish(
     State(gateway): State<Gateway>,
     JsonBody(body): JsonBody<PublishBody>,
 ) -> Result<(StatusCode, Json<PublishResponse>), Error> {

@@ -19,12 +19,12 @@ use utoipa::{IntoResponses, Modify, PartialSchema, ToSchema};
 
 use super::body::BODY_LIMIT;
 use super::problem::{PROBLEM_JSON, Problem};
+use crate::domain::settle::SettleKind;
 use crate::error::Error;
-use crate::leases::SettleKind;
 
 /// Every kind of problem a route can answer; the name is the response's component name.
 #[derive(Debug, Clone, Copy)]
-pub enum ProblemKind {
+pub(crate) enum ProblemKind {
     Unauthorized,
     Forbidden,
     BodyTimeout,
@@ -218,7 +218,7 @@ impl ProblemKind {
 
 /// Adds every problem response (and the problem schema) to the document's components, so
 /// the sets below can refer to them.
-pub struct ProblemResponses;
+pub(crate) struct ProblemResponses;
 
 impl Modify for ProblemResponses {
     fn modify(&self, openapi: &mut OpenApi) {
@@ -243,7 +243,7 @@ fn refusals(kinds: &[ProblemKind]) -> BTreeMap<String, RefOr<Response>> {
 macro_rules! refusal_sets {
     ($($(#[$doc:meta])* $set:ident = [$($kind:ident),*];)*) => {$(
         $(#[$doc])*
-        pub struct $set;
+        pub(crate) struct $set;
 
         impl IntoResponses for $set {
             fn responses() -> BTreeMap<String, RefOr<Response>> {

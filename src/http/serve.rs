@@ -25,22 +25,22 @@ use super::client::watch as watch_connection;
 
 /// Connection-level limits.
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// Most connections open at once; past it the loop stops accepting (clients wait in the
     /// kernel's listen backlog) until one closes.
-    pub max_connections: usize,
+    pub(crate) max_connections: usize,
     /// How long a client may take to send a request's headers, and how long an idle
     /// keep-alive connection stays open.
-    pub header_read_timeout: Duration,
+    pub(crate) header_read_timeout: Duration,
     /// How long a handler waits for a request body.
-    pub body_read_timeout: Duration,
+    pub(crate) body_read_timeout: Duration,
     /// Most bytes a request body may have (413 beyond).
-    pub max_body_bytes: usize,
+    pub(crate) max_body_bytes: usize,
 }
 
 /// Serve `app` on `listener` until `shutdown` resolves; then stop accepting, let every open
 /// connection finish its request in flight, and return.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     app: Router,
     limits: Limits,

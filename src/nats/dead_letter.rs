@@ -44,8 +44,8 @@ pub mod headers {
 }
 
 /// Reasons in [`headers::REASON`].
-pub const REASON_MAX_DELIVERIES: &str = "max_deliveries";
-pub const REASON_TERMINATED: &str = "terminated";
+pub(crate) const REASON_MAX_DELIVERIES: &str = "max_deliveries";
+pub(crate) const REASON_TERMINATED: &str = "terminated";
 
 /// How many advisories are handled at once; more wait (the subscription buffers them).
 const CONCURRENCY: usize = 16;
@@ -57,10 +57,10 @@ const RETRY_FOR: Duration = Duration::from_secs(60);
 
 /// Where the dead letters of which consumer go.
 #[derive(Debug, Clone)]
-pub struct Target {
-    pub stream: String,
-    pub consumer: String,
-    pub subject: String,
+pub(crate) struct Target {
+    pub(crate) stream: String,
+    pub(crate) consumer: String,
+    pub(crate) subject: String,
 }
 
 /// Why JetStream stopped delivering a message.
@@ -95,7 +95,7 @@ fn advisory_subjects(target: &Target) -> [String; 2] {
 
 /// Listen for the consumer's advisories until `stop`, dead-lettering each message named.
 /// async-nats re-subscribes after a reconnect, so one subscription lasts the process.
-pub async fn run<M>(client: Client, target: Target, metrics: M, stop: CancellationToken)
+pub(crate) async fn run<M>(client: Client, target: Target, metrics: M, stop: CancellationToken)
 where
     M: AsRef<Metrics> + Clone + Send + 'static,
 {
@@ -254,7 +254,7 @@ async fn attempt(
 }
 
 /// The id the dead-letter stream deduplicates on: one per message and consumer.
-pub fn dedup_id(target: &Target, stream_sequence: u64) -> String {
+pub(crate) fn dedup_id(target: &Target, stream_sequence: u64) -> String {
     format!(
         "ruststream-dlq:{}:{}:{stream_sequence}",
         target.stream, target.consumer

@@ -2,7 +2,7 @@
 
 /// A concrete subject a client may publish to: dot-separated non-empty tokens, no
 /// wildcards, no whitespace, and not in the `$` system namespaces.
-pub fn validate_publish_subject(subject: &str) -> Result<(), String> {
+pub(crate) fn validate_publish_subject(subject: &str) -> Result<(), String> {
     if subject.is_empty() {
         return Err("must not be empty".into());
     }
@@ -27,7 +27,7 @@ pub fn validate_publish_subject(subject: &str) -> Result<(), String> {
 }
 
 /// Whether `subject` matches the subject filter `filter` (`*` one token, `>` the rest).
-pub fn matches(filter: &str, subject: &str) -> bool {
+pub(crate) fn matches(filter: &str, subject: &str) -> bool {
     let mut filter_tokens = filter.split('.');
     let mut subject_tokens = subject.split('.');
     loop {

@@ -15,14 +15,14 @@ use bytes::Bytes;
 use sha2::{Digest as _, Sha256};
 use tokio::sync::watch;
 
-use crate::lease_id::DeliveryKey;
+use super::lease_id::DeliveryKey;
 
 /// The longest key accepted (the IETF draft suggests UUIDs; 255 leaves room for others).
-pub const MAX_KEY_LEN: usize = 255;
+pub(crate) const MAX_KEY_LEN: usize = 255;
 
 /// A key within its credential's scope.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Scope {
+pub(crate) struct Scope {
     credential: Option<[u8; 32]>,
     key: String,
 }
@@ -30,7 +30,7 @@ pub struct Scope {
 impl Scope {
     /// `key` is the header value (already validated with [`validate_key`]); `authorization`
     /// the raw `Authorization` header value, if any.
-    pub fn new(key: &str, authorization: Option<&[u8]>) -> Self {
+    pub(crate) fn new(key: &str, authorization: Option<&[u8]>) -> Self {
         Self {
             credential: authorization.map(|value| Sha256::digest(value).into()),
             key: key.to_owned(),
@@ -39,7 +39,7 @@ impl Scope {
 }
 
 /// Check an `Idempotency-Key` value: 1 to 255 printable ASCII characters.
-pub fn validate_key(key: &[u8]) -> Result<&str, String> {
+pub(crate) fn validate_key(key: &[u8]) -> Result<&str, String> {
     if key.is_empty() || key.len() > MAX_KEY_LEN {
         return Err(format!(
             "Idempotency-Key: must be 1 to {MAX_KEY_LEN} characters, got {}",
@@ -54,12 +54,12 @@ pub fn validate_key(key: &[u8]) -> Result<&str, String> {
 
 /// What identifies "the same request" under one key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fingerprint([u8; 32]);
+pub(crate) struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
     /// From a canonical rendering of the request's effective values (defaults applied, so
     /// `{}` and `{"batch": 10}` are the same request).
-    pub fn of(canonical: &str) -> Self {
+    pub(crate) fn of(canonical: &str) -> Self {
         Self(Sha256::digest(canonical.as_bytes()).into())
     }
 }
@@ -78,7 +78,7 @@ enum Entry {
 }
 
 /// What to do with a request carrying a key.
-pub enum Begin {
+pub(crate) enum Begin {
     /// The first answer, to send again.
     Replay(Bytes),
     /// The key was used with a different request.
@@ -91,7 +91,7 @@ pub enum Begin {
 
 /// Remembered fetch answers by key.
 #[derive(Default)]
-pub struct IdempotencyCache {
+pub(crate) struct IdempotencyCache {
     entries: Mutex<Inner>,
 }
 
@@ -114,7 +114,7 @@ impl IdempotencyCache {
     }
 
     /// Look `scope` up. `live` says whether a lease is still live (asked only of answers).
-    pub fn begin(
+    pub(crate) fn begin(
         self: &Arc<Self>,
         scope: &Scope,
         fingerprint: Fingerprint,
@@ -164,19 +164,15 @@ impl IdempotencyCache {
         })
     }
 
-    /// Keys held (for tests and introspection).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.inner().entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
 /// The right to answer a key first. Dropped without an answer (the fetch failed or its
 /// client left before any lease), the key is released and a waiting repeat goes ahead.
-pub struct Claim {
+pub(crate) struct Claim {
     cache: Arc<IdempotencyCache>,
     scope: Scope,
     fingerprint: Fingerprint,
@@ -188,7 +184,7 @@ pub struct Claim {
 impl Claim {
     /// Remember `body` as the answer while any of `leases` is live (not at all when empty:
     /// an empty answer leased nothing, so a repeat may fetch afresh).
-    pub fn answer(mut self, body: Bytes, leases: Vec<DeliveryKey>) {
+    pub(crate) fn answer(mut self, body: Bytes, leases: Vec<DeliveryKey>) {
         if leases.is_empty() {
             return;
         }

@@ -14,11 +14,11 @@ type HmacSha256 = hmac::Hmac<Sha256>;
 
 /// The shortest signing key accepted from `--lease-key-file`: HMAC-SHA256's own block of
 /// strength (256 bits).
-pub const MIN_KEY_LEN: usize = 32;
+pub(crate) const MIN_KEY_LEN: usize = 32;
 
 /// A lease-signing key from `--lease-key-file`. `Debug` never shows it.
 #[derive(Clone)]
-pub struct LeaseKey(Vec<u8>);
+pub(crate) struct LeaseKey(Vec<u8>);
 
 impl std::fmt::Debug for LeaseKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -30,7 +30,7 @@ impl LeaseKey {
     /// Read a key file: hex or base64 text (surrounding whitespace ignored), else the raw
     /// bytes; at least [`MIN_KEY_LEN`] bytes once decoded. Errors name the path and the
     /// length, never the key.
-    pub fn load(path: &std::path::Path) -> anyhow::Result<Self> {
+    pub(crate) fn load(path: &std::path::Path) -> anyhow::Result<Self> {
         let bytes = std::fs::read(path)
             .map_err(|err| anyhow::anyhow!("reading --lease-key-file {}: {err}", path.display()))?;
         #[cfg(unix)]
@@ -44,7 +44,7 @@ impl LeaseKey {
             .map_err(|why| anyhow::anyhow!("--lease-key-file {}: {why}", path.display()))
     }
 
-    pub fn parse(bytes: &[u8]) -> Result<Self, String> {
+    pub(crate) fn parse(bytes: &[u8]) -> Result<Self, String> {
         let text = std::str::from_utf8(bytes)
             .map(str::trim)
             .unwrap_or_default();
@@ -60,7 +60,7 @@ impl LeaseKey {
         Ok(Self(key))
     }
 
-    pub fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         &self.0
     }
 }
@@ -90,20 +90,20 @@ fn decode_base64(text: &str) -> Option<Vec<u8>> {
 
 /// Which delivery of which message a lease is for; the key of the lease table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DeliveryKey {
-    pub stream_sequence: u64,
-    pub delivered: u64,
+pub(crate) struct DeliveryKey {
+    pub(crate) stream_sequence: u64,
+    pub(crate) delivered: u64,
 }
 
 /// Everything an id names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LeaseCoordinates {
+pub(crate) struct LeaseCoordinates {
     /// Which binding of the consumer issued it: a recreated consumer starts a new epoch,
     /// and ids of an older one are void even where sequences repeat.
-    pub epoch: u32,
-    pub key: DeliveryKey,
-    pub consumer_sequence: u64,
-    pub published_unix_nanos: i64,
+    pub(crate) epoch: u32,
+    pub(crate) key: DeliveryKey,
+    pub(crate) consumer_sequence: u64,
+    pub(crate) published_unix_nanos: i64,
 }
 
 const VERSION: u8 = 1;
@@ -113,18 +113,18 @@ const TAG_LEN: usize = 16;
 const ID_LEN: usize = BODY_LEN + TAG_LEN;
 
 /// Signs and verifies lease ids for one stream/consumer pair.
-pub struct LeaseSigner {
+pub(crate) struct LeaseSigner {
     mac: HmacSha256,
 }
 
 impl LeaseSigner {
     /// A signer with a fresh random key: ids die with the process.
-    pub fn random(stream: &str, consumer: &str) -> Self {
+    pub(crate) fn random(stream: &str, consumer: &str) -> Self {
         let key: [u8; 32] = rand::random();
         Self::with_key(&key, stream, consumer)
     }
 
-    pub fn with_key(key: &[u8], stream: &str, consumer: &str) -> Self {
+    pub(crate) fn with_key(key: &[u8], stream: &str, consumer: &str) -> Self {
         // HMAC accepts keys of any length, so this cannot fail.
         let mut mac = <HmacSha256 as KeyInit>::new_from_slice(key)
             .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
@@ -137,7 +137,7 @@ impl LeaseSigner {
         Self { mac }
     }
 
-    pub fn encode(&self, lease: &LeaseCoordinates) -> String {
+    pub(crate) fn encode(&self, lease: &LeaseCoordinates) -> String {
         let mut raw = [0u8; ID_LEN];
         raw[0] = VERSION;
         raw[1..5].copy_from_slice(&lease.epoch.to_be_bytes());
@@ -151,7 +151,7 @@ impl LeaseSigner {
     }
 
     /// The coordinates of a genuine id; `None` for anything malformed, truncated or forged.
-    pub fn decode(&self, id: &str) -> Option<LeaseCoordinates> {
+    pub(crate) fn decode(&self, id: &str) -> Option<LeaseCoordinates> {
         if id.len() != URL_SAFE_NO_PAD.encode([0u8; ID_LEN]).len() {
             return None;
         }

@@ -13,26 +13,23 @@
 //! arrives for nobody (in that window, or beyond a fetch's `max_bytes`) is held for the next
 //! fetch while most of its ack_wait is left, then nak'd.
 //!
-//! Each pull has its own inbox subscription (a delivery carries its stream subject, so only
-//! the subscription tells which pull it answers), read by a small task that stamps each
-//! message with its arrival time — a lease counts from when the delivery arrived, however
-//! busy the dispatcher is — and that ends, unsubscribing, once the server ended the pull.
+//! Pulls, their inboxes and their readers are the NATS boundary's ([`crate::nats::pull`]);
+//! this task decides when to open one and for whom.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::{HeaderMap, Subject};
-use bytes::Bytes;
-use futures::StreamExt;
-use time::OffsetDateTime;
+use async_nats::Subject;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
 
-use crate::consumer::{self, Bound};
-use crate::gateway::Shared;
-use crate::lease_id::{DeliveryKey, LeaseCoordinates};
+use crate::domain::delivery::{Delivery, Demand, Leased};
+use crate::nats::Bound;
+use crate::nats::pull::{self, PullEvent};
+use crate::nats::settle as nats_settle;
+use crate::state::LeaseState;
 
 /// How long a fetch whose pull is still open may outlive its deadline waiting for the
 /// server's end-of-request status (which normally arrives right at the deadline).
@@ -47,43 +44,10 @@ const MIN_EXPIRES: Duration = Duration::from_millis(10);
 /// How long the reader of a pull given up on keeps forwarding before it is stopped: the
 /// server's end-of-request status normally comes long before.
 const STRAGGLER_READ: Duration = Duration::from_secs(30);
-/// Subscribing only queues a command; it blocks when the queue is full while disconnected.
-const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Upper bound on pulls open at once, whatever max_waiting allows.
 const MAX_OPEN_PULLS: usize = 256;
 
-/// One delivery of one message, as received from the server.
-#[derive(Debug, Clone)]
-pub struct Delivery {
-    pub coordinates: LeaseCoordinates,
-    pub reply: Arc<str>,
-    pub subject: Subject,
-    pub payload: Bytes,
-    pub headers: Option<HeaderMap>,
-    pub stream: String,
-    pub consumer: String,
-    pub pending: u64,
-    pub published_at: OffsetDateTime,
-    pub received_at: Instant,
-}
-
-/// A delivery handed to a client, with its lease.
-#[derive(Debug)]
-pub struct Leased {
-    pub id: String,
-    pub delivery: Delivery,
-    pub expires_at: Instant,
-}
-
-/// What a fetch asks for (already validated).
-#[derive(Debug, Clone, Copy)]
-pub struct Demand {
-    pub batch: usize,
-    pub wait: Duration,
-    pub max_bytes: Option<usize>,
-}
-
-pub enum Command {
+pub(crate) enum Command {
     Fetch {
         /// Unique per fetch; chosen by the caller so it can abandon the fetch.
         id: u64,
@@ -99,8 +63,8 @@ pub enum Command {
     Return(Vec<Delivery>),
     /// Answer every waiting fetch now, stop pulling, nak whatever arrives.
     Shutdown,
-    /// The connection is back: waiting fetches can pull again (handled by the pump that
-    /// follows every command).
+    /// The connection is back. Not a no-op: it wakes the loop, and the pump that follows
+    /// every command issues pulls for the fetches that waited through the outage.
     Reconnected,
     /// Release what is held and end the task.
     Stop,
@@ -149,33 +113,11 @@ struct Pull {
     reader: tokio::task::JoinHandle<()>,
 }
 
-/// What a pull's reader forwards to the dispatcher. Nearly every one is a delivery, so it
-/// travels unboxed: boxing would cost an allocation per message to save space on the rare
-/// end-of-pull status.
-#[allow(clippy::large_enum_variant)]
-enum Inbound {
-    Delivery {
-        pull_id: u64,
-        delivery: Delivery,
-    },
-    /// A message the pull brought that is not a usable delivery (nak'd on its reply, if any).
-    Unusable {
-        pull_id: u64,
-        reply: Option<Subject>,
-    },
-    /// The server ended the pull with this status.
-    Ended {
-        pull_id: u64,
-        status: u16,
-        description: String,
-    },
-}
-
-pub struct Dispatcher {
-    shared: Arc<Shared>,
+pub(crate) struct Dispatcher {
+    shared: Arc<LeaseState>,
     bound: Option<Arc<Bound>>,
-    inbound: mpsc::UnboundedReceiver<Inbound>,
-    inbound_sender: mpsc::UnboundedSender<Inbound>,
+    inbound: mpsc::UnboundedReceiver<PullEvent>,
+    inbound_sender: mpsc::UnboundedSender<PullEvent>,
     waiters: VecDeque<Waiter>,
     held: VecDeque<Delivery>,
     pulls: HashMap<u64, Pull>,
@@ -190,7 +132,7 @@ pub struct Dispatcher {
 }
 
 impl Dispatcher {
-    pub fn new(shared: Arc<Shared>) -> Self {
+    pub(crate) fn new(shared: Arc<LeaseState>) -> Self {
         let (inbound_sender, inbound) = mpsc::unbounded_channel();
         Self {
             shared,
@@ -208,7 +150,7 @@ impl Dispatcher {
         }
     }
 
-    pub async fn run(
+    pub(crate) async fn run(
         mut self,
         mut commands: mpsc::Receiver<Command>,
         mut bound: watch::Receiver<Option<Arc<Bound>>>,
@@ -224,8 +166,8 @@ impl Dispatcher {
                     Some(Command::Abandon { id }) => self.abandon(id),
                     Some(Command::Return(deliveries)) => self.orphan(None, deliveries),
                     Some(Command::ConnectionLost) => self.forget_pulls(),
-                    Some(Command::Reconnected) => {}
                     Some(Command::Shutdown) => self.shutting_down = true,
+                    Some(Command::Reconnected) => {}
                     Some(Command::Stop) | None => break,
                 },
                 Some(inbound) = self.inbound.recv() => {
@@ -332,17 +274,17 @@ impl Dispatcher {
         }
     }
 
-    fn on_inbound(&mut self, inbound: Inbound) {
+    fn on_inbound(&mut self, inbound: PullEvent) {
         let (pull_id, delivery) = match inbound {
-            Inbound::Delivery { pull_id, delivery } => (pull_id, delivery),
-            Inbound::Unusable { pull_id, reply } => {
+            PullEvent::Delivery { pull_id, delivery } => (pull_id, delivery),
+            PullEvent::Unusable { pull_id, reply } => {
                 self.count_delivery(pull_id);
                 if let Some(reply) = reply {
                     self.unusable.push(reply);
                 }
                 return;
             }
-            Inbound::Ended {
+            PullEvent::Ended {
                 pull_id,
                 status,
                 description,
@@ -542,7 +484,7 @@ impl Dispatcher {
             return;
         };
         for reply in self.unusable.drain(..) {
-            consumer::release(&bound.client, &reply).await;
+            nats_settle::release(bound, &reply).await;
         }
         let mut kept = VecDeque::with_capacity(self.held.len());
         for delivery in self.held.drain(..) {
@@ -551,7 +493,7 @@ impl Dispatcher {
                     stream_sequence = delivery.coordinates.key.stream_sequence,
                     "releasing an unleased delivery"
                 );
-                consumer::release(&bound.client, &delivery.reply).await;
+                nats_settle::release(bound, &delivery.reply).await;
                 self.shared.released(delivery.coordinates.key);
             } else {
                 kept.push_back(delivery);
@@ -620,7 +562,7 @@ impl Dispatcher {
         let Some(bound) = self.bound.clone() else {
             return;
         };
-        if bound.client.connection_state() != async_nats::connection::State::Connected {
+        if !bound.is_connected() {
             return;
         }
         let max_pulls = (bound.max_waiting / 2).clamp(1, MAX_OPEN_PULLS);
@@ -667,27 +609,11 @@ impl Dispatcher {
             let expires = (left >= MIN_EXPIRES).then_some(left);
             self.next_pull_id += 1;
             let pull_id = self.next_pull_id;
-            let inbox = bound.client.new_inbox();
-            // Subscribe before asking: the server delivers only where there is interest.
-            let subscribed =
-                tokio::time::timeout(SUBSCRIBE_TIMEOUT, bound.client.subscribe(inbox.clone()))
-                    .await;
-            let Ok(Ok(subscriber)) = subscribed else {
-                warn!("could not subscribe a pull inbox");
+            let Some(reader) =
+                pull::open(&bound, pull_id, batch, expires, self.inbound_sender.clone()).await
+            else {
                 return;
             };
-            if let Err(err) = consumer::request_pull(&bound, inbox, batch, expires).await {
-                warn!(error = %err, "pull request failed");
-                return;
-            }
-            let reader = tokio::spawn(read_pull(
-                pull_id,
-                batch,
-                bound.epoch,
-                subscriber,
-                bound.jetstream.clone(),
-                self.inbound_sender.clone(),
-            ));
             capacity -= batch;
             self.pulls.insert(
                 pull_id,
@@ -710,99 +636,6 @@ impl Dispatcher {
             );
         }
     }
-}
-
-/// Forward a pull's messages, stamped with their arrival, until the server ended the pull
-/// (a status, or the whole batch delivered); then dropping the subscriber unsubscribes.
-/// Parsing here, on arrival, also keeps it off the dispatcher's path.
-async fn read_pull(
-    pull_id: u64,
-    batch: usize,
-    epoch: u32,
-    mut subscriber: async_nats::Subscriber,
-    jetstream: async_nats::jetstream::Context,
-    inbound: mpsc::UnboundedSender<Inbound>,
-) {
-    let mut delivered = 0;
-    while let Some(message) = subscriber.next().await {
-        let received_at = Instant::now();
-        let (forward, ended) = match message.status {
-            Some(status) if status.as_u16() == 100 => (None, false),
-            Some(status) => (
-                Some(Inbound::Ended {
-                    pull_id,
-                    status: status.as_u16(),
-                    description: message.description.unwrap_or_default(),
-                }),
-                true,
-            ),
-            None => {
-                delivered += 1;
-                let forward = match delivery(&jetstream, epoch, message, received_at) {
-                    Ok(delivery) => Inbound::Delivery { pull_id, delivery },
-                    Err(reply) => Inbound::Unusable { pull_id, reply },
-                };
-                let forward = Some(forward);
-                (forward, delivered >= batch)
-            }
-        };
-        if let Some(forward) = forward
-            && inbound.send(forward).is_err()
-        {
-            return;
-        }
-        if ended {
-            return;
-        }
-    }
-}
-
-/// A delivery from a JetStream message, or `None` (logged) for anything else.
-fn delivery(
-    jetstream: &async_nats::jetstream::Context,
-    epoch: u32,
-    message: async_nats::Message,
-    received_at: Instant,
-) -> Result<Delivery, Option<Subject>> {
-    let message = async_nats::jetstream::Message {
-        message,
-        context: jetstream.clone(),
-    };
-    let info = match message.info() {
-        Ok(info) => info,
-        Err(err) => {
-            warn!(error = %err, subject = %message.subject, "a message that is not a JetStream delivery; nak'ing it");
-            return Err(message.message.reply);
-        }
-    };
-    let coordinates = LeaseCoordinates {
-        // The binding the pull was made under: a delivery of an earlier one is never leased.
-        epoch,
-        key: DeliveryKey {
-            stream_sequence: info.stream_sequence,
-            delivered: u64::try_from(info.delivered).unwrap_or(1),
-        },
-        consumer_sequence: info.consumer_sequence,
-        published_unix_nanos: i64::try_from(info.published.unix_timestamp_nanos()).unwrap_or(0),
-    };
-    let stream = info.stream.to_owned();
-    let consumer = info.consumer.to_owned();
-    let pending = info.pending;
-    let published_at = info.published;
-    let reply: Arc<str> = Arc::from(message.reply.as_deref().unwrap_or_default());
-    let message = message.message;
-    Ok(Delivery {
-        coordinates,
-        reply,
-        subject: message.subject,
-        payload: message.payload,
-        headers: message.headers,
-        stream,
-        consumer,
-        pending,
-        published_at,
-        received_at,
-    })
 }
 
 impl Drop for Dispatcher {

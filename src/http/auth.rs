@@ -23,7 +23,7 @@ use crate::error::Error;
 
 /// What a token may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope {
+pub(crate) enum Scope {
     /// `POST /fetch`.
     Fetch,
     /// Every `POST /messages/…` settle and extension.
@@ -37,7 +37,7 @@ pub enum Scope {
 impl Scope {
     const ALL: [Self; 4] = [Self::Fetch, Self::Settle, Self::Publish, Self::Admin];
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Fetch => "fetch",
             Self::Settle => "settle",
@@ -52,7 +52,7 @@ impl Scope {
 
     /// The scopes any one of which grants what this scope guards: `admin` may publish too
     /// (an operator injecting or replaying a message), `publish` alone still suffices.
-    pub fn granted_by(self) -> &'static [Self] {
+    pub(crate) fn granted_by(self) -> &'static [Self] {
         match self {
             Self::Publish => &[Self::Publish, Self::Admin],
             Self::Fetch => &[Self::Fetch],
@@ -64,7 +64,7 @@ impl Scope {
 
 /// What a request needs before it reaches its handler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Requirement {
+pub(crate) enum Requirement {
     /// Health, readiness and the API description: nothing secret, and probes carry no token.
     Open,
     /// A valid token with this scope.
@@ -76,7 +76,7 @@ pub enum Requirement {
 
 /// The requirement of a path. By path rather than by route, so that a route added later
 /// under a protected prefix (e.g. `/metrics`) is protected without touching this module.
-pub fn requirement(path: &str) -> Requirement {
+pub(crate) fn requirement(path: &str) -> Requirement {
     match path {
         "/healthz" | "/readyz" | "/openapi.json" => Requirement::Open,
         "/docs" => Requirement::Open,
@@ -91,16 +91,14 @@ pub fn requirement(path: &str) -> Requirement {
 }
 
 /// One configured token: its digest, scopes, and the fetches it has waiting.
-pub struct TokenEntry {
+pub(crate) struct TokenEntry {
     digest: [u8; 32],
     scopes: u8,
-    /// Where it was configured (`file:3`, `inline:2`): names it in logs without revealing it.
-    pub origin: String,
     waiting_fetches: AtomicUsize,
 }
 
 impl TokenEntry {
-    pub fn allows(&self, scope: Scope) -> bool {
+    pub(crate) fn allows(&self, scope: Scope) -> bool {
         scope
             .granted_by()
             .iter()
@@ -108,7 +106,7 @@ impl TokenEntry {
     }
 
     /// Count one more waiting fetch for this token, unless it already has `limit`.
-    pub fn begin_fetch(self: &Arc<Self>, limit: usize) -> Result<WaitingFetch, Error> {
+    pub(crate) fn begin_fetch(self: &Arc<Self>, limit: usize) -> Result<WaitingFetch, Error> {
         let before = self.waiting_fetches.fetch_add(1, Ordering::AcqRel);
         if before >= limit {
             self.waiting_fetches.fetch_sub(1, Ordering::AcqRel);
@@ -122,7 +120,7 @@ impl TokenEntry {
 }
 
 /// A fetch counted against its token until dropped.
-pub struct WaitingFetch(Arc<TokenEntry>);
+pub(crate) struct WaitingFetch(Arc<TokenEntry>);
 
 impl Drop for WaitingFetch {
     fn drop(&mut self) {
@@ -132,10 +130,10 @@ impl Drop for WaitingFetch {
 
 /// The caller a request was authenticated as; handlers find it in the request extensions.
 #[derive(Clone)]
-pub struct Principal(pub Arc<TokenEntry>);
+pub(crate) struct Principal(pub Arc<TokenEntry>);
 
 /// The configured tokens; `None` inside [`Auth`] means authentication is off.
-pub struct Tokens {
+pub(crate) struct Tokens {
     entries: Vec<Arc<TokenEntry>>,
 }
 
@@ -145,7 +143,7 @@ impl Tokens {
     /// says so, blank lines and `#` comments ignored. Or JSON: `{"<token>": [scopes]}`,
     /// `[{"token": …, "scopes": […]}]` or `{"tokens": [that array]}` (scopes as an array or
     /// a comma-separated string). Errors name the entry by `source:number`, never its token.
-    pub fn parse(text: &str, source: &str, separators: &[char]) -> Result<Self, String> {
+    pub(crate) fn parse(text: &str, source: &str, separators: &[char]) -> Result<Self, String> {
         let trimmed = text.trim_start();
         let raw = if trimmed.starts_with('{') || trimmed.starts_with('[') {
             json_entries(trimmed, source)?
@@ -187,24 +185,20 @@ impl Tokens {
             entries.push(Arc::new(TokenEntry {
                 digest: Sha256::digest(token.as_bytes()).into(),
                 scopes: bits,
-                origin,
                 waiting_fetches: AtomicUsize::new(0),
             }));
         }
         Ok(Self { entries })
     }
 
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
     }
 
     /// The entry of a presented token. Looks at every entry whatever matches, comparing
     /// fixed-size digests in constant time.
-    pub fn authenticate(&self, presented: &str) -> Option<Arc<TokenEntry>> {
+    pub(crate) fn authenticate(&self, presented: &str) -> Option<Arc<TokenEntry>> {
         let digest: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
         let mut found = u32::MAX;
         for (index, entry) in self.entries.iter().enumerate() {
@@ -321,28 +315,28 @@ fn is_b64token(token: &str) -> bool {
 
 /// Authentication settings for the HTTP layer.
 #[derive(Clone)]
-pub struct Auth {
+pub(crate) struct Auth {
     tokens: Option<Arc<Tokens>>,
 }
 
 impl Auth {
     /// No authentication: every request is let through.
-    pub fn off() -> Self {
+    pub(crate) fn off() -> Self {
         Self { tokens: None }
     }
 
-    pub fn with_tokens(tokens: Tokens) -> Self {
+    pub(crate) fn with_tokens(tokens: Tokens) -> Self {
         Self {
             tokens: Some(Arc::new(tokens)),
         }
     }
 
-    pub fn is_on(&self) -> bool {
+    pub(crate) fn is_on(&self) -> bool {
         self.tokens.is_some()
     }
 
     /// Load the token sources the configuration names; off when it names none.
-    pub fn from_config(config: &Config) -> anyhow::Result<Self> {
+    pub(crate) fn from_config(config: &Config) -> anyhow::Result<Self> {
         if config.auth_tokens_file.is_none() && config.auth_tokens.is_none() {
             return Ok(Self::off());
         }
@@ -409,7 +403,11 @@ impl Auth {
 
 /// Middleware: refuse (401/403) before the handler or the body is touched; hand the
 /// authenticated caller to the handler as a [`Principal`] extension.
-pub async fn authenticate(State(auth): State<Auth>, mut request: Request, next: Next) -> Response {
+pub(crate) async fn authenticate(
+    State(auth): State<Auth>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     match auth.check(&request) {
         Ok(principal) => {
             if let Some(principal) = principal {

@@ -10,25 +10,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub use crate::lease_id::DeliveryKey;
-
-/// How a lease was (or is being) settled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SettleKind {
-    Ack,
-    Nak,
-    Term,
-}
-
-impl SettleKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Ack => "ack",
-            Self::Nak => "nak",
-            Self::Term => "term",
-        }
-    }
-}
+pub(crate) use super::lease_id::DeliveryKey;
+use super::settle::SettleKind;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -52,7 +35,7 @@ struct Record {
 
 /// Why a lease cannot be acted on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     /// Never issued here, or forgotten long ago.
     Unknown,
     /// Past its expiry, or a newer delivery of the message exists.
@@ -65,7 +48,7 @@ pub enum Refusal {
 
 /// What a settle should do next.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SettleStart {
+pub(crate) enum SettleStart {
     /// Send the settle on this ack subject, then call [`LeaseTable::finish_settle`].
     Send(Arc<str>),
     /// Already settled this way: answer as the first time, send nothing.
@@ -75,7 +58,7 @@ pub enum SettleStart {
 /// The lease table. Kept behind a `std::sync::Mutex`: every operation is short and never
 /// awaits, so an async mutex would only add cost (the mini-redis reasoning).
 #[derive(Debug)]
-pub struct LeaseTable {
+pub(crate) struct LeaseTable {
     records: HashMap<DeliveryKey, Record>,
     /// Newest delivery count seen per stream sequence: anything older is superseded.
     newest: HashMap<u64, u64>,
@@ -95,7 +78,7 @@ pub struct LeaseTable {
 
 impl LeaseTable {
     /// `retention`: how long the outcome of a settled or expired lease is remembered.
-    pub fn new(retention: Duration, max_retired: usize) -> Self {
+    pub(crate) fn new(retention: Duration, max_retired: usize) -> Self {
         Self {
             records: HashMap::new(),
             newest: HashMap::new(),
@@ -110,14 +93,14 @@ impl LeaseTable {
     }
 
     /// Leases that are live (issued, not settled, not expired) at `now`.
-    pub fn in_flight(&mut self, now: Instant) -> usize {
+    pub(crate) fn in_flight(&mut self, now: Instant) -> usize {
         self.expire(now);
         self.expiries.len()
     }
 
     /// Whether a lease is live: issued, and not settled, expired, superseded or withdrawn.
     /// One with a settle or extension on its way counts as live (the answer may be "no").
-    pub fn is_live(&self, key: DeliveryKey, now: Instant) -> bool {
+    pub(crate) fn is_live(&self, key: DeliveryKey, now: Instant) -> bool {
         let superseded = self
             .newest
             .get(&key.stream_sequence)
@@ -136,7 +119,7 @@ impl LeaseTable {
     /// End every live lease now (the gateway is stopping: nobody can settle them any more)
     /// and return their ack subjects, so the messages can be nak'd back at once. Leases with
     /// a settle or extension on its way are left alone.
-    pub fn revoke_live(&mut self, now: Instant) -> Vec<Arc<str>> {
+    pub(crate) fn revoke_live(&mut self, now: Instant) -> Vec<Arc<str>> {
         self.expire(now);
         let live: Vec<DeliveryKey> = self.expiries.iter().map(|(_, key)| *key).collect();
         let mut replies = Vec::with_capacity(live.len());
@@ -152,35 +135,35 @@ impl LeaseTable {
     }
 
     /// Messages nak'd with a delay whose delay is not over (see [`LeaseTable::park`]).
-    pub fn delayed_naks(&self) -> usize {
+    pub(crate) fn delayed_naks(&self) -> usize {
         self.parked.len()
     }
 
     /// How many leases expired since the last call (expiry is noticed lazily, by any call
     /// that takes `now`).
-    pub fn take_expired(&mut self) -> u64 {
+    pub(crate) fn take_expired(&mut self) -> u64 {
         std::mem::take(&mut self.expired)
     }
 
     /// When the earliest live lease expires.
-    pub fn next_expiry(&self) -> Option<Instant> {
+    pub(crate) fn next_expiry(&self) -> Option<Instant> {
         self.expiries.first().map(|(at, _)| *at)
     }
 
     /// Slots of max_ack_pending taken at `now`: live leases plus delayed naks not yet due.
-    pub fn taken(&mut self, now: Instant) -> usize {
+    pub(crate) fn taken(&mut self, now: Instant) -> usize {
         self.expire(now);
         self.expiries.len() + self.parked.len()
     }
 
     /// When a slot frees by itself: the earliest lease expiry or delayed nak coming due.
-    pub fn next_release(&self) -> Option<Instant> {
+    pub(crate) fn next_release(&self) -> Option<Instant> {
         let parked = self.parked_until.first().map(|(at, _)| *at);
         self.next_expiry().into_iter().chain(parked).min()
     }
 
     /// A nak with a delay was confirmed: the server keeps the message pending until then.
-    pub fn park(&mut self, stream_sequence: u64, until: Instant) {
+    pub(crate) fn park(&mut self, stream_sequence: u64, until: Instant) {
         if let Some(previous) = self.parked.insert(stream_sequence, until) {
             self.parked_until.remove(&(previous, stream_sequence));
         }
@@ -195,7 +178,7 @@ impl LeaseTable {
 
     /// A delivery arrived from the server: every older delivery of the same message is stale
     /// from now on, whether or not it was ever leased.
-    pub fn note_delivery(&mut self, key: DeliveryKey, now: Instant) {
+    pub(crate) fn note_delivery(&mut self, key: DeliveryKey, now: Instant) {
         self.unpark(key.stream_sequence);
         let newest = self.newest.entry(key.stream_sequence).or_insert(0);
         if key.delivered <= *newest {
@@ -220,7 +203,7 @@ impl LeaseTable {
     }
 
     /// Issue a lease for a delivery received from the server.
-    pub fn issue(&mut self, key: DeliveryKey, reply: Arc<str>, expires_at: Instant) {
+    pub(crate) fn issue(&mut self, key: DeliveryKey, reply: Arc<str>, expires_at: Instant) {
         self.newest
             .entry(key.stream_sequence)
             .and_modify(|newest| *newest = (*newest).max(key.delivered))
@@ -241,7 +224,7 @@ impl LeaseTable {
 
     /// Withdraw a lease that never reached its client (the fetch went away before the
     /// answer was handed over). The message goes back to the gateway's hands.
-    pub fn withdraw(&mut self, key: DeliveryKey) {
+    pub(crate) fn withdraw(&mut self, key: DeliveryKey) {
         if let Some(record) = self.records.remove(&key)
             && record.state == State::Active
         {
@@ -250,7 +233,7 @@ impl LeaseTable {
     }
 
     /// Start settling a lease.
-    pub fn begin_settle(
+    pub(crate) fn begin_settle(
         &mut self,
         key: DeliveryKey,
         kind: SettleKind,
@@ -284,7 +267,7 @@ impl LeaseTable {
 
     /// The server confirmed (`confirmed`) or did not confirm the settle begun earlier.
     /// Unconfirmed, the lease stays valid so the client can retry.
-    pub fn finish_settle(
+    pub(crate) fn finish_settle(
         &mut self,
         key: DeliveryKey,
         kind: SettleKind,
@@ -307,7 +290,11 @@ impl LeaseTable {
     }
 
     /// Start extending a live lease (in-progress).
-    pub fn begin_extend(&mut self, key: DeliveryKey, now: Instant) -> Result<Arc<str>, Refusal> {
+    pub(crate) fn begin_extend(
+        &mut self,
+        key: DeliveryKey,
+        now: Instant,
+    ) -> Result<Arc<str>, Refusal> {
         self.expire(now);
         let newest = self.newest.get(&key.stream_sequence).copied();
         let record = self.records.get_mut(&key).ok_or(Refusal::Unknown)?;
@@ -326,7 +313,7 @@ impl LeaseTable {
 
     /// The extension was confirmed (`Some(new expiry)`) or not (`None`). Returns the expiry
     /// in force afterwards, or `None` when the lease stopped being live meanwhile.
-    pub fn finish_extend(
+    pub(crate) fn finish_extend(
         &mut self,
         key: DeliveryKey,
         extended_to: Option<Instant>,
@@ -348,7 +335,7 @@ impl LeaseTable {
     }
 
     /// Move leases past their expiry out of the live set, and forget old outcomes.
-    pub fn expire(&mut self, now: Instant) {
+    pub(crate) fn expire(&mut self, now: Instant) {
         // The common case on every settle: nothing is due.
         let lease_due = self.expiries.first().is_some_and(|(at, _)| *at <= now);
         let parked_due = self.parked_until.first().is_some_and(|(at, _)| *at <= now);
@@ -400,7 +387,7 @@ impl LeaseTable {
 
     /// A delivery that arrived but was never leased (it was nak'd back): remember its
     /// delivery count only as long as a retired lease's, so `newest` does not grow forever.
-    pub fn note_unleased(&mut self, key: DeliveryKey, now: Instant) {
+    pub(crate) fn note_unleased(&mut self, key: DeliveryKey, now: Instant) {
         self.retired.push_back((now, key));
     }
 

@@ -1,0 +1,653 @@
+//! The gateway core: fetch, settle, extend and inspect, over the lease table, the dispatcher
+//! and the NATS boundary. HTTP handlers call this and only this.
+//!
+//! A supervisor task keeps the NATS connection bound to the consumer (retrying while NATS is
+//! away, rebinding after a reconnect or a deleted consumer) and publishes the binding on a
+//! watch channel; the dispatcher and every request read the current binding from there.
+
+mod supervisor;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use futures::FutureExt as _;
+use futures::future::join_all;
+use time::OffsetDateTime;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::config::Config;
+use crate::dispatch::{Command, Dispatcher};
+use crate::domain::delivery::{Demand, Leased};
+use crate::domain::idempotency::{Begin, Fingerprint, IdempotencyCache, Scope};
+use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates, LeaseKey, LeaseSigner};
+use crate::domain::leases::{Refusal, SettleStart};
+use crate::domain::settle::{AckCommand, SettleKind};
+use crate::domain::{subject, wall_clock};
+use crate::error::Error;
+use crate::metrics::{FetchRefusal, Metrics, SettleAction, SettleOutcome, Snapshot};
+use crate::nats::settle::{self as nats_settle, ConfirmError};
+use crate::nats::{self, Bound, Client};
+use crate::state::LeaseState;
+use supervisor::{Background, supervise};
+
+/// The gateway as the HTTP layer sees it. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Gateway {
+    state: Arc<LeaseState>,
+    /// The NATS client once created (it reconnects by itself), for the connection gauge.
+    client: Arc<OnceLock<Client>>,
+    commands: mpsc::Sender<Command>,
+    bound: watch::Receiver<Option<Arc<Bound>>>,
+    accepting: Arc<AtomicBool>,
+    next_fetch: Arc<AtomicU64>,
+    config: Arc<Config>,
+    idempotency: Arc<IdempotencyCache>,
+}
+
+/// Handles to the background tasks, for an orderly stop.
+pub(crate) struct Tasks {
+    stop: CancellationToken,
+    dispatcher: tokio::task::JoinHandle<()>,
+}
+
+/// What a settle of one lease came to.
+pub(crate) type SettleResult = Result<(), Error>;
+
+/// What a successful settle sent to the server.
+enum Sent {
+    /// The settle, confirmed by the server.
+    Confirmed,
+    /// Nothing: the lease was already settled this way.
+    Nothing,
+}
+
+/// Consumer state for `GET /consumer`.
+pub(crate) struct ConsumerStatus {
+    pub(crate) info: async_nats::jetstream::consumer::Info,
+    pub(crate) leases_in_flight: usize,
+}
+
+impl Gateway {
+    /// Start the supervisor and the dispatcher, signing lease ids with `lease_key` (random
+    /// when `None`). Returns at once; NATS is reached in the background. The receiver gets
+    /// the error that makes the gateway unable to work as configured (missing stream,
+    /// immutable consumer field differs), if one comes.
+    pub(crate) fn start(
+        config: Config,
+        lease_key: Option<LeaseKey>,
+    ) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
+        let signer = match &lease_key {
+            Some(key) => LeaseSigner::with_key(key.bytes(), &config.stream, &config.consumer),
+            None => LeaseSigner::random(&config.stream, &config.consumer),
+        };
+        let state = Arc::new(LeaseState::new(
+            signer,
+            config.ack_wait,
+            config.max_ack_pending as usize,
+        ));
+        let client = Arc::new(OnceLock::new());
+        let config = Arc::new(config);
+        let (commands_tx, commands_rx) = mpsc::channel(1024);
+        let (bound_tx, bound_rx) = watch::channel(None);
+        let (fatal_tx, fatal_rx) = oneshot::channel();
+        let stop = CancellationToken::new();
+
+        let dispatcher = Dispatcher::new(state.clone());
+        let dispatcher = tokio::spawn({
+            let bound_rx = bound_rx.clone();
+            let capacity_freed = state.capacity_freed();
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    () = dispatcher.run(commands_rx, bound_rx, capacity_freed) => {}
+                    () = stop.cancelled() => {}
+                }
+            }
+        });
+        tokio::spawn({
+            let config = config.clone();
+            let state = state.clone();
+            let commands = commands_tx.clone();
+            let stop = stop.clone();
+            let client = client.clone();
+            async move {
+                let background = Background {
+                    stop: stop.clone(),
+                    state: state.clone(),
+                    client,
+                };
+                tokio::select! {
+                    result = supervise(&config, &state, bound_tx, commands, background) => {
+                        if let Err(err) = result {
+                            let _ = fatal_tx.send(err);
+                        }
+                    }
+                    () = stop.cancelled() => {}
+                }
+            }
+        });
+        let gateway = Self {
+            state,
+            client,
+            commands: commands_tx,
+            bound: bound_rx,
+            accepting: Arc::new(AtomicBool::new(true)),
+            next_fetch: Arc::new(AtomicU64::new(1)),
+            config,
+            idempotency: Arc::default(),
+        };
+        let tasks = Tasks { stop, dispatcher };
+        (gateway, tasks, fatal_rx)
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    fn bound(&self) -> Result<Arc<Bound>, Error> {
+        self.bound.borrow().clone().ok_or_else(|| {
+            // No NATS address here: anyone may read /readyz, and the address is no one's business.
+            Error::Unavailable("consumer not bound (NATS unreachable or starting)".into())
+        })
+    }
+
+    fn connected(&self) -> Result<Arc<Bound>, Error> {
+        let bound = self.bound()?;
+        if !bound.is_connected() {
+            return Err(Error::Unavailable(
+                "the connection to NATS is down; retrying".into(),
+            ));
+        }
+        Ok(bound)
+    }
+
+    /// Why the gateway is not ready, in words safe for anyone (no address, no names).
+    pub(crate) fn readiness(&self) -> Result<(), Error> {
+        if !self.accepting.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable("shutting down".into()));
+        }
+        self.connected().map(drop).map_err(|err| match err {
+            Error::Unavailable(_) if self.bound.borrow().is_some() => {
+                Error::Unavailable("not connected to NATS".into())
+            }
+            other => other,
+        })
+    }
+
+    /// Look up a fetch's `Idempotency-Key` (see [`crate::idempotency`]).
+    pub(crate) fn begin_idempotent(&self, scope: &Scope, fingerprint: Fingerprint) -> Begin {
+        let now = Instant::now();
+        self.idempotency.begin(scope, fingerprint, |key| {
+            self.state.leases().is_live(key, now)
+        })
+    }
+
+    pub(crate) fn leases_in_flight(&self) -> usize {
+        self.state.in_flight()
+    }
+
+    /// The gateway's metrics, for recording from the HTTP layer.
+    pub(crate) fn metrics(&self) -> &Metrics {
+        &self.state.metrics
+    }
+
+    /// The Prometheus text exposition, with the state-mirroring gauges read now.
+    pub(crate) fn render_metrics(&self) -> String {
+        let (leases_in_flight, delayed_naks, expired) = {
+            let mut leases = self.state.leases();
+            let in_flight = leases.in_flight(Instant::now());
+            (in_flight, leases.delayed_naks(), leases.take_expired())
+        };
+        let metrics = &self.state.metrics;
+        metrics.leases_expired(expired);
+        let nats_connected = self.client.get().is_some_and(nats::is_connected);
+        metrics.render(Snapshot {
+            leases_in_flight,
+            delayed_naks,
+            max_ack_pending: self.state.max_ack_pending(),
+            ack_wait: self.state.ack_wait(),
+            nats_connected,
+        })
+    }
+
+    /// Lease up to `demand.batch` messages.
+    pub(crate) async fn fetch(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
+        let started = Instant::now();
+        let result = self.fetch_leases(demand).await;
+        match &result {
+            Ok(_) => self.state.metrics.fetch_waited(started.elapsed()),
+            Err(Error::AtCapacity { .. }) => {
+                self.state.metrics.fetch_refused(FetchRefusal::AtCapacity);
+            }
+            Err(Error::Unavailable(_)) => {
+                self.state.metrics.fetch_refused(FetchRefusal::Unavailable);
+            }
+            // Validation errors and a client gone are no refusals.
+            Err(_) => {}
+        }
+        result
+    }
+
+    async fn fetch_leases(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
+        if !self.accepting.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable(
+                "the gateway is shutting down; no new fetches".into(),
+            ));
+        }
+        self.connected()?;
+        let max_ack_pending = self.state.max_ack_pending();
+        {
+            let now = Instant::now();
+            let mut leases = self.state.leases();
+            if leases.taken(now) >= max_ack_pending {
+                let retry_after = leases
+                    .next_release()
+                    .map(|at| at.saturating_duration_since(now))
+                    .unwrap_or(Duration::from_secs(1));
+                return Err(Error::AtCapacity {
+                    max_ack_pending,
+                    retry_after,
+                });
+            }
+        }
+        let (answer, answered) = oneshot::channel();
+        let id = self.next_fetch.fetch_add(1, Ordering::Relaxed);
+        self.commands
+            .send(Command::Fetch { id, demand, answer })
+            .await
+            .map_err(|_| Error::Unavailable("the gateway is stopping".into()))?;
+        let mut pending = PendingFetch {
+            id,
+            answered: Some(answered),
+            gateway: self,
+        };
+        // The dispatcher answers by the deadline; the bound only guards against it stalling.
+        let bound = demand.wait + Duration::from_secs(5);
+        let answered = pending
+            .answered
+            .as_mut()
+            .ok_or_else(|| Error::Unavailable("the gateway is stopping".into()))?;
+        let leased = match tokio::time::timeout(bound, answered).await {
+            Ok(Ok(leased)) => leased,
+            Ok(Err(_)) => return Err(Error::Unavailable("the gateway is stopping".into())),
+            Err(_) => {
+                return Err(Error::Unavailable(
+                    "no answer from the dispatcher in time; NATS may be unreachable".into(),
+                ));
+            }
+        };
+        pending.answered = None;
+        Ok(leased)
+    }
+
+    /// Take back leases whose client left before seeing them: the deliveries go to the
+    /// next fetch (or are nak'd), as if never handed out.
+    pub(crate) async fn give_back(&self, leased: Vec<Leased>) {
+        let deliveries = self.state.withdraw(leased);
+        let _ = self.commands.send(Command::Return(deliveries)).await;
+    }
+
+    /// The lease a genuine id names. Forged or malformed: 404; from an earlier binding of
+    /// the consumer: 410.
+    fn decode(&self, id: &str) -> Result<LeaseCoordinates, Error> {
+        let lease = self.state.signer().decode(id).ok_or(Error::UnknownLease)?;
+        if lease.epoch != self.state.epoch() {
+            return Err(Error::LeaseGone);
+        }
+        Ok(lease)
+    }
+
+    /// Ack, nak or term one lease; `Ok` only once the server confirmed it.
+    pub(crate) async fn settle(&self, id: &str, command: &AckCommand) -> SettleResult {
+        let deadline = tokio::time::sleep(self.config.settle_timeout);
+        self.settle_by(id, command, deadline).await
+    }
+
+    /// Settle every id concurrently (one batch costs about one NATS round trip, not one
+    /// each); the results in the order of `ids`. The settles share one timer for their
+    /// common timeout: one per settle costs measurably on the batch path.
+    pub(crate) async fn settle_many(
+        &self,
+        ids: &[String],
+        command: &AckCommand,
+    ) -> Vec<SettleResult> {
+        let deadline = Box::pin(tokio::time::sleep(self.config.settle_timeout)).shared();
+        join_all(
+            ids.iter()
+                .map(|id| self.settle_by(id, command, deadline.clone())),
+        )
+        .await
+    }
+
+    /// [`Gateway::settle`], unconfirmed (504) once `deadline` resolves.
+    async fn settle_by(
+        &self,
+        id: &str,
+        command: &AckCommand,
+        deadline: impl Future<Output = ()>,
+    ) -> SettleResult {
+        let (kind, action) = match command {
+            AckCommand::Ack => (SettleKind::Ack, SettleAction::Ack),
+            AckCommand::Nak { .. } => (SettleKind::Nak, SettleAction::Nak),
+            AckCommand::Term { .. } => (SettleKind::Term, SettleAction::Term),
+            AckCommand::InProgress => {
+                return self.extend_by(id, deadline).await.map(|_| ());
+            }
+        };
+        let lease = match self.decode(id) {
+            Ok(lease) => lease,
+            Err(err) => {
+                self.report(action, id, None, settle_outcome(&err));
+                return Err(err);
+            }
+        };
+        let result = self.settle_lease(lease.key, kind, command, deadline).await;
+        let outcome = match &result {
+            Ok(Sent::Confirmed) => SettleOutcome::Ok,
+            Ok(Sent::Nothing) => SettleOutcome::Repeated,
+            Err(err) => settle_outcome(err),
+        };
+        self.report(action, id, Some(&lease), outcome);
+        result.map(|_| ())
+    }
+
+    async fn settle_lease(
+        &self,
+        key: DeliveryKey,
+        kind: SettleKind,
+        command: &AckCommand,
+        deadline: impl Future<Output = ()>,
+    ) -> Result<Sent, Error> {
+        let started = self.state.leases().begin_settle(key, kind, Instant::now());
+        let reply = match started {
+            Ok(SettleStart::AlreadyDone) => return Ok(Sent::Nothing),
+            Ok(SettleStart::Send(reply)) => reply,
+            Err(refusal) => return Err(refused(refusal)),
+        };
+        let confirmed = match self.connected() {
+            Ok(bound) => nats_settle::confirm(&bound, &reply, command, deadline).await,
+            Err(_) => Err(ConfirmError::Unavailable),
+        };
+        {
+            let now = Instant::now();
+            let mut leases = self.state.leases();
+            leases.finish_settle(key, kind, confirmed.is_ok(), now);
+            if let (Ok(()), AckCommand::Nak { delay: Some(delay) }) = (&confirmed, command) {
+                leases.park(key.stream_sequence, now + *delay);
+            }
+        }
+        if confirmed.is_ok() {
+            self.state.freed_capacity();
+        }
+        confirmed.map(|()| Sent::Confirmed).map_err(unconfirmed)
+    }
+
+    /// Count a settle (or extension) of one lease and log it with the lease's coordinates
+    /// (`None`: the id names no lease of the current binding, logged at debug only: nothing
+    /// of a stranger's input goes to the default log).
+    fn report(
+        &self,
+        action: SettleAction,
+        id: &str,
+        lease: Option<&LeaseCoordinates>,
+        outcome: SettleOutcome,
+    ) {
+        self.state.metrics.settled(action, outcome);
+        let kind = action.as_str();
+        let result = outcome.as_str();
+        match lease {
+            // At info, the default level: issue 3 asks for lease ids and sequences on every
+            // settle, so a message's fate can be traced in the logs as shipped.
+            Some(lease) => info!(
+                lease_id = id,
+                stream_sequence = lease.key.stream_sequence,
+                consumer_sequence = lease.consumer_sequence,
+                delivered = lease.key.delivered,
+                kind,
+                result,
+                "lease settle"
+            ),
+            // Not a lease id of this binding: whatever the client sent is not logged.
+            None => debug!(kind, result, "lease settle with an id of no current lease"),
+        }
+    }
+
+    /// Restart a lease's clock (and the server's ack timer). Returns the new expiry.
+    pub(crate) async fn extend(&self, id: &str) -> Result<OffsetDateTime, Error> {
+        let deadline = tokio::time::sleep(self.config.settle_timeout);
+        self.extend_by(id, deadline).await
+    }
+
+    /// [`Gateway::extend`], unconfirmed (504) once `deadline` resolves.
+    async fn extend_by(
+        &self,
+        id: &str,
+        deadline: impl Future<Output = ()>,
+    ) -> Result<OffsetDateTime, Error> {
+        let lease = match self.decode(id) {
+            Ok(lease) => lease,
+            Err(err) => {
+                self.report(SettleAction::InProgress, id, None, settle_outcome(&err));
+                return Err(err);
+            }
+        };
+        let result = self.extend_lease(lease.key, deadline).await;
+        let outcome = match &result {
+            Ok(_) => SettleOutcome::Ok,
+            Err(err) => settle_outcome(err),
+        };
+        self.report(SettleAction::InProgress, id, Some(&lease), outcome);
+        result
+    }
+
+    async fn extend_lease(
+        &self,
+        key: DeliveryKey,
+        deadline: impl Future<Output = ()>,
+    ) -> Result<OffsetDateTime, Error> {
+        let reply = self
+            .state
+            .leases()
+            .begin_extend(key, Instant::now())
+            .map_err(refused)?;
+        let sent_at = Instant::now();
+        let confirmed = match self.connected() {
+            Ok(bound) => {
+                nats_settle::confirm(&bound, &reply, &AckCommand::InProgress, deadline).await
+            }
+            Err(_) => Err(ConfirmError::Unavailable),
+        };
+        // The server restarts its timer when it processes +WPI, after we sent it: counting
+        // from the send keeps the lease inside the server's window.
+        let lifetime = self.state.ack_wait().saturating_sub(self.state.margin());
+        let extended_to = confirmed.is_ok().then_some(sent_at + lifetime);
+        let expires_at = self.state.leases().finish_extend(key, extended_to);
+        confirmed.map_err(unconfirmed)?;
+        match expires_at {
+            Some(expires_at) => Ok(wall_clock(expires_at)),
+            None => Err(Error::LeaseGone),
+        }
+    }
+
+    /// The server's view of the consumer plus the gateway's leases.
+    pub(crate) async fn status(&self) -> Result<ConsumerStatus, Error> {
+        let bound = self.connected()?;
+        let info = nats::publish::consumer_info(&bound)
+            .await
+            .map_err(|err| Error::Unavailable(format!("{err:#}")))?;
+        Ok(ConsumerStatus {
+            info,
+            leases_in_flight: self.leases_in_flight(),
+        })
+    }
+
+    /// Publish to the stream (subject already validated against the stream's subjects).
+    pub(crate) async fn publish(
+        &self,
+        subject: String,
+        headers: async_nats::HeaderMap,
+        payload: bytes::Bytes,
+    ) -> Result<async_nats::jetstream::publish::PublishAck, Error> {
+        let bound = self.connected()?;
+        if !bound
+            .stream_subjects
+            .iter()
+            .any(|filter| subject::matches(filter, &subject))
+        {
+            return Err(Error::invalid(
+                "subject",
+                format!(
+                    "stream {} does not capture subject {subject:?}; it captures {}",
+                    self.config.stream,
+                    bound.stream_subjects.join(", ")
+                ),
+            ));
+        }
+        nats::publish::publish(
+            &bound,
+            subject,
+            headers,
+            payload,
+            self.config.settle_timeout,
+        )
+        .await
+        .map_err(|err| Error::Unavailable(format!("{err:#}")))
+    }
+
+    /// Stop taking fetches and answer the waiting ones now.
+    pub(crate) async fn begin_shutdown(&self) {
+        self.accepting.store(false, Ordering::Relaxed);
+        let _ = self.commands.send(Command::Shutdown).await;
+    }
+
+    /// Wait until no lease is in flight, or `grace` has passed.
+    pub(crate) async fn settle_grace(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        loop {
+            let settled = self.state.settled();
+            tokio::pin!(settled);
+            // Registered before looking, so a settle landing in between is not missed.
+            settled.as_mut().enable();
+            let in_flight = self.state.in_flight();
+            if in_flight == 0 {
+                return;
+            }
+            if Instant::now() >= deadline {
+                info!(
+                    in_flight,
+                    "shutdown grace over with leases still out; the server redelivers them after ack_wait"
+                );
+                return;
+            }
+            let wake = self
+                .state
+                .next_expiry()
+                .filter(|at| *at > Instant::now())
+                .map_or(deadline, |at| at.min(deadline));
+            tokio::select! {
+                () = settled => {}
+                () = tokio::time::sleep_until(wake) => {}
+            }
+        }
+    }
+
+    /// Stop the background tasks, nak unleased deliveries and flush NATS.
+    pub(crate) async fn stop(&self, tasks: Tasks) {
+        let _ = self.commands.send(Command::Stop).await;
+        if tokio::time::timeout(Duration::from_secs(5), tasks.dispatcher)
+            .await
+            .is_err()
+        {
+            warn!("the dispatcher did not stop in time");
+        }
+        // Leases still out after the grace can no longer be settled through this process:
+        // nak them, so the server redelivers them now rather than after ack_wait.
+        let revoked = self.state.leases().revoke_live(Instant::now());
+        if !revoked.is_empty()
+            && let Ok(bound) = self.connected()
+        {
+            // Bounded as a whole: a connection that drops now must not hold up the exit
+            // (the server then redelivers after ack_wait, as after a crash).
+            let naks = async {
+                for reply in &revoked {
+                    nats_settle::release(&bound, reply).await;
+                }
+            };
+            if tokio::time::timeout(Duration::from_secs(2), naks)
+                .await
+                .is_ok()
+            {
+                info!(
+                    count = revoked.len(),
+                    "nak'd the leases still out: the server redelivers them at once"
+                );
+            }
+        }
+        tasks.stop.cancel();
+        if let Ok(bound) = self.bound() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), bound.client.flush()).await;
+        }
+    }
+}
+
+/// A fetch waiting for its answer. Dropped before the answer was taken (the HTTP client
+/// went away), it tells the dispatcher, and takes back any leases already on their way.
+struct PendingFetch<'a> {
+    id: u64,
+    answered: Option<oneshot::Receiver<Vec<Leased>>>,
+    gateway: &'a Gateway,
+}
+
+impl Drop for PendingFetch<'_> {
+    fn drop(&mut self) {
+        let Some(mut answered) = self.answered.take() else {
+            return;
+        };
+        answered.close();
+        let command = match answered.try_recv() {
+            Ok(leased) => Command::Return(self.gateway.state.withdraw(leased)),
+            Err(_) => Command::Abandon { id: self.id },
+        };
+        let commands = self.gateway.commands.clone();
+        if let Err(mpsc::error::TrySendError::Full(command)) = commands.try_send(command) {
+            tokio::spawn(async move {
+                let _ = commands.send(command).await;
+            });
+        }
+    }
+}
+
+fn refused(refusal: Refusal) -> Error {
+    match refusal {
+        // The id's signature proved this gateway issued it: it is no longer remembered
+        // (settled or expired long ago), not unknown.
+        Refusal::Unknown => Error::LeaseGone,
+        Refusal::Gone => Error::LeaseGone,
+        Refusal::Conflict(settled) | Refusal::Settled(settled) => Error::AlreadySettled { settled },
+    }
+}
+
+fn unconfirmed(err: ConfirmError) -> Error {
+    match err {
+        ConfirmError::TimedOut => Error::TimedOut,
+        ConfirmError::Unavailable => Error::Unavailable(
+            "NATS is unavailable or the consumer is gone; the settle was not confirmed".into(),
+        ),
+    }
+}
+
+/// The outcome a failed settle reports in the metrics.
+fn settle_outcome(err: &Error) -> SettleOutcome {
+    match err {
+        Error::AlreadySettled { .. } => SettleOutcome::AlreadySettled,
+        Error::LeaseGone => SettleOutcome::Gone,
+        Error::UnknownLease => SettleOutcome::Unknown,
+        Error::TimedOut => SettleOutcome::Timeout,
+        Error::Unavailable(_) => SettleOutcome::Unavailable,
+        _ => SettleOutcome::Error,
+    }
+}

@@ -1,0 +1,161 @@
+//! The binding supervisor: keeps the gateway connected to NATS and bound to the consumer —
+//! retrying while NATS is away, rebinding after a reconnect or a deleted consumer, starting a
+//! new lease epoch when the consumer was recreated — and publishes the binding in force on a
+//! watch channel that the dispatcher and every request read.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use time::OffsetDateTime;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::config::Config;
+use crate::dispatch::Command;
+use crate::domain::subject;
+use crate::metrics::Metrics;
+use crate::nats::{self, BindError, Bound, Client, ConnectionEvent};
+use crate::state::LeaseState;
+
+/// The gateway's metrics, for a task that outlives a borrow of [`LeaseState`].
+#[derive(Clone)]
+struct SharedMetrics(Arc<LeaseState>);
+
+impl AsRef<Metrics> for SharedMetrics {
+    fn as_ref(&self) -> &Metrics {
+        &self.0.metrics
+    }
+}
+
+/// What the supervisor starts next to the binding, on the same connection.
+pub(super) struct Background {
+    pub(super) stop: CancellationToken,
+    pub(super) state: Arc<LeaseState>,
+    /// Where the connection goes once made, for the connection gauge.
+    pub(super) client: Arc<OnceLock<Client>>,
+}
+
+/// Keep the gateway bound: connect, bind, and rebind after reconnects or when asked.
+/// Returns only on a fatal error (missing stream, immutable field differs).
+pub(super) async fn supervise(
+    config: &Config,
+    state: &LeaseState,
+    bound_tx: watch::Sender<Option<Arc<Bound>>>,
+    commands: mpsc::Sender<Command>,
+    background: Background,
+) -> anyhow::Result<()> {
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    let client = nats::connect(config, events_tx).await?;
+    let _ = background.client.set(client.clone());
+    // A Connected event counts as a reconnect only after a Disconnected one: the first
+    // connection is not one, whether or not async-nats reports it as an event.
+    let mut connection_lost = false;
+    let ephemeral_name = format!("{}-{:016x}", config.consumer, rand::random::<u64>());
+    if let Some(subject) = &config.dead_letter_subject {
+        let target = nats::dead_letter::Target {
+            stream: config.stream.clone(),
+            consumer: if config.ephemeral {
+                ephemeral_name.clone()
+            } else {
+                config.consumer.clone()
+            },
+            subject: subject.clone(),
+        };
+        // Subscribed once: async-nats renews subscriptions after every reconnect.
+        tokio::spawn(nats::dead_letter::run(
+            client.clone(),
+            target,
+            SharedMetrics(background.state.clone()),
+            background.stop.child_token(),
+        ));
+    }
+    let mut identity_seen: Option<(String, OffsetDateTime)> = None;
+    let mut published = false;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        // Wait for the connection; async-nats reconnects on its own.
+        while !nats::is_connected(&client) {
+            match tokio::time::timeout(Duration::from_secs(1), events.recv()).await {
+                Ok(Some(ConnectionEvent::Disconnected)) => {
+                    connection_lost = true;
+                    let _ = commands.send(Command::ConnectionLost).await;
+                }
+                Ok(Some(ConnectionEvent::Connected)) if connection_lost => {
+                    connection_lost = false;
+                    state.metrics.nats_reconnected();
+                }
+                Ok(None) => anyhow::bail!("the NATS client stopped"),
+                _ => {}
+            }
+        }
+        let bound = match nats::bind(config, &client, &ephemeral_name).await {
+            Ok(bound) => bound,
+            Err(BindError::Fatal(message)) => anyhow::bail!(message),
+            Err(BindError::Transient(err)) => {
+                warn!(error = %format!("{err:#}"), retry_in = ?backoff, "cannot bind the consumer yet");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        if let Some(subject) = &config.dead_letter_subject
+            && bound
+                .stream_subjects
+                .iter()
+                .any(|filter| subject::matches(filter, subject))
+        {
+            warn!(%subject, stream = %config.stream, "the consumed stream captures the dead-letter subject: dead letters come back to this consumer");
+        }
+        let identity = (bound.consumer_name.clone(), bound.created);
+        // A server that lost deliveries in a crash (state not yet on disk) sends them again
+        // with the same sequences and delivery counts, so the ids handed out before would
+        // name the new deliveries too: start a new epoch.
+        let forgot_deliveries =
+            bound.delivered_consumer_sequence < state.highest_consumer_sequence();
+        state.apply_settings(bound.ack_wait, bound.max_ack_pending);
+        if identity_seen.as_ref() != Some(&identity) || forgot_deliveries {
+            if identity_seen.is_some() {
+                warn!(consumer = %identity.0, forgot_deliveries, "the consumer was recreated or lost deliveries; every earlier lease is void");
+                state.new_epoch();
+            }
+            identity_seen = Some(identity);
+            published = false;
+        }
+        if !published {
+            let mut bound = bound;
+            bound.epoch = state.epoch();
+            bound_tx.send_replace(Some(Arc::new(bound)));
+            published = true;
+        }
+        // Stay bound until the connection comes back after a drop, or a rebind is asked for.
+        loop {
+            tokio::select! {
+                event = events.recv() => match event {
+                    Some(ConnectionEvent::Disconnected) => {
+                        connection_lost = true;
+                        warn!("disconnected from NATS; leases stay valid, fetches answer 503 until reconnected");
+                        let _ = commands.send(Command::ConnectionLost).await;
+                    }
+                    Some(ConnectionEvent::Connected) => {
+                        if std::mem::take(&mut connection_lost) {
+                            state.metrics.nats_reconnected();
+                        }
+                        info!("reconnected to NATS");
+                        let _ = commands.send(Command::Reconnected).await;
+                        break;
+                    }
+                    Some(ConnectionEvent::ServerError(err)) => error!(error = %err, "NATS server error"),
+                    Some(ConnectionEvent::Other(event)) => info!(event, "NATS event"),
+                    None => anyhow::bail!("the NATS client stopped"),
+                },
+                () = state.rebind_requested() => {
+                    bound_tx.send_replace(None);
+                    published = false;
+                    break;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,29 @@
+//! The NATS boundary: everything that speaks to NATS lives here, and nothing outside it
+//! imports `async_nats` except for types passed through (a delivery's subject and headers,
+//! consumer info, a publish acknowledgement).
+//!
+//! - [`connect`]: connect with the configured auth and TLS; connection events.
+//! - [`bind`]: find the stream, create or bind the consumer, read back its settings.
+//! - [`pull`]: pull requests, their inboxes, and parsing deliveries.
+//! - [`settle`]: ack/nak/term/in-progress with the server's confirmation; release.
+//! - [`publish`]: publish to the stream; the consumer's server-side state.
+//! - [`dead_letter`]: advisories of exhausted or terminated messages → dead-letter copies.
+//!
+//! May import: `config`, `domain`, `metrics`. Never `state`, `dispatch`, `gateway` or `http`.
+
+pub(crate) mod bind;
+pub(crate) mod connect;
+pub(crate) mod dead_letter;
+pub(crate) mod publish;
+pub(crate) mod pull;
+pub(crate) mod settle;
+
+use std::time::Duration;
+
+pub(crate) use async_nats::Client;
+pub(crate) use bind::{BindError, Bound, bind};
+pub(crate) use connect::{ConnectionEvent, connect, is_connected};
+
+/// How long any JetStream API call may take before it is given up (and, on the start-up
+/// path, retried).
+const API_TIMEOUT: Duration = Duration::from_secs(5);

@@ -1,0 +1,228 @@
+//! The lease state shared by the request paths and the dispatcher: the lease table, the
+//! signer of lease ids and its epoch, the consumer settings in force, capacity accounting
+//! against max_ack_pending, and the wake-ups between them.
+//!
+//! May import: `domain`, `metrics`. Never `nats`, `dispatch`, `gateway` or `http`.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::domain::delivery::{Delivery, Leased};
+use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
+use crate::domain::leases::LeaseTable;
+use crate::metrics::Metrics;
+
+/// How long settled and expired leases are remembered, so that retries get the first answer.
+const LEASE_MEMORY: Duration = Duration::from_secs(600);
+/// At most this many settled or expired leases are remembered.
+const LEASE_MEMORY_MAX: usize = 500_000;
+
+/// State shared by the request paths and the dispatcher.
+pub(crate) struct LeaseState {
+    leases: Mutex<LeaseTable>,
+    signer: LeaseSigner,
+    /// Bumped when the consumer is recreated; ids of an earlier epoch are void.
+    epoch: AtomicU32,
+    /// The highest consumer sequence delivered to the gateway in this epoch.
+    highest_consumer_sequence: AtomicU64,
+    ack_wait_ms: AtomicU64,
+    max_ack_pending: AtomicUsize,
+    rebind: Notify,
+    /// Wakes the dispatcher (one waiter) when a settle frees capacity.
+    capacity_freed: Arc<Notify>,
+    /// Wakes every shutdown wait when a settle lands.
+    settled: Notify,
+    /// Fetches wait for capacity: the next settle wakes the dispatcher.
+    starved: AtomicBool,
+    pub(crate) metrics: Metrics,
+}
+
+impl LeaseState {
+    pub(crate) fn new(signer: LeaseSigner, ack_wait: Duration, max_ack_pending: usize) -> Self {
+        let state = Self {
+            leases: Mutex::new(LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
+            signer,
+            // A random first epoch: with a shared --lease-key-file, the ids of a previous
+            // process (whose settle state and reply subjects died with it) or of a consumer
+            // recreated meanwhile must not name this process's deliveries, whose sequences
+            // may repeat. They verify (genuine) but answer 410.
+            epoch: AtomicU32::new(rand::random()),
+            highest_consumer_sequence: AtomicU64::new(0),
+            ack_wait_ms: AtomicU64::new(0),
+            max_ack_pending: AtomicUsize::new(0),
+            rebind: Notify::new(),
+            capacity_freed: Arc::new(Notify::new()),
+            settled: Notify::new(),
+            starved: AtomicBool::new(false),
+            metrics: Metrics::new(),
+        };
+        state.apply_settings(ack_wait, max_ack_pending);
+        state
+    }
+
+    /// The consumer settings in force, as read back from the server.
+    pub(crate) fn apply_settings(&self, ack_wait: Duration, max_ack_pending: usize) {
+        self.ack_wait_ms.store(
+            u64::try_from(ack_wait.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        self.max_ack_pending
+            .store(max_ack_pending, Ordering::Relaxed);
+    }
+
+    /// The highest consumer sequence delivered to the gateway in this epoch.
+    pub(crate) fn highest_consumer_sequence(&self) -> u64 {
+        self.highest_consumer_sequence.load(Ordering::Relaxed)
+    }
+
+    /// The signer of lease ids.
+    pub(crate) fn signer(&self) -> &LeaseSigner {
+        &self.signer
+    }
+
+    /// Resolves at the next settle that frees capacity while fetches wait for it.
+    pub(crate) fn capacity_freed(&self) -> Arc<Notify> {
+        self.capacity_freed.clone()
+    }
+
+    /// Resolves when any settle lands (register before looking, see `Notified::enable`).
+    pub(crate) fn settled(&self) -> tokio::sync::futures::Notified<'_> {
+        self.settled.notified()
+    }
+
+    /// Resolves when a rebind is asked for.
+    pub(crate) fn rebind_requested(&self) -> tokio::sync::futures::Notified<'_> {
+        self.rebind.notified()
+    }
+
+    pub(crate) fn leases(&self) -> MutexGuard<'_, LeaseTable> {
+        // A panic while holding the lock cannot leave the table half-updated in a way that
+        // matters more than stopping service would, so keep going with it.
+        self.leases
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(crate) fn ack_wait(&self) -> Duration {
+        Duration::from_millis(self.ack_wait_ms.load(Ordering::Relaxed))
+    }
+
+    /// How long before the server's own redelivery a lease ends: the server starts its timer
+    /// when it sends, a little before the gateway receives.
+    pub(crate) fn margin(&self) -> Duration {
+        (self.ack_wait() / 20).min(Duration::from_secs(1))
+    }
+
+    /// How long a delivery nobody waits for is kept for the next fetch before it is nak'd:
+    /// short, so that the gateway never sits on messages, and so that a client still gets
+    /// at least three quarters of the ack_wait.
+    pub(crate) fn hold(&self) -> Duration {
+        (self.ack_wait() / 4).min(Duration::from_secs(2))
+    }
+
+    pub(crate) fn max_ack_pending(&self) -> usize {
+        self.max_ack_pending.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn in_flight(&self) -> usize {
+        self.leases().in_flight(Instant::now())
+    }
+
+    /// The lease epoch in force (see [`LeaseCoordinates::epoch`]).
+    pub(crate) fn epoch(&self) -> u32 {
+        self.epoch.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn next_expiry(&self) -> Option<Instant> {
+        self.leases().next_expiry()
+    }
+
+    /// Slots of max_ack_pending in use (see [`LeaseTable::taken`]).
+    pub(crate) fn taken(&self) -> usize {
+        self.leases().taken(Instant::now())
+    }
+
+    /// When a slot of max_ack_pending frees by itself.
+    pub(crate) fn next_release(&self) -> Option<Instant> {
+        self.leases().next_release()
+    }
+
+    /// The consumer was recreated: every earlier lease is void, and its id must not match a
+    /// delivery of the new consumer that happens to have the same sequence numbers.
+    pub(crate) fn new_epoch(&self) {
+        self.epoch.fetch_add(1, Ordering::Relaxed);
+        self.highest_consumer_sequence.store(0, Ordering::Relaxed);
+        let mut old = std::mem::replace(
+            &mut *self.leases(),
+            LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX),
+        );
+        self.metrics.leases_expired(old.take_expired());
+    }
+
+    pub(crate) fn note_delivery(&self, coordinates: &LeaseCoordinates) {
+        self.metrics.delivery_received(coordinates.key.delivered);
+        self.highest_consumer_sequence
+            .fetch_max(coordinates.consumer_sequence, Ordering::Relaxed);
+        self.leases().note_delivery(coordinates.key, Instant::now());
+    }
+
+    /// A delivery was nak'd back without ever being leased.
+    pub(crate) fn released(&self, key: DeliveryKey) {
+        self.metrics.delivery_released();
+        self.leases().note_unleased(key, Instant::now());
+    }
+
+    /// A settle freed a slot: wake the dispatcher only if fetches wait for one (a batch ack
+    /// would otherwise wake it once per lease), and any shutdown grace.
+    pub(crate) fn freed_capacity(&self) {
+        if self.starved.swap(false, Ordering::Relaxed) {
+            self.capacity_freed.notify_one();
+        }
+        self.settled.notify_waiters();
+    }
+
+    /// The dispatcher has fetches waiting for capacity.
+    pub(crate) fn starving(&self) {
+        self.starved.store(true, Ordering::Relaxed);
+    }
+
+    pub(crate) fn request_rebind(&self) {
+        self.rebind.notify_one();
+    }
+
+    /// Issue leases for deliveries about to be handed to a client.
+    pub(crate) fn lease(&self, deliveries: Vec<Delivery>) -> Vec<Leased> {
+        let lifetime = self.ack_wait().saturating_sub(self.margin());
+        self.metrics.leases_granted(deliveries.len());
+        let mut leases = self.leases();
+        deliveries
+            .into_iter()
+            .map(|delivery| {
+                let expires_at = delivery.received_at + lifetime;
+                leases.issue(delivery.coordinates.key, delivery.reply.clone(), expires_at);
+                Leased {
+                    id: self.signer.encode(&delivery.coordinates),
+                    delivery,
+                    expires_at,
+                }
+            })
+            .collect()
+    }
+
+    /// Take back leases whose client never got them.
+    pub(crate) fn withdraw(&self, leased: Vec<Leased>) -> Vec<Delivery> {
+        self.metrics.leases_withdrawn(leased.len());
+        let mut leases = self.leases();
+        leased
+            .into_iter()
+            .map(|leased| {
+                leases.withdraw(leased.delivery.coordinates.key);
+                leased.delivery
+            })
+            .collect()
+    }
+}
