@@ -16,43 +16,34 @@
 //! Pulls, their inboxes and their readers are the NATS boundary's ([`crate::nats::pull`]);
 //! this task decides when to open one and for whom.
 
-use std::collections::{HashMap, VecDeque};
+mod book;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::Subject;
-use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
 
-use crate::domain::delivery::{Delivery, Demand, Leased};
+use crate::domain::delivery::{Delivery, Demand};
 use crate::nats::Bound;
 use crate::nats::pull::{self, PullEvent};
 use crate::nats::settle as nats_settle;
 use crate::state::LeaseState;
+use book::{Answer, Book, PULL_GRACE, PullLimits};
 
-/// How long a fetch whose pull is still open may outlive its deadline waiting for the
-/// server's end-of-request status (which normally arrives right at the deadline).
-const PULL_GRACE: Duration = Duration::from_millis(500);
-/// Pause before a fetch retries a pull the server turned away (408 "Requests Pending",
-/// 409 "Exceeded MaxWaiting"); messages keep flowing to the earlier pulls meanwhile.
-const PULL_RETRY: Duration = Duration::from_millis(50);
-/// Longest single pull: bounds how long an abandoned fetch's pull can still attract messages.
-const MAX_PULL_EXPIRES: Duration = Duration::from_secs(1);
-/// Shorter waits than this are sent as a plain `no_wait` pull.
-const MIN_EXPIRES: Duration = Duration::from_millis(10);
 /// How long the reader of a pull given up on keeps forwarding before it is stopped: the
 /// server's end-of-request status normally comes long before.
 const STRAGGLER_READ: Duration = Duration::from_secs(30);
-/// Upper bound on pulls open at once, whatever max_waiting allows.
-const MAX_OPEN_PULLS: usize = 256;
 
 pub(crate) enum Command {
     Fetch {
         /// Unique per fetch; chosen by the caller so it can abandon the fetch.
         id: u64,
         demand: Demand,
-        answer: oneshot::Sender<Vec<Leased>>,
+        answer: Answer,
     },
     /// The fetch's HTTP client went away: free its place at once; what its pull still
     /// brings goes to the next fetch.
@@ -70,61 +61,15 @@ pub(crate) enum Command {
     Stop,
 }
 
-struct Waiter {
-    demand: Demand,
-    deadline: Instant,
-    got: Vec<Delivery>,
-    bytes: usize,
-    /// The next delivery would exceed max_bytes.
-    full: bool,
-    pull: Option<u64>,
-    retry_at: Option<Instant>,
-    /// A pull was sent for this fetch at least once.
-    pulled: bool,
-    answer: oneshot::Sender<Vec<Leased>>,
-    id: u64,
-}
-
-impl Waiter {
-    fn accepts(&self, delivery: &Delivery) -> bool {
-        if self.full || self.got.len() >= self.demand.batch {
-            return false;
-        }
-        // The first message always fits: a fetch returns at least one.
-        self.got.is_empty()
-            || self
-                .demand
-                .max_bytes
-                .is_none_or(|max| self.bytes + delivery.payload.len() <= max)
-    }
-
-    fn take(&mut self, delivery: Delivery) {
-        self.bytes += delivery.payload.len();
-        self.got.push(delivery);
-    }
-}
-
-struct Pull {
-    owner: Option<u64>,
-    remaining: usize,
-    /// When to give up on the server's end-of-request status.
-    give_up_at: Instant,
-    /// Reads the pull's inbox; ends by itself when the server ended the pull.
-    reader: tokio::task::JoinHandle<()>,
-}
-
 pub(crate) struct Dispatcher {
-    shared: Arc<LeaseState>,
+    state: Arc<LeaseState>,
     bound: Option<Arc<Bound>>,
+    book: Book<JoinHandle<()>>,
     inbound: mpsc::UnboundedReceiver<PullEvent>,
     inbound_sender: mpsc::UnboundedSender<PullEvent>,
-    waiters: VecDeque<Waiter>,
-    held: VecDeque<Delivery>,
-    pulls: HashMap<u64, Pull>,
-    next_pull_id: u64,
     shutting_down: bool,
     /// Readers of pulls given up on, still forwarding until the server ends them.
-    stragglers: Vec<(Instant, tokio::task::JoinHandle<()>)>,
+    stragglers: Vec<(Instant, JoinHandle<()>)>,
     /// A rebind was asked for and has not happened yet.
     rebind_requested: bool,
     /// Reply subjects of messages that were no usable delivery, to nak.
@@ -132,17 +77,14 @@ pub(crate) struct Dispatcher {
 }
 
 impl Dispatcher {
-    pub(crate) fn new(shared: Arc<LeaseState>) -> Self {
+    pub(crate) fn new(state: Arc<LeaseState>) -> Self {
         let (inbound_sender, inbound) = mpsc::unbounded_channel();
         Self {
-            shared,
+            state,
             bound: None,
+            book: Book::new(),
             inbound,
             inbound_sender,
-            waiters: VecDeque::new(),
-            held: VecDeque::new(),
-            pulls: HashMap::new(),
-            next_pull_id: 0,
             shutting_down: false,
             stragglers: Vec::new(),
             rebind_requested: false,
@@ -162,10 +104,15 @@ impl Dispatcher {
             let wake = self.next_wake();
             tokio::select! {
                 command = commands.recv() => match command {
-                    Some(Command::Fetch { id, demand, answer }) => self.enqueue(id, demand, answer),
-                    Some(Command::Abandon { id }) => self.abandon(id),
-                    Some(Command::Return(deliveries)) => self.orphan(None, deliveries),
-                    Some(Command::ConnectionLost) => self.forget_pulls(),
+                    Some(Command::Fetch { id, demand, answer }) => {
+                        self.book.enqueue(id, demand, answer, Instant::now());
+                    }
+                    Some(Command::Abandon { id }) => {
+                        debug!(fetch = id, "fetch abandoned by its client");
+                        self.book.abandon(id);
+                    }
+                    Some(Command::Return(deliveries)) => self.book.give_back(None, deliveries),
+                    Some(Command::ConnectionLost) => self.book.forget_pulls(),
                     Some(Command::Shutdown) => self.shutting_down = true,
                     Some(Command::Reconnected) => {}
                     Some(Command::Stop) | None => break,
@@ -199,14 +146,16 @@ impl Dispatcher {
     async fn drain_open_pulls(&mut self) {
         let now = Instant::now();
         self.stragglers.retain(|(_, reader)| !reader.is_finished());
-        let open_until = self.pulls.values().map(|pull| pull.give_up_at).max();
+        let open_until = self.book.last_give_up();
         let stragglers_until = (!self.stragglers.is_empty()).then_some(now + PULL_GRACE);
         let Some(until) = open_until.into_iter().chain(stragglers_until).max() else {
             return;
         };
         loop {
             self.stragglers.retain(|(_, reader)| !reader.is_finished());
-            if (self.pulls.is_empty() && self.stragglers.is_empty()) || Instant::now() >= until {
+            if (!self.book.has_open_pulls() && self.stragglers.is_empty())
+                || Instant::now() >= until
+            {
                 break;
             }
             tokio::select! {
@@ -219,66 +168,30 @@ impl Dispatcher {
         for (_, reader) in self.stragglers.drain(..) {
             reader.abort();
         }
-        for (_, pull) in self.pulls.drain() {
-            pull.reader.abort();
-        }
-    }
-
-    fn enqueue(&mut self, id: u64, demand: Demand, answer: oneshot::Sender<Vec<Leased>>) {
-        self.waiters.push_back(Waiter {
-            deadline: Instant::now() + demand.wait,
-            demand,
-            got: Vec::new(),
-            bytes: 0,
-            full: false,
-            pull: None,
-            retry_at: None,
-            pulled: false,
-            answer,
-            id,
-        });
-    }
-
-    fn abandon(&mut self, id: u64) {
-        debug!(fetch = id, "fetch abandoned by its client");
-        if let Some(index) = self.waiters.iter().position(|waiter| waiter.id == id)
-            && let Some(waiter) = self.waiters.remove(index)
-        {
-            self.orphan(waiter.pull, waiter.got);
+        for reader in self.book.drain_readers() {
+            reader.abort();
         }
     }
 
     async fn rebind(&mut self, bound: Option<Arc<Bound>>) {
         // Readers of the old binding's pulls keep forwarding what they still get: deliveries
         // of an older epoch are nak'd, never leased or dropped.
-        let now = Instant::now();
-        for (_, pull) in self.pulls.drain() {
-            self.stragglers.push((now + STRAGGLER_READ, pull.reader));
+        let reap_at = Instant::now() + STRAGGLER_READ;
+        for reader in self.book.close_pulls() {
+            self.stragglers.push((reap_at, reader));
         }
-        self.forget_pulls();
         self.rebind_requested = false;
         // Deliveries of a previous binding cannot be leased any more: let the server have them.
         self.release_held(|_| true).await;
         self.bound = bound;
     }
 
-    /// The server forgot the open pulls (the connection dropped). Their readers stay until
-    /// they give up, so what the pulls already sent still arrives and is held.
-    fn forget_pulls(&mut self) {
-        for pull in self.pulls.values_mut() {
-            pull.owner = None;
-            pull.remaining = 0;
-        }
-        for waiter in &mut self.waiters {
-            waiter.pull = None;
-        }
-    }
-
     fn on_inbound(&mut self, inbound: PullEvent) {
+        let now = Instant::now();
         let (pull_id, delivery) = match inbound {
             PullEvent::Delivery { pull_id, delivery } => (pull_id, delivery),
             PullEvent::Unusable { pull_id, reply } => {
-                self.count_delivery(pull_id);
+                self.book.count_delivery(pull_id, now);
                 if let Some(reply) = reply {
                     self.unusable.push(reply);
                 }
@@ -292,7 +205,7 @@ impl Dispatcher {
                 debug!(status, description, "pull request ended");
                 let refused = matches!(status, 408 | 409) && description != "Request Timeout";
                 // Only a pull of the current binding says anything about it.
-                let current = self.pulls.contains_key(&pull_id);
+                let current = self.book.is_open(pull_id);
                 if current && status == 409 && description.contains("Consumer Deleted") {
                     warn!("the consumer was deleted; waiting to rebind");
                     self.request_rebind();
@@ -300,39 +213,18 @@ impl Dispatcher {
                 if current && status == 503 {
                     self.request_rebind();
                 }
-                self.end_pull(pull_id, refused);
+                self.book.end_pull(pull_id, refused, now);
                 return;
             }
         };
-        let owner = self.count_delivery(pull_id);
-        if delivery.coordinates.epoch != self.shared.epoch() {
+        let owner = self.book.count_delivery(pull_id, now);
+        if delivery.coordinates.epoch != self.state.epoch() {
             // From a consumer since recreated: only ever nak'd (by release_held).
-            self.held.push_back(delivery);
+            self.book.hold(delivery);
             return;
         }
-        self.shared.note_delivery(&delivery.coordinates);
-        let waiter = owner.and_then(|owner| self.waiters.iter_mut().find(|w| w.id == owner));
-        match waiter {
-            Some(waiter) if waiter.accepts(&delivery) && !waiter.answer.is_closed() => {
-                waiter.take(delivery)
-            }
-            Some(waiter) => {
-                waiter.full = !waiter.got.is_empty();
-                self.held.push_back(delivery);
-            }
-            None => self.held.push_back(delivery),
-        }
-    }
-
-    /// One more message of `pull_id` arrived; returns the fetch it is for.
-    fn count_delivery(&mut self, pull_id: u64) -> Option<u64> {
-        let pull = self.pulls.get_mut(&pull_id)?;
-        pull.remaining = pull.remaining.saturating_sub(1);
-        let owner = pull.owner;
-        if pull.remaining == 0 {
-            self.end_pull(pull_id, false);
-        }
-        owner
+        self.state.note_delivery(&delivery.coordinates);
+        self.book.place(owner, delivery);
     }
 
     /// Ask the supervisor to rebind, once per binding (every open pull reports a deleted
@@ -340,25 +232,7 @@ impl Dispatcher {
     fn request_rebind(&mut self) {
         if !self.rebind_requested {
             self.rebind_requested = true;
-            self.shared.request_rebind();
-        }
-    }
-
-    fn end_pull(&mut self, pull_id: u64, refused: bool) {
-        if let Some(pull) = self.pulls.remove(&pull_id) {
-            self.end_pull_of(pull.owner, refused);
-        }
-    }
-
-    fn end_pull_of(&mut self, owner: Option<u64>, refused: bool) {
-        let Some(owner) = owner else {
-            return;
-        };
-        if let Some(waiter) = self.waiters.iter_mut().find(|w| w.id == owner) {
-            waiter.pull = None;
-            if refused {
-                waiter.retry_at = Some(Instant::now() + PULL_RETRY);
-            }
+            self.state.request_rebind();
         }
     }
 
@@ -366,46 +240,22 @@ impl Dispatcher {
     fn next_wake(&self) -> Instant {
         let now = Instant::now();
         let far = now + Duration::from_secs(3600);
-        let hold = self.shared.hold();
-        let waiters = self.waiters.iter().flat_map(|waiter| {
-            let deadline = if waiter.pull.is_some() {
-                waiter.deadline + PULL_GRACE
-            } else {
-                waiter.deadline
-            };
-            // A retry time already past waits for an event (a pull ending, capacity freed)
-            // instead of spinning.
-            let retry_at = waiter.retry_at.filter(|at| *at > now);
-            [Some(deadline), retry_at].into_iter().flatten()
-        });
-        let held = self
-            .held
-            .front()
-            .map(|delivery| delivery.received_at + hold);
-        let pulls = self.pulls.values().map(|pull| pull.give_up_at);
-        // An expiring lease frees capacity for waiting fetches.
-        let lease_expiry = (!self.waiters.is_empty())
-            .then(|| self.shared.next_release().filter(|at| *at > now))
-            .flatten();
+        let book = self
+            .book
+            .next_wake(now, self.state.hold(), || self.state.next_release());
         let reaps = self.stragglers.iter().map(|(reap_at, _)| *reap_at);
-        waiters
-            .chain(held)
-            .chain(pulls)
-            .chain(lease_expiry)
-            .chain(reaps)
-            .min()
-            .unwrap_or(far)
+        book.into_iter().chain(reaps).min().unwrap_or(far)
     }
 
     async fn pump(&mut self) {
         let now = Instant::now();
-        self.drop_abandoned_waiters();
+        self.book.drop_abandoned();
         self.give_up_on_silent_pulls(now);
-        let hold = self.shared.hold();
+        let hold = self.state.hold();
         let shutting_down = self.shutting_down;
         self.release_held(|delivery| shutting_down || delivery.received_at + hold <= now)
             .await;
-        self.hand_out_held();
+        self.book.hand_out_held();
         if !self.shutting_down {
             self.issue_pulls(now).await;
         }
@@ -416,50 +266,9 @@ impl Dispatcher {
         }
     }
 
-    /// Fetches whose HTTP client went away give their deliveries back.
-    fn drop_abandoned_waiters(&mut self) {
-        let mut index = 0;
-        while index < self.waiters.len() {
-            if self.waiters[index].answer.is_closed() {
-                if let Some(waiter) = self.waiters.remove(index) {
-                    self.orphan(waiter.pull, waiter.got);
-                }
-            } else {
-                index += 1;
-            }
-        }
-    }
-
-    /// A fetch left: what it received, and whatever its pull still brings before it ends
-    /// (within [`MAX_PULL_EXPIRES`]), goes to the next fetch.
-    fn orphan(&mut self, pull: Option<u64>, got: Vec<Delivery>) {
-        self.disown(pull);
-        for delivery in got.into_iter().rev() {
-            self.held.push_front(delivery);
-        }
-    }
-
-    fn disown(&mut self, pull: Option<u64>) {
-        if let Some(pull) = pull.and_then(|pull| self.pulls.get_mut(&pull)) {
-            pull.owner = None;
-        }
-    }
-
     fn give_up_on_silent_pulls(&mut self, now: Instant) {
-        let silent: Vec<u64> = self
-            .pulls
-            .iter()
-            .filter(|(_, pull)| pull.give_up_at <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for pull_id in silent {
-            if let Some(pull) = self.pulls.remove(&pull_id) {
-                // No end-of-request status yet: a busy machine or a lost connection. The pull
-                // no longer counts, but its reader keeps forwarding whatever still arrives
-                // (to `held`); dropping it could strand deliveries for a whole ack_wait.
-                self.stragglers.push((now + STRAGGLER_READ, pull.reader));
-                self.end_pull_of(pull.owner, false);
-            }
+        for reader in self.book.give_up_silent_pulls(now) {
+            self.stragglers.push((now + STRAGGLER_READ, reader));
         }
         self.stragglers.retain(|(reap_at, reader)| {
             if reader.is_finished() {
@@ -475,85 +284,41 @@ impl Dispatcher {
 
     /// Nak held deliveries that match `release`: the server redelivers them to the next pull.
     async fn release_held(&mut self, release: impl Fn(&Delivery) -> bool) {
-        let epoch = self.shared.epoch();
-        let release =
-            |delivery: &Delivery| delivery.coordinates.epoch != epoch || release(delivery);
+        let epoch = self.state.epoch();
+        let released = self
+            .book
+            .take_held(|delivery| delivery.coordinates.epoch != epoch || release(delivery));
         let Some(bound) = &self.bound else {
-            self.held.retain(|delivery| !release(delivery));
             self.unusable.clear();
             return;
         };
         for reply in self.unusable.drain(..) {
             nats_settle::release(bound, &reply).await;
         }
-        let mut kept = VecDeque::with_capacity(self.held.len());
-        for delivery in self.held.drain(..) {
-            if release(&delivery) {
-                debug!(
-                    stream_sequence = delivery.coordinates.key.stream_sequence,
-                    "releasing an unleased delivery"
-                );
-                nats_settle::release(bound, &delivery.reply).await;
-                self.shared.released(delivery.coordinates.key);
-            } else {
-                kept.push_back(delivery);
-            }
-        }
-        self.held = kept;
-    }
-
-    fn hand_out_held(&mut self) {
-        for waiter in &mut self.waiters {
-            while let Some(delivery) = self.held.front() {
-                if !waiter.accepts(delivery) {
-                    if !waiter.got.is_empty() && waiter.got.len() < waiter.demand.batch {
-                        waiter.full = true;
-                    }
-                    break;
-                }
-                if let Some(delivery) = self.held.pop_front() {
-                    waiter.take(delivery);
-                }
-            }
-            if self.held.is_empty() {
-                break;
-            }
+        for delivery in released {
+            debug!(
+                stream_sequence = delivery.coordinates.key.stream_sequence,
+                "releasing an unleased delivery"
+            );
+            nats_settle::release(bound, &delivery.reply).await;
+            self.state.released(delivery.coordinates.key);
         }
     }
 
     fn answer_finished(&mut self, now: Instant) {
-        let mut index = 0;
-        while index < self.waiters.len() {
-            let waiter = &self.waiters[index];
-            let finished = self.shutting_down
-                || waiter.got.len() >= waiter.demand.batch
-                || waiter.full
-                || (!waiter.got.is_empty() && waiter.pull.is_none())
-                || (waiter.pull.is_none() && now >= waiter.deadline)
-                || now >= waiter.deadline + PULL_GRACE;
-            if !finished {
-                index += 1;
-                continue;
-            }
-            let Some(waiter) = self.waiters.remove(index) else {
-                break;
-            };
-            let epoch = self.shared.epoch();
-            let (got, stale): (Vec<Delivery>, Vec<Delivery>) = waiter
-                .got
-                .into_iter()
-                .partition(|delivery| delivery.coordinates.epoch == epoch);
-            // Released by the next pump.
-            self.held.extend(stale);
-            let leased = self.shared.lease(got);
-            if let Err(unanswered) = waiter.answer.send(leased) {
+        let finished = self
+            .book
+            .take_finished(now, self.shutting_down, self.state.epoch());
+        for fetch in finished {
+            let leased = self.state.lease(fetch.got);
+            if let Err(unanswered) = fetch.answer.send(leased) {
                 // The client went away in the meantime: take the leases back.
-                let got = self.shared.withdraw(unanswered);
-                self.orphan(waiter.pull, got);
+                let got = self.state.withdraw(unanswered);
+                self.book.give_back(fetch.pull, got);
             } else {
                 // Answered before its pull ended (max_bytes, deadline, shutdown): what the
                 // pull still brings is held for the next fetch.
-                self.disown(waiter.pull);
+                self.book.disown(fetch.pull);
             }
         }
     }
@@ -565,84 +330,42 @@ impl Dispatcher {
         if !bound.is_connected() {
             return;
         }
-        let max_pulls = (bound.max_waiting / 2).clamp(1, MAX_OPEN_PULLS);
         // Ask to be woken by the next settle while fetches wait for a pull; flagged before
         // capacity is read, so a settle in between is not missed.
-        if self
-            .waiters
-            .iter()
-            .any(|waiter| waiter.pull.is_none() && waiter.got.is_empty())
-        {
-            self.shared.starving();
+        if self.book.is_starving() {
+            self.state.starving();
         }
-        let reserved: usize = self.held.len()
-            + self.waiters.iter().map(|w| w.got.len()).sum::<usize>()
-            + self.pulls.values().map(|p| p.remaining).sum::<usize>();
-        let mut capacity = self
-            .shared
+        let capacity = self
+            .state
             .max_ack_pending()
-            .saturating_sub(self.shared.taken() + reserved);
-        for index in 0..self.waiters.len() {
-            if self.pulls.len() >= max_pulls || capacity == 0 {
-                break;
-            }
-            let waiter = &self.waiters[index];
-            let ready = waiter.pull.is_none()
-                && waiter.got.is_empty()
-                && waiter.retry_at.is_none_or(|at| at <= now)
-                // A zero-wait fetch still gets one no_wait pull: "what is there right now".
-                && (waiter.deadline > now || (waiter.demand.wait.is_zero() && !waiter.pulled));
-            if !ready {
-                continue;
-            }
-            let mut batch = waiter.demand.batch.min(capacity);
-            if let Some(max_batch) = bound.max_batch {
-                batch = batch.min(max_batch);
-            }
-            let mut left = waiter
-                .deadline
-                .saturating_duration_since(now)
-                .min(MAX_PULL_EXPIRES);
-            if let Some(max_expires) = bound.max_expires {
-                left = left.min(max_expires);
-            }
-            let expires = (left >= MIN_EXPIRES).then_some(left);
-            self.next_pull_id += 1;
-            let pull_id = self.next_pull_id;
+            .saturating_sub(self.state.taken() + self.book.reserved());
+        let limits = PullLimits {
+            max_waiting: bound.max_waiting,
+            max_batch: bound.max_batch,
+            max_expires: bound.max_expires,
+        };
+        for planned in self.book.plan_pulls(now, capacity, limits) {
+            let pull_id = self.book.next_pull_id();
+            let events = self.inbound_sender.clone();
             let Some(reader) =
-                pull::open(&bound, pull_id, batch, expires, self.inbound_sender.clone()).await
+                pull::open(&bound, pull_id, planned.batch, planned.expires, events).await
             else {
                 return;
             };
-            capacity -= batch;
-            self.pulls.insert(
-                pull_id,
-                Pull {
-                    owner: Some(self.waiters[index].id),
-                    remaining: batch,
-                    give_up_at: now + left + PULL_GRACE,
-                    reader,
-                },
-            );
-            let waiter = &mut self.waiters[index];
-            waiter.pull = Some(pull_id);
-            waiter.pulled = true;
-            waiter.retry_at = None;
+            self.book.pull_opened(planned, pull_id, reader);
         }
-        if !self.waiters.is_empty() && self.pulls.len() >= max_pulls {
-            debug!(
-                open = self.pulls.len(),
-                "pull limit reached; fetches wait their turn"
-            );
+        if self.book.at_pull_limit(limits) {
+            debug!("pull limit reached; fetches wait their turn");
         }
     }
 }
 
 impl Drop for Dispatcher {
     fn drop(&mut self) {
-        if !self.held.is_empty() {
+        let held = self.book.held_len();
+        if held > 0 {
             info!(
-                held = self.held.len(),
+                held,
                 "dispatcher stopped with unleased deliveries; the server redelivers them after ack_wait"
             );
         }

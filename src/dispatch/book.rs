@@ -1,0 +1,800 @@
+//! The dispatcher's bookkeeping, pure: which fetches wait (and what they got so far), which
+//! pulls are open and for whom, which deliveries are held for the next fetch, and what to do
+//! next — which pulls to open, which fetches to answer, which held deliveries to release.
+//!
+//! No I/O and no clock of its own: the dispatcher's loop ([`super`]) passes `now` in, does
+//! the NATS calls the book asks for, and leases what it hands out. A pull's reader task is
+//! kept here only as an opaque `R`, so that it leaves with its pull.
+//!
+//! May import: `domain`.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::domain::delivery::{Delivery, Demand, Leased};
+
+/// How long a fetch whose pull is still open may outlive its deadline waiting for the
+/// server's end-of-request status (which normally arrives right at the deadline).
+pub(super) const PULL_GRACE: Duration = Duration::from_millis(500);
+/// Pause before a fetch retries a pull the server turned away (408 "Requests Pending",
+/// 409 "Exceeded MaxWaiting"); messages keep flowing to the earlier pulls meanwhile.
+const PULL_RETRY: Duration = Duration::from_millis(50);
+/// Longest single pull: bounds how long an abandoned fetch's pull can still attract messages.
+const MAX_PULL_EXPIRES: Duration = Duration::from_secs(1);
+/// Shorter waits than this are sent as a plain `no_wait` pull.
+const MIN_EXPIRES: Duration = Duration::from_millis(10);
+/// Upper bound on pulls open at once, whatever max_waiting allows.
+const MAX_OPEN_PULLS: usize = 256;
+
+/// The answer channel of a waiting fetch.
+pub(crate) type Answer = oneshot::Sender<Vec<Leased>>;
+
+struct Waiter {
+    id: u64,
+    demand: Demand,
+    deadline: Instant,
+    got: Vec<Delivery>,
+    bytes: usize,
+    /// The next delivery would exceed max_bytes.
+    full: bool,
+    pull: Option<u64>,
+    retry_at: Option<Instant>,
+    /// A pull was sent for this fetch at least once.
+    pulled: bool,
+    answer: Answer,
+}
+
+impl Waiter {
+    fn accepts(&self, delivery: &Delivery) -> bool {
+        if self.full || self.got.len() >= self.demand.batch {
+            return false;
+        }
+        // The first message always fits: a fetch returns at least one.
+        self.got.is_empty()
+            || self
+                .demand
+                .max_bytes
+                .is_none_or(|max| self.bytes + delivery.payload.len() <= max)
+    }
+
+    fn take(&mut self, delivery: Delivery) {
+        self.bytes += delivery.payload.len();
+        self.got.push(delivery);
+    }
+}
+
+struct Pull<R> {
+    owner: Option<u64>,
+    remaining: usize,
+    /// When to give up on the server's end-of-request status.
+    give_up_at: Instant,
+    /// Reads the pull's inbox; ends by itself when the server ended the pull.
+    reader: R,
+}
+
+/// A pull the book wants opened for a waiting fetch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct PlannedPull {
+    pub(super) fetch: u64,
+    pub(super) batch: usize,
+    /// `None`: a plain `no_wait` pull.
+    pub(super) expires: Option<Duration>,
+    pub(super) give_up_at: Instant,
+}
+
+/// The consumer's limits on pulls, as bound.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PullLimits {
+    pub(super) max_waiting: usize,
+    pub(super) max_batch: Option<usize>,
+    pub(super) max_expires: Option<Duration>,
+}
+
+/// A fetch that is done waiting: lease `got` and send it on `answer`.
+pub(super) struct Finished {
+    pub(super) answer: Answer,
+    pub(super) got: Vec<Delivery>,
+    pub(super) pull: Option<u64>,
+}
+
+pub(super) struct Book<R> {
+    waiters: VecDeque<Waiter>,
+    held: VecDeque<Delivery>,
+    pulls: HashMap<u64, Pull<R>>,
+    next_pull_id: u64,
+}
+
+impl<R> Book<R> {
+    pub(super) fn new() -> Self {
+        Self {
+            waiters: VecDeque::new(),
+            held: VecDeque::new(),
+            pulls: HashMap::new(),
+            next_pull_id: 0,
+        }
+    }
+
+    pub(super) fn enqueue(&mut self, id: u64, demand: Demand, answer: Answer, now: Instant) {
+        self.waiters.push_back(Waiter {
+            id,
+            deadline: now + demand.wait,
+            demand,
+            got: Vec::new(),
+            bytes: 0,
+            full: false,
+            pull: None,
+            retry_at: None,
+            pulled: false,
+            answer,
+        });
+    }
+
+    /// The fetch's client went away: what it got goes to the next fetch.
+    pub(super) fn abandon(&mut self, id: u64) {
+        if let Some(index) = self.waiters.iter().position(|waiter| waiter.id == id)
+            && let Some(waiter) = self.waiters.remove(index)
+        {
+            self.give_back(waiter.pull, waiter.got);
+        }
+    }
+
+    /// A fetch left: what it received, and whatever its pull still brings before it ends
+    /// (within [`MAX_PULL_EXPIRES`]), goes to the next fetch, ahead of anything held.
+    pub(super) fn give_back(&mut self, pull: Option<u64>, got: Vec<Delivery>) {
+        self.disown(pull);
+        for delivery in got.into_iter().rev() {
+            self.held.push_front(delivery);
+        }
+    }
+
+    /// What the pull still brings goes to whoever comes next.
+    pub(super) fn disown(&mut self, pull: Option<u64>) {
+        if let Some(pull) = pull.and_then(|pull| self.pulls.get_mut(&pull)) {
+            pull.owner = None;
+        }
+    }
+
+    /// The server forgot the open pulls (the connection dropped). Their readers stay until
+    /// they give up, so what the pulls already sent still arrives and is held.
+    pub(super) fn forget_pulls(&mut self) {
+        for pull in self.pulls.values_mut() {
+            pull.owner = None;
+            pull.remaining = 0;
+        }
+        for waiter in &mut self.waiters {
+            waiter.pull = None;
+        }
+    }
+
+    /// Every open pull is of an old binding: forget them, returning their readers.
+    pub(super) fn close_pulls(&mut self) -> Vec<R> {
+        let readers = self.pulls.drain().map(|(_, pull)| pull.reader).collect();
+        self.forget_pulls();
+        readers
+    }
+
+    /// Whether `pull_id` is an open pull (of the current binding).
+    pub(super) fn is_open(&self, pull_id: u64) -> bool {
+        self.pulls.contains_key(&pull_id)
+    }
+
+    /// Whether any pull is open.
+    pub(super) fn has_open_pulls(&self) -> bool {
+        !self.pulls.is_empty()
+    }
+
+    /// When the last open pull is given up on.
+    pub(super) fn last_give_up(&self) -> Option<Instant> {
+        self.pulls.values().map(|pull| pull.give_up_at).max()
+    }
+
+    /// One more message of `pull_id` arrived; returns the fetch it is for.
+    pub(super) fn count_delivery(&mut self, pull_id: u64, now: Instant) -> Option<u64> {
+        let pull = self.pulls.get_mut(&pull_id)?;
+        pull.remaining = pull.remaining.saturating_sub(1);
+        let owner = pull.owner;
+        if pull.remaining == 0 {
+            self.end_pull(pull_id, false, now);
+        }
+        owner
+    }
+
+    /// The server ended `pull_id`; `refused`: it turned the pull away, retry a little later.
+    pub(super) fn end_pull(&mut self, pull_id: u64, refused: bool, now: Instant) {
+        if let Some(pull) = self.pulls.remove(&pull_id) {
+            self.pull_ended_for(pull.owner, refused, now);
+        }
+    }
+
+    fn pull_ended_for(&mut self, owner: Option<u64>, refused: bool, now: Instant) {
+        let Some(owner) = owner else {
+            return;
+        };
+        if let Some(waiter) = self.waiters.iter_mut().find(|w| w.id == owner) {
+            waiter.pull = None;
+            if refused {
+                waiter.retry_at = Some(now + PULL_RETRY);
+            }
+        }
+    }
+
+    /// A delivery of the current binding for fetch `owner`: it takes it if it still can,
+    /// otherwise it is held for the next fetch.
+    pub(super) fn place(&mut self, owner: Option<u64>, delivery: Delivery) {
+        let waiter = owner.and_then(|owner| self.waiters.iter_mut().find(|w| w.id == owner));
+        match waiter {
+            Some(waiter) if waiter.accepts(&delivery) && !waiter.answer.is_closed() => {
+                waiter.take(delivery);
+            }
+            Some(waiter) => {
+                waiter.full = !waiter.got.is_empty();
+                self.held.push_back(delivery);
+            }
+            None => self.held.push_back(delivery),
+        }
+    }
+
+    /// Hold a delivery nobody may take (one of an earlier binding): only ever released.
+    pub(super) fn hold(&mut self, delivery: Delivery) {
+        self.held.push_back(delivery);
+    }
+
+    /// The earliest moment something needs doing without an outside event. `hold`: how long
+    /// a delivery is held; `next_release`: when a max_ack_pending slot frees by itself
+    /// (asked only while fetches wait).
+    pub(super) fn next_wake(
+        &self,
+        now: Instant,
+        hold: Duration,
+        next_release: impl FnOnce() -> Option<Instant>,
+    ) -> Option<Instant> {
+        let waiters = self.waiters.iter().flat_map(|waiter| {
+            let deadline = if waiter.pull.is_some() {
+                waiter.deadline + PULL_GRACE
+            } else {
+                waiter.deadline
+            };
+            // A retry time already past waits for an event (a pull ending, capacity freed)
+            // instead of spinning.
+            let retry_at = waiter.retry_at.filter(|at| *at > now);
+            [Some(deadline), retry_at].into_iter().flatten()
+        });
+        let held = self
+            .held
+            .front()
+            .map(|delivery| delivery.received_at + hold);
+        let pulls = self.pulls.values().map(|pull| pull.give_up_at);
+        // An expiring lease frees capacity for waiting fetches.
+        let lease_expiry = (!self.waiters.is_empty())
+            .then(|| next_release().filter(|at| *at > now))
+            .flatten();
+        waiters.chain(held).chain(pulls).chain(lease_expiry).min()
+    }
+
+    /// Fetches whose HTTP client went away give their deliveries back.
+    pub(super) fn drop_abandoned(&mut self) {
+        let mut index = 0;
+        while index < self.waiters.len() {
+            if self.waiters[index].answer.is_closed() {
+                if let Some(waiter) = self.waiters.remove(index) {
+                    self.give_back(waiter.pull, waiter.got);
+                }
+            } else {
+                index += 1;
+            }
+        }
+    }
+
+    /// Pulls past their give-up time without an end-of-request status (a busy machine or a
+    /// lost connection) no longer count; their readers are returned, to keep forwarding
+    /// whatever still arrives: dropping them could strand deliveries for a whole ack_wait.
+    pub(super) fn give_up_silent_pulls(&mut self, now: Instant) -> Vec<R> {
+        let silent: Vec<u64> = self
+            .pulls
+            .iter()
+            .filter(|(_, pull)| pull.give_up_at <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut readers = Vec::with_capacity(silent.len());
+        for pull_id in silent {
+            if let Some(pull) = self.pulls.remove(&pull_id) {
+                readers.push(pull.reader);
+                self.pull_ended_for(pull.owner, false, now);
+            }
+        }
+        readers
+    }
+
+    /// Take the held deliveries that match `release` out of the book, in order.
+    pub(super) fn take_held(&mut self, release: impl Fn(&Delivery) -> bool) -> Vec<Delivery> {
+        let mut released = Vec::new();
+        let mut kept = VecDeque::with_capacity(self.held.len());
+        for delivery in self.held.drain(..) {
+            if release(&delivery) {
+                released.push(delivery);
+            } else {
+                kept.push_back(delivery);
+            }
+        }
+        self.held = kept;
+        released
+    }
+
+    /// Deliveries held are handed to waiting fetches, first come first served.
+    pub(super) fn hand_out_held(&mut self) {
+        for waiter in &mut self.waiters {
+            while let Some(delivery) = self.held.front() {
+                if !waiter.accepts(delivery) {
+                    if !waiter.got.is_empty() && waiter.got.len() < waiter.demand.batch {
+                        waiter.full = true;
+                    }
+                    break;
+                }
+                if let Some(delivery) = self.held.pop_front() {
+                    waiter.take(delivery);
+                }
+            }
+            if self.held.is_empty() {
+                break;
+            }
+        }
+    }
+
+    /// Some fetch waits with nothing and no pull: it needs capacity to be freed.
+    pub(super) fn is_starving(&self) -> bool {
+        self.waiters
+            .iter()
+            .any(|waiter| waiter.pull.is_none() && waiter.got.is_empty())
+    }
+
+    /// Messages that will need a lease slot: held, taken by fetches, or asked of open pulls.
+    pub(super) fn reserved(&self) -> usize {
+        self.held.len()
+            + self.waiters.iter().map(|w| w.got.len()).sum::<usize>()
+            + self.pulls.values().map(|p| p.remaining).sum::<usize>()
+    }
+
+    /// The pulls to open now, in order: one per waiting fetch that has none, never more
+    /// than half the consumer's max_waiting open at once, and never more messages asked
+    /// for than `capacity` (free max_ack_pending slots). Open them in order and report each
+    /// with [`Book::pull_opened`]; stop at the first that fails.
+    pub(super) fn plan_pulls(
+        &self,
+        now: Instant,
+        mut capacity: usize,
+        limits: PullLimits,
+    ) -> Vec<PlannedPull> {
+        let max_pulls = Self::max_pulls(limits);
+        let mut open = self.pulls.len();
+        let mut planned = Vec::new();
+        for waiter in &self.waiters {
+            if open >= max_pulls || capacity == 0 {
+                break;
+            }
+            let ready = waiter.pull.is_none()
+                && waiter.got.is_empty()
+                && waiter.retry_at.is_none_or(|at| at <= now)
+                // A zero-wait fetch still gets one no_wait pull: "what is there right now".
+                && (waiter.deadline > now || (waiter.demand.wait.is_zero() && !waiter.pulled));
+            if !ready {
+                continue;
+            }
+            let mut batch = waiter.demand.batch.min(capacity);
+            if let Some(max_batch) = limits.max_batch {
+                batch = batch.min(max_batch);
+            }
+            let mut left = waiter
+                .deadline
+                .saturating_duration_since(now)
+                .min(MAX_PULL_EXPIRES);
+            if let Some(max_expires) = limits.max_expires {
+                left = left.min(max_expires);
+            }
+            planned.push(PlannedPull {
+                fetch: waiter.id,
+                batch,
+                expires: (left >= MIN_EXPIRES).then_some(left),
+                give_up_at: now + left + PULL_GRACE,
+            });
+            capacity -= batch;
+            open += 1;
+        }
+        planned
+    }
+
+    /// Whether fetches wait while the pull limit is reached.
+    pub(super) fn at_pull_limit(&self, limits: PullLimits) -> bool {
+        !self.waiters.is_empty() && self.pulls.len() >= Self::max_pulls(limits)
+    }
+
+    fn max_pulls(limits: PullLimits) -> usize {
+        (limits.max_waiting / 2).clamp(1, MAX_OPEN_PULLS)
+    }
+
+    /// A fresh pull id.
+    pub(super) fn next_pull_id(&mut self) -> u64 {
+        self.next_pull_id += 1;
+        self.next_pull_id
+    }
+
+    /// A planned pull was opened as `pull_id`, read by `reader`.
+    pub(super) fn pull_opened(&mut self, planned: PlannedPull, pull_id: u64, reader: R) {
+        self.pulls.insert(
+            pull_id,
+            Pull {
+                owner: Some(planned.fetch),
+                remaining: planned.batch,
+                give_up_at: planned.give_up_at,
+                reader,
+            },
+        );
+        if let Some(waiter) = self.waiters.iter_mut().find(|w| w.id == planned.fetch) {
+            waiter.pull = Some(pull_id);
+            waiter.pulled = true;
+            waiter.retry_at = None;
+        }
+    }
+
+    /// The fetches done waiting (all answered at once when `shutting_down`), out of the
+    /// book. Deliveries of an epoch other than `epoch` stay held, to be released.
+    pub(super) fn take_finished(
+        &mut self,
+        now: Instant,
+        shutting_down: bool,
+        epoch: u32,
+    ) -> Vec<Finished> {
+        let mut finished = Vec::new();
+        let mut index = 0;
+        while index < self.waiters.len() {
+            let waiter = &self.waiters[index];
+            let done = shutting_down
+                || waiter.got.len() >= waiter.demand.batch
+                || waiter.full
+                || (!waiter.got.is_empty() && waiter.pull.is_none())
+                || (waiter.pull.is_none() && now >= waiter.deadline)
+                || now >= waiter.deadline + PULL_GRACE;
+            if !done {
+                index += 1;
+                continue;
+            }
+            let Some(waiter) = self.waiters.remove(index) else {
+                break;
+            };
+            let (got, stale): (Vec<Delivery>, Vec<Delivery>) = waiter
+                .got
+                .into_iter()
+                .partition(|delivery| delivery.coordinates.epoch == epoch);
+            self.held.extend(stale);
+            finished.push(Finished {
+                answer: waiter.answer,
+                got,
+                pull: waiter.pull,
+            });
+        }
+        finished
+    }
+
+    /// Every pull's reader, for a stop.
+    pub(super) fn drain_readers(&mut self) -> Vec<R> {
+        self.pulls.drain().map(|(_, pull)| pull.reader).collect()
+    }
+
+    /// Deliveries held now.
+    pub(super) fn held_len(&self) -> usize {
+        self.held.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use time::OffsetDateTime;
+
+    use super::*;
+    use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates};
+
+    const EPOCH: u32 = 7;
+    const LIMITS: PullLimits = PullLimits {
+        max_waiting: 512,
+        max_batch: None,
+        max_expires: None,
+    };
+
+    fn delivery(stream_sequence: u64, bytes: usize, received_at: Instant) -> Delivery {
+        Delivery {
+            coordinates: LeaseCoordinates {
+                epoch: EPOCH,
+                key: DeliveryKey {
+                    stream_sequence,
+                    delivered: 1,
+                },
+                consumer_sequence: stream_sequence,
+                published_unix_nanos: 0,
+            },
+            reply: Arc::from(format!(
+                "$JS.ACK.S.C.1.{stream_sequence}.{stream_sequence}.0.0"
+            )),
+            subject: "orders.created".into(),
+            payload: Bytes::from(vec![b'x'; bytes]),
+            headers: None,
+            stream: "S".into(),
+            consumer: "C".into(),
+            pending: 0,
+            published_at: OffsetDateTime::UNIX_EPOCH,
+            received_at,
+        }
+    }
+
+    fn demand(batch: usize, wait_ms: u64) -> Demand {
+        Demand {
+            batch,
+            wait: Duration::from_millis(wait_ms),
+            max_bytes: None,
+        }
+    }
+
+    /// A book with one waiting fetch (id 1) whose pull is open; returns the answer receiver.
+    fn waiting(
+        book: &mut Book<()>,
+        demand: Demand,
+        now: Instant,
+    ) -> (oneshot::Receiver<Vec<Leased>>, u64) {
+        let (answer, answered) = oneshot::channel();
+        book.enqueue(1, demand, answer, now);
+        let planned = book.plan_pulls(now, 1000, LIMITS);
+        assert_eq!(planned.len(), 1);
+        let pull_id = book.next_pull_id();
+        book.pull_opened(planned[0], pull_id, ());
+        (answered, pull_id)
+    }
+
+    fn sequences(deliveries: &[Delivery]) -> Vec<u64> {
+        deliveries
+            .iter()
+            .map(|delivery| delivery.coordinates.key.stream_sequence)
+            .collect()
+    }
+
+    #[test]
+    fn a_pull_asks_for_the_batch_within_capacity_and_max_pull_expires() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        let (answer, _answered) = oneshot::channel();
+        book.enqueue(1, demand(100, 20_000), answer, now);
+        let planned = book.plan_pulls(now, 30, LIMITS);
+        assert_eq!(
+            planned,
+            vec![PlannedPull {
+                fetch: 1,
+                batch: 30,
+                expires: Some(MAX_PULL_EXPIRES),
+                give_up_at: now + MAX_PULL_EXPIRES + PULL_GRACE,
+            }]
+        );
+        assert!(
+            book.plan_pulls(now, 0, LIMITS).is_empty(),
+            "no capacity, no pull"
+        );
+    }
+
+    #[test]
+    fn pulls_stop_at_half_of_max_waiting() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        for id in 0..5 {
+            let (answer, _) = oneshot::channel();
+            book.enqueue(id, demand(1, 1000), answer, now);
+        }
+        let limits = PullLimits {
+            max_waiting: 6,
+            ..LIMITS
+        };
+        let planned = book.plan_pulls(now, 1000, limits);
+        assert_eq!(
+            planned.iter().map(|p| p.fetch).collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
+        for plan in planned {
+            let pull_id = book.next_pull_id();
+            book.pull_opened(plan, pull_id, ());
+        }
+        assert!(book.plan_pulls(now, 1000, limits).is_empty());
+        assert!(book.at_pull_limit(limits));
+    }
+
+    #[test]
+    fn the_consumers_own_pull_limits_apply_and_short_waits_are_no_wait_pulls() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        let (answer, _) = oneshot::channel();
+        book.enqueue(1, demand(500, 5), answer, now);
+        let limits = PullLimits {
+            max_waiting: 512,
+            max_batch: Some(50),
+            max_expires: Some(Duration::from_millis(200)),
+        };
+        let planned = book.plan_pulls(now, 1000, limits);
+        assert_eq!(planned[0].batch, 50);
+        assert_eq!(planned[0].expires, None, "5 ms is below MIN_EXPIRES");
+    }
+
+    #[test]
+    fn a_fetch_is_answered_with_what_its_pull_brought_once_the_pull_ends() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        let (_answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
+        for sequence in 1..=3 {
+            let owner = book.count_delivery(pull_id, now);
+            assert_eq!(owner, Some(1));
+            book.place(owner, delivery(sequence, 10, now));
+        }
+        assert!(
+            book.take_finished(now, false, EPOCH).is_empty(),
+            "pull still open"
+        );
+        book.end_pull(pull_id, false, now);
+        let finished = book.take_finished(now, false, EPOCH);
+        assert_eq!(finished.len(), 1);
+        assert_eq!(sequences(&finished[0].got), [1, 2, 3]);
+        assert_eq!(finished[0].pull, None);
+    }
+
+    #[test]
+    fn max_bytes_holds_the_overflow_for_the_next_fetch() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        let mut limited = demand(10, 5000);
+        limited.max_bytes = Some(25);
+        let (_answered, pull_id) = waiting(&mut book, limited, now);
+        for sequence in 1..=3 {
+            let owner = book.count_delivery(pull_id, now);
+            book.place(owner, delivery(sequence, 10, now));
+        }
+        let finished = book.take_finished(now, false, EPOCH);
+        assert_eq!(
+            sequences(&finished[0].got),
+            [1, 2],
+            "the third would exceed 25 bytes"
+        );
+        assert_eq!(book.held_len(), 1);
+        // The first message always fits, however large.
+        let (answer, _) = oneshot::channel();
+        let mut tiny = demand(10, 5000);
+        tiny.max_bytes = Some(1);
+        book.enqueue(2, tiny, answer, now);
+        book.hand_out_held();
+        let finished = book.take_finished(now, false, EPOCH);
+        assert_eq!(sequences(&finished[0].got), [3]);
+    }
+
+    #[test]
+    fn an_abandoned_fetch_gives_its_deliveries_to_the_next_one_first() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        let (_answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
+        book.hold(delivery(9, 1, now));
+        let owner = book.count_delivery(pull_id, now);
+        book.place(owner, delivery(1, 1, now));
+        book.abandon(1);
+        // What its pull still brings is no one's.
+        assert_eq!(book.count_delivery(pull_id, now), None);
+        let (answer, _) = oneshot::channel();
+        book.enqueue(2, demand(10, 5000), answer, now);
+        book.hand_out_held();
+        let finished = book.take_finished(now, false, EPOCH);
+        assert_eq!(
+            sequences(&finished[0].got),
+            [1, 9],
+            "given back ahead of the held one"
+        );
+    }
+
+    #[test]
+    fn a_closed_answer_channel_counts_as_abandoned() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        let (answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
+        let owner = book.count_delivery(pull_id, now);
+        book.place(owner, delivery(1, 1, now));
+        drop(answered);
+        book.drop_abandoned();
+        assert_eq!(book.held_len(), 1);
+        assert!(!book.is_starving());
+    }
+
+    #[test]
+    fn held_deliveries_are_released_by_the_callers_rule_in_order() {
+        let now = Instant::now();
+        let hold = Duration::from_secs(2);
+        let mut book = Book::<()>::new();
+        book.hold(delivery(1, 1, now));
+        book.hold(delivery(2, 1, now + Duration::from_secs(1)));
+        book.hold(delivery(3, 1, now));
+        assert_eq!(book.next_wake(now, hold, || None), Some(now + hold));
+        let later = now + hold;
+        let released = book.take_held(|d| d.received_at + hold <= later);
+        assert_eq!(sequences(&released), [1, 3]);
+        assert_eq!(book.held_len(), 1);
+    }
+
+    #[test]
+    fn a_refused_pull_is_retried_after_a_pause_and_a_zero_wait_fetch_pulls_once() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        let (_answered, pull_id) = waiting(&mut book, demand(1, 5000), now);
+        book.end_pull(pull_id, true, now);
+        assert!(
+            book.plan_pulls(now, 10, LIMITS).is_empty(),
+            "waits PULL_RETRY"
+        );
+        assert_eq!(book.plan_pulls(now + PULL_RETRY, 10, LIMITS).len(), 1);
+
+        let mut book = Book::<()>::new();
+        let (_answered, pull_id) = waiting(&mut book, demand(1, 0), now);
+        book.end_pull(pull_id, false, now);
+        assert!(
+            book.plan_pulls(now, 10, LIMITS).is_empty(),
+            "a zero-wait fetch gets exactly one no_wait pull"
+        );
+        assert_eq!(book.take_finished(now, false, EPOCH).len(), 1);
+    }
+
+    #[test]
+    fn a_fetch_whose_pull_stays_silent_is_answered_after_the_grace() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        let (_answered, _pull_id) = waiting(&mut book, demand(1, 100), now);
+        let deadline = now + Duration::from_millis(100);
+        assert_eq!(
+            book.next_wake(now, Duration::from_secs(2), || None),
+            Some(deadline + PULL_GRACE)
+        );
+        assert!(book.take_finished(deadline, false, EPOCH).is_empty());
+        let readers = book.give_up_silent_pulls(deadline + PULL_GRACE);
+        assert_eq!(
+            readers.len(),
+            1,
+            "the reader is handed back to keep forwarding"
+        );
+        assert_eq!(
+            book.take_finished(deadline + PULL_GRACE, false, EPOCH)
+                .len(),
+            1
+        );
+    }
+
+    #[test]
+    fn capacity_counts_held_taken_and_asked_for_messages() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        let (_answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
+        book.hold(delivery(5, 1, now));
+        let owner = book.count_delivery(pull_id, now);
+        book.place(owner, delivery(1, 1, now));
+        // 1 held + 1 taken + 9 still asked of the pull.
+        assert_eq!(book.reserved(), 11);
+        book.forget_pulls();
+        assert_eq!(
+            book.reserved(),
+            2,
+            "a forgotten pull asks nothing of the server"
+        );
+    }
+
+    #[test]
+    fn deliveries_of_another_epoch_are_never_answered() {
+        let now = Instant::now();
+        let mut book = Book::<()>::new();
+        let (_answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
+        let owner = book.count_delivery(pull_id, now);
+        book.place(owner, delivery(1, 1, now));
+        let finished = book.take_finished(now, true, EPOCH + 1);
+        assert!(finished[0].got.is_empty());
+        assert_eq!(book.held_len(), 1, "kept to be released");
+    }
+}
