@@ -5,7 +5,10 @@
 //! away, rebinding after a reconnect or a deleted consumer) and publishes the binding on a
 //! watch channel; the dispatcher and every request read the current binding from there.
 
+mod fetch;
 mod supervisor;
+
+pub(crate) use fetch::{Caller, Idempotency};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -21,14 +24,13 @@ use tracing::{debug, info, warn};
 
 use crate::config::Config;
 use crate::dispatch::{Command, Dispatcher};
-use crate::domain::delivery::{Demand, Leased};
-use crate::domain::idempotency::{Begin, Fingerprint, IdempotencyCache, Scope};
+use crate::domain::idempotency::IdempotencyCache;
 use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates, LeaseKey, LeaseSigner};
 use crate::domain::leases::{Refusal, SettleStart};
 use crate::domain::settle::{AckCommand, SettleKind};
 use crate::domain::{subject, wall_clock};
 use crate::error::Error;
-use crate::metrics::{FetchRefusal, Metrics, SettleAction, SettleOutcome, Snapshot};
+use crate::metrics::{Metrics, SettleAction, SettleOutcome, Snapshot};
 use crate::nats::settle::{self as nats_settle, ConfirmError};
 use crate::nats::{self, Bound, Client};
 use crate::state::LeaseState;
@@ -178,14 +180,6 @@ impl Gateway {
         })
     }
 
-    /// Look up a fetch's `Idempotency-Key` (see [`crate::idempotency`]).
-    pub(crate) fn begin_idempotent(&self, scope: &Scope, fingerprint: Fingerprint) -> Begin {
-        let now = Instant::now();
-        self.idempotency.begin(scope, fingerprint, |key| {
-            self.state.leases().is_live(key, now)
-        })
-    }
-
     pub(crate) fn leases_in_flight(&self) -> usize {
         self.state.in_flight()
     }
@@ -212,83 +206,6 @@ impl Gateway {
             ack_wait: self.state.ack_wait(),
             nats_connected,
         })
-    }
-
-    /// Lease up to `demand.batch` messages.
-    pub(crate) async fn fetch(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
-        let started = Instant::now();
-        let result = self.fetch_leases(demand).await;
-        match &result {
-            Ok(_) => self.state.metrics.fetch_waited(started.elapsed()),
-            Err(Error::AtCapacity { .. }) => {
-                self.state.metrics.fetch_refused(FetchRefusal::AtCapacity);
-            }
-            Err(Error::Unavailable(_)) => {
-                self.state.metrics.fetch_refused(FetchRefusal::Unavailable);
-            }
-            // Validation errors and a client gone are no refusals.
-            Err(_) => {}
-        }
-        result
-    }
-
-    async fn fetch_leases(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
-        if !self.accepting.load(Ordering::Relaxed) {
-            return Err(Error::Unavailable(
-                "the gateway is shutting down; no new fetches".into(),
-            ));
-        }
-        self.connected()?;
-        let max_ack_pending = self.state.max_ack_pending();
-        {
-            let now = Instant::now();
-            let mut leases = self.state.leases();
-            if leases.taken(now) >= max_ack_pending {
-                let retry_after = leases
-                    .next_release()
-                    .map(|at| at.saturating_duration_since(now))
-                    .unwrap_or(Duration::from_secs(1));
-                return Err(Error::AtCapacity {
-                    max_ack_pending,
-                    retry_after,
-                });
-            }
-        }
-        let (answer, answered) = oneshot::channel();
-        let id = self.next_fetch.fetch_add(1, Ordering::Relaxed);
-        self.commands
-            .send(Command::Fetch { id, demand, answer })
-            .await
-            .map_err(|_| Error::Unavailable("the gateway is stopping".into()))?;
-        let mut pending = PendingFetch {
-            id,
-            answered: Some(answered),
-            gateway: self,
-        };
-        // The dispatcher answers by the deadline; the bound only guards against it stalling.
-        let bound = demand.wait + Duration::from_secs(5);
-        let answered = pending
-            .answered
-            .as_mut()
-            .ok_or_else(|| Error::Unavailable("the gateway is stopping".into()))?;
-        let leased = match tokio::time::timeout(bound, answered).await {
-            Ok(Ok(leased)) => leased,
-            Ok(Err(_)) => return Err(Error::Unavailable("the gateway is stopping".into())),
-            Err(_) => {
-                return Err(Error::Unavailable(
-                    "no answer from the dispatcher in time; NATS may be unreachable".into(),
-                ));
-            }
-        };
-        pending.answered = None;
-        Ok(leased)
-    }
-
-    /// Take back leases whose client left before seeing them: the deliveries go to the
-    /// next fetch (or are nak'd), as if never handed out.
-    pub(crate) async fn give_back(&self, leased: Vec<Leased>) {
-        let deliveries = self.state.withdraw(leased);
-        let _ = self.commands.send(Command::Return(deliveries)).await;
     }
 
     /// The lease a genuine id names. Forged or malformed: 404; from an earlier binding of
@@ -338,6 +255,42 @@ impl Gateway {
                 return self.extend_by(id, deadline).await.map(|_| ());
             }
         };
+        self.on_lease(id, action, |key| async move {
+            let sent = self.settle_lease(key, kind, command, deadline).await?;
+            let outcome = match sent {
+                Sent::Confirmed => SettleOutcome::Ok,
+                Sent::Nothing => SettleOutcome::Repeated,
+            };
+            Ok(((), outcome))
+        })
+        .await
+    }
+
+    /// [`Gateway::extend`], unconfirmed (504) once `deadline` resolves.
+    async fn extend_by(
+        &self,
+        id: &str,
+        deadline: impl Future<Output = ()>,
+    ) -> Result<OffsetDateTime, Error> {
+        self.on_lease(id, SettleAction::InProgress, |key| async move {
+            let expires_at = self.extend_lease(key, deadline).await?;
+            Ok((expires_at, SettleOutcome::Ok))
+        })
+        .await
+    }
+
+    /// The one path of every settle and extension: the id is decoded (404 or 410 without
+    /// touching anything), `act` runs on the lease it names, and the outcome is counted and
+    /// logged.
+    async fn on_lease<T, F>(
+        &self,
+        id: &str,
+        action: SettleAction,
+        act: impl FnOnce(DeliveryKey) -> F,
+    ) -> Result<T, Error>
+    where
+        F: Future<Output = Result<(T, SettleOutcome), Error>>,
+    {
         let lease = match self.decode(id) {
             Ok(lease) => lease,
             Err(err) => {
@@ -345,14 +298,16 @@ impl Gateway {
                 return Err(err);
             }
         };
-        let result = self.settle_lease(lease.key, kind, command, deadline).await;
-        let outcome = match &result {
-            Ok(Sent::Confirmed) => SettleOutcome::Ok,
-            Ok(Sent::Nothing) => SettleOutcome::Repeated,
-            Err(err) => settle_outcome(err),
-        };
-        self.report(action, id, Some(&lease), outcome);
-        result.map(|_| ())
+        match act(lease.key).await {
+            Ok((value, outcome)) => {
+                self.report(action, id, Some(&lease), outcome);
+                Ok(value)
+            }
+            Err(err) => {
+                self.report(action, id, Some(&lease), settle_outcome(&err));
+                Err(err)
+            }
+        }
     }
 
     async fn settle_lease(
@@ -420,28 +375,6 @@ impl Gateway {
     pub(crate) async fn extend(&self, id: &str) -> Result<OffsetDateTime, Error> {
         let deadline = tokio::time::sleep(self.config.settle_timeout);
         self.extend_by(id, deadline).await
-    }
-
-    /// [`Gateway::extend`], unconfirmed (504) once `deadline` resolves.
-    async fn extend_by(
-        &self,
-        id: &str,
-        deadline: impl Future<Output = ()>,
-    ) -> Result<OffsetDateTime, Error> {
-        let lease = match self.decode(id) {
-            Ok(lease) => lease,
-            Err(err) => {
-                self.report(SettleAction::InProgress, id, None, settle_outcome(&err));
-                return Err(err);
-            }
-        };
-        let result = self.extend_lease(lease.key, deadline).await;
-        let outcome = match &result {
-            Ok(_) => SettleOutcome::Ok,
-            Err(err) => settle_outcome(err),
-        };
-        self.report(SettleAction::InProgress, id, Some(&lease), outcome);
-        result
     }
 
     async fn extend_lease(
@@ -590,33 +523,6 @@ impl Gateway {
         tasks.stop.cancel();
         if let Ok(bound) = self.bound() {
             let _ = tokio::time::timeout(Duration::from_secs(2), bound.client.flush()).await;
-        }
-    }
-}
-
-/// A fetch waiting for its answer. Dropped before the answer was taken (the HTTP client
-/// went away), it tells the dispatcher, and takes back any leases already on their way.
-struct PendingFetch<'a> {
-    id: u64,
-    answered: Option<oneshot::Receiver<Vec<Leased>>>,
-    gateway: &'a Gateway,
-}
-
-impl Drop for PendingFetch<'_> {
-    fn drop(&mut self) {
-        let Some(mut answered) = self.answered.take() else {
-            return;
-        };
-        answered.close();
-        let command = match answered.try_recv() {
-            Ok(leased) => Command::Return(self.gateway.state.withdraw(leased)),
-            Err(_) => Command::Abandon { id: self.id },
-        };
-        let commands = self.gateway.commands.clone();
-        if let Err(mpsc::error::TrySendError::Full(command)) = commands.try_send(command) {
-            tokio::spawn(async move {
-                let _ = commands.send(command).await;
-            });
         }
     }
 }

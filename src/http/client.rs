@@ -14,6 +14,8 @@ use std::task::{Context, Poll, ready};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
+use crate::gateway::Caller;
+
 /// Share `stream` between hyper (the first half) and the requests it carries (the second).
 pub(crate) fn watch(stream: TcpStream) -> (WatchedStream, Client) {
     let stream = Arc::new(stream);
@@ -98,10 +100,10 @@ pub(crate) struct Client {
     stream: Arc<TcpStream>,
 }
 
-impl Client {
+impl Caller for Client {
     /// Resolves when the client closed or reset the connection. Stays pending while it is
     /// open, including when it already sent more (a pipelined request): that client is there.
-    pub(crate) async fn hung_up(&self) {
+    async fn hung_up(&self) {
         let mut byte = [0u8; 1];
         match self.stream.peek(&mut byte).await {
             Ok(0) | Err(_) => {}
@@ -111,7 +113,7 @@ impl Client {
 
     /// Whether the client has gone, without waiting. Asks the socket itself: the
     /// runtime's readiness flags can lag behind a hang-up that just arrived.
-    pub(crate) fn has_hung_up(&self) -> bool {
+    fn has_hung_up(&self) -> bool {
         let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
         match socket2::SockRef::from(self.stream.as_ref()).peek(&mut byte) {
             Ok(0) => true,

@@ -1,23 +1,23 @@
 //! `POST /fetch`: lease a batch of messages.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use axum::Extension;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
 use bytes::Bytes;
 
 use super::body::JsonBody;
 use super::client::Client;
-use super::dto::{FetchBody, FetchResponse, MessageDto};
+use super::dto::{Encoding, FetchBody, FetchResponse, MessageDto};
 use super::responses::{BodyRefusals, FetchRefusals, Guarded};
 use crate::config::Config;
-use crate::domain::delivery::Demand;
-use crate::domain::idempotency::{self, Begin, Fingerprint, Scope};
+use crate::domain::delivery::{Demand, Leased};
+use crate::domain::idempotency::{self, Fingerprint, Scope};
 use crate::error::Error;
-use crate::gateway::Gateway;
+use crate::gateway::{Gateway, Idempotency};
 use crate::http::auth::Principal;
 use crate::metrics::FetchRefusal;
 
@@ -59,7 +59,6 @@ pub(crate) async fn fetch(
     headers: HeaderMap,
     JsonBody(body): JsonBody<FetchBody>,
 ) -> Result<Response, Error> {
-    let started = Instant::now();
     let encoding = body.encoding.unwrap_or_default();
     let demand = demand(&body, gateway.config())?;
     // Held until the answer is built: counts this fetch against its token's share.
@@ -74,23 +73,30 @@ pub(crate) async fn fetch(
         }
         None => None,
     };
+    let idempotency = idempotency(&headers, &demand, encoding)?;
     let client = client.map(|Extension(ConnectInfo(client))| client);
+    let fetched = gateway
+        .fetch(demand, idempotency, client.as_ref(), |leased| {
+            render(leased, encoding)
+        })
+        .await?;
+    let mut response = json_response(fetched.body);
+    if fetched.replayed {
+        response
+            .headers_mut()
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    Ok(response)
+}
+
+/// The fetch's `Idempotency-Key`, scoped by its `Authorization` header, with what it asks.
+fn idempotency(
+    headers: &HeaderMap,
+    demand: &Demand,
+    encoding: Encoding,
+) -> Result<Option<Idempotency>, Error> {
     let Some(key) = headers.get(IDEMPOTENCY_KEY) else {
-        let leased = lease(&gateway, demand, client.as_ref()).await?;
-        if client.as_ref().is_some_and(Client::has_hung_up) {
-            // It left while the answer was on its way: nobody would see these leases.
-            gateway.give_back(leased).await;
-            return Err(Error::ClientGone);
-        }
-        let count = leased.len();
-        let messages = leased
-            .into_iter()
-            .map(|leased| MessageDto::new(leased, encoding))
-            .collect();
-        // Encoded here, so that the latency includes the JSON.
-        let response = Json(FetchResponse { messages }).into_response();
-        gateway.metrics().fetch_served(started.elapsed(), count);
-        return Ok(response);
+        return Ok(None);
     };
     let key = idempotency::validate_key(key.as_bytes())
         .map_err(|detail| Error::invalid("Idempotency-Key", detail))?;
@@ -104,72 +110,18 @@ pub(crate) async fn fetch(
         "batch={};wait={:?};max_bytes={:?};encoding={encoding:?}",
         demand.batch, demand.wait, demand.max_bytes
     ));
-    loop {
-        let claim = match gateway.begin_idempotent(&scope, fingerprint) {
-            Begin::Replay(body) => {
-                let mut response = json_response(body);
-                response
-                    .headers_mut()
-                    .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-                return Ok(response);
-            }
-            Begin::Mismatch => {
-                return Err(Error::invalid(
-                    "Idempotency-Key",
-                    "Idempotency-Key: already used with a different request body; use a new key",
-                ));
-            }
-            Begin::Wait(mut done) => {
-                // The first request with this key is still waiting: take its answer.
-                match &client {
-                    Some(client) => tokio::select! {
-                        _ = done.changed() => {}
-                        () = client.hung_up() => return Err(Error::ClientGone),
-                    },
-                    None => {
-                        let _ = done.changed().await;
-                    }
-                }
-                continue;
-            }
-            Begin::First(claim) => claim,
-        };
-        let leased = lease(&gateway, demand, client.as_ref()).await?;
-        let count = leased.len();
-        let keys = leased
-            .iter()
-            .map(|leased| leased.delivery.coordinates.key)
-            .collect();
-        let messages = leased
-            .into_iter()
-            .map(|leased| MessageDto::new(leased, encoding))
-            .collect();
-        let body = serde_json::to_vec(&FetchResponse { messages })
-            .map(Bytes::from)
-            .map_err(|err| Error::Unavailable(format!("encoding the answer: {err}")))?;
-        // Remembered even when the client hung up meanwhile: it said it would retry, and
-        // its retry gets these leases instead of stranding them until they expire.
-        claim.answer(body.clone(), keys);
-        gateway.metrics().fetch_served(started.elapsed(), count);
-        return Ok(json_response(body));
-    }
+    Ok(Some(Idempotency { scope, fingerprint }))
 }
 
-/// Lease for this fetch, giving up when the client hangs up mid-wait.
-async fn lease(
-    gateway: &Gateway,
-    demand: Demand,
-    client: Option<&Client>,
-) -> Result<Vec<crate::domain::delivery::Leased>, Error> {
-    match client {
-        // Dropping the fetch when the client hangs up hands its place (and anything its
-        // pull still brings) to the next fetch.
-        Some(client) => tokio::select! {
-            leased = gateway.fetch(demand) => leased,
-            () = client.hung_up() => Err(Error::ClientGone),
-        },
-        None => gateway.fetch(demand).await,
-    }
+/// The answer's JSON.
+fn render(leased: Vec<Leased>, encoding: Encoding) -> Result<Bytes, Error> {
+    let messages = leased
+        .into_iter()
+        .map(|leased| MessageDto::new(leased, encoding))
+        .collect();
+    serde_json::to_vec(&FetchResponse { messages })
+        .map(Bytes::from)
+        .map_err(|err| Error::Unavailable(format!("encoding the answer: {err}")))
 }
 
 fn json_response(body: Bytes) -> Response {

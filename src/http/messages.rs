@@ -61,8 +61,7 @@ pub(crate) async fn ack(
     State(gateway): State<Gateway>,
     LeaseIdPath(id): LeaseIdPath,
 ) -> Result<StatusCode, Error> {
-    gateway.settle(&id, &AckCommand::Ack).await?;
-    Ok(StatusCode::NO_CONTENT)
+    settle(&gateway, &id, AckCommand::Ack).await
 }
 
 /// Negatively acknowledge a message: redeliver it (after `delay_ms`, if given).
@@ -83,9 +82,7 @@ pub(crate) async fn nak(
     LeaseIdPath(id): LeaseIdPath,
     JsonBody(body): JsonBody<NakBody>,
 ) -> Result<StatusCode, Error> {
-    let command = nak_command(body.delay_ms)?;
-    gateway.settle(&id, &command).await?;
-    Ok(StatusCode::NO_CONTENT)
+    settle(&gateway, &id, nak_command(body.delay_ms)?).await
 }
 
 /// Terminate a message: never deliver it again (with an optional reason).
@@ -106,9 +103,7 @@ pub(crate) async fn term(
     LeaseIdPath(id): LeaseIdPath,
     JsonBody(body): JsonBody<TermBody>,
 ) -> Result<StatusCode, Error> {
-    let command = term_command(body.reason)?;
-    gateway.settle(&id, &command).await?;
-    Ok(StatusCode::NO_CONTENT)
+    settle(&gateway, &id, term_command(body.reason)?).await
 }
 
 /// Report work in progress: restart the lease (and the server's ack timer).
@@ -168,8 +163,7 @@ pub(crate) async fn nak_many(
     State(gateway): State<Gateway>,
     JsonBody(body): JsonBody<BatchNakBody>,
 ) -> Result<Json<BatchResponse>, Error> {
-    let command = nak_command(body.delay_ms)?;
-    settle_many(&gateway, body.ids, command).await
+    settle_many(&gateway, body.ids, nak_command(body.delay_ms)?).await
 }
 
 /// Terminate many messages; each id gets the answer the single endpoint would give.
@@ -188,8 +182,13 @@ pub(crate) async fn term_many(
     State(gateway): State<Gateway>,
     JsonBody(body): JsonBody<BatchTermBody>,
 ) -> Result<Json<BatchResponse>, Error> {
-    let command = term_command(body.reason)?;
-    settle_many(&gateway, body.ids, command).await
+    settle_many(&gateway, body.ids, term_command(body.reason)?).await
+}
+
+/// Settle one lease: 204 once the server confirmed.
+async fn settle(gateway: &Gateway, id: &str, command: AckCommand) -> Result<StatusCode, Error> {
+    gateway.settle(id, &command).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// Settle every id concurrently (see [`Gateway::settle_many`]).

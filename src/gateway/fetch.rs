@@ -1,0 +1,246 @@
+//! Fetch, as the core serves it: lease a batch for a caller that may hang up mid-wait (its
+//! fetch is then withdrawn and whatever it was about to get goes to the next fetch), with an
+//! optional `Idempotency-Key` whose repeat gets the first answer.
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use super::Gateway;
+use crate::dispatch::Command;
+use crate::domain::delivery::{Demand, Leased};
+use crate::domain::idempotency::{Begin, Fingerprint, Scope};
+use crate::error::Error;
+use crate::metrics::FetchRefusal;
+
+/// Whoever asked for a fetch, as far as the core needs to know them: whether they are still
+/// there to take the answer. The HTTP layer implements it on its socket watcher.
+pub(crate) trait Caller: Sync {
+    /// Resolves once the caller hung up.
+    fn hung_up(&self) -> impl Future<Output = ()> + Send;
+    /// Whether the caller has hung up, without waiting.
+    fn has_hung_up(&self) -> bool;
+}
+
+/// What makes a fetch retry-safe: its key (scoped by its credentials) and its request.
+pub(crate) struct Idempotency {
+    pub(crate) scope: Scope,
+    pub(crate) fingerprint: Fingerprint,
+}
+
+/// A fetch's answer, rendered.
+pub(crate) struct Fetched {
+    pub(crate) body: Bytes,
+    /// The first answer for this `Idempotency-Key`, given again.
+    pub(crate) replayed: bool,
+}
+
+impl Gateway {
+    /// Lease up to `demand.batch` messages for `caller` and render the answer with `render`.
+    /// With `idempotency`, a repeat gets the first answer (even one whose caller hung up
+    /// before reading it: it said it would retry), and a repeat with another request is a
+    /// 422. Without it, leases issued to a caller that hung up meanwhile are given back.
+    pub(crate) async fn fetch<C: Caller>(
+        &self,
+        demand: Demand,
+        idempotency: Option<Idempotency>,
+        caller: Option<&C>,
+        render: impl Fn(Vec<Leased>) -> Result<Bytes, Error>,
+    ) -> Result<Fetched, Error> {
+        let started = Instant::now();
+        let Some(idempotency) = idempotency else {
+            let leased = self.lease_for(demand, caller).await?;
+            if caller.is_some_and(Caller::has_hung_up) {
+                // It left while the answer was on its way: nobody would see these leases.
+                self.give_back(leased).await;
+                return Err(Error::ClientGone);
+            }
+            let count = leased.len();
+            // Rendered here, so that the latency includes the JSON.
+            let body = render(leased)?;
+            self.state.metrics.fetch_served(started.elapsed(), count);
+            return Ok(Fetched {
+                body,
+                replayed: false,
+            });
+        };
+        loop {
+            let claim = match self.begin_idempotent(&idempotency.scope, idempotency.fingerprint) {
+                Begin::Replay(body) => {
+                    return Ok(Fetched {
+                        body,
+                        replayed: true,
+                    });
+                }
+                Begin::Mismatch => {
+                    return Err(Error::invalid(
+                        "Idempotency-Key",
+                        "Idempotency-Key: already used with a different request body; use a new key",
+                    ));
+                }
+                Begin::Wait(mut done) => {
+                    // The first request with this key is still waiting: take its answer.
+                    match caller {
+                        Some(caller) => tokio::select! {
+                            _ = done.changed() => {}
+                            () = caller.hung_up() => return Err(Error::ClientGone),
+                        },
+                        None => {
+                            let _ = done.changed().await;
+                        }
+                    }
+                    continue;
+                }
+                Begin::First(claim) => claim,
+            };
+            let leased = self.lease_for(demand, caller).await?;
+            let count = leased.len();
+            let keys = leased
+                .iter()
+                .map(|leased| leased.delivery.coordinates.key)
+                .collect();
+            let body = render(leased)?;
+            // Remembered even when the caller hung up meanwhile: it said it would retry, and
+            // its retry gets these leases instead of stranding them until they expire.
+            claim.answer(body.clone(), keys);
+            self.state.metrics.fetch_served(started.elapsed(), count);
+            return Ok(Fetched {
+                body,
+                replayed: false,
+            });
+        }
+    }
+
+    /// Lease for this fetch, giving up when the caller hangs up mid-wait.
+    async fn lease_for<C: Caller>(
+        &self,
+        demand: Demand,
+        caller: Option<&C>,
+    ) -> Result<Vec<Leased>, Error> {
+        match caller {
+            // Dropping the fetch when the caller hangs up hands its place (and anything its
+            // pull still brings) to the next fetch.
+            Some(caller) => tokio::select! {
+                leased = self.lease_batch(demand) => leased,
+                () = caller.hung_up() => Err(Error::ClientGone),
+            },
+            None => self.lease_batch(demand).await,
+        }
+    }
+
+    /// Look up a fetch's `Idempotency-Key` (see [`crate::idempotency`]).
+    fn begin_idempotent(&self, scope: &Scope, fingerprint: Fingerprint) -> Begin {
+        let now = Instant::now();
+        self.idempotency.begin(scope, fingerprint, |key| {
+            self.state.leases().is_live(key, now)
+        })
+    }
+
+    /// Lease up to `demand.batch` messages, counting the wait or the refusal.
+    async fn lease_batch(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
+        let started = Instant::now();
+        let result = self.wait_for_leases(demand).await;
+        match &result {
+            Ok(_) => self.state.metrics.fetch_waited(started.elapsed()),
+            Err(Error::AtCapacity { .. }) => {
+                self.state.metrics.fetch_refused(FetchRefusal::AtCapacity);
+            }
+            Err(Error::Unavailable(_)) => {
+                self.state.metrics.fetch_refused(FetchRefusal::Unavailable);
+            }
+            // Validation errors and a client gone are no refusals.
+            Err(_) => {}
+        }
+        result
+    }
+
+    async fn wait_for_leases(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
+        if !self.accepting.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable(
+                "the gateway is shutting down; no new fetches".into(),
+            ));
+        }
+        self.connected()?;
+        let max_ack_pending = self.state.max_ack_pending();
+        {
+            let now = Instant::now();
+            let mut leases = self.state.leases();
+            if leases.taken(now) >= max_ack_pending {
+                let retry_after = leases
+                    .next_release()
+                    .map(|at| at.saturating_duration_since(now))
+                    .unwrap_or(Duration::from_secs(1));
+                return Err(Error::AtCapacity {
+                    max_ack_pending,
+                    retry_after,
+                });
+            }
+        }
+        let (answer, answered) = oneshot::channel();
+        let id = self.next_fetch.fetch_add(1, Ordering::Relaxed);
+        self.commands
+            .send(Command::Fetch { id, demand, answer })
+            .await
+            .map_err(|_| Error::Unavailable("the gateway is stopping".into()))?;
+        let mut pending = PendingFetch {
+            id,
+            answered: Some(answered),
+            gateway: self,
+        };
+        // The dispatcher answers by the deadline; the bound only guards against it stalling.
+        let bound = demand.wait + Duration::from_secs(5);
+        let answered = pending
+            .answered
+            .as_mut()
+            .ok_or_else(|| Error::Unavailable("the gateway is stopping".into()))?;
+        let leased = match tokio::time::timeout(bound, answered).await {
+            Ok(Ok(leased)) => leased,
+            Ok(Err(_)) => return Err(Error::Unavailable("the gateway is stopping".into())),
+            Err(_) => {
+                return Err(Error::Unavailable(
+                    "no answer from the dispatcher in time; NATS may be unreachable".into(),
+                ));
+            }
+        };
+        pending.answered = None;
+        Ok(leased)
+    }
+
+    /// Take back leases whose client left before seeing them: the deliveries go to the
+    /// next fetch (or are nak'd), as if never handed out.
+    async fn give_back(&self, leased: Vec<Leased>) {
+        let deliveries = self.state.withdraw(leased);
+        let _ = self.commands.send(Command::Return(deliveries)).await;
+    }
+}
+
+/// A fetch waiting for its answer. Dropped before the answer was taken (the HTTP client
+/// went away), it tells the dispatcher, and takes back any leases already on their way.
+struct PendingFetch<'a> {
+    id: u64,
+    answered: Option<oneshot::Receiver<Vec<Leased>>>,
+    gateway: &'a Gateway,
+}
+
+impl Drop for PendingFetch<'_> {
+    fn drop(&mut self) {
+        let Some(mut answered) = self.answered.take() else {
+            return;
+        };
+        answered.close();
+        let command = match answered.try_recv() {
+            Ok(leased) => Command::Return(self.gateway.state.withdraw(leased)),
+            Err(_) => Command::Abandon { id: self.id },
+        };
+        let commands = self.gateway.commands.clone();
+        if let Err(mpsc::error::TrySendError::Full(command)) = commands.try_send(command) {
+            tokio::spawn(async move {
+                let _ = commands.send(command).await;
+            });
+        }
+    }
+}
