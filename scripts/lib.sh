@@ -6,7 +6,7 @@
 # It sets ROOT (the repository, symlinks resolved) and defines: log/die (messages on stderr,
 # prefixed with the calling script's name), need_cargo, use_nats_server (NATS_SERVER_BIN from
 # scripts/nats-server.sh), stop_pid (TERM, a bounded wait, KILL), at_exit (one cleanup on every
-# way out) and guard_leftovers (whatever a run leaves behind is stopped).
+# way out) and guard_leftovers (whatever a run leaves behind is stopped and fails the run).
 # It changes no shell options and no directory: each script says that itself.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
@@ -64,8 +64,9 @@ run_at_exit() {
 
 # guard_leftovers LABEL: a safety net. Every process started after this call inherits a marker
 # in its environment (RUSTSTREAM_TEST_RUN); when the script ends, whatever still carries it (a
-# nats-server or gateway that a failed or killed run left behind) is stopped, so the script
-# never leaves anything running.
+# nats-server or gateway that a test or the benchmark failed to stop) is stopped, and a run
+# that otherwise passed fails, since a test that leaks a process is broken. The children that
+# were started and stopped properly are gone by then, so nothing is found on a clean run.
 guard_leftovers() {
     RUSTSTREAM_TEST_RUN="$1-$$-${RANDOM}${RANDOM}"
     export RUSTSTREAM_TEST_RUN
@@ -84,7 +85,7 @@ stop_leftovers() {
             if [[ "$entry" == "RUSTSTREAM_TEST_RUN=$RUSTSTREAM_TEST_RUN" ]]; then
                 pids+=("$pid")
                 mapfile -d '' args 2>/dev/null <"$dir/cmdline" || args=()
-                log "WARNING: stopping leftover process $pid: ${args[*]:-?}"
+                log "LEFTOVER: process $pid is still running after the run: ${args[*]:-?}"
                 break
             fi
         done
@@ -101,4 +102,6 @@ stop_leftovers() {
         sleep 0.1
     done
     if ((${#alive[@]})); then kill -KILL "${alive[@]}" 2>/dev/null || true; fi
+    log "FAILED: ${#pids[@]} leftover process(es) stopped; whatever started them did not stop them"
+    ((EXIT_STATUS != 0)) || EXIT_STATUS=1
 }
