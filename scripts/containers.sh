@@ -4,26 +4,27 @@
 # What the files mean (flags the gateway has, HEALTHCHECK, non-root USER, the stream job) is
 # checked by tests/it/containers.rs.
 #
-# docker-compose comes from Debian's `docker-compose` package; in CI (CI=true, root) it is
-# installed when missing. Without it and without apt-get the check is skipped, saying so.
+# docker-compose comes from Debian's `docker-compose` package; in CI (CI=true) it is installed
+# when missing, and CI fails when it cannot be. Elsewhere a missing docker-compose skips the
+# check with a SKIPPED line, so that a local run never looks like a checked one.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
 
-log() { printf 'containers.sh: %s\n' "$*" >&2; }
-
 if ! command -v docker-compose >/dev/null 2>&1; then
-    if [[ "${CI:-}" == "true" && "$(id -u)" == "0" ]] && command -v apt-get >/dev/null 2>&1; then
+    if [[ "${CI:-}" == "true" ]]; then
+        if [[ "$(id -u)" != "0" ]] || ! command -v apt-get >/dev/null 2>&1; then
+            die "docker-compose not found, and CI can only install it as root with apt-get"
+        fi
         log "docker-compose not found: installing Debian's docker-compose package"
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -qq >/dev/null
         apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
-    elif command -v apt-get >/dev/null 2>&1; then
-        log "docker-compose not found: install it (apt-get install docker-compose) to check docker-compose.yml; skipped"
-        exit 0
+        command -v docker-compose >/dev/null 2>&1 || die "docker-compose still not found after installing it"
     else
-        log "SKIPPED: docker-compose not found and no apt-get to install it"
+        log "SKIPPED: docker-compose.yml was not checked: docker-compose not found (apt-get install docker-compose)"
         exit 0
     fi
 fi

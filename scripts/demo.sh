@@ -10,21 +10,19 @@
 # Ctrl-C stops the gateway (it drains gracefully), then nats-server, and removes the folder.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
 
 NATS_PORT="${NATS_PORT:-4222}"
 NATS_HOST=127.0.0.1
-
-die() { printf 'demo.sh: %s\n' "$*" >&2; exit 1; }
-log() { printf 'demo.sh: %s\n' "$*" >&2; }
 
 # True when something accepts TCP connections on $1:$2 (bash's /dev/tcp, no extra tools).
 # A closed loopback port refuses at once, so this never hangs.
 listening() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
 
 [[ "$NATS_PORT" =~ ^[0-9]+$ ]] || die "NATS_PORT must be a port number, got '$NATS_PORT'"
-command -v cargo >/dev/null 2>&1 || die "cargo not found: install the Rust toolchain (rustup) first"
+need_cargo
 
 # The address the gateway will listen on: --listen from the arguments, else
 # RUSTSTREAM_LISTEN, else the gateway's default. Only used for the checks and the banner.
@@ -57,28 +55,15 @@ cargo build --release --bin ruststream-nats
 WORKDIR="$(mktemp -d "${TMPDIR:-/tmp}/ruststream-demo.XXXXXX")"
 NATS_PID=""
 
-# shellcheck disable=SC2317  # only called through the trap below
+# shellcheck disable=SC2317  # only called through at_exit
 cleanup() {
-    local rc=$?
-    trap - EXIT INT TERM HUP
-    if [[ -n "$NATS_PID" ]] && kill -0 "$NATS_PID" 2>/dev/null; then
-        log "stopping nats-server (pid $NATS_PID)"
-        kill -TERM "$NATS_PID" 2>/dev/null || true
-        # nats-server flushes JetStream and exits within a second or two; don't wait forever.
-        local deadline=$((SECONDS + 10))
-        while kill -0 "$NATS_PID" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
-        kill -KILL "$NATS_PID" 2>/dev/null || true
-        wait "$NATS_PID" 2>/dev/null || true
-    fi
+    # nats-server flushes JetStream and exits within a second or two of TERM.
+    stop_pid "$NATS_PID" nats-server
     rm -rf "$WORKDIR"
-    exit "$rc"
 }
-trap cleanup EXIT
-# bash runs these only after the foreground gateway has exited, so nats-server is still up
-# while the gateway drains (naks what it holds) on Ctrl-C.
-trap 'exit 130' INT
-trap 'exit 143' TERM
-trap 'exit 129' HUP
+# bash runs the cleanup on Ctrl-C only after the foreground gateway has exited, so
+# nats-server is still up while the gateway drains (naks what it holds).
+at_exit cleanup
 
 # setsid: a session of its own keeps the terminal's signals (Ctrl-C, hang-up) away from
 # nats-server, so it stays up while the gateway drains; cleanup stops it afterwards.

@@ -1,0 +1,107 @@
+# shellcheck shell=bash
+# Shared shell for the scripts in this folder; sourced, never run:
+#
+#     source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+#
+# It sets ROOT (the repository, symlinks resolved) and defines: log/die (messages on stderr,
+# prefixed with the calling script's name), need_cargo, use_nats_server (NATS_SERVER_BIN from
+# scripts/nats-server.sh), stop_pid (TERM, a bounded wait, KILL), at_exit (one cleanup on every
+# way out) and guard_leftovers (whatever a run leaves behind is stopped and fails the run).
+# It changes no shell options and no directory: each script says that itself.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
+SCRIPT_NAME="$(basename "$0")"
+
+log() { printf '%s: %s\n' "$SCRIPT_NAME" "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+need_cargo() {
+    command -v cargo >/dev/null 2>&1 || die "cargo not found: install the Rust toolchain (rustup) first"
+}
+
+# The tests and the benchmark start their own servers with the binary named here.
+use_nats_server() {
+    NATS_SERVER_BIN="$("$ROOT/scripts/nats-server.sh")" || die "no nats-server (see the message above)"
+    export NATS_SERVER_BIN
+    log "using $NATS_SERVER_BIN ($("$NATS_SERVER_BIN" --version))"
+}
+
+# stop_pid PID NAME: stop a child we started, TERM first so it can shut down cleanly, KILL
+# when it has not gone within 10 s, then reap it. An empty or already gone PID is fine.
+stop_pid() {
+    local pid="$1" name="$2" deadline
+    [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || return 0
+    log "stopping $name (pid $pid)"
+    kill -TERM "$pid" 2>/dev/null || true
+    deadline=$((SECONDS + 10))
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+    if kill -0 "$pid" 2>/dev/null; then
+        log "$name (pid $pid) did not stop within 10s; killing it"
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    wait "$pid" 2>/dev/null || true
+}
+
+# at_exit FUNCTION: run FUNCTION once however the script ends (normally, by an error under
+# set -e, by Ctrl-C, TERM or hang-up). FUNCTION finds the script's exit status in EXIT_STATUS
+# and may raise it; the script then exits with EXIT_STATUS. Signals become the usual 128+n
+# statuses through exit, so the cleanup runs after the foreground command has returned.
+EXIT_STATUS=0
+at_exit() {
+    AT_EXIT_FUNCTION="$1"
+    trap run_at_exit EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    trap 'exit 129' HUP
+}
+# shellcheck disable=SC2317  # only called through the trap above
+run_at_exit() {
+    EXIT_STATUS=$?
+    trap - EXIT INT TERM HUP
+    "$AT_EXIT_FUNCTION"
+    exit "$EXIT_STATUS"
+}
+
+# guard_leftovers LABEL: a safety net. Every process started after this call inherits a marker
+# in its environment (RUSTSTREAM_TEST_RUN); when the script ends, whatever still carries it (a
+# nats-server or gateway that a test or the benchmark failed to stop) is stopped, and a run
+# that otherwise passed fails, since a test that leaks a process is broken. The children that
+# were started and stopped properly are gone by then, so nothing is found on a clean run.
+guard_leftovers() {
+    RUSTSTREAM_TEST_RUN="$1-$$-${RANDOM}${RANDOM}"
+    export RUSTSTREAM_TEST_RUN
+    at_exit stop_leftovers
+}
+
+# shellcheck disable=SC2317  # only called through at_exit
+stop_leftovers() {
+    local dir pid entry pids=() vars args
+    for dir in /proc/[0-9]*; do
+        pid="${dir#/proc/}"
+        [[ "$pid" == "$$" || "$pid" == "$BASHPID" ]] && continue
+        # Builtins only (no subprocesses that would carry the marker themselves).
+        mapfile -d '' vars 2>/dev/null <"$dir/environ" || continue
+        for entry in "${vars[@]}"; do
+            if [[ "$entry" == "RUSTSTREAM_TEST_RUN=$RUSTSTREAM_TEST_RUN" ]]; then
+                pids+=("$pid")
+                mapfile -d '' args 2>/dev/null <"$dir/cmdline" || args=()
+                log "LEFTOVER: process $pid is still running after the run: ${args[*]:-?}"
+                break
+            fi
+        done
+    done
+    ((${#pids[@]})) || return 0
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    local deadline=$((SECONDS + 5)) alive=()
+    while :; do
+        alive=()
+        for pid in "${pids[@]}"; do
+            if kill -0 "$pid" 2>/dev/null; then alive+=("$pid"); fi
+        done
+        ((${#alive[@]} && SECONDS < deadline)) || break
+        sleep 0.1
+    done
+    if ((${#alive[@]})); then kill -KILL "${alive[@]}" 2>/dev/null || true; fi
+    log "FAILED: ${#pids[@]} leftover process(es) stopped; whatever started them did not stop them"
+    ((EXIT_STATUS != 0)) || EXIT_STATUS=1
+}
