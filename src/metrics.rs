@@ -30,8 +30,9 @@ pub(crate) const LEASES_GRANTED: &str = "ruststream_leases_granted_total";
 pub(crate) const LEASES_SETTLED: &str = "ruststream_leases_settled_total";
 /// Leases that reached `lease_expires_at` unsettled (counter).
 pub(crate) const LEASES_EXPIRED: &str = "ruststream_leases_expired_total";
-/// Leases taken back because the fetch's client hung up before the answer (counter).
-pub(crate) const LEASES_WITHDRAWN: &str = "ruststream_leases_withdrawn_total";
+/// Leases given back because the fetch's client hung up before the answer (counter). The
+/// published name says "withdrawn": renaming a metric breaks its dashboards.
+pub(crate) const LEASES_GIVEN_BACK: &str = "ruststream_leases_withdrawn_total";
 /// Deliveries received from the NATS server (counter).
 pub(crate) const DELIVERIES_RECEIVED: &str = "ruststream_deliveries_received_total";
 /// Deliveries received with `delivered > 1` (counter).
@@ -176,7 +177,7 @@ pub(crate) struct Metrics {
     /// Indexed by `SettleAction as usize`, then `SettleOutcome as usize`.
     leases_settled: Vec<Vec<IntCounter>>,
     leases_expired: IntCounter,
-    leases_withdrawn: IntCounter,
+    leases_given_back: IntCounter,
     deliveries_received: IntCounter,
     redeliveries: IntCounter,
     deliveries_released: IntCounter,
@@ -259,9 +260,9 @@ impl Metrics {
                 LEASES_EXPIRED,
                 "Leases that reached lease_expires_at unsettled (the server redelivers them)",
             ),
-            leases_withdrawn: reg.counter(
-                LEASES_WITHDRAWN,
-                "Leases taken back because the fetch's client hung up before the answer",
+            leases_given_back: reg.counter(
+                LEASES_GIVEN_BACK,
+                "Leases given back because the fetch's client hung up before the answer",
             ),
             deliveries_received: reg.counter(
                 DELIVERIES_RECEIVED,
@@ -340,8 +341,8 @@ impl Metrics {
         self.leases_expired.inc_by(count);
     }
 
-    pub(crate) fn leases_withdrawn(&self, count: usize) {
-        self.leases_withdrawn.inc_by(count as u64);
+    pub(crate) fn leases_given_back(&self, count: usize) {
+        self.leases_given_back.inc_by(count as u64);
     }
 
     pub(crate) fn settled(&self, action: SettleAction, outcome: SettleOutcome) {
@@ -501,7 +502,7 @@ mod tests {
             LEASES_GRANTED,
             LEASES_SETTLED,
             LEASES_EXPIRED,
-            LEASES_WITHDRAWN,
+            LEASES_GIVEN_BACK,
             DELIVERIES_RECEIVED,
             REDELIVERIES,
             DELIVERIES_RELEASED,

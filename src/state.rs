@@ -214,13 +214,13 @@ impl LeaseState {
     }
 
     /// Take back leases whose client never got them.
-    pub(crate) fn withdraw(&self, leased: Vec<Leased>) -> Vec<Delivery> {
-        self.metrics.leases_withdrawn(leased.len());
+    pub(crate) fn give_back(&self, leased: Vec<Leased>) -> Vec<Delivery> {
+        self.metrics.leases_given_back(leased.len());
         let mut leases = self.leases();
         leased
             .into_iter()
             .map(|leased| {
-                leases.withdraw(leased.delivery.coordinates.key);
+                leases.give_back(leased.delivery.coordinates.key);
                 leased.delivery
             })
             .collect()

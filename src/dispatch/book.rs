@@ -22,7 +22,7 @@ pub(super) const PULL_GRACE: Duration = Duration::from_millis(500);
 /// Pause before a fetch retries a pull the server turned away (408 "Requests Pending",
 /// 409 "Exceeded MaxWaiting"); messages keep flowing to the earlier pulls meanwhile.
 const PULL_RETRY: Duration = Duration::from_millis(50);
-/// Longest single pull: bounds how long an abandoned fetch's pull can still attract messages.
+/// Longest single pull: bounds how long a withdrawn fetch's pull can still attract messages.
 const MAX_PULL_EXPIRES: Duration = Duration::from_secs(1);
 /// Shorter waits than this are sent as a plain `no_wait` pull.
 const MIN_EXPIRES: Duration = Duration::from_millis(10);
@@ -133,7 +133,7 @@ impl<R> Book<R> {
     }
 
     /// The fetch's client went away: what it got goes to the next fetch.
-    pub(super) fn abandon(&mut self, id: u64) {
+    pub(super) fn withdraw(&mut self, id: u64) {
         if let Some(index) = self.waiters.iter().position(|waiter| waiter.id == id)
             && let Some(waiter) = self.waiters.remove(index)
         {
@@ -144,14 +144,14 @@ impl<R> Book<R> {
     /// A fetch left: what it received, and whatever its pull still brings before it ends
     /// (within [`MAX_PULL_EXPIRES`]), goes to the next fetch, ahead of anything held.
     pub(super) fn give_back(&mut self, pull: Option<u64>, got: Vec<Delivery>) {
-        self.disown(pull);
+        self.detach_pull(pull);
         for delivery in got.into_iter().rev() {
             self.held.push_front(delivery);
         }
     }
 
     /// What the pull still brings goes to whoever comes next.
-    pub(super) fn disown(&mut self, pull: Option<u64>) {
+    pub(super) fn detach_pull(&mut self, pull: Option<u64>) {
         if let Some(pull) = pull.and_then(|pull| self.pulls.get_mut(&pull)) {
             pull.owner = None;
         }
@@ -275,7 +275,7 @@ impl<R> Book<R> {
     }
 
     /// Fetches whose HTTP client went away give their deliveries back.
-    pub(super) fn drop_abandoned(&mut self) {
+    pub(super) fn withdraw_hung_up(&mut self) {
         let mut index = 0;
         while index < self.waiters.len() {
             if self.waiters[index].answer.is_closed() {
@@ -673,14 +673,14 @@ mod tests {
     }
 
     #[test]
-    fn an_abandoned_fetch_gives_its_deliveries_to_the_next_one_first() {
+    fn a_withdrawn_fetch_gives_its_deliveries_to_the_next_one_first() {
         let now = Instant::now();
         let mut book = Book::<()>::new();
         let (_answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
         book.hold(delivery(9, 1, now));
         let owner = book.count_delivery(pull_id, now);
         book.place(owner, delivery(1, 1, now));
-        book.abandon(1);
+        book.withdraw(1);
         // What its pull still brings is no one's.
         assert_eq!(book.count_delivery(pull_id, now), None);
         let (answer, _) = oneshot::channel();
@@ -695,14 +695,14 @@ mod tests {
     }
 
     #[test]
-    fn a_closed_answer_channel_counts_as_abandoned() {
+    fn a_closed_answer_channel_withdraws_the_fetch() {
         let now = Instant::now();
         let mut book = Book::<()>::new();
         let (answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
         let owner = book.count_delivery(pull_id, now);
         book.place(owner, delivery(1, 1, now));
         drop(answered);
-        book.drop_abandoned();
+        book.withdraw_hung_up();
         assert_eq!(book.held_len(), 1);
         assert!(!book.is_starving());
     }

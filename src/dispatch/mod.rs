@@ -40,18 +40,18 @@ const STRAGGLER_READ: Duration = Duration::from_secs(30);
 
 pub(crate) enum Command {
     Fetch {
-        /// Unique per fetch; chosen by the caller so it can abandon the fetch.
+        /// Unique per fetch; chosen by the caller so it can withdraw the fetch.
         id: u64,
         demand: Demand,
         answer: Answer,
     },
     /// The fetch's HTTP client went away: free its place at once; what its pull still
     /// brings goes to the next fetch.
-    Abandon { id: u64 },
+    Withdraw { id: u64 },
     /// The NATS connection dropped: the server forgot every open pull.
     ConnectionLost,
-    /// Deliveries whose leases were withdrawn (the client left): lease them again.
-    Return(Vec<Delivery>),
+    /// Deliveries whose leases were given back (the client left): lease them again.
+    GiveBack(Vec<Delivery>),
     /// Answer every waiting fetch now, stop pulling, nak whatever arrives.
     Shutdown,
     /// The connection is back. Not a no-op: it wakes the loop, and the pump that follows
@@ -107,11 +107,11 @@ impl Dispatcher {
                     Some(Command::Fetch { id, demand, answer }) => {
                         self.book.enqueue(id, demand, answer, Instant::now());
                     }
-                    Some(Command::Abandon { id }) => {
-                        debug!(fetch = id, "fetch abandoned by its client");
-                        self.book.abandon(id);
+                    Some(Command::Withdraw { id }) => {
+                        debug!(fetch = id, "fetch withdrawn: its client hung up");
+                        self.book.withdraw(id);
                     }
-                    Some(Command::Return(deliveries)) => self.book.give_back(None, deliveries),
+                    Some(Command::GiveBack(deliveries)) => self.book.give_back(None, deliveries),
                     Some(Command::ConnectionLost) => self.book.forget_pulls(),
                     Some(Command::Shutdown) => self.shutting_down = true,
                     Some(Command::Reconnected) => {}
@@ -249,7 +249,7 @@ impl Dispatcher {
 
     async fn pump(&mut self) {
         let now = Instant::now();
-        self.book.drop_abandoned();
+        self.book.withdraw_hung_up();
         self.give_up_on_silent_pulls(now);
         let hold = self.state.hold();
         let shutting_down = self.shutting_down;
@@ -313,12 +313,12 @@ impl Dispatcher {
             let leased = self.state.lease(fetch.got);
             if let Err(unanswered) = fetch.answer.send(leased) {
                 // The client went away in the meantime: take the leases back.
-                let got = self.state.withdraw(unanswered);
+                let got = self.state.give_back(unanswered);
                 self.book.give_back(fetch.pull, got);
             } else {
                 // Answered before its pull ended (max_bytes, deadline, shutdown): what the
                 // pull still brings is held for the next fetch.
-                self.book.disown(fetch.pull);
+                self.book.detach_pull(fetch.pull);
             }
         }
     }

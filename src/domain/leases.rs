@@ -98,7 +98,7 @@ impl LeaseTable {
         self.expiries.len()
     }
 
-    /// Whether a lease is live: issued, and not settled, expired, superseded or withdrawn.
+    /// Whether a lease is live: issued, and not settled, expired, superseded or given back.
     /// One with a settle or extension on its way counts as live (the answer may be "no").
     pub(crate) fn is_live(&self, key: DeliveryKey, now: Instant) -> bool {
         let superseded = self
@@ -222,9 +222,9 @@ impl LeaseTable {
         self.expiries.insert((expires_at, key));
     }
 
-    /// Withdraw a lease that never reached its client (the fetch went away before the
+    /// Give back a lease that never reached its client (the fetch went away before the
     /// answer was handed over). The message goes back to the gateway's hands.
-    pub(crate) fn withdraw(&mut self, key: DeliveryKey) {
+    pub(crate) fn give_back(&mut self, key: DeliveryKey) {
         if let Some(record) = self.records.remove(&key)
             && record.state == State::Active
         {
@@ -597,11 +597,11 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn withdrawn_lease_is_unknown_and_not_in_flight() {
+    async fn a_lease_given_back_is_unknown_and_not_in_flight() {
         let mut leases = table();
         let now = Instant::now();
         leases.issue(key(1, 1), reply(), now + WAIT);
-        leases.withdraw(key(1, 1));
+        leases.give_back(key(1, 1));
         assert_eq!(leases.in_flight(now), 0);
         assert_eq!(
             leases.begin_settle(key(1, 1), SettleKind::Ack, now),

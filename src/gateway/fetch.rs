@@ -213,8 +213,8 @@ impl Gateway {
     /// Take back leases whose client left before seeing them: the deliveries go to the
     /// next fetch (or are nak'd), as if never handed out.
     async fn give_back(&self, leased: Vec<Leased>) {
-        let deliveries = self.state.withdraw(leased);
-        let _ = self.commands.send(Command::Return(deliveries)).await;
+        let deliveries = self.state.give_back(leased);
+        let _ = self.commands.send(Command::GiveBack(deliveries)).await;
     }
 }
 
@@ -233,8 +233,8 @@ impl Drop for PendingFetch<'_> {
         };
         answered.close();
         let command = match answered.try_recv() {
-            Ok(leased) => Command::Return(self.gateway.state.withdraw(leased)),
-            Err(_) => Command::Abandon { id: self.id },
+            Ok(leased) => Command::GiveBack(self.gateway.state.give_back(leased)),
+            Err(_) => Command::Withdraw { id: self.id },
         };
         let commands = self.gateway.commands.clone();
         if let Err(mpsc::error::TrySendError::Full(command)) = commands.try_send(command) {

@@ -355,8 +355,8 @@ impl Gateway {
         let kind = action.as_str();
         let result = outcome.as_str();
         match lease {
-            // At info, the default level: issue 3 asks for lease ids and sequences on every
-            // settle, so a message's fate can be traced in the logs as shipped.
+            // At info, the default level: a message's fate can be traced in the logs as
+            // shipped, by its lease id and sequences.
             Some(lease) => info!(
                 lease_id = id,
                 stream_sequence = lease.key.stream_sequence,
