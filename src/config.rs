@@ -1,6 +1,8 @@
 //! Command-line flags and environment variables, parsed into validated settings.
 //!
 //! Every flag has an environment variable; NATS settings keep the names NATS tools use.
+//!
+//! May import: `domain` (subject rules). Usable from every room.
 
 use std::fmt;
 use std::net::SocketAddr;

@@ -1,4 +1,6 @@
 //! The one error type a client can see; the HTTP layer turns it into problem+json.
+//!
+//! May import: `domain` (the settle vocabulary). Usable from every room above.
 
 use std::time::Duration;
 

@@ -3,6 +3,8 @@
 //!
 //! Plain HTTP/1.1 over a blocking socket with timeouts: one request, to the gateway on its
 //! own loopback, is all it does, so no HTTP client crate is pulled in for it.
+//!
+//! May import: nothing of the crate; `main.rs` calls it instead of serving.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};

@@ -113,3 +113,91 @@ pub async fn run(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The map above, checked: every `crate::` path in a room's files names a room below it
+    //! (or itself), so the imports cannot drift into a circle unnoticed.
+
+    use std::path::{Path, PathBuf};
+
+    /// Rooms from the bottom up; a room may name only rooms of a lower rank.
+    const RANKS: &[(&str, u8)] = &[
+        ("domain", 0),
+        ("config", 1),
+        ("error", 1),
+        ("metrics", 1),
+        ("state", 2),
+        ("nats", 3),
+        ("dispatch", 4),
+        ("gateway", 5),
+        ("http", 6),
+    ];
+
+    fn rank(room: &str) -> Option<u8> {
+        RANKS
+            .iter()
+            .find(|(name, _)| *name == room)
+            .map(|(_, rank)| *rank)
+    }
+
+    fn rust_files(dir: &Path, into: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("read src") {
+            let path = entry.expect("dir entry").path();
+            if path.is_dir() {
+                rust_files(&path, into);
+            } else if path.extension().is_some_and(|ext| ext == "rs") {
+                into.push(path);
+            }
+        }
+    }
+
+    #[test]
+    fn imports_only_point_down() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        let mut upward = Vec::new();
+        for file in &files {
+            let relative = file.strip_prefix(&src).expect("under src");
+            let room = relative
+                .components()
+                .next()
+                .and_then(|first| first.as_os_str().to_str())
+                .map(|first| first.trim_end_matches(".rs"))
+                .unwrap_or_default();
+            let Some(own) = rank(room) else {
+                continue; // lib.rs, main.rs, healthcheck.rs: the top, may name anything
+            };
+            let text = std::fs::read_to_string(file).expect("read source");
+            for (line_number, line) in text.lines().enumerate() {
+                for (at, _) in line.match_indices("crate::") {
+                    let named: String = line[at + "crate::".len()..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    if let Some(theirs) = rank(&named)
+                        && named != room
+                        && theirs >= own
+                    {
+                        upward.push(format!(
+                            "{}:{}: {room} names {named}",
+                            relative.display(),
+                            line_number + 1
+                        ));
+                    }
+                }
+            }
+        }
+        assert!(
+            files.len() > 20,
+            "found only {} source files: the walk is broken",
+            files.len()
+        );
+        assert!(
+            upward.is_empty(),
+            "imports that point up:\n{}",
+            upward.join("\n")
+        );
+    }
+}

@@ -13,6 +13,8 @@
 //! Gauges that mirror state (leases in flight, max_ack_pending, the NATS connection) are
 //! read when `/metrics` is scraped rather than updated on every change: exact, and free on
 //! the hot path.
+//!
+//! May import: nothing of the crate. Usable from every room.
 
 use std::time::Duration;
 

@@ -15,6 +15,8 @@
 //!
 //! Pulls, their inboxes and their readers are the NATS boundary's ([`crate::nats::pull`]);
 //! this task decides when to open one and for whom.
+//!
+//! May import: `nats`, `state`, `domain`. Never `gateway` or `http`.
 
 mod book;
 

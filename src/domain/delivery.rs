@@ -1,5 +1,7 @@
 //! A delivery as the gateway holds it, a delivery leased to a client, and what a fetch asks
 //! for: the values that travel between the NATS boundary, the dispatcher and the handlers.
+//!
+//! May import: the rest of `domain` only.
 
 use std::sync::Arc;
 use std::time::Duration;

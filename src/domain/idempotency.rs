@@ -7,6 +7,8 @@
 //! holds more entries than there are live leases plus fetches in progress. A repeat that
 //! arrives while the first is still waiting waits for its answer. The same key with a
 //! different request is refused (422).
+//!
+//! May import: the rest of `domain` only.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};

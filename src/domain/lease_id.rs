@@ -4,6 +4,8 @@
 //! delivery count, publish time) in the clear and a truncated HMAC-SHA256 over them and the stream/consumer
 //! names. It holds no secret, cannot be forged without the key, and gives a later version
 //! what it needs to let any replica sharing the key settle it without a shared table.
+//!
+//! May import: the rest of `domain` only.
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;

@@ -3,6 +3,8 @@
 //! Pure state and time — no HTTP, no NATS. It fences stale leases (expired, or superseded by a
 //! newer delivery of the same message) because nats-server accepts acks from old deliveries,
 //! and it remembers settled outcomes so that a retried settle answers as the first one did.
+//!
+//! May import: the rest of `domain` only.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;

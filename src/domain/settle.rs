@@ -1,4 +1,6 @@
 //! The settle vocabulary: what a client asks to do with a lease, and how a lease ended.
+//!
+//! May import: the rest of `domain` only.
 
 use std::time::Duration;
 

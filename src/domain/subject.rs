@@ -1,4 +1,6 @@
 //! NATS subject rules: which subjects may be published to, and wildcard matching.
+//!
+//! May import: the rest of `domain` only.
 
 /// A concrete subject a client may publish to: dot-separated non-empty tokens, no
 /// wildcards, no whitespace, and not in the `$` system namespaces.

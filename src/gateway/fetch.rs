@@ -1,6 +1,8 @@
 //! Fetch, as the core serves it: lease a batch for a caller that may hang up mid-wait (its
 //! fetch is then withdrawn and whatever it was about to get goes to the next fetch), with an
 //! optional `Idempotency-Key` whose repeat gets the first answer.
+//!
+//! May import: as the rest of `gateway`.
 
 use std::future::Future;
 use std::sync::atomic::Ordering;

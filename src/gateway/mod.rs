@@ -4,6 +4,8 @@
 //! A supervisor task keeps the NATS connection bound to the consumer (retrying while NATS is
 //! away, rebinding after a reconnect or a deleted consumer) and publishes the binding on a
 //! watch channel; the dispatcher and every request read the current binding from there.
+//!
+//! May import: `dispatch`, `nats`, `state`, `domain`, `config`, `error`, `metrics`. Never `http`.
 
 mod fetch;
 mod supervisor;

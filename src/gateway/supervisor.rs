@@ -2,6 +2,8 @@
 //! retrying while NATS is away, rebinding after a reconnect or a deleted consumer, starting a
 //! new lease epoch when the consumer was recreated — and publishes the binding in force on a
 //! watch channel that the dispatcher and every request read.
+//!
+//! May import: as the rest of `gateway`.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;

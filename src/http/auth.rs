@@ -5,6 +5,8 @@
 //! per line (or per `;` inline). Only SHA-256 digests of the tokens are kept, and a presented
 //! token is compared with every one of them in constant time, so neither timing nor memory
 //! tells which token (or which prefix) came close. Tokens never reach a log or an error.
+//!
+//! May import: as the rest of `http`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,5 +1,7 @@
 //! The JSON body extractor: any Content-Type (curl's `-d` sends a form type), an empty body
 //! means "all defaults", and every rejection is problem+json naming the field at fault.
+//!
+//! May import: as the rest of `http`.
 
 use axum::extract::{FromRequest, Request};
 use axum::http::header;

@@ -5,6 +5,8 @@
 //! ([`super::serve`]) shares each socket with the request it carries, so a waiting fetch peeks at it itself: it withdraws
 //! the moment the client leaves, and checks once more before answering, handing anything
 //! already leased back to the next fetch.
+//!
+//! May import: as the rest of `http`.
 
 use std::io;
 use std::pin::Pin;

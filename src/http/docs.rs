@@ -2,6 +2,8 @@
 //! reading `/openapi.json`. Served here rather than through the crate's router so that
 //! `/docs` itself answers 200 (curl without `-L` sees the page) and a missing file is our
 //! problem+json 404.
+//!
+//! May import: as the rest of `http`.
 
 use std::sync::{Arc, LazyLock};
 

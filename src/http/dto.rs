@@ -1,4 +1,6 @@
 //! Request and response bodies of the HTTP API, with their OpenAPI schemas.
+//!
+//! May import: as the rest of `http`.
 
 use std::collections::BTreeMap;
 

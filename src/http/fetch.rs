@@ -1,4 +1,6 @@
 //! `POST /fetch`: lease a batch of messages.
+//!
+//! May import: as the rest of `http`.
 
 use std::time::Duration;
 

@@ -1,4 +1,6 @@
 //! `POST /messages/...`: settle (ack, nak, term) or extend leases, one or many at a time.
+//!
+//! May import: as the rest of `http`.
 
 use std::time::Duration;
 

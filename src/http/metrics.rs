@@ -1,5 +1,7 @@
 //! `GET /metrics` (the Prometheus text format) and the middleware that counts every HTTP
 //! request by method, matched route template and status.
+//!
+//! May import: as the rest of `http`.
 
 use std::time::Instant;
 

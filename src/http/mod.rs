@@ -1,5 +1,8 @@
 //! The HTTP layer: routes (one file per resource), the JSON body extractor, problem+json
 //! errors and the middleware stack. Handlers are thin: parse, call the gateway, map.
+//!
+//! May import: `gateway` (the core), `domain` values it renders, `config`, `error`, `metrics`.
+//! Never `dispatch`, `nats` or `state`: the handlers see only the core.
 
 pub(crate) mod auth;
 mod body;

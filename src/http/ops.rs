@@ -1,4 +1,6 @@
 //! Operational endpoints: liveness, readiness and the consumer's state.
+//!
+//! May import: as the rest of `http`.
 
 use std::sync::LazyLock;
 

@@ -1,4 +1,6 @@
 //! RFC 9457 problem+json responses for every error a client can see.
+//!
+//! May import: as the rest of `http`.
 
 use axum::body::Body;
 use axum::extract::Request;

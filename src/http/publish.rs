@@ -1,4 +1,6 @@
 //! `POST /publish`: put a message on the stream (for trying the gateway with curl).
+//!
+//! May import: as the rest of `http`.
 
 use std::str::FromStr;
 

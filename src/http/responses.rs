@@ -3,6 +3,8 @@
 //!
 //! Each response's status, `type`, `title` and example are taken from the [`Error`] that
 //! answers it, so the spec cannot describe a problem differently from how it is sent.
+//!
+//! May import: as the rest of `http`.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

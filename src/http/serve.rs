@@ -3,6 +3,8 @@
 //!
 //! `axum::serve` sets no timer, so hyper's header-read timeout never fires there; this loop
 //! gives hyper a Tokio timer and otherwise does what `axum::serve` does.
+//!
+//! May import: as the rest of `http`.
 
 use std::future::Future;
 use std::io;

@@ -7,6 +7,8 @@
 //! copy through JetStream with a `Nats-Msg-Id` derived from stream, consumer and sequence, so
 //! the dead-letter stream stores it once even when the advisory is seen twice (two replicas,
 //! a retry after a timeout) — within that stream's duplicate window (2 min by default).
+//!
+//! May import: `config`, `domain`, `metrics`. Nothing of the gateway above the boundary.
 
 use std::sync::Arc;
 use std::time::Duration;
