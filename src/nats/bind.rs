@@ -252,22 +252,18 @@ async fn bind_durable(
         updated.filter_subject = wanted.filter_subject.clone();
         updated.filter_subjects.clear();
     }
+    let not_pull = |err: Box<dyn std::error::Error + Send + Sync>| {
+        BindError::Fatal(format!(
+            "consumer {} is not a pull consumer: {err}",
+            config.consumer
+        ))
+    };
     let pull_current =
         <consumer::pull::Config as consumer::FromConsumer>::try_from_consumer_config(current)
-            .map_err(|err| {
-                BindError::Fatal(format!(
-                    "consumer {} is not a pull consumer: {err}",
-                    config.consumer
-                ))
-            })?;
+            .map_err(&not_pull)?;
     let pull_updated =
         <consumer::pull::Config as consumer::FromConsumer>::try_from_consumer_config(updated)
-            .map_err(|err| {
-                BindError::Fatal(format!(
-                    "consumer {} is not a pull consumer: {err}",
-                    config.consumer
-                ))
-            })?;
+            .map_err(&not_pull)?;
     if pull_updated == pull_current {
         info!(consumer = %config.consumer, "bound to existing consumer");
     } else {
