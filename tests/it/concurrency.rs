@@ -6,15 +6,15 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::support::gateway::http_client;
-use crate::support::setup;
+use crate::support::Setup;
+use crate::support::client::http_client;
 
 const POLLS: usize = 2000;
 const MESSAGES: usize = 50;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_thousand_concurrent_long_polls_are_all_served() {
-    let (_server, js, gateway) = setup(&["--consumer", "crowd", "--ack-wait", "60s"]).await;
+    let (_server, js, gateway) = Setup::consumer("crowd").ack_wait("60s").start().await;
     let http = http_client();
     let url = gateway.url("/fetch");
 

@@ -3,12 +3,12 @@
 
 use reqwest::redirect::Policy;
 
-use crate::support::{Gateway, nats::free_port};
+use crate::support::Setup;
+use crate::support::nats::free_port;
 
 /// A client that shows redirects instead of following them.
 fn no_redirects() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
+    crate::support::client::http_builder()
         .redirect(Policy::none())
         .build()
         .expect("build reqwest client")
@@ -17,7 +17,7 @@ fn no_redirects() -> reqwest::Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn docs_serve_swagger_ui_and_its_assets_from_the_binary() {
     let unreachable = format!("nats://127.0.0.1:{}", free_port());
-    let mut gateway = Gateway::start(&unreachable, &["--consumer", "docs"]).await;
+    let mut gateway = Setup::consumer("docs").starting(&unreachable).await;
 
     // `/docs` itself is the page (curl without -L sees it); it names /docs/ as the base its
     // relative asset paths resolve against. `/docs/` serves the same page.
@@ -82,7 +82,7 @@ async fn docs_serve_swagger_ui_and_its_assets_from_the_binary() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_problem_names_the_request_path_as_its_instance() {
     let unreachable = format!("nats://127.0.0.1:{}", free_port());
-    let mut gateway = Gateway::start(&unreachable, &["--consumer", "instance"]).await;
+    let mut gateway = Setup::consumer("instance").starting(&unreachable).await;
 
     let reply = gateway.post("/messages/not-a-lease/ack", None).await;
     reply.assert_problem(&[404], "");

@@ -6,19 +6,15 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::support::{Gateway, STREAM, nats::free_port, server_ack_pending, setup, wait_until};
+use crate::support::{STREAM, Setup, nats::free_port, server_ack_pending, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_endpoint_reports_config_server_counters_and_leases() {
-    let (_server, js, gateway) = setup(&[
-        "--consumer",
-        "introspect",
-        "--ack-wait",
-        "12s",
-        "--max-ack-pending",
-        "77",
-    ])
-    .await;
+    let (_server, js, gateway) = Setup::consumer("introspect")
+        .ack_wait("12s")
+        .max_ack_pending(77)
+        .start()
+        .await;
     assert_eq!(gateway.healthz().await, 200);
     assert_eq!(gateway.readyz().await, 200);
     js.publish_many("orders.1", 3, "m").await;
@@ -76,7 +72,7 @@ async fn consumer_endpoint_reports_config_server_counters_and_leases() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openapi_json_describes_every_endpoint_and_matches_the_committed_spec() {
     let unreachable = format!("nats://127.0.0.1:{}", free_port());
-    let mut gateway = Gateway::start(&unreachable, &["--consumer", "spec"]).await;
+    let mut gateway = Setup::consumer("spec").starting(&unreachable).await;
     let reply = gateway.openapi().await;
     assert_eq!(reply.status, 200, "{}", reply.text);
     assert!(reply.content_type().starts_with("application/json"));

@@ -1,18 +1,21 @@
 //! Lease rules: lease_expires_at never outlives the server's ack timer, and the gateway
 //! hoards nothing: without HTTP demand the server's num_ack_pending equals the leases in flight.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use serde_json::json;
+use serde_json::{Value, json};
 use time::OffsetDateTime;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 
 use crate::support::{
-    Deadline, STREAM, assert_stays, server_ack_pending, setup, wait_for, wait_until,
+    Action, Deadline, Gateway, Js, STREAM, Setup, assert_stays, server_ack_pending, wait_for,
+    wait_until,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redelivery_never_comes_before_lease_expires_at() {
-    let (_server, js, gateway) = setup(&["--consumer", "timing", "--ack-wait", "2s"]).await;
+    let (_server, js, gateway) = Setup::consumer("timing").ack_wait("2s").start().await;
     let sequence = js.publish("orders.1", "x").await;
     let first = gateway.fetch_n(1, 1000).await.remove(0);
     let expires = first.lease_expires();
@@ -44,7 +47,7 @@ async fn redelivery_never_comes_before_lease_expires_at() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_http_demand_the_server_keeps_the_messages() {
-    let (_server, js, gateway) = setup(&["--consumer", "nohoard"]).await;
+    let (_server, js, gateway) = Setup::consumer("nohoard").start().await;
     js.publish_many("orders.1", 20, "m").await;
 
     let idle = || async {
@@ -96,7 +99,7 @@ async fn without_http_demand_the_server_keeps_the_messages() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_for_a_client_that_left_goes_to_the_next_fetch() {
-    let (_server, js, gateway) = setup(&["--consumer", "abandoned", "--ack-wait", "30s"]).await;
+    let (_server, js, gateway) = Setup::consumer("abandoned").ack_wait("30s").start().await;
 
     // A client starts a long poll and gives up after 300 ms.
     let abandoned = gateway
@@ -143,7 +146,7 @@ async fn a_message_for_a_client_that_left_goes_to_the_next_fetch() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_ids_are_distinct_and_url_safe_across_many_messages() {
-    let (_server, js, gateway) = setup(&["--consumer", "ids"]).await;
+    let (_server, js, gateway) = Setup::consumer("ids").start().await;
     js.publish_many("orders.1", 50, "m").await;
     let mut ids = Vec::new();
     let deadline = Deadline::after("all 50 messages were leased", Duration::from_secs(10));
@@ -167,10 +170,83 @@ async fn lease_ids_are_distinct_and_url_safe_across_many_messages() {
     unique.sort_unstable();
     unique.dedup();
     assert_eq!(unique.len(), 50, "ids are unique");
-    let results = gateway.settle_many_ok("ack", &json!({ "ids": ids })).await;
+    let results = gateway
+        .settle_many_ok(Action::Ack, &json!({ "ids": ids }))
+        .await;
     assert!(
         results.iter().all(|(_, status)| *status == 204),
         "{results:?}"
     );
     assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+}
+
+/// Open a raw long poll (`POST /fetch`, wait_ms 10 000), let it wait at the server for
+/// `patience`, hang up, and publish at once. The next ordinary fetch must get the message
+/// as its first delivery, with the gateway's and the server's counts in step.
+async fn hang_up_then_publish(gateway: &Gateway, js: &Js, consumer: &str, patience: Duration) {
+    let body = json!({ "batch": 10, "wait_ms": 10_000 }).to_string();
+    let addr = gateway.base().trim_start_matches("http://").to_string();
+    let mut socket = TcpStream::connect(&addr).await.expect("connect to gateway");
+    let request = format!(
+        "POST /fetch HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    socket
+        .write_all(request.as_bytes())
+        .await
+        .expect("send the long poll");
+    // The long poll is under way once the gateway has a pull waiting at the server.
+    wait_until(
+        "the long poll has a pull waiting at the server",
+        Duration::from_secs(5),
+        || async { js.consumer_info(STREAM, consumer).await.num_waiting >= 1 },
+    )
+    .await;
+    // The client's patience: pacing, not a condition.
+    tokio::time::sleep(patience).await;
+    drop(socket);
+
+    let sequence = js.publish("orders.1", "after the hang-up").await;
+    let started = Instant::now();
+    let messages = gateway.fetch_n(10, 5000).await;
+    let took = started.elapsed();
+    if messages.is_empty() {
+        let info = js.consumer_info(STREAM, consumer).await;
+        panic!(
+            "(patience {patience:?}) the next fetch got nothing in {took:?}: server \
+             num_ack_pending {}, num_pending {}, delivered up to {}; gateway leases in flight {}",
+            info.num_ack_pending,
+            info.num_pending,
+            info.delivered.stream_sequence,
+            gateway.leases_in_flight().await
+        );
+    }
+    assert_eq!(messages.len(), 1, "{messages:?}");
+    assert_eq!(messages[0].stream_sequence, sequence);
+    assert_eq!(
+        messages[0].delivered, 1,
+        "(patience {patience:?}) handed on, not redelivered after a nak or ack_wait"
+    );
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+
+    let view: Value = gateway.consumer_view().await;
+    assert_eq!(view["leases_in_flight"], 1, "{view}");
+    assert_eq!(server_ack_pending(js, gateway).await, 1, "{view}");
+
+    assert_eq!(gateway.ack(&messages[0].id).await, 204);
+    assert_eq!(gateway.leases_in_flight().await, 0);
+    assert_eq!(server_ack_pending(js, gateway).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_hanging_up_mid_poll_does_not_strand_the_next_message() {
+    let consumer = "rv-hangup";
+    let (_server, js, gateway) = Setup::consumer(consumer).ack_wait("30s").start().await;
+    hang_up_then_publish(&gateway, &js, consumer, Duration::from_millis(200)).await;
+    // Sharper: the publish right on the heels of the hang-up, while the gateway may not
+    // have noticed it yet. A few rounds, since it is a race.
+    for _ in 0..10 {
+        hang_up_then_publish(&gateway, &js, consumer, Duration::ZERO).await;
+    }
 }

@@ -3,11 +3,11 @@
 
 use serde_json::json;
 
-use crate::support::{STREAM, setup};
+use crate::support::{STREAM, Setup};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_stores_the_message_and_fetch_returns_it() {
-    let (_server, _js, gateway) = setup(&["--consumer", "publisher"]).await;
+    let (_server, _js, gateway) = Setup::consumer("publisher").start().await;
     let reply = gateway
         .post(
             "/publish",

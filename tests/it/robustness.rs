@@ -3,11 +3,11 @@
 
 use serde_json::json;
 
-use crate::support::setup;
+use crate::support::{Action, Setup};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn odd_bodies_on_every_endpoint_are_4xx_problems() {
-    let (_server, js, gateway) = setup(&["--consumer", "odd"]).await;
+    let (_server, js, gateway) = Setup::consumer("odd").start().await;
     // Enough messages that an accepted fetch answers at once.
     js.publish_many("orders.1", 10, "x").await;
     let held = gateway.fetch_n(1, 1000).await.remove(0);
@@ -70,7 +70,7 @@ async fn odd_bodies_on_every_endpoint_are_4xx_problems() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_routes_and_wrong_methods_are_problems() {
-    let (_server, _js, gateway) = setup(&["--consumer", "routes"]).await;
+    let (_server, _js, gateway) = Setup::consumer("routes").start().await;
     gateway.get("/nope").await.assert_problem(&[404], "");
     gateway
         .post("/messages", Some(&json!({})))
@@ -85,4 +85,13 @@ async fn unknown_routes_and_wrong_methods_are_problems() {
         .post("/healthz", None)
         .await
         .assert_problem(&[405], "");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_id_that_is_not_utf8_is_a_404_problem() {
+    let (_server, _js, gateway) = Setup::consumer("rv-utf8").start().await;
+    for action in Action::ALL {
+        let reply = gateway.post(&format!("/messages/%FF/{action}"), None).await;
+        reply.assert_problem(&[404], "");
+    }
 }

@@ -5,12 +5,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::support::{Deadline, Gateway, STREAM, setup};
+use crate::support::{Deadline, Gateway, STREAM, Setup};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_polls_return_and_new_fetches_are_refused() {
-    let (_server, _js, mut gateway) =
-        setup(&["--consumer", "closing", "--shutdown-grace", "2s"]).await;
+    let (_server, _js, mut gateway) = Setup::consumer("closing")
+        .shutdown_grace("2s")
+        .start()
+        .await;
     let poll = {
         let http = gateway.http.clone();
         let url = gateway.url("/fetch");
@@ -75,15 +77,11 @@ async fn waiting_polls_return_and_new_fetches_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settles_are_accepted_during_the_grace_period() {
-    let (_server, js, mut gateway) = setup(&[
-        "--consumer",
-        "grace",
-        "--shutdown-grace",
-        "3s",
-        "--ack-wait",
-        "30s",
-    ])
-    .await;
+    let (_server, js, mut gateway) = Setup::consumer("grace")
+        .shutdown_grace("3s")
+        .ack_wait("30s")
+        .start()
+        .await;
     js.publish_many("orders.1", 2, "m").await;
     let held = gateway.fetch_n(2, 1000).await;
     assert_eq!(held.len(), 2);
@@ -113,15 +111,11 @@ async fn settles_are_accepted_during_the_grace_period() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unleased_messages_and_unsettled_leases_are_released_at_shutdown() {
-    let (server, js, mut first) = setup(&[
-        "--consumer",
-        "handover",
-        "--shutdown-grace",
-        "1s",
-        "--ack-wait",
-        "60s",
-    ])
-    .await;
+    let (server, js, mut first) = Setup::consumer("handover")
+        .shutdown_grace("1s")
+        .ack_wait("60s")
+        .start()
+        .await;
     let published = js.publish_many("orders.1", 4, "m").await;
     let mut leased = first.fetch_n(2, 1000).await;
     assert_eq!(leased.len(), 2);
@@ -139,11 +133,10 @@ async fn unleased_messages_and_unsettled_leases_are_released_at_shutdown() {
     // the grace (nobody can settle them through this process any more). A nak'd message
     // still counts in the server's num_ack_pending until redelivered, so look at the effect:
     // the next gateway gets all four at once, not after ack_wait (60 s).
-    let second = Gateway::ready(
-        &server.url(),
-        &["--consumer", "handover", "--ack-wait", "60s"],
-    )
-    .await;
+    let second = Setup::consumer("handover")
+        .ack_wait("60s")
+        .ready(&server.url())
+        .await;
     let mut sequences = Vec::new();
     let deadline = Deadline::after("every message comes back", Duration::from_secs(5));
     while sequences.len() < published.len() {
@@ -167,4 +160,40 @@ async fn unleased_messages_and_unsettled_leases_are_released_at_shutdown() {
     }
     sequences.sort_unstable();
     assert_eq!(sequences, published);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_no_leases_out_completes_promptly() {
+    let (_server, _js, mut gateway) = Setup::consumer("rv-idle-stop")
+        .shutdown_grace("30s")
+        .start()
+        .await;
+    assert_eq!(gateway.leases_in_flight().await, 0);
+    let started = Instant::now();
+    gateway.trigger_shutdown();
+    // `join` panics if run() has not returned within the bound.
+    stops_within(&mut gateway, started, Duration::from_secs(5)).await;
+}
+
+/// The same promise once the last lease out is settled during the grace period: the wait
+/// ends with that settle, not at the 30 s grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_completes_promptly_once_the_last_lease_is_settled() {
+    let (_server, js, mut gateway) = Setup::consumer("rv-last-settle")
+        .shutdown_grace("30s")
+        .ack_wait("60s")
+        .start()
+        .await;
+    js.publish("orders.1", "settled during the grace").await;
+    let lease = gateway.fetch_n(1, 2000).await.remove(0);
+    gateway.begin_shutdown().await;
+    let started = Instant::now();
+    assert_eq!(gateway.ack(&lease.id).await, 204, "ack during the grace");
+    stops_within(&mut gateway, started, Duration::from_secs(5)).await;
+}
+
+/// `run()` returns Ok no later than `limit` after `started` (`join` panics past its bound).
+async fn stops_within(gateway: &mut Gateway, started: Instant, limit: Duration) {
+    let left = limit.saturating_sub(started.elapsed());
+    gateway.join(left).await.expect("run() returns Ok");
 }

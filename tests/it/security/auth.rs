@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::support::gateway::{Gateway, Reply, http_client, http_client_with_token};
-use crate::support::{Js, NatsServer, STREAM, wait_for};
+use crate::support::client::{Reply, http_client, http_client_with_token};
+use crate::support::{Js, NatsServer, STREAM, Setup, wait_for};
 
 const TOKENS: &str = "\
 # workers
@@ -29,7 +29,7 @@ async fn send(client: &reqwest::Client, method: &str, url: &str) -> Reply {
         "GET" => client.get(url),
         _ => client.post(url),
     };
-    Gateway::reply(request.send().await.expect("request")).await
+    Reply::read(request.send().await.expect("request")).await
 }
 
 #[track_caller]
@@ -55,18 +55,11 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
     js.create_stream(STREAM, &["orders.>"]).await;
     let file = tokens_file(TOKENS);
     let path = file.path().to_str().expect("utf8 path");
-    let gateway = Gateway::ready(
-        &server.url(),
-        &[
-            "--consumer",
-            "auth",
-            "--auth-tokens-file",
-            path,
-            "--auth-tokens",
-            "inline-token *",
-        ],
-    )
-    .await;
+    let gateway = Setup::consumer("auth")
+        .flag("--auth-tokens-file", path)
+        .flag("--auth-tokens", "inline-token *")
+        .ready(&server.url())
+        .await;
     js.publish("orders.auth", "one").await;
     let url = |path: &str| gateway.url(path);
     let anonymous = http_client();
@@ -103,7 +96,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
         .send()
         .await
         .expect("request");
-    assert_challenge(&Gateway::reply(basic).await, 401, "Bearer");
+    assert_challenge(&Reply::read(basic).await, 401, "Bearer");
     for (method, path) in [
         ("POST", "/messages/abc/ack"),
         ("POST", "/messages/ack"),
@@ -144,7 +137,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
         .send()
         .await
         .expect("fetch");
-    let fetched = Gateway::reply(fetched).await;
+    let fetched = Reply::read(fetched).await;
     assert_eq!(fetched.status, 200, "{}", fetched.text);
     let id = fetched.body["messages"][0]["id"]
         .as_str()
@@ -159,7 +152,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
         .send()
         .await
         .expect("publish");
-    assert_eq!(Gateway::reply(published).await.status, 201);
+    assert_eq!(Reply::read(published).await.status, 201);
     // `admin` may publish too (an operator injecting or replaying a message).
     let published = ops
         .post(url("/publish"))
@@ -167,7 +160,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
         .send()
         .await
         .expect("publish as admin");
-    assert_eq!(Gateway::reply(published).await.status, 201);
+    assert_eq!(Reply::read(published).await.status, 201);
 
     // Refusals are counted under their route template like any answer.
     let metrics = send(&ops, "GET", &url("/metrics")).await;
@@ -203,11 +196,10 @@ async fn bad_token_sources_refuse_to_start_without_echoing_tokens() {
     ] {
         let file = tokens_file(text);
         let path = file.path().to_str().expect("utf8 path");
-        let mut gateway = Gateway::start(
-            &server.url(),
-            &["--consumer", "refused", "--auth-tokens-file", path],
-        )
-        .await;
+        let mut gateway = Setup::consumer("refused")
+            .flag("--auth-tokens-file", path)
+            .starting(&server.url())
+            .await;
         let err = gateway
             .exit_result()
             .await
@@ -219,16 +211,10 @@ async fn bad_token_sources_refuse_to_start_without_echoing_tokens() {
             "the error shows a token: {err}"
         );
     }
-    let mut missing = Gateway::start(
-        &server.url(),
-        &[
-            "--consumer",
-            "refused",
-            "--auth-tokens-file",
-            "/nonexistent/tokens",
-        ],
-    )
-    .await;
+    let mut missing = Setup::consumer("refused")
+        .flag("--auth-tokens-file", "/nonexistent/tokens")
+        .starting(&server.url())
+        .await;
     let err = format!("{:#}", missing.exit_result().await.expect_err("refused"));
     assert!(err.contains("/nonexistent/tokens"), "{err}");
 }
@@ -240,18 +226,11 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
     js.create_stream(STREAM, &["orders.>"]).await;
     let file = tokens_file("token-a fetch\ntoken-b fetch\nadmin-token admin\n");
     let path = file.path().to_str().expect("utf8 path");
-    let gateway = Gateway::ready(
-        &server.url(),
-        &[
-            "--consumer",
-            "capped",
-            "--auth-tokens-file",
-            path,
-            "--max-waiting-fetches-per-token",
-            "2",
-        ],
-    )
-    .await;
+    let gateway = Setup::consumer("capped")
+        .flag("--auth-tokens-file", path)
+        .flag("--max-waiting-fetches-per-token", "2")
+        .ready(&server.url())
+        .await;
     let a = http_client_with_token("token-a");
     let b = http_client_with_token("token-b");
     let fetch = |client: &reqwest::Client, wait_ms: u64| {
@@ -268,7 +247,7 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
         "a third fetch of token A is refused",
         Duration::from_secs(3),
         || async {
-            let reply = Gateway::reply(fetch(&a, 0).await.expect("fetch")).await;
+            let reply = Reply::read(fetch(&a, 0).await.expect("fetch")).await;
             (reply.status == 429).then_some(reply)
         },
     )
@@ -276,9 +255,7 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
     refused.assert_problem(&[429], "");
     assert!(refused.retry_after_secs() >= 1);
     assert_eq!(
-        Gateway::reply(fetch(&b, 0).await.expect("fetch"))
-            .await
-            .status,
+        Reply::read(fetch(&b, 0).await.expect("fetch")).await.status,
         200
     );
     for reply in long_polls.await.expect("join") {
@@ -286,13 +263,11 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
     }
     // The long polls returned: A's share is free again.
     assert_eq!(
-        Gateway::reply(fetch(&a, 0).await.expect("fetch"))
-            .await
-            .status,
+        Reply::read(fetch(&a, 0).await.expect("fetch")).await.status,
         200
     );
     // Operators see the refusal.
-    let metrics = Gateway::reply(
+    let metrics = Reply::read(
         http_client_with_token("admin-token")
             .get(gateway.url("/metrics"))
             .send()

@@ -19,20 +19,6 @@
 //!   server or gateway fault, the dead-letter stream holds exactly the termed ids, once each,
 //!   with the reasons the ledger recorded.
 
-// The integration suite's fixtures, shared by path (as examples/bench.rs does); they name
-// each other as `crate::support::…`.
-#[path = "../it/support/cluster.rs"]
-mod cluster;
-#[path = "../it/support/nats.rs"]
-#[allow(dead_code)]
-mod nats;
-#[path = "../it/support/process.rs"]
-#[allow(dead_code)]
-mod process;
-mod support {
-    pub(crate) use super::{cluster, nats, process};
-}
-
 use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
 use std::sync::{Arc, Mutex};
@@ -43,8 +29,9 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use support::cluster::Cluster;
-use support::process::GatewayProcess;
+use crate::support::client::http_builder;
+use crate::support::cluster::Cluster;
+use crate::support::{Action, Client, FetchRequest, Reply, Setup};
 
 const STREAM: &str = "LEDGER";
 const CONSUMER: &str = "ledger";
@@ -172,34 +159,39 @@ fn behaviour(lease: &Lease) -> Behaviour {
     }
 }
 
-fn http_client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
+/// The ledger's client: a shorter bound than the suite's, so a worker caught by a fault
+/// moves on.
+fn client(base: &str) -> Client {
+    let http = http_builder()
         .timeout(Duration::from_secs(15))
         .build()
-        .expect("reqwest client")
+        .expect("reqwest client");
+    Client::with_http(base, http)
+}
+
+/// The deliveries of a fetch answered 200, recorded in the ledger.
+fn record_fetched(ledger: &Shared, reply: &Reply) -> Vec<Lease> {
+    reply
+        .body
+        .get("messages")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|message| record_delivery(ledger, message))
+        .collect()
 }
 
 /// Send an ack (single) and record the answer; retry a 504 (the lease stays valid).
-async fn ack(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease) {
-    ack_after(http, base, ledger, lease, false).await;
+async fn ack(client: &Client, ledger: &Shared, lease: &Lease) {
+    ack_after(client, ledger, lease, false).await;
 }
 
 /// `unanswered`: an earlier attempt of this ack got no definite answer (504, or a batch that
 /// failed), so it may have landed at the server however the retries end.
-async fn ack_after(
-    http: &reqwest::Client,
-    base: &str,
-    ledger: &Shared,
-    lease: &Lease,
-    mut unanswered: bool,
-) {
+async fn ack_after(client: &Client, ledger: &Shared, lease: &Lease, mut unanswered: bool) {
     for _ in 0..3 {
-        let answer = http
-            .post(format!("{base}/messages/{}/ack", lease.id))
-            .send()
-            .await;
-        match answer.map(|response| response.status().as_u16()) {
+        let answer = client.try_settle(&lease.id, Action::Ack, None, None).await;
+        match answer.map(|reply| reply.status) {
             Ok(204) => {
                 confirm(ledger, lease, Outcome::Acked);
                 return;
@@ -220,22 +212,16 @@ async fn ack_after(
     }
 }
 
-async fn batch_ack(http: &reqwest::Client, base: &str, ledger: &Shared, leases: &[Lease]) {
+async fn batch_ack(client: &Client, ledger: &Shared, leases: &[Lease]) {
     if leases.is_empty() {
         return;
     }
     let ids: Vec<&str> = leases.iter().map(|lease| lease.id.as_str()).collect();
-    let answer = http
-        .post(format!("{base}/messages/ack"))
-        .json(&json!({ "ids": ids }))
-        .send()
+    let answer = client
+        .try_post("/messages/ack", Some(&json!({ "ids": ids })), None)
         .await;
     let results = match answer {
-        Ok(response) if response.status().as_u16() == 200 => response
-            .json::<Value>()
-            .await
-            .ok()
-            .and_then(|body| body["results"].as_array().cloned()),
+        Ok(reply) if reply.status == 200 => reply.body["results"].as_array().cloned(),
         _ => None,
     };
     let Some(results) = results else {
@@ -250,22 +236,25 @@ async fn batch_ack(http: &reqwest::Client, base: &str, ledger: &Shared, leases: 
             Some(204) => confirm(ledger, lease, Outcome::Acked),
             Some(404 | 409 | 410) => {}
             // 504 in a batch: retry it alone.
-            _ => ack_after(http, base, ledger, lease, true).await,
+            _ => ack_after(client, ledger, lease, true).await,
         }
     }
 }
 
-async fn term(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease) {
+async fn term(client: &Client, ledger: &Shared, lease: &Lease) {
     let reason = format!("ledger: {} rejected on purpose", lease.ledger_id);
     lock(ledger)
         .term_reasons
         .insert(lease.ledger_id.clone(), reason.clone());
-    let answer = http
-        .post(format!("{base}/messages/{}/term", lease.id))
-        .json(&json!({ "reason": reason }))
-        .send()
+    let answer = client
+        .try_settle(
+            &lease.id,
+            Action::Term,
+            Some(&json!({ "reason": reason })),
+            None,
+        )
         .await;
-    if answer.is_ok_and(|response| response.status().as_u16() == 204) {
+    if answer.is_ok_and(|reply| reply.status == 204) {
         confirm(ledger, lease, Outcome::Termed);
     } else {
         // Not confirmed: the message comes back, and is then acked or termed again. A term
@@ -275,92 +264,70 @@ async fn term(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease
 }
 
 async fn worker(base: String, ledger: Shared, stop: CancellationToken) {
-    let http = http_client();
+    let client = client(&base);
     while !stop.is_cancelled() {
-        let answer = http
-            .post(format!("{base}/fetch"))
-            .json(&json!({ "batch": 5, "wait_ms": 500, "encoding": "utf8" }))
-            .send()
+        let answer = client
+            .try_fetch(&FetchRequest::new(5, 500).utf8(), None)
             .await;
-        let body = match answer {
-            Ok(response) if response.status().as_u16() == 200 => {
-                response.json::<Value>().await.ok()
+        let reply = match answer {
+            Ok(reply) if reply.status == 200 => reply,
+            _ => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
             }
-            _ => None,
         };
-        let Some(body) = body else {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
-        let leases: Vec<Lease> = body["messages"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|message| record_delivery(&ledger, message))
-            .collect();
+        let leases = record_fetched(&ledger, &reply);
         let mut batch = Vec::new();
         for lease in leases {
             match behaviour(&lease) {
-                Behaviour::Ack => ack(&http, &base, &ledger, &lease).await,
+                Behaviour::Ack => ack(&client, &ledger, &lease).await,
                 Behaviour::BatchAck => batch.push(lease),
                 Behaviour::NakWithDelay => {
-                    let _ = http
-                        .post(format!("{base}/messages/{}/nak", lease.id))
-                        .json(&json!({ "delay_ms": 300 }))
-                        .send()
+                    let _ = client
+                        .try_settle(
+                            &lease.id,
+                            Action::Nak,
+                            Some(&json!({ "delay_ms": 300 })),
+                            None,
+                        )
                         .await;
                 }
-                Behaviour::Term => term(&http, &base, &ledger, &lease).await,
+                Behaviour::Term => term(&client, &ledger, &lease).await,
                 Behaviour::Abandon => {}
             }
         }
-        batch_ack(&http, &base, &ledger, &batch).await;
+        batch_ack(&client, &ledger, &batch).await;
     }
 }
 
 /// Clients that vanish: a long poll dropped mid-wait, and an ack dropped mid-flight.
 async fn vanishing_client(base: String, ledger: Shared, stop: CancellationToken, round: u64) {
-    let http = http_client();
+    let client = client(&base);
     let mut round = round;
     while !stop.is_cancelled() {
         round += 1;
         // Mid-fetch: gone after 50–350 ms of a 2 s long poll.
         let patience = Duration::from_millis(50 + (round * 70) % 300);
-        let fetched = http
-            .post(format!("{base}/fetch"))
-            .json(&json!({ "batch": 3, "wait_ms": 2000, "encoding": "utf8" }))
-            .timeout(patience)
-            .send()
+        let fetched = client
+            .try_fetch(&FetchRequest::new(3, 2000).utf8(), Some(patience))
             .await;
-        if let Ok(response) = fetched
-            && let Ok(body) = response.json::<Value>().await
-        {
+        if let Ok(reply) = fetched {
             // Answered before it left: those are real leases, abandoned.
-            for message in body["messages"].as_array().into_iter().flatten() {
-                record_delivery(&ledger, message);
-            }
+            record_fetched(&ledger, &reply);
         }
         // Mid-settle: fetch normally, then send acks and hang up before the answer.
-        let fetched = http
-            .post(format!("{base}/fetch"))
-            .json(&json!({ "batch": 2, "wait_ms": 200, "encoding": "utf8" }))
-            .send()
-            .await;
-        let Ok(response) = fetched else { continue };
-        let Ok(body) = response.json::<Value>().await else {
+        let Ok(reply) = client
+            .try_fetch(&FetchRequest::new(2, 200).utf8(), None)
+            .await
+        else {
             continue;
         };
-        for message in body["messages"].as_array().into_iter().flatten() {
-            let Some(lease) = record_delivery(&ledger, message) else {
-                continue;
-            };
+        for lease in record_fetched(&ledger, &reply) {
             lock(&ledger)
                 .ack_unconfirmed
                 .insert(lease.ledger_id.clone());
-            let _ = http
-                .post(format!("{base}/messages/{}/ack", lease.id))
-                .timeout(Duration::from_millis(1))
-                .send()
+            let _ = client
+                .try_settle(&lease.id, Action::Ack, None, Some(Duration::from_millis(1)))
                 .await;
         }
     }
@@ -376,26 +343,20 @@ impl Fault {
     /// Start probing right after the heal: `POST /fetch` (wait 0) every 50 ms until one
     /// answers 200; a message it leases is nak'd back at once.
     fn healed(name: &'static str, base: &str) -> Self {
-        let base = base.to_owned();
+        let client = client(base);
         let recovered = tokio::spawn(async move {
             let healed_at = Instant::now();
-            let http = http_client();
             while healed_at.elapsed() < RECOVERY_BOUND + Duration::from_secs(5) {
-                let answer = http
-                    .post(format!("{base}/fetch"))
-                    .json(&json!({ "batch": 1, "wait_ms": 0 }))
-                    .timeout(Duration::from_secs(2))
-                    .send()
+                let answer = client
+                    .try_fetch(&FetchRequest::new(1, 0), Some(Duration::from_secs(2)))
                     .await;
-                if let Ok(response) = answer
-                    && response.status().as_u16() == 200
+                if let Ok(reply) = answer
+                    && reply.status == 200
                 {
                     let took = healed_at.elapsed();
-                    if let Ok(body) = response.json::<Value>().await {
-                        for message in body["messages"].as_array().into_iter().flatten() {
-                            if let Some(id) = message["id"].as_str() {
-                                let _ = http.post(format!("{base}/messages/{id}/nak")).send().await;
-                            }
+                    for message in reply.body["messages"].as_array().into_iter().flatten() {
+                        if let Some(id) = message["id"].as_str() {
+                            let _ = client.try_settle(id, Action::Nak, None, None).await;
                         }
                     }
                     return Some(took);
@@ -595,25 +556,15 @@ async fn run(scenario: Scenario) -> Report {
     let urls = cluster.urls();
     let js = create_streams(&urls, replicas).await;
     let ids = publish_all(&js).await;
-    let mut gateway = GatewayProcess::start(
-        &urls,
-        &[
-            "--stream",
-            STREAM,
-            "--consumer",
-            CONSUMER,
-            "--ack-wait",
-            ACK_WAIT,
-            "--settle-timeout",
-            "2s",
-            "--shutdown-grace",
-            "1s",
-            "--dead-letter-subject",
-            DLQ_SUBJECT,
-        ],
-    )
-    .await;
-    let base = gateway.url("");
+    let mut gateway = Setup::consumer(CONSUMER)
+        .stream(STREAM)
+        .ack_wait(ACK_WAIT)
+        .settle_timeout("2s")
+        .shutdown_grace("1s")
+        .dead_letter_subject(DLQ_SUBJECT)
+        .process(&urls)
+        .await;
+    let base = gateway.base();
     let ledger: Shared = Arc::default();
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
@@ -650,10 +601,10 @@ async fn run(scenario: Scenario) -> Report {
         Scenario::NoFault | Scenario::VanishingClients => {}
         Scenario::KillNatsServer => {
             wait_for_settled(30).await;
-            cluster.nodes[0].kill9();
+            cluster.nodes[0].1.kill();
             // Down for a second (pacing: the outage itself is the fault).
             tokio::time::sleep(Duration::from_secs(1)).await;
-            cluster.nodes[0].restart().await;
+            cluster.nodes[0].1.restart().await;
             faults.push(Fault::healed("restart", &base));
         }
         Scenario::KillGateway => {
@@ -669,7 +620,7 @@ async fn run(scenario: Scenario) -> Report {
             let leader = consumer_leader(&js)
                 .await
                 .expect("the consumer has a leader");
-            cluster.node(&leader).kill9();
+            cluster.node(&leader).kill();
             tokio::time::sleep(Duration::from_secs(1)).await;
             cluster.node(&leader).restart().await;
             faults.push(Fault::healed("leader kill", &base));
@@ -678,11 +629,11 @@ async fn run(scenario: Scenario) -> Report {
             let paused = cluster
                 .nodes
                 .iter()
-                .position(|node| node.name != leader)
+                .position(|(name, _)| *name != leader)
                 .expect("another node");
-            cluster.nodes[paused].pause();
+            cluster.nodes[paused].1.pause();
             tokio::time::sleep(Duration::from_secs(3)).await;
-            cluster.nodes[paused].resume();
+            cluster.nodes[paused].1.resume();
             faults.push(Fault::healed("pause 3s", &base));
         }
     }
