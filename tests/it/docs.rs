@@ -72,7 +72,7 @@ async fn docs_serve_swagger_ui_and_its_assets_from_the_binary() {
         initializer.text
     );
     let missing = gateway.get("/docs/no-such-file.js").await;
-    missing.assert_problem(&[404], "");
+    missing.assert_problem(404);
     let spec = gateway.openapi().await;
     assert_eq!(spec.status, 200);
 
@@ -85,14 +85,14 @@ async fn a_problem_names_the_request_path_as_its_instance() {
     let mut gateway = Setup::consumer("instance").starting(&unreachable).await;
 
     let reply = gateway.post("/messages/not-a-lease/ack", None).await;
-    reply.assert_problem(&[404], "");
+    reply.assert_problem(404);
     assert_eq!(
         reply.body["instance"], "/messages/not-a-lease/ack",
         "{}",
         reply.text
     );
     let reply = gateway.get("/no/such/route").await;
-    reply.assert_problem(&[404], "");
+    reply.assert_problem(404);
     assert_eq!(reply.body["instance"], "/no/such/route", "{}", reply.text);
 
     gateway.shutdown().await.expect("shutdown without NATS");

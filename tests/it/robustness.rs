@@ -63,7 +63,7 @@ async fn odd_bodies_on_every_endpoint_are_4xx_problems() {
                 reply.status,
                 reply.text
             );
-            reply.assert_problem(&[reply.status], "");
+            reply.assert_problem(reply.status);
         }
     }
 }
@@ -71,20 +71,33 @@ async fn odd_bodies_on_every_endpoint_are_4xx_problems() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_routes_and_wrong_methods_are_problems() {
     let (_server, _js, gateway) = Setup::consumer("routes").start().await;
-    gateway.get("/nope").await.assert_problem(&[404], "");
+    gateway.get("/nope").await.assert_problem(404);
     gateway
         .post("/messages", Some(&json!({})))
         .await
-        .assert_problem(&[404, 405], "");
-    gateway.get("/fetch").await.assert_problem(&[405], "");
-    gateway
-        .get("/messages/ack")
-        .await
-        .assert_problem(&[405], "");
-    gateway
-        .post("/healthz", None)
-        .await
-        .assert_problem(&[405], "");
+        .assert_problem(404);
+    // A 405 says which methods the endpoint takes (`Allow`, RFC 9110).
+    for (reply, allowed) in [
+        (gateway.get("/fetch").await, "POST"),
+        (gateway.get("/messages/ack").await, "POST"),
+        (gateway.post("/healthz", None).await, "GET"),
+    ] {
+        reply.assert_problem(405);
+        let allow = reply
+            .headers
+            .get("allow")
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or_else(|| panic!("a 405 without Allow: {:?}", reply.headers));
+        let methods: Vec<&str> = allow.split(',').map(str::trim).collect();
+        assert!(
+            methods.contains(&allowed),
+            "Allow {allow:?} must list {allowed}"
+        );
+        assert!(
+            !methods.contains(&if allowed == "GET" { "POST" } else { "GET" }),
+            "Allow {allow:?} must not list the method just refused"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,6 +105,6 @@ async fn a_path_id_that_is_not_utf8_is_a_404_problem() {
     let (_server, _js, gateway) = Setup::consumer("rv-utf8").start().await;
     for action in Action::ALL {
         let reply = gateway.post(&format!("/messages/%FF/{action}"), None).await;
-        reply.assert_problem(&[404], "");
+        reply.assert_problem(404);
     }
 }

@@ -209,10 +209,7 @@ async fn unknown_malformed_or_forged_ids_are_404() {
         "a.b.c",
     ] {
         for action in Action::ALL {
-            gateway
-                .settle(id, action, None)
-                .await
-                .assert_problem(&[404], "");
+            gateway.settle(id, action, None).await.assert_problem(404);
         }
     }
     // The real lease was not touched by any of that.
@@ -231,7 +228,7 @@ async fn expired_lease_is_410_and_its_settle_never_reaches_the_server() {
         gateway
             .settle(&message.id, action, None)
             .await
-            .assert_problem(&[410], "");
+            .assert_problem(410);
     }
     // The stale ack was fenced: the server still redelivers the message.
     let again = wait_for_redelivery(&gateway, sequence, Duration::from_secs(10)).await;
@@ -252,7 +249,7 @@ async fn superseded_lease_is_410_and_the_new_id_settles() {
     gateway
         .settle(&old.id, Action::Ack, None)
         .await
-        .assert_problem(&[410], "");
+        .assert_problem(410);
     assert_eq!(
         server_ack_pending(&js, &gateway).await,
         1,
@@ -264,7 +261,7 @@ async fn superseded_lease_is_410_and_the_new_id_settles() {
     gateway
         .settle(&old.id, Action::Ack, None)
         .await
-        .assert_problem(&[410], "");
+        .assert_problem(410);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -280,11 +277,11 @@ async fn repeated_settles_are_retry_safe_and_conflicting_ones_409() {
     gateway
         .settle(&acked.id, Action::Nak, None)
         .await
-        .assert_problem(&[409], "");
+        .assert_problem(409);
     gateway
         .settle(&acked.id, Action::Term, None)
         .await
-        .assert_problem(&[409], "");
+        .assert_problem(409);
 
     assert_eq!(gateway.nak(&naked.id, Some(60_000)).await, 204);
     assert_eq!(
@@ -295,7 +292,7 @@ async fn repeated_settles_are_retry_safe_and_conflicting_ones_409() {
     gateway
         .settle(&naked.id, Action::Ack, None)
         .await
-        .assert_problem(&[409], "");
+        .assert_problem(409);
 
     // A settled lease past its expiry still answers the repeat as the first time did.
     sleep_past(acked.lease_expires(), Duration::from_millis(100)).await;
@@ -323,12 +320,12 @@ async fn settle_bodies_are_validated() {
         gateway
             .settle(&message.id, action, Some(&body))
             .await
-            .assert_problem(&[400, 422], field);
+            .assert_invalid(field);
     }
     gateway
         .post_bytes(&format!("/messages/{}/nak", message.id), b"{delay".to_vec())
         .await
-        .assert_problem(&[400], "");
+        .assert_problem(400);
     // None of it settled the lease.
     assert_eq!(server_ack_pending(&js, &gateway).await, 1);
     assert_eq!(gateway.ack(&message.id).await, 204);
@@ -460,23 +457,23 @@ async fn batch_settle_validates_ids() {
         gateway
             .settle_many(action, &json!({ "ids": [] }))
             .await
-            .assert_problem(&[422], "ids");
+            .assert_invalid("ids");
         gateway
             .settle_many(action, &json!({ "ids": too_many }))
             .await
-            .assert_problem(&[422], "ids");
+            .assert_invalid("ids");
         gateway
             .settle_many(action, &json!({}))
             .await
-            .assert_problem(&[400, 422], "ids");
+            .assert_missing("ids");
         gateway
             .settle_many(action, &json!({ "ids": "abc" }))
             .await
-            .assert_problem(&[400, 422], "ids");
+            .assert_invalid("ids");
         gateway
             .settle_many(action, &json!({ "ids": ["a"], "extra": true }))
             .await
-            .assert_problem(&[400, 422], "extra");
+            .assert_invalid("extra");
     }
     // 1000 unknown ids are fine: one 404 each.
     let thousand: Vec<String> = (0..1000).map(|i| format!("id-{i}")).collect();
@@ -492,7 +489,7 @@ async fn batch_settle_validates_ids() {
     gateway
         .post_bytes("/messages/ack", huge)
         .await
-        .assert_problem(&[413], "");
+        .assert_problem(413);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -510,7 +507,7 @@ async fn unconfirmed_settle_is_504_and_the_retry_succeeds() {
     let reply = gateway.settle(&message.id, Action::Ack, None).await;
     let took = started.elapsed();
     server.resume();
-    reply.assert_problem(&[504], "");
+    reply.assert_problem(504);
     assert!(
         took < Duration::from_secs(4),
         "bounded by --settle-timeout: {took:?}"

@@ -244,7 +244,7 @@ async fn unreachable_nats_is_healthy_but_not_ready_until_it_comes_up() {
     .await;
     assert_eq!(gateway.readyz().await, 503, "not ready without NATS");
     let reply = gateway.get("/readyz").await;
-    reply.assert_problem(&[503], "");
+    reply.assert_problem(503);
     // Anyone may ask /readyz: its answer names neither the NATS server nor the consumer.
     let port = server
         .url()
@@ -257,7 +257,7 @@ async fn unreachable_nats_is_healthy_but_not_ready_until_it_comes_up() {
     }
     // Fetching without NATS is refused, not hung.
     let fetch = gateway.fetch_reply(Some(&json!({ "wait_ms": 0 }))).await;
-    fetch.assert_problem(&[503], "");
+    fetch.assert_problem(503);
 
     server.restart().await;
     wait_until(
@@ -286,11 +286,11 @@ async fn nats_outage_answers_503_and_recovers() {
     gateway
         .fetch_reply(Some(&json!({ "wait_ms": 1000 })))
         .await
-        .assert_problem(&[503], "");
+        .assert_problem(503);
     gateway
         .settle(&held[0].id, Action::Ack, None)
         .await
-        .assert_problem(&[503], "");
+        .assert_problem(503);
     let results = gateway
         .settle_many_ok(Action::Ack, &json!({ "ids": [held[0].id] }))
         .await;

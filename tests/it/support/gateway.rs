@@ -72,6 +72,11 @@ impl Gateway {
         }
     }
 
+    /// The typed client at this gateway's address (to move into a task).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
     /// Poll /readyz until it answers 200; panics (with run's error, if it ended) otherwise.
     pub async fn wait_ready(&mut self) {
         let deadline = tokio::time::Instant::now() + READY_DEADLINE;
