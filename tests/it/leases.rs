@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use futures::StreamExt as _;
 use serde_json::{Value, json};
 use time::OffsetDateTime;
 use tokio::io::AsyncWriteExt;
@@ -248,5 +249,106 @@ async fn client_hanging_up_mid_poll_does_not_strand_the_next_message() {
     // have noticed it yet. A few rounds, since it is a race.
     for _ in 0..10 {
         hang_up_then_publish(&gateway, &js, consumer, Duration::ZERO).await;
+    }
+}
+
+/// A lease ends one margin (ack_wait/20, at most 1 s) before the server's own redelivery
+/// time, which is its delivery time (`delivered.last_active` in consumer info) + ack_wait.
+/// A margin of 0 (or the uncapped 2 s at ack_wait 40 s) puts `lease_expires_at` outside
+/// the window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_ends_one_margin_before_the_servers_redelivery() {
+    let (server, js, first) = Setup::consumer("margin-short")
+        .ack_wait("10s")
+        .start()
+        .await;
+    let second = Setup::consumer("margin-long")
+        .ack_wait("40s")
+        .ready(&server.url())
+        .await;
+    js.publish("orders.1", "timed").await;
+    // How late after the server's delivery the gateway may read it and issue the lease.
+    const RECEIPT: time::Duration = time::Duration::milliseconds(300);
+    for (gateway, ack_wait, margin) in [
+        (
+            &first,
+            time::Duration::seconds(10),
+            time::Duration::milliseconds(500),
+        ),
+        (
+            &second,
+            time::Duration::seconds(40),
+            time::Duration::seconds(1),
+        ),
+    ] {
+        let leased = gateway.fetch_n(1, 1000).await.remove(0);
+        let info = js.consumer_info(STREAM, &gateway.consumer).await;
+        let delivered_at = info
+            .delivered
+            .last_active
+            .expect("the server records when it delivered");
+        let redelivery = delivered_at + ack_wait;
+        let expires = leased.lease_expires();
+        assert!(
+            expires >= redelivery - margin && expires <= redelivery - margin + RECEIPT,
+            "{}: lease_expires_at {expires} must be the server's redelivery at {redelivery} \
+             less the margin {margin} (+ at most {RECEIPT} of receipt)",
+            gateway.consumer
+        );
+    }
+}
+
+/// Waiting fetches get pulls of at most 1 s each (`expires` in the request the server sees),
+/// and never more than half the consumer's max_waiting (512: 256) are open at once, however
+/// many fetches wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulls_are_slices_of_a_second_and_at_most_half_of_max_waiting() {
+    const POLLS: usize = 400;
+    let (_server, js, gateway) = Setup::consumer("slices").start().await;
+    let mut pulls = js
+        .client
+        .subscribe(format!("$JS.API.CONSUMER.MSG.NEXT.{STREAM}.slices"))
+        .await
+        .expect("subscribe to the pull requests");
+    js.client.flush().await.expect("flush");
+
+    let mut polls = Vec::with_capacity(POLLS);
+    for _ in 0..POLLS {
+        let client = gateway.client().clone();
+        polls.push(tokio::spawn(
+            async move { client.fetch_n(1, 6000).await.len() },
+        ));
+    }
+    wait_until(
+        "the gateway has as many pulls open as it may",
+        Duration::from_secs(10),
+        || async { js.consumer_info(STREAM, "slices").await.num_waiting >= 200 },
+    )
+    .await;
+    // Deliberately a while (2 s): long enough for every pull to have been renewed.
+    assert_stays(
+        "at most 256 pulls are open (half of max_waiting)",
+        Duration::from_secs(2),
+        || async { js.consumer_info(STREAM, "slices").await.num_waiting <= 256 },
+    )
+    .await;
+
+    let mut seen = 0;
+    while let Ok(Some(pull)) = tokio::time::timeout(Duration::from_millis(100), pulls.next()).await
+    {
+        let request: Value = serde_json::from_slice(&pull.payload).expect("a JSON pull request");
+        let expires = request["expires"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("a pull for a waiting fetch has expires: {request}"));
+        assert!(
+            expires <= 1_000_000_000,
+            "a pull of at most 1 s, got {expires} ns: {request}"
+        );
+        assert_eq!(request["no_wait"], true, "{request}");
+        seen += 1;
+    }
+    assert!(seen >= 256, "the pulls were seen: {seen}");
+    for poll in polls {
+        assert_eq!(poll.await.expect("poll task"), 0, "nothing was published");
     }
 }
