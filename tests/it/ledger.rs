@@ -7,8 +7,12 @@
 //! Per run it prints K, acked, termed, lost, duplicates, redeliveries and the time to recover
 //! after each fault, and asserts:
 //! - **lost = 0**: every id ended acked or termed on purpose, and the server holds nothing
-//!   pending or unacknowledged. An ack whose answer a fault swallowed (gateway killed, client
-//!   gone) counts as acked once the message never comes back.
+//!   pending or unacknowledged. Only a 2xx counts as acked or termed; an id whose settle
+//!   answer a fault swallowed (or whose ack a vanishing client hung up on) is reported apart,
+//!   as unconfirmed, and is not lost only if the server holds nothing any more.
+//! - **answers as the contract says** in the runs without a server or gateway fault: every
+//!   fetch 200, no settle of a worker answered 5xx or not at all (so no unconfirmed ack but
+//!   those the vanishing client hung up on), naks 204, batch results one per id asked for.
 //! - **duplicates** (a message handed out again after its ack or term got 2xx) are 0 in the
 //!   runs without a server or gateway fault; in the others they are counted and reported.
 //!   Every server runs with `jetstream { sync_interval: always }`, so what it confirmed is on
@@ -29,7 +33,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::client::http_builder;
+use crate::support::client::{batch_results, http_builder};
 use crate::support::cluster::Cluster;
 use crate::support::{Action, Client, FetchRequest, Reply, Setup};
 
@@ -65,8 +69,15 @@ struct Ledger {
     /// The reason each term was sent with (whatever its answer: a term whose answer was lost
     /// may have landed and been dead-lettered).
     term_reasons: HashMap<String, String>,
-    /// Ids with an ack sent whose answer never came (fault, vanished client, 504).
+    /// Ids with a worker's settle sent whose answer never came or was a 5xx (a fault, 504):
+    /// it may or may not have landed.
     ack_unconfirmed: HashSet<String>,
+    /// Ids whose ack the vanishing client sent and hung up on before the answer.
+    hung_up: HashSet<String>,
+    /// Answers outside the contract for a run without a fault: a fetch not answered 200, a
+    /// settle answered 5xx or not at all, a nak not answered 204, a batch whose results do
+    /// not match its ids. Reported always, a failure in the runs without a fault.
+    unexpected: Vec<String>,
     deliveries: u64,
     redeliveries: u64,
     /// Every `(id, delivered)` seen, for the diagnosis of a lost id.
@@ -113,6 +124,18 @@ fn record_delivery(ledger: &Shared, message: &Value) -> Option<Lease> {
             .push((lease.ledger_id.clone(), lease.delivered));
     }
     Some(lease)
+}
+
+fn unexpected(ledger: &Shared, what: String) {
+    lock(ledger).unexpected.push(what);
+}
+
+/// An answer as text for the ledger's notes.
+fn answer_text(answer: &Result<Reply, reqwest::Error>) -> String {
+    match answer {
+        Ok(reply) => format!("{} {}", reply.status, reply.text),
+        Err(err) => format!("no answer: {err}"),
+    }
 }
 
 /// A settle of `lease` got 2xx. The first confirmed outcome of an id stands (a duplicate
@@ -191,17 +214,27 @@ async fn ack(client: &Client, ledger: &Shared, lease: &Lease) {
 async fn ack_after(client: &Client, ledger: &Shared, lease: &Lease, mut unanswered: bool) {
     for _ in 0..3 {
         let answer = client.try_settle(&lease.id, Action::Ack, None, None).await;
-        match answer.map(|reply| reply.status) {
+        match answer.as_ref().map(|reply| reply.status) {
             Ok(204) => {
                 confirm(ledger, lease, Outcome::Acked);
                 return;
             }
-            Ok(504) => unanswered = true,
+            Ok(504) => {
+                unexpected(
+                    ledger,
+                    format!("ack {}: {}", lease.ledger_id, answer_text(&answer)),
+                );
+                unanswered = true;
+            }
             // Expired or superseded (410), from a gateway since restarted (404): it comes back,
             // unless an unanswered earlier attempt landed after all.
             Ok(404 | 409 | 410) => break,
             // 503 or no answer: the ack may or may not have reached the server.
             _ => {
+                unexpected(
+                    ledger,
+                    format!("ack {}: {}", lease.ledger_id, answer_text(&answer)),
+                );
                 unanswered = true;
                 break;
             }
@@ -220,23 +253,48 @@ async fn batch_ack(client: &Client, ledger: &Shared, leases: &[Lease]) {
     let answer = client
         .try_post("/messages/ack", Some(&json!({ "ids": ids })), None)
         .await;
-    let results = match answer {
-        Ok(reply) if reply.status == 200 => reply.body["results"].as_array().cloned(),
+    let results = match &answer {
+        Ok(reply) if reply.status == 200 => Some(batch_results(reply)),
         _ => None,
     };
     let Some(results) = results else {
+        unexpected(ledger, format!("batch ack: {}", answer_text(&answer)));
         let mut ledger = lock(ledger);
         for lease in leases {
             ledger.ack_unconfirmed.insert(lease.ledger_id.clone());
         }
         return;
     };
-    for (lease, result) in leases.iter().zip(results) {
-        match result["status"].as_u64() {
+    // Matched by id, not by position: each id asked for has exactly one result.
+    let mut by_id: HashMap<&str, u16> = HashMap::new();
+    for result in &results {
+        if by_id.insert(result.id.as_str(), result.status).is_some() {
+            unexpected(ledger, format!("batch ack: two results for {}", result.id));
+        }
+    }
+    if results.len() != leases.len() {
+        unexpected(
+            ledger,
+            format!(
+                "batch ack of {} ids: {} results",
+                leases.len(),
+                results.len()
+            ),
+        );
+    }
+    for lease in leases {
+        match by_id.get(lease.id.as_str()) {
             Some(204) => confirm(ledger, lease, Outcome::Acked),
             Some(404 | 409 | 410) => {}
             // 504 in a batch: retry it alone.
-            _ => ack_after(client, ledger, lease, true).await,
+            Some(_) => ack_after(client, ledger, lease, true).await,
+            None => {
+                unexpected(
+                    ledger,
+                    format!("batch ack: no result for {}", lease.ledger_id),
+                );
+                ack_after(client, ledger, lease, true).await;
+            }
         }
     }
 }
@@ -254,9 +312,16 @@ async fn term(client: &Client, ledger: &Shared, lease: &Lease) {
             None,
         )
         .await;
-    if answer.is_ok_and(|reply| reply.status == 204) {
+    let status = answer.as_ref().map(|reply| reply.status).ok();
+    if status == Some(204) {
         confirm(ledger, lease, Outcome::Termed);
     } else {
+        if !matches!(status, Some(404 | 409 | 410)) {
+            unexpected(
+                ledger,
+                format!("term {}: {}", lease.ledger_id, answer_text(&answer)),
+            );
+        }
         // Not confirmed: the message comes back, and is then acked or termed again. A term
         // that did land counts as unconfirmed-but-settled, like an ack.
         lock(ledger).ack_unconfirmed.insert(lease.ledger_id.clone());
@@ -271,7 +336,9 @@ async fn worker(base: String, ledger: Shared, stop: CancellationToken) {
             .await;
         let reply = match answer {
             Ok(reply) if reply.status == 200 => reply,
-            _ => {
+            other => {
+                unexpected(&ledger, format!("fetch: {}", answer_text(&other)));
+                // Pacing the retry while a fault lasts.
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
@@ -283,7 +350,7 @@ async fn worker(base: String, ledger: Shared, stop: CancellationToken) {
                 Behaviour::Ack => ack(&client, &ledger, &lease).await,
                 Behaviour::BatchAck => batch.push(lease),
                 Behaviour::NakWithDelay => {
-                    let _ = client
+                    let answer = client
                         .try_settle(
                             &lease.id,
                             Action::Nak,
@@ -291,6 +358,15 @@ async fn worker(base: String, ledger: Shared, stop: CancellationToken) {
                             None,
                         )
                         .await;
+                    // A nak settles nothing for good: the message comes back either way, but
+                    // anything but 204 (or a lease that just expired) breaks the contract.
+                    let status = answer.as_ref().map(|reply| reply.status).ok();
+                    if !matches!(status, Some(204 | 410)) {
+                        unexpected(
+                            &ledger,
+                            format!("nak {}: {}", lease.ledger_id, answer_text(&answer)),
+                        );
+                    }
                 }
                 Behaviour::Term => term(&client, &ledger, &lease).await,
                 Behaviour::Abandon => {}
@@ -323,12 +399,15 @@ async fn vanishing_client(base: String, ledger: Shared, stop: CancellationToken,
             continue;
         };
         for lease in record_fetched(&ledger, &reply) {
-            lock(&ledger)
-                .ack_unconfirmed
-                .insert(lease.ledger_id.clone());
-            let _ = client
+            let answer = client
                 .try_settle(&lease.id, Action::Ack, None, Some(Duration::from_millis(1)))
                 .await;
+            // Answered before the hang-up after all: a confirmed ack like any other.
+            if answer.is_ok_and(|reply| reply.status == 204) {
+                confirm(&ledger, &lease, Outcome::Acked);
+            } else {
+                lock(&ledger).hung_up.insert(lease.ledger_id.clone());
+            }
         }
     }
 }
@@ -372,8 +451,15 @@ impl Fault {
 /// What a run ended with.
 struct Report {
     scenario: &'static str,
+    /// Acked or termed with a 2xx.
     acked: usize,
+    /// Not settled with a 2xx, settled at the server after all: a worker's settle whose answer
+    /// a fault swallowed …
     acked_unconfirmed: usize,
+    /// … or an ack the vanishing client hung up on.
+    hung_up: usize,
+    /// Answers outside the contract (see `Ledger::unexpected`).
+    unexpected: Vec<String>,
     termed: usize,
     lost: Vec<String>,
     /// Termed ids without a recorded reason (must be 0: every term is on purpose).
@@ -403,24 +489,25 @@ impl Report {
                 .join("; ")
         };
         format!(
-            "| {:<28} | {:>3} | {:>5} ({:>2} unconfirmed) | {:>6} | {:>3} ({} differ) | {:>4} | {:>10} | {:>12} | {} | {:.0}s |",
+            "| {:<28} | {:>3} | {:>5} ({:>2} unconfirmed) | {:>6} | {:>3} ({} differ) | {:>4} | {:>10} | {:>12} | {:>9} | {} | {:.0}s |",
             self.scenario,
             K,
-            self.acked + self.acked_unconfirmed,
-            self.acked_unconfirmed,
+            self.acked + self.acked_unconfirmed + self.hung_up,
+            self.acked_unconfirmed + self.hung_up,
             self.termed,
             self.dead_lettered,
             self.dead_letter_mismatches.len(),
             self.lost.len(),
             self.duplicates.len(),
             self.redeliveries,
+            self.unexpected.len(),
             recoveries,
             self.took.as_secs_f64()
         )
     }
 }
 
-const HEADER: &str = "| scenario                     |   K | acked (of which unconfirmed) | termed | dead-lettered | lost | duplicates | redeliveries | recovery after fault | run |\n|---|---|---|---|---|---|---|---|---|---|";
+const HEADER: &str = "| scenario                     |   K | acked (of which unconfirmed) | termed | dead-lettered | lost | duplicates | redeliveries | off-contract answers | recovery after fault | run |\n|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// Print past the test harness' capture, so CI logs show the table.
 fn print_table(title: &str, reports: &[Report]) {
@@ -710,18 +797,28 @@ async fn run(scenario: Scenario) -> Report {
         .filter(|outcome| **outcome == Outcome::Acked)
         .count();
     let termed = ledger.settled.len() - acked;
-    // Not settled with a 2xx: fine only if an ack (or term) was sent and the server holds
-    // nothing (the settle landed, its answer was lost).
+    // Not settled with a 2xx: never counted as acked or termed. It is not lost only if a
+    // settle of it was sent whose answer was lost (a fault, or the client hung up on it) and
+    // the server holds nothing any more (the settle landed); the check below says in which
+    // runs that may happen at all.
     let unsettled: Vec<&String> = ids
         .iter()
         .filter(|id| !ledger.settled.contains_key(*id))
         .collect();
     let server_empty = backlog == Some((0, 0));
+    let answer_lost =
+        |id: &String| ledger.ack_unconfirmed.contains(id) || ledger.hung_up.contains(id);
     let lost: Vec<String> = unsettled
         .iter()
-        .filter(|id| !server_empty || !ledger.ack_unconfirmed.contains(**id))
+        .filter(|id| !server_empty || !answer_lost(id))
         .map(|id| (*id).clone())
         .collect();
+    let hung_up = unsettled
+        .iter()
+        .filter(|id| {
+            server_empty && !ledger.ack_unconfirmed.contains(**id) && ledger.hung_up.contains(**id)
+        })
+        .count();
     let terms_without_reason = ledger
         .settled
         .iter()
@@ -775,7 +872,9 @@ async fn run(scenario: Scenario) -> Report {
     Report {
         scenario: scenario.name(),
         acked,
-        acked_unconfirmed: unsettled.len() - lost.len(),
+        acked_unconfirmed: unsettled.len() - lost.len() - hung_up,
+        hung_up,
+        unexpected: ledger.unexpected.clone(),
         termed,
         lost,
         terms_without_reason,
@@ -794,6 +893,23 @@ async fn run(scenario: Scenario) -> Report {
 fn check(report: &Report, faulty: bool) -> Vec<String> {
     let duplicates_allowed = faulty;
     let mut failures = Vec::new();
+    // What the README's table shows for the runs without a server or gateway fault: every
+    // answer as the contract says, no worker's settle left unanswered (unconfirmed acks
+    // there are only those a vanishing client hung up on).
+    if !faulty && !report.unexpected.is_empty() {
+        failures.push(format!(
+            "{}: {} answers outside the contract, e.g. {:?}",
+            report.scenario,
+            report.unexpected.len(),
+            &report.unexpected[..report.unexpected.len().min(10)]
+        ));
+    }
+    if !faulty && report.acked_unconfirmed > 0 {
+        failures.push(format!(
+            "{}: {} settles of well-behaved workers went unanswered",
+            report.scenario, report.acked_unconfirmed
+        ));
+    }
     if !faulty && !report.dead_letter_mismatches.is_empty() {
         failures.push(format!(
             "{}: dead letters differ from the ledger's terms: {:?}",
