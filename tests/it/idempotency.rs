@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
-use crate::support::{Gateway, Reply, Setup, server_ack_pending, wait_until};
+use crate::support::{Gateway, Reply, Setup, server_ack_pending, sleep_past, wait_until};
 
 async fn fetch_with_key(gateway: &Gateway, key: &str, auth: Option<&str>, body: &Value) -> Reply {
     let mut request = gateway
@@ -173,4 +173,35 @@ async fn keys_are_scoped_by_credential() {
         alice[0].stream_sequence, bob[0].stream_sequence,
         "another credential's key does not reveal its leases"
     );
+}
+
+/// A key is forgotten once the leases of its answer expired: the same request then fetches
+/// afresh (the expired message, redelivered under a new id), not the old answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_is_released_when_its_leases_expire() {
+    let (_server, js, gateway) = Setup::consumer("key-expiry").ack_wait("1s").start().await;
+    js.publish("orders.1", "x").await;
+    let request = json!({ "batch": 1, "wait_ms": 1000 });
+    let first = fetch_with_key(&gateway, "expiring", None, &request).await;
+    let leased = first.messages();
+    assert_eq!(leased.len(), 1);
+    let again = fetch_with_key(&gateway, "expiring", None, &request).await;
+    assert!(replayed(&again), "still live: the same answer");
+
+    // The condition is the time: past the lease's end.
+    sleep_past(leased[0].lease_expires(), Duration::from_millis(100)).await;
+    let fresh = fetch_with_key(
+        &gateway,
+        "expiring",
+        None,
+        &json!({ "batch": 1, "wait_ms": 5000 }),
+    )
+    .await;
+    assert_eq!(fresh.status, 200, "{}", fresh.text);
+    assert!(!replayed(&fresh), "the key was released with the expiry");
+    let fresh = fresh.messages();
+    assert_eq!(fresh.len(), 1, "the message, redelivered");
+    assert_eq!(fresh[0].stream_sequence, leased[0].stream_sequence);
+    assert_eq!(fresh[0].delivered, 2);
+    assert_ne!(fresh[0].id, leased[0].id);
 }

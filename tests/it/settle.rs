@@ -598,3 +598,33 @@ async fn concurrent_in_progress_calls_on_one_lease_both_answer_200() {
     assert_eq!(gateway.ack(&lease.id).await, 204);
     assert_eq!(server_ack_pending(&js, &gateway).await, 0);
 }
+
+/// NATS down: a settle answers 503 (it cannot reach the server, so it settles nothing) and
+/// the lease stays valid; once the gateway is connected again the same settle answers 204.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_refused_during_an_outage_succeeds_after_the_reconnect() {
+    let (mut server, js, mut gateway) = Setup::consumer("outage-settle")
+        .ack_wait("60s")
+        .start()
+        .await;
+    let sequence = js.publish("orders.1", "held through the outage").await;
+    let lease = gateway.fetch_n(1, 1000).await.remove(0);
+
+    server.kill();
+    gateway.wait_unready().await;
+    gateway
+        .settle(&lease.id, Action::Ack, None)
+        .await
+        .assert_problem(503);
+
+    server.restart().await;
+    gateway.wait_ready().await;
+    assert_eq!(gateway.ack(&lease.id).await, 204, "the same ack, retried");
+    let info = js.consumer_info(STREAM, "outage-settle").await;
+    assert_eq!(info.num_ack_pending, 0, "the server has the ack");
+    assert!(info.ack_floor.stream_sequence >= sequence);
+    assert!(
+        gateway.fetch_n(1, 500).await.is_empty(),
+        "never handed out again"
+    );
+}

@@ -216,6 +216,23 @@ impl GatewayProcess {
             .unwrap_or_else(|err| panic!("{err}"));
     }
 
+    /// Wait (bounded) until the process exits on its own; panics with the log otherwise.
+    pub async fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if let Some(status) = self.process.exited() {
+                return status;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                panic!(
+                    "the gateway did not exit within {within:?}; log:\n{}",
+                    self.log()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The process' log so far (stdout and stderr).
     pub fn log(&self) -> String {
         self.process.log()
