@@ -1,5 +1,6 @@
 //! Settling leases one at a time and in batches: confirmed 204s, nak delays, term reasons,
-//! in-progress extensions, and the 404/409/410/504 fences the gateway must keep itself.
+//! in-progress extensions, the 404/409/410/504 fences the gateway must keep itself, and
+//! settles retried after a 503 outage or a client that hung up.
 
 use std::time::{Duration, Instant};
 
@@ -626,5 +627,31 @@ async fn a_settle_refused_during_an_outage_succeeds_after_the_reconnect() {
     assert!(
         gateway.fetch_n(1, 500).await.is_empty(),
         "never handed out again"
+    );
+}
+
+/// A client gone mid-settle is as a 504: the ack may or may not have landed, and retrying it
+/// while the lease is live is safe — 204, and the message never comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_whose_client_hung_up_can_be_retried() {
+    let (_server, js, gateway) = Setup::consumer("hung-up-ack").ack_wait("30s").start().await;
+    js.publish_many("orders.1", 5, "m").await;
+    let leased = gateway.fetch_n(5, 1000).await;
+    assert_eq!(leased.len(), 5);
+    for lease in &leased {
+        // Gone before the answer: a 1 ms bound on the whole request.
+        let gone = gateway
+            .try_settle(&lease.id, Action::Ack, None, Some(Duration::from_millis(1)))
+            .await;
+        if let Ok(reply) = &gone {
+            assert_eq!(reply.status, 204, "answered after all: {}", reply.text);
+        }
+        assert_eq!(gateway.ack(&lease.id).await, 204, "the retry of the ack");
+    }
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+    assert_eq!(gateway.leases_in_flight().await, 0);
+    assert!(
+        gateway.fetch_n(5, 500).await.is_empty(),
+        "no acked message comes back"
     );
 }
