@@ -1,5 +1,6 @@
-//! Lease rules: lease_expires_at never outlives the server's ack timer, and the gateway
-//! hoards nothing: without HTTP demand the server's num_ack_pending equals the leases in flight.
+//! Lease rules: lease_expires_at is one margin short of the server's ack timer, and the
+//! gateway hoards nothing: without HTTP demand nothing is delivered, pulls are slices of at
+//! most a second and half of max_waiting, and a client hanging up mid-poll strands nothing.
 
 use std::time::{Duration, Instant};
 

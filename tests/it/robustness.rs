@@ -1,5 +1,6 @@
 //! Bad input never yields a 500: odd bodies on every endpoint, unknown routes and wrong
-//! methods all answer RFC 9457 problem+json with a 4xx status.
+//! methods (405 with `Allow`) and lease ids that are not UTF-8 all answer RFC 9457
+//! problem+json with a 4xx status.
 
 use serde_json::json;
 

@@ -1,5 +1,6 @@
 //! Graceful shutdown: waiting fetches return, new fetches get 503, settles are accepted during
-//! the grace period, what was received but not leased is nak'd, and `run` returns Ok.
+//! the grace period, what was received but not leased is nak'd, and `run` returns Ok —
+//! promptly once nothing is left to settle.
 
 use std::time::{Duration, Instant};
 
