@@ -6,15 +6,15 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::support::gateway::http_client;
-use crate::support::setup;
+use crate::support::client::http_client;
+use crate::support::{STREAM, Setup, wait_until};
 
 const POLLS: usize = 2000;
 const MESSAGES: usize = 50;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_thousand_concurrent_long_polls_are_all_served() {
-    let (_server, js, gateway) = setup(&["--consumer", "crowd", "--ack-wait", "60s"]).await;
+    let (_server, js, gateway) = Setup::consumer("crowd").ack_wait("60s").start().await;
     let http = http_client();
     let url = gateway.url("/fetch");
 
@@ -37,8 +37,13 @@ async fn two_thousand_concurrent_long_polls_are_all_served() {
             Ok::<_, String>((status, body))
         }));
     }
-    // Publish while the polls wait (pacing, not a condition: any moment during them will do).
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Publish once the polls wait: the gateway has a good part of its pulls open for them.
+    wait_until(
+        "the polls wait at the server",
+        Duration::from_secs(10),
+        || async { js.consumer_info(STREAM, "crowd").await.num_waiting >= 128 },
+    )
+    .await;
     let published = js.publish_many("orders.1", MESSAGES, "crowd").await;
 
     let mut handed_out: HashMap<u64, usize> = HashMap::new();

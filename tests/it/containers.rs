@@ -13,7 +13,7 @@ use clap::{CommandFactory, Parser};
 use ruststream_nats::Config;
 use yaml_rust2::{Yaml, YamlLoader};
 
-use crate::support::Gateway;
+use crate::support::Setup;
 use crate::support::nats::free_port;
 
 fn read(file: &str) -> String {
@@ -343,7 +343,7 @@ fn dockerfile_runs_as_non_root_with_a_healthcheck_on_healthz() {
 async fn the_healthcheck_flag_gets_healthz() {
     // /healthz answers while NATS is unreachable: liveness, not readiness.
     let unreachable = format!("nats://127.0.0.1:{}", free_port());
-    let gateway = Gateway::start(&unreachable, &["--consumer", "checked"]).await;
+    let gateway = Setup::consumer("checked").starting(&unreachable).await;
     let run = |url: String| {
         tokio::task::spawn_blocking(move || {
             Command::new(env!("CARGO_BIN_EXE_ruststream-nats"))

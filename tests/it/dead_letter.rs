@@ -8,7 +8,7 @@ use async_nats::HeaderMap;
 use futures::StreamExt as _;
 use ruststream_nats::dead_letter::headers;
 
-use crate::support::{Gateway, Js, Msg, assert_stays, setup, wait_for};
+use crate::support::{Gateway, Js, Msg, Setup, assert_stays, wait_for};
 
 const DLQ: &str = "DLQ";
 
@@ -43,15 +43,11 @@ fn header<'a>(message: &'a async_nats::jetstream::message::StreamMessage, name: 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_nakked_max_deliver_times_is_dead_lettered_exactly_once() {
-    let (_server, js, gateway) = setup(&[
-        "--consumer",
-        "poison",
-        "--max-deliver",
-        "3",
-        "--dead-letter-subject",
-        "DLQ.orders",
-    ])
-    .await;
+    let (_server, js, gateway) = Setup::consumer("poison")
+        .max_deliver(3)
+        .dead_letter_subject("DLQ.orders")
+        .start()
+        .await;
     js.create_stream(DLQ, &["DLQ.>"]).await;
     let mut original = HeaderMap::new();
     original.insert("X-Trace", "trace-1");
@@ -144,13 +140,10 @@ async fn a_message_nakked_max_deliver_times_is_dead_lettered_exactly_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminated_message_is_dead_lettered_with_its_reason() {
-    let (_server, js, gateway) = setup(&[
-        "--consumer",
-        "terminator",
-        "--dead-letter-subject",
-        "DLQ.orders",
-    ])
-    .await;
+    let (_server, js, gateway) = Setup::consumer("terminator")
+        .dead_letter_subject("DLQ.orders")
+        .start()
+        .await;
     js.create_stream(DLQ, &["DLQ.>"]).await;
     let first = js.publish("orders.bad", "unparsable").await;
     let second = js.publish("orders.bad", "unwanted").await;
@@ -209,13 +202,10 @@ async fn a_terminated_message_is_dead_lettered_with_its_reason() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_whose_message_is_gone_is_skipped_and_the_gateway_keeps_working() {
-    let (_server, js, gateway) = setup(&[
-        "--consumer",
-        "vanished",
-        "--dead-letter-subject",
-        "DLQ.orders",
-    ])
-    .await;
+    let (_server, js, gateway) = Setup::consumer("vanished")
+        .dead_letter_subject("DLQ.orders")
+        .start()
+        .await;
     js.create_stream(DLQ, &["DLQ.>"]).await;
     let sequence = js.publish("orders.gone", "purged").await;
     let message = gateway.fetch_n(1, 1000).await.remove(0);
@@ -253,13 +243,10 @@ async fn a_dead_letter_whose_message_is_gone_is_skipped_and_the_gateway_keeps_wo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_lettering_survives_a_nats_restart() {
-    let (mut server, js, gateway) = setup(&[
-        "--consumer",
-        "reconnecting",
-        "--dead-letter-subject",
-        "DLQ.orders",
-    ])
-    .await;
+    let (mut server, js, gateway) = Setup::consumer("reconnecting")
+        .dead_letter_subject("DLQ.orders")
+        .start()
+        .await;
     js.create_stream(DLQ, &["DLQ.>"]).await;
     server.restart().await;
     let js = Js::connect(&server.url()).await;
@@ -275,9 +262,7 @@ async fn dead_lettering_survives_a_nats_restart() {
             if reply.status != 200 {
                 return None;
             }
-            crate::support::gateway::parse_messages(&reply)
-                .into_iter()
-                .next()
+            reply.messages().into_iter().next()
         },
     )
     .await;

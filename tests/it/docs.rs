@@ -3,12 +3,12 @@
 
 use reqwest::redirect::Policy;
 
-use crate::support::{Gateway, nats::free_port};
+use crate::support::Setup;
+use crate::support::nats::free_port;
 
 /// A client that shows redirects instead of following them.
 fn no_redirects() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
+    crate::support::client::http_builder()
         .redirect(Policy::none())
         .build()
         .expect("build reqwest client")
@@ -17,7 +17,7 @@ fn no_redirects() -> reqwest::Client {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn docs_serve_swagger_ui_and_its_assets_from_the_binary() {
     let unreachable = format!("nats://127.0.0.1:{}", free_port());
-    let mut gateway = Gateway::start(&unreachable, &["--consumer", "docs"]).await;
+    let mut gateway = Setup::consumer("docs").starting(&unreachable).await;
 
     // `/docs` itself is the page (curl without -L sees it); it names /docs/ as the base its
     // relative asset paths resolve against. `/docs/` serves the same page.
@@ -72,7 +72,7 @@ async fn docs_serve_swagger_ui_and_its_assets_from_the_binary() {
         initializer.text
     );
     let missing = gateway.get("/docs/no-such-file.js").await;
-    missing.assert_problem(&[404], "");
+    missing.assert_problem(404);
     let spec = gateway.openapi().await;
     assert_eq!(spec.status, 200);
 
@@ -82,17 +82,17 @@ async fn docs_serve_swagger_ui_and_its_assets_from_the_binary() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_problem_names_the_request_path_as_its_instance() {
     let unreachable = format!("nats://127.0.0.1:{}", free_port());
-    let mut gateway = Gateway::start(&unreachable, &["--consumer", "instance"]).await;
+    let mut gateway = Setup::consumer("instance").starting(&unreachable).await;
 
     let reply = gateway.post("/messages/not-a-lease/ack", None).await;
-    reply.assert_problem(&[404], "");
+    reply.assert_problem(404);
     assert_eq!(
         reply.body["instance"], "/messages/not-a-lease/ack",
         "{}",
         reply.text
     );
     let reply = gateway.get("/no/such/route").await;
-    reply.assert_problem(&[404], "");
+    reply.assert_problem(404);
     assert_eq!(reply.body["instance"], "/no/such/route", "{}", reply.text);
 
     gateway.shutdown().await.expect("shutdown without NATS");

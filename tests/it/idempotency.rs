@@ -6,8 +6,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
-use crate::support::gateway::{Reply, parse_messages};
-use crate::support::{Gateway, server_ack_pending, setup, wait_until};
+use crate::support::{Gateway, Reply, Setup, server_ack_pending, sleep_past, wait_until};
 
 async fn fetch_with_key(gateway: &Gateway, key: &str, auth: Option<&str>, body: &Value) -> Reply {
     let mut request = gateway
@@ -18,7 +17,7 @@ async fn fetch_with_key(gateway: &Gateway, key: &str, auth: Option<&str>, body: 
     if let Some(auth) = auth {
         request = request.header("Authorization", auth);
     }
-    Gateway::reply(request.send().await.expect("POST /fetch")).await
+    Reply::read(request.send().await.expect("POST /fetch")).await
 }
 
 fn replayed(reply: &Reply) -> bool {
@@ -30,14 +29,14 @@ fn replayed(reply: &Reply) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_fetch_returns_the_same_leases_while_they_are_live() {
-    let (_server, js, gateway) = setup(&["--consumer", "retry", "--ack-wait", "30s"]).await;
+    let (_server, js, gateway) = Setup::consumer("retry").ack_wait("30s").start().await;
     js.publish_many("orders.1", 3, "m").await;
     let request = json!({ "batch": 2, "wait_ms": 1000, "encoding": "utf8" });
 
     let first = fetch_with_key(&gateway, "order-batch-1", None, &request).await;
     assert_eq!(first.status, 200, "{}", first.text);
     assert!(!replayed(&first));
-    let leased = parse_messages(&first);
+    let leased = first.messages();
     assert_eq!(leased.len(), 2);
 
     let again = fetch_with_key(&gateway, "order-batch-1", None, &request).await;
@@ -70,7 +69,7 @@ async fn a_repeated_fetch_returns_the_same_leases_while_they_are_live() {
     let fresh = fetch_with_key(&gateway, "order-batch-1", None, &request).await;
     assert_eq!(fresh.status, 200, "{}", fresh.text);
     assert!(!replayed(&fresh));
-    let fresh = parse_messages(&fresh);
+    let fresh = fresh.messages();
     assert_eq!(fresh.len(), 1, "the nak'd message, redelivered");
     assert_eq!(fresh[0].stream_sequence, leased[1].stream_sequence);
     assert_ne!(fresh[0].id, leased[1].id);
@@ -79,7 +78,7 @@ async fn a_repeated_fetch_returns_the_same_leases_while_they_are_live() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_key_with_a_different_body_is_422() {
-    let (_server, js, gateway) = setup(&["--consumer", "mismatch"]).await;
+    let (_server, js, gateway) = Setup::consumer("mismatch").start().await;
     js.publish("orders.1", "x").await;
     let first = fetch_with_key(
         &gateway,
@@ -88,7 +87,7 @@ async fn the_same_key_with_a_different_body_is_422() {
         &json!({ "batch": 1, "wait_ms": 1000 }),
     )
     .await;
-    assert_eq!(parse_messages(&first).len(), 1);
+    assert_eq!(first.messages().len(), 1);
     fetch_with_key(
         &gateway,
         "k-1",
@@ -96,7 +95,7 @@ async fn the_same_key_with_a_different_body_is_422() {
         &json!({ "batch": 5, "wait_ms": 1000 }),
     )
     .await
-    .assert_problem(&[422], "Idempotency-Key");
+    .assert_invalid("Idempotency-Key");
     // Defaults are the same request: `{"batch": 1, "wait_ms": 1000, "encoding": "base64"}`.
     let same = fetch_with_key(
         &gateway,
@@ -109,7 +108,7 @@ async fn the_same_key_with_a_different_body_is_422() {
     for bad in ["", &"k".repeat(256)] {
         fetch_with_key(&gateway, bad, None, &json!({ "batch": 1 }))
             .await
-            .assert_problem(&[422], "Idempotency-Key");
+            .assert_invalid("Idempotency-Key");
     }
 }
 
@@ -132,7 +131,7 @@ fn spawn_keyed_fetch(gateway: &Gateway, key: &'static str, request: &Value) -> J
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeat_while_the_first_still_waits_gets_the_first_answer() {
-    let (_server, js, gateway) = setup(&["--consumer", "concurrent-retry"]).await;
+    let (_server, js, gateway) = Setup::consumer("concurrent-retry").start().await;
     let request = json!({ "batch": 5, "wait_ms": 8000 });
     let first = spawn_keyed_fetch(&gateway, "slow", &request);
     wait_until(
@@ -162,16 +161,47 @@ async fn a_repeat_while_the_first_still_waits_gets_the_first_answer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_are_scoped_by_credential() {
-    let (_server, js, gateway) = setup(&["--consumer", "scoped"]).await;
+    let (_server, js, gateway) = Setup::consumer("scoped").start().await;
     js.publish_many("orders.1", 2, "m").await;
     let request = json!({ "batch": 1, "wait_ms": 1000 });
     let alice = fetch_with_key(&gateway, "same", Some("Bearer alice"), &request).await;
     let bob = fetch_with_key(&gateway, "same", Some("Bearer bob"), &request).await;
-    let alice = parse_messages(&alice);
-    let bob = parse_messages(&bob);
+    let alice = alice.messages();
+    let bob = bob.messages();
     assert_eq!((alice.len(), bob.len()), (1, 1));
     assert_ne!(
         alice[0].stream_sequence, bob[0].stream_sequence,
         "another credential's key does not reveal its leases"
     );
+}
+
+/// A key is forgotten once the leases of its answer expired: the same request then fetches
+/// afresh (the expired message, redelivered under a new id), not the old answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_is_released_when_its_leases_expire() {
+    let (_server, js, gateway) = Setup::consumer("key-expiry").ack_wait("1s").start().await;
+    js.publish("orders.1", "x").await;
+    let request = json!({ "batch": 1, "wait_ms": 1000 });
+    let first = fetch_with_key(&gateway, "expiring", None, &request).await;
+    let leased = first.messages();
+    assert_eq!(leased.len(), 1);
+    let again = fetch_with_key(&gateway, "expiring", None, &request).await;
+    assert!(replayed(&again), "still live: the same answer");
+
+    // The condition is the time: past the lease's end.
+    sleep_past(leased[0].lease_expires(), Duration::from_millis(100)).await;
+    let fresh = fetch_with_key(
+        &gateway,
+        "expiring",
+        None,
+        &json!({ "batch": 1, "wait_ms": 5000 }),
+    )
+    .await;
+    assert_eq!(fresh.status, 200, "{}", fresh.text);
+    assert!(!replayed(&fresh), "the key was released with the expiry");
+    let fresh = fresh.messages();
+    assert_eq!(fresh.len(), 1, "the message, redelivered");
+    assert_eq!(fresh[0].stream_sequence, leased[0].stream_sequence);
+    assert_eq!(fresh[0].delivered, 2);
+    assert_ne!(fresh[0].id, leased[0].id);
 }

@@ -2,18 +2,16 @@
 //! `--log-format json` output has one span per request (route template, status, latency),
 //! settle events with the lease id and sequences, and no secret.
 
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::support::gateway::http_client;
 use crate::support::nats::free_port;
-use crate::support::{Js, NatsServer, STREAM, setup, wait_until};
+use crate::support::{GatewayProcess, Js, NatsServer, STREAM, Setup, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_ids_are_returned_as_given_or_made_up() {
-    let (_server, _js, gateway) = setup(&["--consumer", "request-ids"]).await;
+    let (_server, _js, gateway) = Setup::consumer("request-ids").start().await;
     let given = gateway
         .http
         .get(gateway.url("/healthz"))
@@ -53,64 +51,6 @@ async fn request_ids_are_returned_as_given_or_made_up() {
     );
 }
 
-/// The gateway binary as a child process (stopped with SIGTERM on drop), logging to a file.
-struct Binary {
-    child: Child,
-    log: tempfile::NamedTempFile,
-    base: String,
-}
-
-impl Binary {
-    fn start(args: &[&str], rust_log: &str) -> Self {
-        let log = tempfile::NamedTempFile::new().expect("temp log file");
-        let port = free_port();
-        let listen = format!("127.0.0.1:{port}");
-        let child = Command::new(env!("CARGO_BIN_EXE_ruststream-nats"))
-            .args(args)
-            .args(["--listen", &listen])
-            .env("RUST_LOG", rust_log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log.reopen().expect("reopen log file"))
-            .spawn()
-            .expect("spawn the gateway binary");
-        Self {
-            child,
-            log,
-            base: format!("http://{listen}"),
-        }
-    }
-
-    fn text(&self) -> String {
-        std::fs::read_to_string(self.log.path()).unwrap_or_default()
-    }
-
-    /// SIGTERM, then wait (bounded) for a clean exit.
-    async fn stop(&mut self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM failed");
-        wait_until(
-            "the gateway exits after SIGTERM",
-            Duration::from_secs(15),
-            || {
-                let exited = matches!(self.child.try_wait(), Ok(Some(_)));
-                async move { exited }
-            },
-        )
-        .await;
-    }
-}
-
-impl Drop for Binary {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
     const TOKEN: &str = "s3cret-bearer-token";
@@ -121,31 +61,15 @@ async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
     let sequence = js.publish("orders.logged", "hello").await;
     // Credentials in the URL: the server has no auth and ignores them; they must not be logged.
     let url = format!("nats://logger:{URL_PASSWORD}@127.0.0.1:{}", server.port());
-    let mut gateway = Binary::start(
-        &[
-            "--nats-url",
-            &url,
-            "--consumer",
-            "logged",
-            "--log-format",
-            "json",
-        ],
-        // The default level: settle events must show there.
-        "info",
-    );
-    let http = http_client();
-    wait_until(
-        "the gateway binary is ready",
-        Duration::from_secs(20),
-        || {
-            let request = http.get(format!("{}/readyz", gateway.base)).send();
-            async move { request.await.is_ok_and(|reply| reply.status() == 200) }
-        },
-    )
-    .await;
+    // The default level (info): settle events must show there.
+    let mut gateway = Setup::consumer("logged")
+        .flag("--log-format", "json")
+        .process(&url)
+        .await;
+    let http = gateway.http.clone();
 
     let fetched: Value = http
-        .post(format!("{}/fetch", gateway.base))
+        .post(gateway.url("/fetch"))
         .header("x-request-id", "fetch-1")
         .header("authorization", format!("Bearer {TOKEN}"))
         .body(r#"{"batch":1,"wait_ms":2000}"#)
@@ -160,16 +84,16 @@ async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
         .unwrap_or_else(|| panic!("one message: {fetched}"))
         .to_owned();
     let acked = http
-        .post(format!("{}/messages/{id}/ack", gateway.base))
+        .post(gateway.url(&format!("/messages/{id}/ack")))
         .header("x-request-id", "ack-1")
         .header("authorization", format!("Bearer {TOKEN}"))
         .send()
         .await
         .expect("POST ack");
     assert_eq!(acked.status(), 204);
-    gateway.stop().await;
+    gateway.terminate(Duration::from_secs(15)).await;
 
-    let text = gateway.text();
+    let text = gateway.log();
     let lines: Vec<Value> = text
         .lines()
         .map(|line| {
@@ -224,35 +148,31 @@ async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
 async fn a_warning_says_when_http_authentication_is_off() {
     const WARNING: &str = "HTTP authentication is off";
     let unreachable = format!("nats://127.0.0.1:{}", free_port());
-    let started = |args: &[&str]| {
-        let mut all = vec!["--nats-url", unreachable.as_str()];
-        all.extend_from_slice(args);
-        Binary::start(&all, "info")
-    };
-    let listening = |binary: &Binary| {
-        let text = binary.text();
+    let started = |setup: Setup| GatewayProcess::spawn(&setup, &unreachable);
+    let listening = |binary: &GatewayProcess| {
+        let text = binary.log();
         async move { text.contains("listening") }
     };
 
-    let open = started(&[]);
+    let open = started(Setup::defaults());
     wait_until("the open gateway listens", Duration::from_secs(20), || {
         listening(&open)
     })
     .await;
-    let text = open.text();
+    let text = open.log();
     let warning = text
         .lines()
         .find(|line| line.contains(WARNING))
         .unwrap_or_else(|| panic!("no warning in:\n{text}"));
     assert!(warning.contains("WARN"), "not at warn level: {warning}");
 
-    let guarded = started(&["--auth-tokens", "some-token fetch"]);
+    let guarded = started(Setup::defaults().flag("--auth-tokens", "some-token fetch"));
     wait_until(
         "the guarded gateway listens",
         Duration::from_secs(20),
         || listening(&guarded),
     )
     .await;
-    let text = guarded.text();
+    let text = guarded.log();
     assert!(!text.contains(WARNING), "warned with tokens given:\n{text}");
 }

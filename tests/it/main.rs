@@ -1,23 +1,25 @@
-//! The integration suite: one binary, every test with its own nats-server and gateway.
-//! Modules follow the contract (issue 2): start-up, fetch, settle, capacity, lease rules,
-//! concurrency, introspection and shutdown.
+//! The integration suite: one binary (one link on two cores), every test with its own
+//! nats-server and gateway. Modules follow the contract: start-up, fetch, settle, capacity,
+//! lease rules, delivery guarantees, rebinding, concurrency, introspection, shutdown, … and
+//! the ledger run under faults (`cargo test --test it ledger`).
 
 mod capacity;
 mod concurrency;
 mod containers;
 mod dead_letter;
+mod delivery_guarantees;
 mod docs;
 mod fetch;
 mod idempotency;
 mod introspection;
 mod leases;
+mod ledger;
 mod logs;
 mod metrics;
 mod publish;
 mod readme;
-mod review;
+mod rebinding;
 mod robustness;
-mod rules;
 mod security;
 mod settle;
 mod shutdown;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::support::{Gateway, Msg, setup, sleep_past, wait_for};
+use crate::support::{Gateway, Msg, Setup, sleep_past, wait_for};
 
 /// One scrape: every sample line, `name{labels}` → value.
 struct Scrape {
@@ -91,15 +91,11 @@ fn assert_deltas(before: &Scrape, after: &Scrape, expected: &[(String, f64)]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_move_with_fetches_settles_expiry_and_refusals() {
-    let (_server, js, gateway) = setup(&[
-        "--consumer",
-        "metered",
-        "--max-ack-pending",
-        "3",
-        "--ack-wait",
-        "3s",
-    ])
-    .await;
+    let (_server, js, gateway) = Setup::consumer("metered")
+        .max_ack_pending(3)
+        .ack_wait("3s")
+        .start()
+        .await;
     let start = Scrape::of(&gateway).await;
     assert_eq!(start.get("ruststream_max_ack_pending"), 3.0);
     assert_eq!(start.get("ruststream_ack_wait_seconds"), 3.0);
@@ -270,7 +266,7 @@ async fn metrics_move_with_fetches_settles_expiry_and_refusals() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unmatched_paths_count_under_one_route_label() {
-    let (_server, _js, gateway) = setup(&["--consumer", "unmatched"]).await;
+    let (_server, _js, gateway) = Setup::consumer("unmatched").start().await;
     let before = Scrape::of(&gateway).await;
     for probe in ["/nope", "/wp-admin/x.php", "/messages"] {
         assert_eq!(gateway.get(probe).await.status, 404, "{probe}");
@@ -293,7 +289,7 @@ async fn unmatched_paths_count_under_one_route_label() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_restart_shows_in_connection_state_and_reconnects() {
-    let (mut server, _js, mut gateway) = setup(&["--consumer", "reconnecting"]).await;
+    let (mut server, _js, mut gateway) = Setup::consumer("reconnecting").start().await;
     let before = Scrape::of(&gateway).await;
     assert_eq!(before.get("ruststream_nats_connected"), 1.0);
     assert_eq!(before.get("ruststream_nats_reconnects_total"), 0.0);
@@ -307,7 +303,7 @@ async fn a_nats_restart_shows_in_connection_state_and_reconnects() {
         "/metrics answers while NATS is down, and says so"
     );
     let refused = gateway.fetch_reply(Some(&json!({ "wait_ms": 0 }))).await;
-    refused.assert_problem(&[503], "");
+    refused.assert_problem(503);
 
     server.restart().await;
     gateway.wait_ready().await;

@@ -14,7 +14,7 @@ use snapbox::IntoData;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
-use crate::support::gateway::Gateway;
+use crate::support::Setup;
 use crate::support::nats::NatsServer;
 
 /// The address the README's examples use; the test points them at its own gateway.
@@ -173,7 +173,7 @@ async fn readme_console_examples_answer_as_shown() {
 
     // The demo's setup: the default stream ORDERS (orders.>) and consumer billing.
     let server = NatsServer::start().await;
-    let gateway = Gateway::ready(&server.url(), &["--create-stream"]).await;
+    let gateway = Setup::defaults().create_stream().ready(&server.url()).await;
     let address = gateway.base().trim_start_matches("http://").to_owned();
 
     let mut shell = Shell::start();

@@ -1,13 +1,14 @@
 //! Bad input never yields a 500: odd bodies on every endpoint, unknown routes and wrong
-//! methods all answer RFC 9457 problem+json with a 4xx status.
+//! methods (405 with `Allow`) and lease ids that are not UTF-8 all answer RFC 9457
+//! problem+json with a 4xx status.
 
 use serde_json::json;
 
-use crate::support::setup;
+use crate::support::{Action, Setup};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn odd_bodies_on_every_endpoint_are_4xx_problems() {
-    let (_server, js, gateway) = setup(&["--consumer", "odd"]).await;
+    let (_server, js, gateway) = Setup::consumer("odd").start().await;
     // Enough messages that an accepted fetch answers at once.
     js.publish_many("orders.1", 10, "x").await;
     let held = gateway.fetch_n(1, 1000).await.remove(0);
@@ -63,26 +64,48 @@ async fn odd_bodies_on_every_endpoint_are_4xx_problems() {
                 reply.status,
                 reply.text
             );
-            reply.assert_problem(&[reply.status], "");
+            reply.assert_problem(reply.status);
         }
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_routes_and_wrong_methods_are_problems() {
-    let (_server, _js, gateway) = setup(&["--consumer", "routes"]).await;
-    gateway.get("/nope").await.assert_problem(&[404], "");
+    let (_server, _js, gateway) = Setup::consumer("routes").start().await;
+    gateway.get("/nope").await.assert_problem(404);
     gateway
         .post("/messages", Some(&json!({})))
         .await
-        .assert_problem(&[404, 405], "");
-    gateway.get("/fetch").await.assert_problem(&[405], "");
-    gateway
-        .get("/messages/ack")
-        .await
-        .assert_problem(&[405], "");
-    gateway
-        .post("/healthz", None)
-        .await
-        .assert_problem(&[405], "");
+        .assert_problem(404);
+    // A 405 says which methods the endpoint takes (`Allow`, RFC 9110).
+    for (reply, allowed) in [
+        (gateway.get("/fetch").await, "POST"),
+        (gateway.get("/messages/ack").await, "POST"),
+        (gateway.post("/healthz", None).await, "GET"),
+    ] {
+        reply.assert_problem(405);
+        let allow = reply
+            .headers
+            .get("allow")
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or_else(|| panic!("a 405 without Allow: {:?}", reply.headers));
+        let methods: Vec<&str> = allow.split(',').map(str::trim).collect();
+        assert!(
+            methods.contains(&allowed),
+            "Allow {allow:?} must list {allowed}"
+        );
+        assert!(
+            !methods.contains(&if allowed == "GET" { "POST" } else { "GET" }),
+            "Allow {allow:?} must not list the method just refused"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_path_id_that_is_not_utf8_is_a_404_problem() {
+    let (_server, _js, gateway) = Setup::consumer("rv-utf8").start().await;
+    for action in Action::ALL {
+        let reply = gateway.post(&format!("/messages/%FF/{action}"), None).await;
+        reply.assert_problem(404);
+    }
 }

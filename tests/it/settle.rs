@@ -1,5 +1,6 @@
 //! Settling leases one at a time and in batches: confirmed 204s, nak delays, term reasons,
-//! in-progress extensions, and the 404/409/410/504 fences the gateway must keep itself.
+//! in-progress extensions, the 404/409/410/504 fences the gateway must keep itself, and
+//! settles retried after a 503 outage or a client that hung up.
 
 use std::time::{Duration, Instant};
 
@@ -8,8 +9,8 @@ use serde_json::{Value, json};
 use time::OffsetDateTime;
 
 use crate::support::{
-    Deadline, Gateway, Msg, STREAM, assert_stays, rfc3339, server_ack_pending, setup, sleep_past,
-    wait_for,
+    Action, Deadline, Gateway, Msg, STREAM, Setup, assert_stays, rfc3339, server_ack_pending,
+    sleep_past, wait_for,
 };
 
 /// Fetch until the message with `stream_sequence` comes back with a higher delivery count.
@@ -30,13 +31,13 @@ async fn wait_for_redelivery(gateway: &Gateway, stream_sequence: u64, timeout: D
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ack_answers_204_after_the_server_has_it() {
-    let (_server, js, gateway) = setup(&["--consumer", "acker"]).await;
+    let (_server, js, gateway) = Setup::consumer("acker").start().await;
     js.publish_many("orders.1", 2, "m").await;
     let messages = gateway.fetch_n(2, 1000).await;
     assert_eq!(messages.len(), 2);
     assert_eq!(server_ack_pending(&js, &gateway).await, 2);
 
-    let reply = gateway.settle(&messages[0].id, "ack", None).await;
+    let reply = gateway.settle(&messages[0].id, Action::Ack, None).await;
     assert_eq!(reply.status, 204, "{}", reply.text);
     assert!(reply.text.is_empty(), "204 has no body: {:?}", reply.text);
     // 204 only after the server confirmed: the very next info already shows it.
@@ -50,7 +51,7 @@ async fn ack_answers_204_after_the_server_has_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nak_redelivers_with_a_new_id_and_delivered_plus_one() {
-    let (_server, js, gateway) = setup(&["--consumer", "naker", "--ack-wait", "30s"]).await;
+    let (_server, js, gateway) = Setup::consumer("naker").ack_wait("30s").start().await;
     let sequence = js.publish("orders.1", "again").await;
     let first = gateway.fetch_n(1, 1000).await.remove(0);
     assert_eq!(first.delivered, 1);
@@ -70,13 +71,13 @@ async fn nak_redelivers_with_a_new_id_and_delivered_plus_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nak_with_delay_is_not_redelivered_before_the_delay() {
-    let (_server, js, gateway) = setup(&["--consumer", "delayed", "--ack-wait", "30s"]).await;
+    let (_server, js, gateway) = Setup::consumer("delayed").ack_wait("30s").start().await;
     let sequence = js.publish("orders.1", "later").await;
     let first = gateway.fetch_n(1, 1000).await.remove(0);
 
     let naked = Instant::now();
     let reply = gateway
-        .settle(&first.id, "nak", Some(&json!({ "delay_ms": 2000 })))
+        .settle(&first.id, Action::Nak, Some(&json!({ "delay_ms": 2000 })))
         .await;
     assert_eq!(reply.status, 204, "{}", reply.text);
     let again = wait_for_redelivery(&gateway, sequence, Duration::from_secs(10)).await;
@@ -92,7 +93,7 @@ async fn nak_with_delay_is_not_redelivered_before_the_delay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn term_with_reason_is_never_redelivered() {
-    let (_server, js, gateway) = setup(&["--consumer", "termer", "--ack-wait", "1s"]).await;
+    let (_server, js, gateway) = Setup::consumer("termer").ack_wait("1s").start().await;
     let mut advisories = js
         .client
         .subscribe("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.ORDERS.termer")
@@ -105,7 +106,7 @@ async fn term_with_reason_is_never_redelivered() {
     let reply = gateway
         .settle(
             &message.id,
-            "term",
+            Action::Term,
             Some(&json!({ "reason": "unparseable order" })),
         )
         .await;
@@ -130,7 +131,7 @@ async fn term_with_reason_is_never_redelivered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn term_without_body_is_accepted() {
-    let (_server, js, gateway) = setup(&["--consumer", "termplain"]).await;
+    let (_server, js, gateway) = Setup::consumer("termplain").start().await;
     js.publish("orders.1", "x").await;
     let message = gateway.fetch_n(1, 1000).await.remove(0);
     assert_eq!(gateway.term(&message.id, None).await, 204);
@@ -139,7 +140,7 @@ async fn term_without_body_is_accepted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_progress_extends_the_lease_past_the_original_ack_wait() {
-    let (_server, js, gateway) = setup(&["--consumer", "worker", "--ack-wait", "2s"]).await;
+    let (_server, js, gateway) = Setup::consumer("worker").ack_wait("2s").start().await;
     js.publish("orders.1", "slow job").await;
     let message = gateway.fetch_n(1, 1000).await.remove(0);
     let original = message.lease_expires();
@@ -181,7 +182,7 @@ async fn in_progress_extends_the_lease_past_the_original_ack_wait() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_malformed_or_forged_ids_are_404() {
-    let (_server, js, gateway) = setup(&["--consumer", "forgery"]).await;
+    let (_server, js, gateway) = Setup::consumer("forgery").start().await;
     js.publish("orders.1", "real").await;
     let message = gateway.fetch_n(1, 1000).await.remove(0);
 
@@ -208,11 +209,8 @@ async fn unknown_malformed_or_forged_ids_are_404() {
         long.as_str(),
         "a.b.c",
     ] {
-        for action in ["ack", "nak", "term", "in-progress"] {
-            gateway
-                .settle(id, action, None)
-                .await
-                .assert_problem(&[404], "");
+        for action in Action::ALL {
+            gateway.settle(id, action, None).await.assert_problem(404);
         }
     }
     // The real lease was not touched by any of that.
@@ -222,16 +220,16 @@ async fn unknown_malformed_or_forged_ids_are_404() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_lease_is_410_and_its_settle_never_reaches_the_server() {
-    let (_server, js, gateway) = setup(&["--consumer", "expiry", "--ack-wait", "1s"]).await;
+    let (_server, js, gateway) = Setup::consumer("expiry").ack_wait("1s").start().await;
     let sequence = js.publish("orders.1", "late").await;
     let message = gateway.fetch_n(1, 1000).await.remove(0);
     sleep_past(message.lease_expires(), Duration::from_millis(100)).await;
 
-    for action in ["ack", "nak", "term", "in-progress"] {
+    for action in Action::ALL {
         gateway
             .settle(&message.id, action, None)
             .await
-            .assert_problem(&[410], "");
+            .assert_problem(410);
     }
     // The stale ack was fenced: the server still redelivers the message.
     let again = wait_for_redelivery(&gateway, sequence, Duration::from_secs(10)).await;
@@ -241,7 +239,7 @@ async fn expired_lease_is_410_and_its_settle_never_reaches_the_server() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn superseded_lease_is_410_and_the_new_id_settles() {
-    let (_server, js, gateway) = setup(&["--consumer", "superseded", "--ack-wait", "1s"]).await;
+    let (_server, js, gateway) = Setup::consumer("superseded").ack_wait("1s").start().await;
     let sequence = js.publish("orders.1", "twice").await;
     let old = gateway.fetch_n(1, 1000).await.remove(0);
     let new = wait_for_redelivery(&gateway, sequence, Duration::from_secs(10)).await;
@@ -250,9 +248,9 @@ async fn superseded_lease_is_410_and_the_new_id_settles() {
 
     // nats-server would accept this stale ack and settle the new delivery: the gateway fences it.
     gateway
-        .settle(&old.id, "ack", None)
+        .settle(&old.id, Action::Ack, None)
         .await
-        .assert_problem(&[410], "");
+        .assert_problem(410);
     assert_eq!(
         server_ack_pending(&js, &gateway).await,
         1,
@@ -262,14 +260,14 @@ async fn superseded_lease_is_410_and_the_new_id_settles() {
     assert_eq!(server_ack_pending(&js, &gateway).await, 0);
     // Still superseded after the new one settled.
     gateway
-        .settle(&old.id, "ack", None)
+        .settle(&old.id, Action::Ack, None)
         .await
-        .assert_problem(&[410], "");
+        .assert_problem(410);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_settles_are_retry_safe_and_conflicting_ones_409() {
-    let (_server, js, gateway) = setup(&["--consumer", "idempotent", "--ack-wait", "1s"]).await;
+    let (_server, js, gateway) = Setup::consumer("idempotent").ack_wait("1s").start().await;
     js.publish_many("orders.1", 2, "m").await;
     let messages = gateway.fetch_n(2, 1000).await;
     assert_eq!(messages.len(), 2);
@@ -278,13 +276,13 @@ async fn repeated_settles_are_retry_safe_and_conflicting_ones_409() {
     assert_eq!(gateway.ack(&acked.id).await, 204);
     assert_eq!(gateway.ack(&acked.id).await, 204, "the same ack again");
     gateway
-        .settle(&acked.id, "nak", None)
+        .settle(&acked.id, Action::Nak, None)
         .await
-        .assert_problem(&[409], "");
+        .assert_problem(409);
     gateway
-        .settle(&acked.id, "term", None)
+        .settle(&acked.id, Action::Term, None)
         .await
-        .assert_problem(&[409], "");
+        .assert_problem(409);
 
     assert_eq!(gateway.nak(&naked.id, Some(60_000)).await, 204);
     assert_eq!(
@@ -293,9 +291,9 @@ async fn repeated_settles_are_retry_safe_and_conflicting_ones_409() {
         "the same nak again"
     );
     gateway
-        .settle(&naked.id, "ack", None)
+        .settle(&naked.id, Action::Ack, None)
         .await
-        .assert_problem(&[409], "");
+        .assert_problem(409);
 
     // A settled lease past its expiry still answers the repeat as the first time did.
     sleep_past(acked.lease_expires(), Duration::from_millis(100)).await;
@@ -309,26 +307,26 @@ async fn repeated_settles_are_retry_safe_and_conflicting_ones_409() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settle_bodies_are_validated() {
-    let (_server, js, gateway) = setup(&["--consumer", "bodies"]).await;
+    let (_server, js, gateway) = Setup::consumer("bodies").start().await;
     js.publish("orders.1", "x").await;
     let message = gateway.fetch_n(1, 1000).await.remove(0);
 
     for (action, body, field) in [
-        ("nak", json!({ "delay_ms": -5 }), "delay_ms"),
-        ("nak", json!({ "delay_ms": "soon" }), "delay_ms"),
-        ("nak", json!({ "delay": 5 }), "delay"),
-        ("term", json!({ "reason": 5 }), "reason"),
-        ("term", json!({ "why": "x" }), "why"),
+        (Action::Nak, json!({ "delay_ms": -5 }), "delay_ms"),
+        (Action::Nak, json!({ "delay_ms": "soon" }), "delay_ms"),
+        (Action::Nak, json!({ "delay": 5 }), "delay"),
+        (Action::Term, json!({ "reason": 5 }), "reason"),
+        (Action::Term, json!({ "why": "x" }), "why"),
     ] {
         gateway
             .settle(&message.id, action, Some(&body))
             .await
-            .assert_problem(&[400, 422], field);
+            .assert_invalid(field);
     }
     gateway
         .post_bytes(&format!("/messages/{}/nak", message.id), b"{delay".to_vec())
         .await
-        .assert_problem(&[400], "");
+        .assert_problem(400);
     // None of it settled the lease.
     assert_eq!(server_ack_pending(&js, &gateway).await, 1);
     assert_eq!(gateway.ack(&message.id).await, 204);
@@ -336,7 +334,7 @@ async fn settle_bodies_are_validated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_ack_reports_each_id_in_request_order() {
-    let (_server, js, gateway) = setup(&["--consumer", "batchack", "--ack-wait", "2s"]).await;
+    let (_server, js, gateway) = Setup::consumer("batchack").ack_wait("2s").start().await;
     let sequence = js.publish("orders.1", "expires").await;
     let stale = gateway.fetch_n(1, 1000).await.remove(0);
     js.publish_many("orders.2", 2, "fresh").await;
@@ -371,7 +369,9 @@ async fn batch_ack_reports_each_id_in_request_order() {
         redelivered.id.clone(),
         others[1].id.clone(),
     ];
-    let results = gateway.settle_many_ok("ack", &json!({ "ids": ids })).await;
+    let results = gateway
+        .settle_many_ok(Action::Ack, &json!({ "ids": ids }))
+        .await;
     let answered: Vec<&str> = results.iter().map(|(id, _)| id.as_str()).collect();
     assert_eq!(answered, ids.iter().map(String::as_str).collect::<Vec<_>>());
     let statuses: Vec<u16> = results.iter().map(|(_, status)| *status).collect();
@@ -381,26 +381,31 @@ async fn batch_ack_reports_each_id_in_request_order() {
 
     // A different outcome for a settled lease is a 409 in the results.
     let conflict = gateway
-        .settle_many_ok("nak", &json!({ "ids": [others[0].id] }))
+        .settle_many_ok(Action::Nak, &json!({ "ids": [others[0].id] }))
         .await;
     assert_eq!(conflict, vec![(others[0].id.clone(), 409)]);
 
     // Repeating the batch is retry-safe.
-    let again = gateway.settle_many_ok("ack", &json!({ "ids": ids })).await;
+    let again = gateway
+        .settle_many_ok(Action::Ack, &json!({ "ids": ids }))
+        .await;
     let statuses: Vec<u16> = again.iter().map(|(_, status)| *status).collect();
     assert_eq!(statuses, vec![204, 404, 410, 204, 204]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_nak_and_term_apply_delay_and_reason() {
-    let (_server, js, gateway) = setup(&["--consumer", "batchnak", "--ack-wait", "30s"]).await;
+    let (_server, js, gateway) = Setup::consumer("batchnak").ack_wait("30s").start().await;
     js.publish_many("orders.1", 4, "m").await;
     let messages = gateway.fetch_n(4, 1000).await;
     assert_eq!(messages.len(), 4);
 
     let term_ids = [messages[2].id.clone(), messages[3].id.clone()];
     let results = gateway
-        .settle_many_ok("term", &json!({ "ids": term_ids, "reason": "bad batch" }))
+        .settle_many_ok(
+            Action::Term,
+            &json!({ "ids": term_ids, "reason": "bad batch" }),
+        )
         .await;
     assert!(
         results.iter().all(|(_, status)| *status == 204),
@@ -410,7 +415,7 @@ async fn batch_nak_and_term_apply_delay_and_reason() {
     let nak_ids = [messages[0].id.clone(), messages[1].id.clone()];
     let naked = Instant::now();
     let results = gateway
-        .settle_many_ok("nak", &json!({ "ids": nak_ids, "delay_ms": 1500 }))
+        .settle_many_ok(Action::Nak, &json!({ "ids": nak_ids, "delay_ms": 1500 }))
         .await;
     assert!(
         results.iter().all(|(_, status)| *status == 204),
@@ -447,34 +452,34 @@ async fn wait_until_len(gateway: &Gateway, into: &mut Vec<Msg>, len: usize, time
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_settle_validates_ids() {
-    let (_server, _js, gateway) = setup(&["--consumer", "batchcheck"]).await;
+    let (_server, _js, gateway) = Setup::consumer("batchcheck").start().await;
     let too_many: Vec<String> = (0..1001).map(|i| format!("id-{i}")).collect();
-    for action in ["ack", "nak", "term"] {
+    for action in Action::SETTLING {
         gateway
             .settle_many(action, &json!({ "ids": [] }))
             .await
-            .assert_problem(&[422], "ids");
+            .assert_invalid("ids");
         gateway
             .settle_many(action, &json!({ "ids": too_many }))
             .await
-            .assert_problem(&[422], "ids");
+            .assert_invalid("ids");
         gateway
             .settle_many(action, &json!({}))
             .await
-            .assert_problem(&[400, 422], "ids");
+            .assert_missing("ids");
         gateway
             .settle_many(action, &json!({ "ids": "abc" }))
             .await
-            .assert_problem(&[400, 422], "ids");
+            .assert_invalid("ids");
         gateway
             .settle_many(action, &json!({ "ids": ["a"], "extra": true }))
             .await
-            .assert_problem(&[400, 422], "extra");
+            .assert_invalid("extra");
     }
     // 1000 unknown ids are fine: one 404 each.
     let thousand: Vec<String> = (0..1000).map(|i| format!("id-{i}")).collect();
     let results = gateway
-        .settle_many_ok("ack", &json!({ "ids": thousand }))
+        .settle_many_ok(Action::Ack, &json!({ "ids": thousand }))
         .await;
     assert_eq!(results.len(), 1000);
     assert!(results.iter().all(|(_, status)| *status == 404));
@@ -485,29 +490,25 @@ async fn batch_settle_validates_ids() {
     gateway
         .post_bytes("/messages/ack", huge)
         .await
-        .assert_problem(&[413], "");
+        .assert_problem(413);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unconfirmed_settle_is_504_and_the_retry_succeeds() {
-    let (server, js, gateway) = setup(&[
-        "--consumer",
-        "hung",
-        "--settle-timeout",
-        "1s",
-        "--ack-wait",
-        "30s",
-    ])
-    .await;
+    let (mut server, js, gateway) = Setup::consumer("hung")
+        .settle_timeout("1s")
+        .ack_wait("30s")
+        .start()
+        .await;
     js.publish("orders.1", "x").await;
     let message = gateway.fetch_n(1, 1000).await.remove(0);
 
     server.pause();
     let started = Instant::now();
-    let reply = gateway.settle(&message.id, "ack", None).await;
+    let reply = gateway.settle(&message.id, Action::Ack, None).await;
     let took = started.elapsed();
     server.resume();
-    reply.assert_problem(&[504], "");
+    reply.assert_problem(504);
     assert!(
         took < Duration::from_secs(4),
         "bounded by --settle-timeout: {took:?}"
@@ -525,15 +526,11 @@ async fn unconfirmed_settle_is_504_and_the_retry_succeeds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_settles_go_to_nats_concurrently() {
-    let (server, js, gateway) = setup(&[
-        "--consumer",
-        "concurrent",
-        "--settle-timeout",
-        "1s",
-        "--ack-wait",
-        "30s",
-    ])
-    .await;
+    let (mut server, js, gateway) = Setup::consumer("concurrent")
+        .settle_timeout("1s")
+        .ack_wait("30s")
+        .start()
+        .await;
     js.publish_many("orders.1", 10, "m").await;
     let messages = gateway.fetch_n(10, 1000).await;
     assert_eq!(messages.len(), 10);
@@ -543,7 +540,9 @@ async fn batch_settles_go_to_nats_concurrently() {
     // would take ten seconds; sent concurrently, about one.
     server.pause();
     let started = Instant::now();
-    let reply = gateway.settle_many("ack", &json!({ "ids": ids })).await;
+    let reply = gateway
+        .settle_many(Action::Ack, &json!({ "ids": ids }))
+        .await;
     let took = started.elapsed();
     server.resume();
     assert_eq!(reply.status, 200, "{}", reply.text);
@@ -560,10 +559,99 @@ async fn batch_settles_go_to_nats_concurrently() {
     );
 
     // The leases stayed valid: the retry is confirmed for all.
-    let results = gateway.settle_many_ok("ack", &json!({ "ids": ids })).await;
+    let results = gateway
+        .settle_many_ok(Action::Ack, &json!({ "ids": ids }))
+        .await;
     assert!(
         results.iter().all(|(_, status)| *status == 204),
         "{results:?}"
     );
     assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_in_progress_calls_on_one_lease_both_answer_200() {
+    let (_server, js, gateway) = Setup::consumer("rv-wpi").ack_wait("30s").start().await;
+    js.publish("orders.1", "busy").await;
+    let lease = gateway.fetch_n(1, 2000).await.remove(0);
+    // Several rounds, so that the two calls really overlap at least once.
+    for round in 0..5 {
+        let (first, second) = tokio::join!(
+            gateway.in_progress(&lease.id),
+            gateway.in_progress(&lease.id)
+        );
+        for reply in [&first, &second] {
+            assert_eq!(
+                reply.status, 200,
+                "round {round}: concurrent in-progress answered {} {}",
+                reply.status, reply.text
+            );
+            let expires = reply.body["lease_expires_at"]
+                .as_str()
+                .unwrap_or_else(|| panic!("no lease_expires_at: {}", reply.text));
+            assert!(
+                crate::support::rfc3339(expires) >= lease.lease_expires(),
+                "an extension never shortens the lease: {expires} < {}",
+                lease.lease_expires_at
+            );
+        }
+    }
+    assert_eq!(gateway.ack(&lease.id).await, 204);
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+}
+
+/// NATS down: a settle answers 503 (it cannot reach the server, so it settles nothing) and
+/// the lease stays valid; once the gateway is connected again the same settle answers 204.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_refused_during_an_outage_succeeds_after_the_reconnect() {
+    let (mut server, js, mut gateway) = Setup::consumer("outage-settle")
+        .ack_wait("60s")
+        .start()
+        .await;
+    let sequence = js.publish("orders.1", "held through the outage").await;
+    let lease = gateway.fetch_n(1, 1000).await.remove(0);
+
+    server.kill();
+    gateway.wait_unready().await;
+    gateway
+        .settle(&lease.id, Action::Ack, None)
+        .await
+        .assert_problem(503);
+
+    server.restart().await;
+    gateway.wait_ready().await;
+    assert_eq!(gateway.ack(&lease.id).await, 204, "the same ack, retried");
+    let info = js.consumer_info(STREAM, "outage-settle").await;
+    assert_eq!(info.num_ack_pending, 0, "the server has the ack");
+    assert!(info.ack_floor.stream_sequence >= sequence);
+    assert!(
+        gateway.fetch_n(1, 500).await.is_empty(),
+        "never handed out again"
+    );
+}
+
+/// A client gone mid-settle is as a 504: the ack may or may not have landed, and retrying it
+/// while the lease is live is safe — 204, and the message never comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_whose_client_hung_up_can_be_retried() {
+    let (_server, js, gateway) = Setup::consumer("hung-up-ack").ack_wait("30s").start().await;
+    js.publish_many("orders.1", 5, "m").await;
+    let leased = gateway.fetch_n(5, 1000).await;
+    assert_eq!(leased.len(), 5);
+    for lease in &leased {
+        // Gone before the answer: a 1 ms bound on the whole request.
+        let gone = gateway
+            .try_settle(&lease.id, Action::Ack, None, Some(Duration::from_millis(1)))
+            .await;
+        if let Ok(reply) = &gone {
+            assert_eq!(reply.status, 204, "answered after all: {}", reply.text);
+        }
+        assert_eq!(gateway.ack(&lease.id).await, 204, "the retry of the ack");
+    }
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+    assert_eq!(gateway.leases_in_flight().await, 0);
+    assert!(
+        gateway.fetch_n(5, 500).await.is_empty(),
+        "no acked message comes back"
+    );
 }

@@ -1,16 +1,24 @@
 //! Graceful shutdown: waiting fetches return, new fetches get 503, settles are accepted during
-//! the grace period, what was received but not leased is nak'd, and `run` returns Ok.
+//! the grace period, what was received but not leased is nak'd, and `run` returns Ok —
+//! promptly once nothing is left to settle.
 
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::support::{Deadline, Gateway, STREAM, setup};
+use crate::support::{Deadline, Gateway, STREAM, Setup, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_polls_return_and_new_fetches_are_refused() {
-    let (_server, _js, mut gateway) =
-        setup(&["--consumer", "closing", "--shutdown-grace", "2s"]).await;
+    let (_server, js, mut gateway) = Setup::consumer("closing")
+        .shutdown_grace("5s")
+        .start()
+        .await;
+    // A lease out keeps the gateway serving through its grace period, so that the fetch
+    // below is answered (503) rather than meeting a listener already closed.
+    js.publish("orders.1", "held").await;
+    let held = gateway.fetch_n(1, 1000).await;
+    assert_eq!(held.len(), 1);
     let poll = {
         let http = gateway.http.clone();
         let url = gateway.url("/fetch");
@@ -26,8 +34,12 @@ async fn waiting_polls_return_and_new_fetches_are_refused() {
             (status, body)
         })
     };
-    // Let the poll start waiting (pacing, not a condition).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_until(
+        "the long poll waits at the server",
+        Duration::from_secs(5),
+        || async { js.consumer_info(STREAM, "closing").await.num_waiting >= 1 },
+    )
+    .await;
 
     let started = Instant::now();
     gateway.trigger_shutdown();
@@ -38,33 +50,13 @@ async fn waiting_polls_return_and_new_fetches_are_refused() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body, json!({ "messages": [] }));
 
-    // A new fetch after shutdown began: 503, or no listener any more.
-    match gateway
-        .http
-        .post(gateway.url("/fetch"))
-        .json(&json!({ "wait_ms": 0 }))
-        .send()
+    // A new fetch after shutdown began is refused with 503.
+    gateway
+        .fetch_reply(Some(&json!({ "wait_ms": 0 })))
         .await
-    {
-        Ok(response) => {
-            let status = response.status().as_u16();
-            let content_type = response
-                .headers()
-                .get("content-type")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("")
-                .to_string();
-            assert_eq!(status, 503, "a fetch during shutdown");
-            assert!(content_type.starts_with("application/problem+json"));
-        }
-        // Refused, or closed unanswered: with no lease out the grace ends at once, and a
-        // connection (pooled, or accepted just then) is closed as the server stops; either
-        // way no fetch was served. A response other than 503 is what must never happen.
-        Err(err) => assert!(
-            err.is_connect() || err.is_request(),
-            "no answer, as expected, but not for a transport reason: {err}"
-        ),
-    }
+        .assert_problem(503);
+    // The last lease settled, the drain ends without waiting out the grace.
+    assert_eq!(gateway.ack(&held[0].id).await, 204);
 
     gateway
         .join(Duration::from_secs(15))
@@ -75,15 +67,11 @@ async fn waiting_polls_return_and_new_fetches_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settles_are_accepted_during_the_grace_period() {
-    let (_server, js, mut gateway) = setup(&[
-        "--consumer",
-        "grace",
-        "--shutdown-grace",
-        "3s",
-        "--ack-wait",
-        "30s",
-    ])
-    .await;
+    let (_server, js, mut gateway) = Setup::consumer("grace")
+        .shutdown_grace("3s")
+        .ack_wait("30s")
+        .start()
+        .await;
     js.publish_many("orders.1", 2, "m").await;
     let held = gateway.fetch_n(2, 1000).await;
     assert_eq!(held.len(), 2);
@@ -113,15 +101,11 @@ async fn settles_are_accepted_during_the_grace_period() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unleased_messages_and_unsettled_leases_are_released_at_shutdown() {
-    let (server, js, mut first) = setup(&[
-        "--consumer",
-        "handover",
-        "--shutdown-grace",
-        "1s",
-        "--ack-wait",
-        "60s",
-    ])
-    .await;
+    let (server, js, mut first) = Setup::consumer("handover")
+        .shutdown_grace("1s")
+        .ack_wait("60s")
+        .start()
+        .await;
     let published = js.publish_many("orders.1", 4, "m").await;
     let mut leased = first.fetch_n(2, 1000).await;
     assert_eq!(leased.len(), 2);
@@ -139,11 +123,10 @@ async fn unleased_messages_and_unsettled_leases_are_released_at_shutdown() {
     // the grace (nobody can settle them through this process any more). A nak'd message
     // still counts in the server's num_ack_pending until redelivered, so look at the effect:
     // the next gateway gets all four at once, not after ack_wait (60 s).
-    let second = Gateway::ready(
-        &server.url(),
-        &["--consumer", "handover", "--ack-wait", "60s"],
-    )
-    .await;
+    let second = Setup::consumer("handover")
+        .ack_wait("60s")
+        .ready(&server.url())
+        .await;
     let mut sequences = Vec::new();
     let deadline = Deadline::after("every message comes back", Duration::from_secs(5));
     while sequences.len() < published.len() {
@@ -167,4 +150,40 @@ async fn unleased_messages_and_unsettled_leases_are_released_at_shutdown() {
     }
     sequences.sort_unstable();
     assert_eq!(sequences, published);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_no_leases_out_completes_promptly() {
+    let (_server, _js, mut gateway) = Setup::consumer("rv-idle-stop")
+        .shutdown_grace("30s")
+        .start()
+        .await;
+    assert_eq!(gateway.leases_in_flight().await, 0);
+    let started = Instant::now();
+    gateway.trigger_shutdown();
+    // `join` panics if run() has not returned within the bound.
+    stops_within(&mut gateway, started, Duration::from_secs(5)).await;
+}
+
+/// The same promise once the last lease out is settled during the grace period: the wait
+/// ends with that settle, not at the 30 s grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_completes_promptly_once_the_last_lease_is_settled() {
+    let (_server, js, mut gateway) = Setup::consumer("rv-last-settle")
+        .shutdown_grace("30s")
+        .ack_wait("60s")
+        .start()
+        .await;
+    js.publish("orders.1", "settled during the grace").await;
+    let lease = gateway.fetch_n(1, 2000).await.remove(0);
+    gateway.begin_shutdown().await;
+    let started = Instant::now();
+    assert_eq!(gateway.ack(&lease.id).await, 204, "ack during the grace");
+    stops_within(&mut gateway, started, Duration::from_secs(5)).await;
+}
+
+/// `run()` returns Ok no later than `limit` after `started` (`join` panics past its bound).
+async fn stops_within(gateway: &mut Gateway, started: Instant, limit: Duration) {
+    let left = limit.saturating_sub(started.elapsed());
+    gateway.join(left).await.expect("run() returns Ok");
 }

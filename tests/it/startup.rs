@@ -8,7 +8,7 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 
 use crate::support::nats::{create_stream, publish};
-use crate::support::{Gateway, Js, NatsServer, STREAM, setup, wait_until};
+use crate::support::{Action, Js, NatsServer, STREAM, Setup, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_durable_consumer_is_created_with_explicit_settings_only() {
@@ -23,18 +23,11 @@ async fn new_durable_consumer_is_created_with_explicit_settings_only() {
         .expect("subscribe to the JetStream API");
     js.client.flush().await.expect("flush");
 
-    let gateway = Gateway::ready(
-        &server.url(),
-        &[
-            "--consumer",
-            "created",
-            "--ack-wait",
-            "7s",
-            "--max-ack-pending",
-            "33",
-        ],
-    )
-    .await;
+    let gateway = Setup::consumer("created")
+        .ack_wait("7s")
+        .max_ack_pending(33)
+        .ready(&server.url())
+        .await;
 
     let info = js.consumer_info(STREAM, "created").await;
     assert_eq!(info.config.durable_name.as_deref(), Some("created"));
@@ -95,15 +88,11 @@ async fn new_durable_consumer_is_created_with_explicit_settings_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn filter_subject_and_max_deliver_are_sent_when_given() {
-    let (_server, js, gateway) = setup(&[
-        "--consumer",
-        "filtered",
-        "--filter-subject",
-        "orders.eu.>",
-        "--max-deliver",
-        "3",
-    ])
-    .await;
+    let (_server, js, gateway) = Setup::consumer("filtered")
+        .filter_subject("orders.eu.>")
+        .max_deliver(3)
+        .start()
+        .await;
     let info = js.consumer_info(STREAM, "filtered").await;
     assert_eq!(info.config.filter_subject, "orders.eu.>");
     assert_eq!(info.config.max_deliver, 3);
@@ -122,11 +111,10 @@ async fn deliver_policy_new_skips_messages_published_before() {
     let js = Js::connect(&server.url()).await;
     js.create_stream(STREAM, &["orders.>"]).await;
     js.publish_many("orders.old", 3, "old").await;
-    let gateway = Gateway::ready(
-        &server.url(),
-        &["--consumer", "only-new", "--deliver-policy", "new"],
-    )
-    .await;
+    let gateway = Setup::consumer("only-new")
+        .deliver_policy("new")
+        .ready(&server.url())
+        .await;
     let info = js.consumer_info(STREAM, "only-new").await;
     assert_eq!(info.config.deliver_policy, DeliverPolicy::New);
 
@@ -157,24 +145,14 @@ async fn existing_consumer_is_bound_and_its_mutable_fields_updated() {
     )
     .await;
 
-    let gateway = Gateway::ready(
-        &server.url(),
-        &[
-            "--consumer",
-            "existing",
-            "--deliver-policy",
-            "by-start-sequence=2",
-            "--ack-wait",
-            "3s",
-            "--max-ack-pending",
-            "17",
-            "--max-deliver",
-            "4",
-            "--filter-subject",
-            "orders.eu.>",
-        ],
-    )
-    .await;
+    let gateway = Setup::consumer("existing")
+        .deliver_policy("by-start-sequence=2")
+        .ack_wait("3s")
+        .max_ack_pending(17)
+        .max_deliver(4)
+        .filter_subject("orders.eu.>")
+        .ready(&server.url())
+        .await;
 
     let info = js.consumer_info(STREAM, "existing").await;
     assert_eq!(info.config.ack_wait, Duration::from_secs(3));
@@ -208,11 +186,10 @@ async fn differing_deliver_policy_refuses_to_start_naming_the_field() {
     )
     .await;
 
-    let mut gateway = Gateway::start(
-        &server.url(),
-        &["--consumer", "strict", "--deliver-policy", "all"],
-    )
-    .await;
+    let mut gateway = Setup::consumer("strict")
+        .deliver_policy("all")
+        .starting(&server.url())
+        .await;
     let error = gateway
         .exit_result()
         .await
@@ -233,11 +210,10 @@ async fn differing_deliver_policy_refuses_to_start_naming_the_field() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_stream_is_an_error_naming_the_stream_and_the_url() {
     let server = NatsServer::start().await;
-    let mut gateway = Gateway::start(
-        &server.url(),
-        &["--stream", "NOSUCHSTREAM", "--consumer", "nostream"],
-    )
-    .await;
+    let mut gateway = Setup::consumer("nostream")
+        .stream("NOSUCHSTREAM")
+        .starting(&server.url())
+        .await;
     let error = gateway
         .exit_result()
         .await
@@ -261,14 +237,14 @@ async fn unreachable_nats_is_healthy_but_not_ready_until_it_comes_up() {
     create_stream(&server.url(), STREAM, &["orders.>"]).await;
     server.kill();
 
-    let gateway = Gateway::start(&server.url(), &["--consumer", "patient"]).await;
+    let gateway = Setup::consumer("patient").starting(&server.url()).await;
     wait_until("/healthz answers 200", Duration::from_secs(5), || async {
         gateway.healthz().await == 200
     })
     .await;
     assert_eq!(gateway.readyz().await, 503, "not ready without NATS");
     let reply = gateway.get("/readyz").await;
-    reply.assert_problem(&[503], "");
+    reply.assert_problem(503);
     // Anyone may ask /readyz: its answer names neither the NATS server nor the consumer.
     let port = server
         .url()
@@ -281,7 +257,7 @@ async fn unreachable_nats_is_healthy_but_not_ready_until_it_comes_up() {
     }
     // Fetching without NATS is refused, not hung.
     let fetch = gateway.fetch_reply(Some(&json!({ "wait_ms": 0 }))).await;
-    fetch.assert_problem(&[503], "");
+    fetch.assert_problem(503);
 
     server.restart().await;
     wait_until(
@@ -299,7 +275,7 @@ async fn unreachable_nats_is_healthy_but_not_ready_until_it_comes_up() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_outage_answers_503_and_recovers() {
-    let (mut server, js, mut gateway) = setup(&["--consumer", "outage"]).await;
+    let (mut server, js, mut gateway) = Setup::consumer("outage").start().await;
     js.publish("orders.1", "before").await;
     let held = gateway.fetch_n(1, 1000).await;
     assert_eq!(held.len(), 1);
@@ -310,13 +286,13 @@ async fn nats_outage_answers_503_and_recovers() {
     gateway
         .fetch_reply(Some(&json!({ "wait_ms": 1000 })))
         .await
-        .assert_problem(&[503], "");
+        .assert_problem(503);
     gateway
-        .settle(&held[0].id, "ack", None)
+        .settle(&held[0].id, Action::Ack, None)
         .await
-        .assert_problem(&[503], "");
+        .assert_problem(503);
     let results = gateway
-        .settle_many_ok("ack", &json!({ "ids": [held[0].id] }))
+        .settle_many_ok(Action::Ack, &json!({ "ids": [held[0].id] }))
         .await;
     assert_eq!(results, vec![(held[0].id.clone(), 503)]);
 
@@ -333,7 +309,7 @@ async fn nats_outage_answers_503_and_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_gateway_continues_where_the_durable_consumer_stands() {
-    let (server, js, mut first) = setup(&["--consumer", "durable"]).await;
+    let (server, js, mut first) = Setup::consumer("durable").start().await;
     js.publish_many("orders.1", 3, "m").await;
     let messages = first.fetch_n(2, 1000).await;
     assert_eq!(messages.len(), 2);
@@ -342,7 +318,7 @@ async fn restarted_gateway_continues_where_the_durable_consumer_stands() {
     }
     first.shutdown().await.expect("clean shutdown");
 
-    let second = Gateway::ready(&server.url(), &["--consumer", "durable"]).await;
+    let second = Setup::consumer("durable").ready(&server.url()).await;
     let messages = second.fetch_n(10, 1000).await;
     let sequences: Vec<u64> = messages.iter().map(|m| m.stream_sequence).collect();
     assert_eq!(sequences, vec![3], "only the unacked message is left");
@@ -350,7 +326,7 @@ async fn restarted_gateway_continues_where_the_durable_consumer_stands() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ephemeral_consumer_has_no_durable_name_and_goes_away_after_the_gateway() {
-    let (_server, js, mut gateway) = setup(&["--ephemeral"]).await;
+    let (_server, js, mut gateway) = Setup::defaults().ephemeral().start().await;
     let stream = js.js.get_stream(STREAM).await.expect("stream");
     let names: Vec<String> = stream
         .consumer_names()
@@ -390,11 +366,10 @@ async fn last_and_last_per_subject_policies_start_where_they_say() {
     let a2 = js.publish("orders.a", "a2").await;
     let b1 = js.publish("orders.b", "b1").await;
 
-    let last = Gateway::ready(
-        &server.url(),
-        &["--consumer", "last", "--deliver-policy", "last"],
-    )
-    .await;
+    let last = Setup::consumer("last")
+        .deliver_policy("last")
+        .ready(&server.url())
+        .await;
     let sequences: Vec<u64> = last
         .fetch_n(10, 500)
         .await
@@ -403,19 +378,12 @@ async fn last_and_last_per_subject_policies_start_where_they_say() {
         .collect();
     assert_eq!(sequences, vec![b1]);
 
-    let per_subject = Gateway::ready(
-        &server.url(),
-        &[
-            "--consumer",
-            "per-subject",
-            "--deliver-policy",
-            "last-per-subject",
-            // nats-server requires a filter for last-per-subject.
-            "--filter-subject",
-            "orders.>",
-        ],
-    )
-    .await;
+    let per_subject = Setup::consumer("per-subject")
+        .deliver_policy("last-per-subject")
+        // nats-server requires a filter for last-per-subject.
+        .filter_subject("orders.>")
+        .ready(&server.url())
+        .await;
     let mut sequences: Vec<u64> = per_subject
         .fetch_n(10, 500)
         .await
@@ -448,8 +416,8 @@ async fn by_start_time_policy_applies_and_survives_a_restart() {
     let after = js.publish_many("orders.after", 2, "after").await;
 
     let policy = format!("by-start-time={start_text}");
-    let flags = ["--consumer", "since", "--deliver-policy", policy.as_str()];
-    let mut first = Gateway::ready(&server.url(), &flags).await;
+    let setup = Setup::consumer("since").deliver_policy(&policy);
+    let mut first = setup.ready(&server.url()).await;
     let messages = first.fetch_n(10, 500).await;
     let sequences: Vec<u64> = messages.iter().map(|m| m.stream_sequence).collect();
     assert_eq!(sequences, after);
@@ -459,6 +427,6 @@ async fn by_start_time_policy_applies_and_survives_a_restart() {
     first.shutdown().await.expect("clean shutdown");
 
     // The same flag on the next boot is the same policy, not a change of an immutable field.
-    let second = Gateway::ready(&server.url(), &flags).await;
+    let second = setup.ready(&server.url()).await;
     assert!(second.fetch_n(10, 300).await.is_empty());
 }

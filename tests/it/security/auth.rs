@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use crate::support::gateway::{Gateway, Reply, http_client, http_client_with_token};
-use crate::support::{Js, NatsServer, STREAM, wait_for};
+use crate::support::client::{Reply, http_client, http_client_with_token};
+use crate::support::{Client, GatewayProcess, Js, NatsServer, STREAM, Setup, wait_for};
 
 const TOKENS: &str = "\
 # workers
@@ -29,12 +29,12 @@ async fn send(client: &reqwest::Client, method: &str, url: &str) -> Reply {
         "GET" => client.get(url),
         _ => client.post(url),
     };
-    Gateway::reply(request.send().await.expect("request")).await
+    Reply::read(request.send().await.expect("request")).await
 }
 
 #[track_caller]
 fn assert_challenge(reply: &Reply, status: u16, expect: &str) {
-    reply.assert_problem(&[status], "");
+    reply.assert_problem(status);
     let challenge = reply
         .headers
         .get("www-authenticate")
@@ -55,24 +55,17 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
     js.create_stream(STREAM, &["orders.>"]).await;
     let file = tokens_file(TOKENS);
     let path = file.path().to_str().expect("utf8 path");
-    let gateway = Gateway::ready(
-        &server.url(),
-        &[
-            "--consumer",
-            "auth",
-            "--auth-tokens-file",
-            path,
-            "--auth-tokens",
-            "inline-token *",
-        ],
-    )
-    .await;
+    let gateway = Setup::consumer("auth")
+        .flag("--auth-tokens-file", path)
+        .flag("--auth-tokens", "inline-token *")
+        .ready(&server.url())
+        .await;
     js.publish("orders.auth", "one").await;
     let url = |path: &str| gateway.url(path);
     let anonymous = http_client();
 
     // Open: probes and the API description carry no token.
-    for path in ["/healthz", "/readyz", "/openapi.json", "/docs/"] {
+    for path in ["/healthz", "/readyz", "/openapi.json", "/docs", "/docs/"] {
         assert_eq!(
             send(&anonymous, "GET", &url(path)).await.status,
             200,
@@ -103,7 +96,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
         .send()
         .await
         .expect("request");
-    assert_challenge(&Gateway::reply(basic).await, 401, "Bearer");
+    assert_challenge(&Reply::read(basic).await, 401, "Bearer");
     for (method, path) in [
         ("POST", "/messages/abc/ack"),
         ("POST", "/messages/ack"),
@@ -115,7 +108,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
     }
     // A path no route matches is a plain 404 without a token: it reveals nothing.
     let unknown = send(&anonymous, "GET", &url("/no-such-endpoint")).await;
-    unknown.assert_problem(&[404], "");
+    unknown.assert_problem(404);
     assert!(!unknown.headers.contains_key("www-authenticate"));
 
     // A valid token outside its scope: 403 naming the scope, before the body is looked at.
@@ -144,7 +137,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
         .send()
         .await
         .expect("fetch");
-    let fetched = Gateway::reply(fetched).await;
+    let fetched = Reply::read(fetched).await;
     assert_eq!(fetched.status, 200, "{}", fetched.text);
     let id = fetched.body["messages"][0]["id"]
         .as_str()
@@ -159,7 +152,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
         .send()
         .await
         .expect("publish");
-    assert_eq!(Gateway::reply(published).await.status, 201);
+    assert_eq!(Reply::read(published).await.status, 201);
     // `admin` may publish too (an operator injecting or replaying a message).
     let published = ops
         .post(url("/publish"))
@@ -167,7 +160,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
         .send()
         .await
         .expect("publish as admin");
-    assert_eq!(Gateway::reply(published).await.status, 201);
+    assert_eq!(Reply::read(published).await.status, 201);
 
     // Refusals are counted under their route template like any answer.
     let metrics = send(&ops, "GET", &url("/metrics")).await;
@@ -187,7 +180,7 @@ async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
     assert_eq!(send(&root, "GET", &url("/consumer")).await.status, 200);
     send(&root, "GET", &url("/no-such-endpoint"))
         .await
-        .assert_problem(&[404], "");
+        .assert_problem(404);
 }
 
 #[tokio::test]
@@ -203,11 +196,10 @@ async fn bad_token_sources_refuse_to_start_without_echoing_tokens() {
     ] {
         let file = tokens_file(text);
         let path = file.path().to_str().expect("utf8 path");
-        let mut gateway = Gateway::start(
-            &server.url(),
-            &["--consumer", "refused", "--auth-tokens-file", path],
-        )
-        .await;
+        let mut gateway = Setup::consumer("refused")
+            .flag("--auth-tokens-file", path)
+            .starting(&server.url())
+            .await;
         let err = gateway
             .exit_result()
             .await
@@ -219,16 +211,10 @@ async fn bad_token_sources_refuse_to_start_without_echoing_tokens() {
             "the error shows a token: {err}"
         );
     }
-    let mut missing = Gateway::start(
-        &server.url(),
-        &[
-            "--consumer",
-            "refused",
-            "--auth-tokens-file",
-            "/nonexistent/tokens",
-        ],
-    )
-    .await;
+    let mut missing = Setup::consumer("refused")
+        .flag("--auth-tokens-file", "/nonexistent/tokens")
+        .starting(&server.url())
+        .await;
     let err = format!("{:#}", missing.exit_result().await.expect_err("refused"));
     assert!(err.contains("/nonexistent/tokens"), "{err}");
 }
@@ -240,18 +226,11 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
     js.create_stream(STREAM, &["orders.>"]).await;
     let file = tokens_file("token-a fetch\ntoken-b fetch\nadmin-token admin\n");
     let path = file.path().to_str().expect("utf8 path");
-    let gateway = Gateway::ready(
-        &server.url(),
-        &[
-            "--consumer",
-            "capped",
-            "--auth-tokens-file",
-            path,
-            "--max-waiting-fetches-per-token",
-            "2",
-        ],
-    )
-    .await;
+    let gateway = Setup::consumer("capped")
+        .flag("--auth-tokens-file", path)
+        .flag("--max-waiting-fetches-per-token", "2")
+        .ready(&server.url())
+        .await;
     let a = http_client_with_token("token-a");
     let b = http_client_with_token("token-b");
     let fetch = |client: &reqwest::Client, wait_ms: u64| {
@@ -268,17 +247,15 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
         "a third fetch of token A is refused",
         Duration::from_secs(3),
         || async {
-            let reply = Gateway::reply(fetch(&a, 0).await.expect("fetch")).await;
+            let reply = Reply::read(fetch(&a, 0).await.expect("fetch")).await;
             (reply.status == 429).then_some(reply)
         },
     )
     .await;
-    refused.assert_problem(&[429], "");
+    refused.assert_problem(429);
     assert!(refused.retry_after_secs() >= 1);
     assert_eq!(
-        Gateway::reply(fetch(&b, 0).await.expect("fetch"))
-            .await
-            .status,
+        Reply::read(fetch(&b, 0).await.expect("fetch")).await.status,
         200
     );
     for reply in long_polls.await.expect("join") {
@@ -286,13 +263,11 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
     }
     // The long polls returned: A's share is free again.
     assert_eq!(
-        Gateway::reply(fetch(&a, 0).await.expect("fetch"))
-            .await
-            .status,
+        Reply::read(fetch(&a, 0).await.expect("fetch")).await.status,
         200
     );
     // Operators see the refusal.
-    let metrics = Gateway::reply(
+    let metrics = Reply::read(
         http_client_with_token("admin-token")
             .get(gateway.url("/metrics"))
             .send()
@@ -306,4 +281,68 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
         .find(|line| line.starts_with(r#"ruststream_fetches_refused_total{reason="token_limit"}"#))
         .unwrap_or_else(|| panic!("no token_limit series:\n{}", metrics.text));
     assert!(!refused.ends_with(" 0"), "{refused}");
+}
+
+/// A token source that is set but names no token — an empty `RUSTSTREAM_AUTH_TOKENS` —
+/// refuses to start rather than run with authentication off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_inline_token_source_refuses_to_start() {
+    let server = NatsServer::start().await;
+    let setup = Setup::consumer("empty-tokens")
+        .create_stream()
+        .env("RUSTSTREAM_AUTH_TOKENS", "");
+    let mut gateway = GatewayProcess::spawn(&setup, &server.url());
+    let status = gateway.wait_exit(Duration::from_secs(20)).await;
+    assert!(
+        !status.success(),
+        "it must not run open; log:\n{}",
+        gateway.log()
+    );
+    let log = gateway.log();
+    assert!(log.contains("names no token"), "says why:\n{log}");
+    assert!(
+        !log.contains("HTTP authentication is off"),
+        "it must not fall back to running open:\n{log}"
+    );
+}
+
+/// With authentication on, neither a bearer token nor the lease key shows in the log, even
+/// at debug level and after requests that carry the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_and_the_lease_key_never_reach_the_log() {
+    const TOKEN: &str = "logged-never-token-5c1e";
+    const KEY: &str = "logged-never-lease-key-0123456789abcdef0123456789";
+    let server = NatsServer::start().await;
+    let js = Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    js.publish("orders.1", "x").await;
+    let tokens = tokens_file(&format!("{TOKEN} *\n"));
+    let mut key = tempfile::NamedTempFile::new().expect("temp key file");
+    std::io::Write::write_all(&mut key, KEY.as_bytes()).expect("write the key");
+    let mut gateway = Setup::consumer("quiet")
+        .auth_tokens_file(tokens.path())
+        .lease_key_file(key.path())
+        .rust_log("debug")
+        .process(&server.url())
+        .await;
+    let client = Client::with_http(gateway.base(), http_client_with_token(TOKEN));
+    let leased = client.fetch_n(1, 2000).await;
+    assert_eq!(leased.len(), 1);
+    assert_eq!(client.ack(&leased[0].id).await, 204);
+    let refused = send(
+        &http_client_with_token("not-the-token"),
+        "POST",
+        &gateway.url("/fetch"),
+    )
+    .await;
+    assert_eq!(refused.status, 401);
+    gateway.terminate(Duration::from_secs(15)).await;
+    let log = gateway.log();
+    assert!(
+        log.contains("lease settle"),
+        "the debug log was written:\n{log}"
+    );
+    for secret in [TOKEN, KEY, "not-the-token"] {
+        assert!(!log.contains(secret), "{secret:?} in the log:\n{log}");
+    }
 }

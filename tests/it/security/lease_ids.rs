@@ -7,8 +7,7 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use serde_json::json;
 
-use crate::support::gateway::Gateway;
-use crate::support::{Js, NatsServer, STREAM, setup};
+use crate::support::{Action, Js, NatsServer, STREAM, Setup};
 
 fn key_file(text: &str) -> tempfile::NamedTempFile {
     let mut file = tempfile::NamedTempFile::new().expect("temp file");
@@ -38,7 +37,7 @@ fn forgeries(id: &str) -> Vec<String> {
 
 #[tokio::test]
 async fn tampered_ids_answer_404_and_send_nothing_to_nats() {
-    let (_server, js, gateway) = setup(&["--consumer", "tamper"]).await;
+    let (_server, js, gateway) = Setup::consumer("tamper").start().await;
     js.publish_many("orders.tamper", 2, "t").await;
     let mut acks = js.client.subscribe("$JS.ACK.>").await.expect("subscribe");
     js.client.flush().await.expect("flush");
@@ -47,13 +46,13 @@ async fn tampered_ids_answer_404_and_send_nothing_to_nats() {
     let (victim, witness) = (&leased[0], &leased[1]);
 
     for forged in forgeries(&victim.id) {
-        for action in ["ack", "nak", "term", "in-progress"] {
+        for action in Action::ALL {
             let reply = gateway.settle(&urlencode(&forged), action, None).await;
-            reply.assert_problem(&[404], "");
+            reply.assert_problem(404);
         }
     }
     let batch = gateway
-        .settle_many_ok("ack", &json!({ "ids": forgeries(&victim.id) }))
+        .settle_many_ok(Action::Ack, &json!({ "ids": forgeries(&victim.id) }))
         .await;
     assert!(batch.iter().all(|(_, status)| *status == 404), "{batch:?}");
 
@@ -87,43 +86,32 @@ async fn a_restart_with_the_same_key_file_knows_its_predecessors_ids() {
     js.publish("orders.restart", "one").await;
     let key = key_file(&format!("{}\n", "5e".repeat(32)));
     let other_key = key_file(&"ab".repeat(32));
-    let key_path = key.path().to_str().expect("utf8");
-    let flags = [
-        "--consumer",
-        "keyed",
-        "--shutdown-grace",
-        "0s",
-        "--lease-key-file",
-        key_path,
-    ];
+    let setup = Setup::consumer("keyed")
+        .shutdown_grace("0s")
+        .lease_key_file(key.path());
 
-    let mut first = Gateway::ready(&server.url(), &flags).await;
+    let mut first = setup.ready(&server.url()).await;
     let leased = first.fetch_n(1, 5000).await;
     let id = leased[0].id.clone();
     first.shutdown().await.expect("clean stop");
 
     // Same key: genuine but not this process's lease (its settle state and reply subject
     // died with the predecessor) — 410 for every action, never 404, never 5xx.
-    let second = Gateway::ready(&server.url(), &flags).await;
-    for action in ["ack", "nak", "term", "in-progress"] {
-        second
-            .settle(&id, action, None)
-            .await
-            .assert_problem(&[410], "");
+    let second = setup.ready(&server.url()).await;
+    for action in Action::ALL {
+        second.settle(&id, action, None).await.assert_problem(410);
     }
     drop(second);
 
     // Another key: the id is not ours at all.
-    let other_path = other_key.path().to_str().expect("utf8");
-    let third = Gateway::ready(
-        &server.url(),
-        &["--consumer", "keyed", "--lease-key-file", other_path],
-    )
-    .await;
+    let third = Setup::consumer("keyed")
+        .lease_key_file(other_key.path())
+        .ready(&server.url())
+        .await;
     third
-        .settle(&id, "ack", None)
+        .settle(&id, Action::Ack, None)
         .await
-        .assert_problem(&[404], "");
+        .assert_problem(404);
 }
 
 #[tokio::test]
@@ -134,11 +122,10 @@ async fn a_short_or_missing_key_file_refuses_to_start_without_showing_the_key() 
         (short.path().to_str().expect("utf8"), "at least 32 bytes"),
         ("/nonexistent/lease.key", "/nonexistent/lease.key"),
     ] {
-        let mut gateway = Gateway::start(
-            &server.url(),
-            &["--consumer", "k", "--lease-key-file", path],
-        )
-        .await;
+        let mut gateway = Setup::consumer("k")
+            .flag("--lease-key-file", path)
+            .starting(&server.url())
+            .await;
         let err = format!("{:#}", gateway.exit_result().await.expect_err("refused"));
         assert!(err.contains(expect), "{err}");
         assert!(

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::support::setup;
+use crate::support::Setup;
 
 /// Slack on top of a configured timeout for a loaded 2-core machine.
 const MARGIN: Duration = Duration::from_secs(3);
@@ -40,8 +40,10 @@ fn dribble(mut writer: tokio::net::tcp::OwnedWriteHalf, chunks: Vec<String>) {
 
 #[tokio::test]
 async fn a_client_dribbling_headers_is_disconnected_after_the_header_timeout() {
-    let (_server, _js, gateway) =
-        setup(&["--consumer", "slowloris", "--header-read-timeout", "1s"]).await;
+    let (_server, _js, gateway) = Setup::consumer("slowloris")
+        .flag("--header-read-timeout", "1s")
+        .start()
+        .await;
     let stream = TcpStream::connect(gateway.url("").trim_start_matches("http://"))
         .await
         .expect("connect");
@@ -72,8 +74,10 @@ async fn a_client_dribbling_headers_is_disconnected_after_the_header_timeout() {
 
 #[tokio::test]
 async fn an_idle_connection_is_closed_and_a_prompt_one_is_served() {
-    let (_server, _js, gateway) =
-        setup(&["--consumer", "idle", "--header-read-timeout", "1s"]).await;
+    let (_server, _js, gateway) = Setup::consumer("idle")
+        .flag("--header-read-timeout", "1s")
+        .start()
+        .await;
     let address = gateway.url("").trim_start_matches("http://").to_owned();
     // A connection that never sends anything is closed too (no slot held forever).
     let mut idle = TcpStream::connect(&address).await.expect("connect");
@@ -91,8 +95,10 @@ async fn an_idle_connection_is_closed_and_a_prompt_one_is_served() {
 
 #[tokio::test]
 async fn a_client_dribbling_its_body_gets_408_and_is_disconnected() {
-    let (_server, _js, gateway) =
-        setup(&["--consumer", "slowbody", "--body-read-timeout", "1s"]).await;
+    let (_server, _js, gateway) = Setup::consumer("slowbody")
+        .flag("--body-read-timeout", "1s")
+        .start()
+        .await;
     let stream = TcpStream::connect(gateway.url("").trim_start_matches("http://"))
         .await
         .expect("connect");
@@ -137,10 +143,12 @@ async fn a_client_dribbling_its_body_gets_408_and_is_disconnected() {
 
 #[tokio::test]
 async fn connections_past_the_cap_wait_until_one_closes() {
-    let (_server, _js, mut gateway) =
-        setup(&["--consumer", "capped-conns", "--max-connections", "2"]).await;
+    let (_server, _js, mut gateway) = Setup::consumer("capped-conns")
+        .flag("--max-connections", "2")
+        .start()
+        .await;
     // The readiness polls' pooled connection would hold a slot: close it.
-    gateway.http = crate::support::gateway::http_client();
+    gateway.http = crate::support::client::http_client();
     let address = gateway.url("").trim_start_matches("http://").to_owned();
     let request = b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n";
     // Two keep-alive connections, each served once and left open.

@@ -4,7 +4,6 @@
 //! keeps the gateway unready; no secret reaches the gateway's log.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -12,16 +11,21 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use nkeys::KeyPair;
 use serde_json::{Value, json};
 
-use crate::support::gateway::Gateway;
-use crate::support::nats::free_port;
-use crate::support::nats_secure::{ConfiguredServer, quoted};
-use crate::support::{assert_stays, wait_until};
+use crate::support::nats::{files_dir, quoted};
+use crate::support::{GatewayProcess, NatsServer, Setup, assert_stays, wait_until};
+
+/// A gateway creating its stream, with these NATS connection flags.
+fn secure(nats_flags: &[&str]) -> Setup {
+    nats_flags
+        .chunks(2)
+        .fold(Setup::consumer("secure").create_stream(), |setup, flag| {
+            setup.flag(flag[0], flag[1])
+        })
+}
 
 /// Start a gateway (creating the stream) and drive publish → fetch → ack through it.
 async fn assert_gateway_works(url: &str, flags: &[&str]) {
-    let mut all = vec!["--consumer", "secure", "--create-stream"];
-    all.extend_from_slice(flags);
-    let gateway = Gateway::ready(url, &all).await;
+    let gateway = secure(flags).ready(url).await;
     let published = gateway
         .post(
             "/publish",
@@ -36,9 +40,7 @@ async fn assert_gateway_works(url: &str, flags: &[&str]) {
 
 /// A gateway with these flags never becomes ready (the server refuses it).
 async fn assert_refused(url: &str, flags: &[&str]) {
-    let mut all = vec!["--consumer", "secure", "--create-stream"];
-    all.extend_from_slice(flags);
-    let gateway = Gateway::start(url, &all).await;
+    let gateway = secure(flags).starting(url).await;
     wait_until("/healthz answers", Duration::from_secs(5), || async {
         gateway.healthz().await == 200
     })
@@ -51,36 +53,25 @@ async fn assert_refused(url: &str, flags: &[&str]) {
 
 /// Run the gateway binary for a while with `env`, then return its log (debug level).
 async fn binary_log(url: &str, env: &[(&str, &str)]) -> String {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let log_path = dir.path().join("gateway.log");
-    let log = std::fs::File::create(&log_path).expect("log");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ruststream-nats"))
-        .args(["--nats-url", url, "--consumer", "secure", "--create-stream"])
-        .args(["--listen", &format!("127.0.0.1:{}", free_port())])
-        .envs(env.iter().copied())
-        .env("RUST_LOG", "debug")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("spawn the gateway");
-    // Long enough for a few refused connection attempts to be logged.
-    wait_until("the refusal is logged", Duration::from_secs(10), || async {
-        std::fs::read_to_string(&log_path)
-            .unwrap_or_default()
-            .to_lowercase()
-            .contains("authorization")
+    let setup = env
+        .iter()
+        .fold(secure(&[]).rust_log("debug"), |setup, (key, value)| {
+            setup.env(key, value)
+        });
+    let mut gateway = GatewayProcess::spawn(&setup, url);
+    wait_until("the refusal is logged", Duration::from_secs(10), || {
+        let refused = gateway.log().to_lowercase().contains("authorization");
+        async move { refused }
     })
     .await;
-    let _ = child.kill();
-    let _ = child.wait();
-    std::fs::read_to_string(&log_path).unwrap_or_default()
+    gateway.kill9();
+    gateway.log()
 }
 
 #[tokio::test]
 async fn user_and_password() {
     let server =
-        ConfiguredServer::start("authorization { user: alice, password: \"pw-3f9a-secret\" }")
+        NatsServer::with_config("authorization { user: alice, password: \"pw-3f9a-secret\" }")
             .await;
     assert_gateway_works(
         &server.url(),
@@ -112,7 +103,7 @@ async fn user_and_password() {
 #[tokio::test]
 async fn credentials_in_the_url() {
     let server =
-        ConfiguredServer::start("authorization { user: alice, password: \"pw-u7e2-secret\" }")
+        NatsServer::with_config("authorization { user: alice, password: \"pw-u7e2-secret\" }")
             .await;
     let with_credentials = |password: &str| {
         server
@@ -126,11 +117,10 @@ async fn credentials_in_the_url() {
         "the password is in the log:\n{log}"
     );
     // Credentials both in the URL and as a flag: which would win is not obvious, so neither.
-    let mut both = Gateway::start(
-        &with_credentials("pw-both-9b3f-secret"),
-        &["--nats-token", "some-token"],
-    )
-    .await;
+    let mut both = Setup::defaults()
+        .flag("--nats-token", "some-token")
+        .starting(&with_credentials("pw-both-9b3f-secret"))
+        .await;
     let refused = format!(
         "{:#}",
         both.exit_result().await.expect_err("refused to start")
@@ -141,7 +131,7 @@ async fn credentials_in_the_url() {
 
 #[tokio::test]
 async fn token() {
-    let server = ConfiguredServer::start("authorization { token: \"tok-51d0-secret\" }").await;
+    let server = NatsServer::with_config("authorization { token: \"tok-51d0-secret\" }").await;
     assert_gateway_works(&server.url(), &["--nats-token", "tok-51d0-secret"]).await;
     assert_refused(&server.url(), &["--nats-token", "tok-wrong"]).await;
     let log = binary_log(&server.url(), &[("NATS_TOKEN", "tok-wrong-88ab-secret")]).await;
@@ -154,12 +144,12 @@ async fn token() {
 #[tokio::test]
 async fn nkey_seed_file() {
     let user = KeyPair::new_user();
-    let server = ConfiguredServer::start(&format!(
+    let server = NatsServer::with_config(&format!(
         "authorization {{ users: [ {{ nkey: {} }} ] }}",
         user.public_key()
     ))
     .await;
-    let files = ConfiguredServer::files();
+    let files = files_dir();
     let seed_path = files.path().join("user.nk");
     let seed = user.seed().expect("seed");
     std::fs::write(&seed_path, format!("{seed}\n")).expect("write seed");
@@ -179,16 +169,10 @@ async fn nkey_seed_file() {
     .await;
     let garbage = files.path().join("garbage.nk");
     std::fs::write(&garbage, "SUnot-a-seed-but-secret-ish\n").expect("write");
-    let mut gateway = Gateway::start(
-        &server.url(),
-        &[
-            "--consumer",
-            "secure",
-            "--nats-nkey",
-            garbage.to_str().expect("utf8"),
-        ],
-    )
-    .await;
+    let mut gateway = Setup::consumer("secure")
+        .flag("--nats-nkey", garbage.to_str().expect("utf8"))
+        .starting(&server.url())
+        .await;
     let err = format!("{:#}", gateway.exit_result().await.expect_err("refused"));
     assert!(err.contains("no valid user seed"), "{err}");
     assert!(
@@ -253,14 +237,14 @@ async fn creds_file_in_operator_mode() {
         "SYS",
         json!({ "type": "account", "version": 2 }),
     );
-    let server = ConfiguredServer::start(&format!(
+    let server = NatsServer::with_config(&format!(
         "operator: {operator_jwt}\nsystem_account: {sys}\nresolver: MEMORY\n\
          resolver_preload: {{ {sys}: {system_jwt}, {acc}: {account_jwt} }}",
         sys = system.public_key(),
         acc = account.public_key(),
     ))
     .await;
-    let files = ConfiguredServer::files();
+    let files = files_dir();
     let creds = files.path().join("user.creds");
     std::fs::write(&creds, creds_file(&user_jwt, &user.seed().expect("seed"))).expect("write");
     assert_gateway_works(
@@ -308,7 +292,7 @@ fn make_pki() -> Pki {
         BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa,
         KeyPair as CertKey,
     };
-    let dir = ConfiguredServer::files();
+    let dir = files_dir();
     let write = |name: &str, text: String| {
         let path = dir.path().join(name);
         std::fs::write(&path, text).expect("write pem");
@@ -346,7 +330,7 @@ fn make_pki() -> Pki {
 #[tokio::test]
 async fn tls_with_ca_and_client_certificate() {
     let pki = make_pki();
-    let server = ConfiguredServer::start(&format!(
+    let server = NatsServer::with_config(&format!(
         "tls {{ cert_file: {}, key_file: {}, ca_file: {}, verify: true, timeout: 2 }}",
         quoted(Path::new(&pki.server_cert)),
         quoted(Path::new(&pki.server_key)),

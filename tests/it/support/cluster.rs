@@ -1,140 +1,16 @@
 //! nats-servers started from config files with `jetstream { sync_interval: always }` (every
 //! write fsync'd, so what the server confirmed survives SIGKILL): one node, or a cluster of
 //! nodes on loopback (routes on free ports, each with its own store and server name).
-//! Each node can be killed (-9), restarted on the same ports and store, paused and resumed.
-
-use std::fs::File;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+//! Each node is a [`NatsServer`]: killed (-9), restarted on the same ports and store, paused.
 
 use tempfile::TempDir;
-use tokio::time::Instant;
 
-use crate::support::nats::{free_port, nats_server_binary};
-
-const START_DEADLINE: Duration = Duration::from_secs(10);
-
-/// One nats-server of a [`Cluster`].
-pub struct Node {
-    pub name: String,
-    pub client_port: u16,
-    dir: PathBuf,
-    child: Option<Child>,
-}
-
-impl Node {
-    pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.client_port)
-    }
-
-    fn config_path(&self) -> PathBuf {
-        self.dir.join("server.conf")
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.join("server.log")
-    }
-
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_default()
-    }
-
-    fn spawn(&mut self) {
-        let log = File::options()
-            .create(true)
-            .append(true)
-            .open(self.log_path())
-            .expect("open the node's log");
-        let log_err = log.try_clone().expect("clone the log file");
-        let child = Command::new(nats_server_binary())
-            .arg("-c")
-            .arg(self.config_path())
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .expect("spawn nats-server");
-        self.child = Some(child);
-    }
-
-    async fn wait_accepting(&mut self) {
-        let deadline = Instant::now() + START_DEADLINE;
-        loop {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                panic!("{} exited with {status}; log:\n{}", self.name, self.log());
-            }
-            if tokio::net::TcpStream::connect(("127.0.0.1", self.client_port))
-                .await
-                .is_ok()
-            {
-                return;
-            }
-            if Instant::now() >= deadline {
-                panic!(
-                    "{} did not accept connections; log:\n{}",
-                    self.name,
-                    self.log()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// SIGKILL and reap; the store stays for `restart`.
-    pub fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// Start again on the same ports with the same store.
-    pub async fn restart(&mut self) {
-        self.kill9();
-        self.spawn();
-        self.wait_accepting().await;
-    }
-
-    /// SIGSTOP: the process keeps its sockets but answers nothing.
-    pub fn pause(&self) {
-        self.signal("-STOP");
-    }
-
-    pub fn resume(&self) {
-        self.signal("-CONT");
-    }
-
-    fn signal(&self, signal: &str) {
-        let pid = self.child.as_ref().expect("the node runs").id();
-        let status = Command::new("kill")
-            .args([signal, &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {signal} {pid} failed");
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        // A paused process ignores SIGKILL's reaping until continued on some systems.
-        if self.child.is_some() {
-            let _ = Command::new("kill")
-                .args([
-                    "-CONT",
-                    &self.child.as_ref().map_or(0, Child::id).to_string(),
-                ])
-                .status();
-        }
-        self.kill9();
-    }
-}
+use super::nats::{NatsServer, free_port};
 
 /// `size` nats-servers with JetStream; with `size > 1` they form one cluster.
 pub struct Cluster {
-    pub nodes: Vec<Node>,
+    /// `(name, server)`: `n1`, `n2`, …
+    pub nodes: Vec<(String, NatsServer)>,
     _dir: TempDir,
 }
 
@@ -169,19 +45,15 @@ impl Cluster {
                     route_ports[i]
                 ));
             }
-            std::fs::write(node_dir.join("server.conf"), config).expect("write server.conf");
-            nodes.push(Node {
-                name,
-                client_port: client_ports[i],
-                dir: node_dir,
-                child: None,
-            });
+            let config_path = node_dir.join("server.conf");
+            std::fs::write(&config_path, config).expect("write server.conf");
+            let server = NatsServer::node(&name, client_ports[i], &config_path, &node_dir);
+            nodes.push((name, server));
         }
-        for node in &mut nodes {
-            node.spawn();
-        }
-        for node in &mut nodes {
-            node.wait_accepting().await;
+        for (name, node) in &mut nodes {
+            node.spawn_and_wait()
+                .await
+                .unwrap_or_else(|err| panic!("{name} did not start: {err}"));
         }
         Self { nodes, _dir: dir }
     }
@@ -190,15 +62,16 @@ impl Cluster {
     pub fn urls(&self) -> String {
         self.nodes
             .iter()
-            .map(Node::url)
+            .map(|(_, node)| node.url())
             .collect::<Vec<_>>()
             .join(",")
     }
 
-    pub fn node(&mut self, name: &str) -> &mut Node {
+    pub fn node(&mut self, name: &str) -> &mut NatsServer {
         self.nodes
             .iter_mut()
-            .find(|node| node.name == name)
+            .find(|(node_name, _)| node_name == name)
+            .map(|(_, node)| node)
             .unwrap_or_else(|| panic!("no node named {name}"))
     }
 }

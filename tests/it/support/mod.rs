@@ -1,10 +1,12 @@
-//! Shared fixtures: a real nats-server per test, the in-process gateway with a typed client,
-//! and polling helpers (`wait_until`, `wait_for`) so no test sleeps in place of a condition.
+//! Shared fixtures: a real nats-server per test (alone or a cluster), the gateway in process
+//! or as the binary, the typed client every test talks to it through, the setup builder, and
+//! polling helpers (`wait_until`, `wait_for`) so no test sleeps in place of a condition.
 
+pub mod client;
+pub mod cluster;
 pub mod gateway;
 pub mod nats;
-pub mod nats_secure;
-pub mod process;
+pub mod setup;
 
 use std::future::Future;
 use std::time::Duration;
@@ -13,11 +15,10 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tokio::time::Instant;
 
-pub use gateway::{Gateway, Msg};
+pub use client::{Action, Client, FetchRequest, Msg, Reply};
+pub use gateway::{Gateway, GatewayProcess};
 pub use nats::{Js, NatsServer};
-
-/// The stream every test uses, as the README's demo does.
-pub const STREAM: &str = "ORDERS";
+pub use setup::{STREAM, Setup};
 
 /// Poll `condition` every 50 ms until it holds; panic naming `what` after `timeout`.
 pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut condition: F)
@@ -115,19 +116,24 @@ pub async fn sleep_past(at: OffsetDateTime, margin: Duration) {
     tokio::time::sleep(left + margin).await;
 }
 
-/// A nats-server with the `ORDERS` stream (`orders.>`), a JetStream client on it, and a ready
-/// gateway started with `flags` (tests pass their own `--consumer` name).
-pub async fn setup(flags: &[&str]) -> (NatsServer, Js, Gateway) {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
-    let gateway = Gateway::ready(&server.url(), flags).await;
-    (server, js, gateway)
-}
-
 /// The server's num_ack_pending for the gateway's consumer.
 pub async fn server_ack_pending(js: &Js, gateway: &Gateway) -> usize {
     js.consumer_info(&gateway.stream, &gateway.consumer)
         .await
         .num_ack_pending
+}
+
+/// Fetch (polling, bounded) until `count` messages in total have been leased.
+pub async fn fetch_count(gateway: &Gateway, count: usize, timeout: Duration) -> Vec<Msg> {
+    let deadline = Deadline::after(format!("{count} messages are fetched"), timeout);
+    let mut got = Vec::new();
+    while got.len() < count {
+        got.extend(gateway.fetch_n((count - got.len()) as u64, 500).await);
+        if got.len() < count {
+            deadline
+                .tick_seeing(format_args!("{} so far", got.len()))
+                .await;
+        }
+    }
+    got
 }

@@ -1,16 +1,23 @@
-//! A real nats-server with JetStream per test: free port, temp store dir, kill/restart/pause.
-//! Plus small async-nats helpers (create a stream, publish with a confirmed ack, consumer info).
+//! A real nats-server with JetStream per test — started from flags (`-js -sd`), from a config
+//! snippet (authorization, TLS, operator mode) or as a node of a [`Cluster`](super::cluster)
+//! — that can be killed, restarted on the same port and store, paused and resumed. Plus small
+//! async-nats helpers (create a stream, publish with a confirmed ack, consumer info).
+//!
+//! `examples/bench.rs` includes this file by path: it names nothing of the suite but
+//! `process.rs`, which it includes itself for the same reason.
 
-use std::fs::File;
+#[path = "process.rs"]
+pub mod process;
+
 use std::net::TcpListener as StdListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer, stream};
 use tempfile::TempDir;
-use tokio::time::Instant;
+
+use process::ChildProcess;
 
 /// How long a freshly spawned server may take to accept TCP connections.
 const START_DEADLINE: Duration = Duration::from_secs(10);
@@ -18,25 +25,66 @@ const START_DEADLINE: Duration = Duration::from_secs(10);
 /// A nats-server child process with JetStream enabled, owned by one test.
 pub struct NatsServer {
     port: u16,
-    dir: TempDir,
-    child: Option<Child>,
+    process: ChildProcess,
+    /// The store and the log; `None` for a cluster node, whose cluster owns the directory.
+    _dir: Option<TempDir>,
 }
 
 impl NatsServer {
-    /// Spawn a server on a free port with a fresh store and wait until it accepts connections.
+    /// A server on a free port with a fresh store, started from flags; waits until it
+    /// accepts connections.
     pub async fn start() -> Self {
-        // Another process may grab the free port between our probe and the server's bind:
-        // try a few ports before giving up.
+        Self::start_trying(|port, dir| {
+            let store = dir.join("store");
+            let args: Vec<std::ffi::OsString> = vec![
+                "-a".into(),
+                "127.0.0.1".into(),
+                "-p".into(),
+                port.to_string().into(),
+                "-js".into(),
+                "-sd".into(),
+                store.into(),
+            ];
+            Ok(args)
+        })
+        .await
+    }
+
+    /// A server whose config file is `listen`, `jetstream` and then `snippet`.
+    pub async fn with_config(snippet: &str) -> Self {
+        Self::start_trying(|port, dir| {
+            let config = format!(
+                "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: {} }}\n{snippet}\n",
+                quoted(&dir.join("store"))
+            );
+            let path = dir.join("server.conf");
+            std::fs::write(&path, config).map_err(|err| format!("write config: {err}"))?;
+            Ok(vec!["-c".into(), path.into()])
+        })
+        .await
+    }
+
+    /// Another process may grab the free port between our probe and the server's bind:
+    /// try a few ports before giving up.
+    async fn start_trying(
+        args: impl Fn(u16, &Path) -> Result<Vec<std::ffi::OsString>, String>,
+    ) -> Self {
         let mut last_error = String::new();
         for _ in 0..5 {
             let dir = tempfile::Builder::new()
                 .prefix("nats-it-")
                 .tempdir()
                 .expect("create temp store dir");
+            let port = free_port();
+            let args = match args(port, dir.path()) {
+                Ok(args) => args,
+                Err(err) => panic!("nats-server arguments: {err}"),
+            };
+            let log = dir.path().join("nats-server.log");
             let mut server = Self {
-                port: free_port(),
-                dir,
-                child: None,
+                port,
+                process: ChildProcess::new("nats-server", nats_server_binary(), args, log),
+                _dir: Some(dir),
             };
             match server.spawn_and_wait().await {
                 Ok(()) => return server,
@@ -46,9 +94,25 @@ impl NatsServer {
         panic!("nats-server did not start: {last_error}");
     }
 
-    /// The server's process id (for measuring its CPU time).
+    /// A cluster node: started from `config` (already written) in `dir`, which the caller
+    /// keeps; not yet spawned.
+    pub fn node(name: &str, port: u16, config: &Path, dir: &Path) -> Self {
+        Self {
+            port,
+            process: ChildProcess::new(
+                name,
+                nats_server_binary(),
+                [std::ffi::OsString::from("-c"), config.into()],
+                dir.join("server.log"),
+            ),
+            _dir: None,
+        }
+    }
+
+    /// The server's process id (examples/bench.rs measures its CPU time).
+    #[allow(dead_code)]
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.process.pid()
     }
 
     /// `nats://127.0.0.1:<port>`.
@@ -60,121 +124,41 @@ impl NatsServer {
         self.port
     }
 
-    /// SIGKILL the server and reap it; the store dir stays for `restart`.
+    /// SIGKILL the server and reap it; the store stays for `restart`.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill9();
     }
 
-    /// Start the server again on the same port with the same store dir.
+    /// Start the server again on the same port with the same store.
     pub async fn restart(&mut self) {
-        self.kill();
         if let Err(err) = self.spawn_and_wait().await {
             panic!("nats-server did not restart on port {}: {err}", self.port);
         }
     }
 
     /// SIGSTOP: the process keeps its sockets open but answers nothing (a hung server).
-    pub fn pause(&self) {
-        self.signal("-STOP");
+    pub fn pause(&mut self) {
+        self.process.pause();
     }
 
     /// SIGCONT after `pause`.
-    pub fn resume(&self) {
-        self.signal("-CONT");
+    pub fn resume(&mut self) {
+        self.process.resume();
     }
 
     /// The server's combined stdout/stderr so far, for failure messages.
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+        self.process.log()
     }
 
-    fn signal(&self, signal: &str) {
-        let pid = self.pid().expect("nats-server is running");
-        let status = Command::new("kill")
-            .args([signal, &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {signal} failed");
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.path().join("nats-server.log")
-    }
-
-    async fn spawn_and_wait(&mut self) -> Result<(), String> {
-        let store = self.dir.path().join("store");
-        let log = File::options()
-            .create(true)
-            .append(true)
-            .open(self.log_path())
-            .map_err(|err| format!("open log file: {err}"))?;
-        let log_err = log
-            .try_clone()
-            .map_err(|err| format!("clone log file: {err}"))?;
-        let binary = nats_server_binary();
-        let child = Command::new(&binary)
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(&store)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .map_err(|err| format!("spawn {}: {err}", binary.display()))?;
-        self.child = Some(child);
-        let log_path = self.log_path();
-        let started = wait_until_listening(&mut self.child, self.port, &log_path).await;
+    /// Spawn (killing a running one first) and wait until it accepts connections.
+    pub async fn spawn_and_wait(&mut self) -> Result<(), String> {
+        self.process.spawn()?;
+        let started = self.process.wait_listening(self.port, START_DEADLINE).await;
         if started.is_err() {
-            self.kill();
+            self.process.kill9();
         }
         started
-    }
-}
-
-/// Wait until the server just spawned into `child` accepts TCP connections on `port`; an
-/// exit (the child is cleared) or [`START_DEADLINE`] is an error quoting the server's log.
-pub async fn wait_until_listening(
-    child: &mut Option<Child>,
-    port: u16,
-    log_path: &Path,
-) -> Result<(), String> {
-    let log = || std::fs::read_to_string(log_path).unwrap_or_default();
-    let deadline = Instant::now() + START_DEADLINE;
-    loop {
-        if let Some(running) = child.as_mut()
-            && let Ok(Some(status)) = running.try_wait()
-        {
-            *child = None;
-            return Err(format!("exited with {status}; log:\n{}", log()));
-        }
-        if tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-        {
-            return Ok(());
-        }
-        if Instant::now() >= deadline {
-            return Err(format!(
-                "no TCP connect within {START_DEADLINE:?}; log:\n{}",
-                log()
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 
@@ -188,6 +172,20 @@ pub fn nats_server_binary() -> PathBuf {
         return venv;
     }
     PathBuf::from("nats-server")
+}
+
+/// A directory for the files a config snippet refers to (certificates, keys): the server's
+/// own directory is made per try, so this one outlives them.
+pub fn files_dir() -> TempDir {
+    tempfile::Builder::new()
+        .prefix("nats-files-")
+        .tempdir()
+        .expect("temp dir for server files")
+}
+
+/// A path as a quoted string for the server's config format.
+pub fn quoted(path: &Path) -> String {
+    serde_json::to_string(&path.display().to_string()).expect("a string serializes")
 }
 
 /// A port nothing listens on right now (bind port 0, read it, let it go).

@@ -1,161 +1,217 @@
-//! The gateway binary as a child process, so that a test can kill it with SIGKILL (a crash)
-//! or SIGTERM (a graceful stop) and start another on the same port.
+//! A child process a test owns: nats-server (alone or as a cluster node) and the gateway
+//! binary. One place for spawning with a log file, waiting until it accepts connections,
+//! kill -9, SIGTERM, SIGSTOP/SIGCONT and restarting the same command.
+//!
+//! `examples/bench.rs` includes `nats.rs` by path, which includes this file: it uses only
+//! std and tokio, and names nothing else of the suite.
 
+use std::ffi::OsString;
 use std::fs::File;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
-use tempfile::TempDir;
 use tokio::time::Instant;
 
-use crate::support::nats::free_port;
-
-/// How long a started gateway may take to answer /readyz 200.
-const READY_DEADLINE: Duration = Duration::from_secs(20);
-
-pub struct GatewayProcess {
-    port: u16,
-    args: Vec<String>,
-    dir: TempDir,
+/// One spawned command, its output appended to `log`; killed (and reaped) on drop.
+pub struct ChildProcess {
+    /// What failure messages call it (`nats-server`, `n2`, `the gateway`).
+    name: String,
+    program: PathBuf,
+    args: Vec<OsString>,
+    env: Vec<(String, String)>,
+    log: PathBuf,
     child: Option<Child>,
-    http: reqwest::Client,
+    paused: bool,
 }
 
-impl GatewayProcess {
-    /// Start `ruststream-nats --nats-url <url> --listen 127.0.0.1:<free port> <flags…>` and
-    /// wait until it is ready.
-    pub async fn start(nats_url: &str, flags: &[&str]) -> Self {
-        let port = free_port();
-        let mut args = vec![
-            "--nats-url".to_owned(),
-            nats_url.to_owned(),
-            "--listen".to_owned(),
-            format!("127.0.0.1:{port}"),
-        ];
-        args.extend(flags.iter().map(|flag| (*flag).to_owned()));
-        let mut gateway = Self {
-            port,
-            args,
-            dir: tempfile::Builder::new()
-                .prefix("gateway-it-")
-                .tempdir()
-                .expect("temp dir for the gateway log"),
+impl ChildProcess {
+    /// A command not started yet: `program args…`, stdout and stderr appended to `log`.
+    pub fn new(
+        name: impl Into<String>,
+        program: impl Into<PathBuf>,
+        args: impl IntoIterator<Item = impl Into<OsString>>,
+        log: PathBuf,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            program: program.into(),
+            args: args.into_iter().map(Into::into).collect(),
+            env: Vec::new(),
+            log,
             child: None,
-            http: reqwest::Client::builder()
-                .no_proxy()
-                .timeout(Duration::from_secs(60))
-                .build()
-                .expect("reqwest client"),
-        };
-        gateway.spawn();
-        gateway.wait_ready().await;
-        gateway
+            paused: false,
+        }
     }
 
-    pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
+    /// Set an environment variable for every spawn of the command.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.push((key.into(), value.into()));
+        self
     }
 
-    pub fn http(&self) -> &reqwest::Client {
-        &self.http
-    }
-
-    /// The process' log so far (stdout and stderr).
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_default()
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.path().join("gateway.log")
-    }
-
-    fn spawn(&mut self) {
+    /// Start the command (a running one is killed first).
+    pub fn spawn(&mut self) -> Result<(), String> {
+        self.kill9();
         let log = File::options()
             .create(true)
             .append(true)
-            .open(self.log_path())
-            .expect("open the gateway log");
-        let log_err = log.try_clone().expect("clone the log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_ruststream-nats"))
+            .open(&self.log)
+            .map_err(|err| format!("open {}: {err}", self.log.display()))?;
+        let log_err = log
+            .try_clone()
+            .map_err(|err| format!("clone the log file: {err}"))?;
+        let child = Command::new(&self.program)
             .args(&self.args)
-            .env("RUST_LOG", "info")
+            .envs(self.env.iter().map(|(key, value)| (key, value)))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
             .spawn()
-            .expect("spawn the gateway binary");
+            .map_err(|err| format!("spawn {}: {err}", self.program.display()))?;
         self.child = Some(child);
+        Ok(())
     }
 
-    /// Poll /readyz until 200; panic with the log when the process exits or the deadline passes.
-    pub async fn wait_ready(&mut self) {
-        let deadline = Instant::now() + READY_DEADLINE;
+    /// The process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Its output so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The exit status if it has exited (it is then no longer counted as running).
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        let status = self.child.as_mut()?.try_wait().ok().flatten()?;
+        self.child = None;
+        Some(status)
+    }
+
+    /// Poll `ready` every 20 ms until it holds; an exit or `within` passing is an error
+    /// quoting the log.
+    pub async fn wait_until<F, Fut>(
+        &mut self,
+        what: &str,
+        within: Duration,
+        mut ready: F,
+    ) -> Result<(), String>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = bool>,
+    {
+        let deadline = Instant::now() + within;
         loop {
-            if let Ok(response) = self.http.get(self.url("/readyz")).send().await
-                && response.status().as_u16() == 200
-            {
-                return;
+            if let Some(status) = self.exited() {
+                return Err(format!(
+                    "{} exited with {status} before {what}; log:\n{}",
+                    self.name,
+                    self.log()
+                ));
             }
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                panic!("the gateway exited with {status}; log:\n{}", self.log());
+            if ready().await {
+                return Ok(());
             }
             if Instant::now() >= deadline {
-                panic!(
-                    "the gateway was not ready within {READY_DEADLINE:?}; log:\n{}",
+                return Err(format!(
+                    "{} not {what} within {within:?}; log:\n{}",
+                    self.name,
                     self.log()
-                );
+                ));
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
-    /// SIGKILL: the process dies holding whatever it held.
+    /// Wait until it accepts TCP connections on `port`.
+    pub async fn wait_listening(&mut self, port: u16, within: Duration) -> Result<(), String> {
+        self.wait_until(
+            &format!("accepting on port {port}"),
+            within,
+            || async move {
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+            },
+        )
+        .await
+    }
+
+    /// SIGKILL and reap: the process dies holding whatever it held.
     pub fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
         }
+        self.paused = false;
     }
 
-    /// SIGTERM and wait (bounded) for the graceful stop; returns whether it exited 0.
-    pub async fn terminate(&mut self, within: Duration) -> bool {
-        let Some(mut child) = self.child.take() else {
-            return false;
-        };
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
+    /// SIGTERM and wait (bounded) for the exit; panics with the log when it does not come.
+    pub async fn terminate(&mut self, within: Duration) -> ExitStatus {
+        let pid = self
+            .pid()
+            .unwrap_or_else(|| panic!("{} is not running", self.name));
+        self.signal("-TERM", pid);
         let deadline = Instant::now() + within;
         loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                return status.success();
+            if let Some(status) = self.exited() {
+                return status;
             }
             if Instant::now() >= deadline {
-                let _ = child.kill();
-                let _ = child.wait();
+                self.kill9();
                 panic!(
-                    "the gateway did not stop within {within:?} of SIGTERM; log:\n{}",
+                    "{} did not stop within {within:?} of SIGTERM; log:\n{}",
+                    self.name,
                     self.log()
                 );
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
-    /// Start the same command again (same port) and wait until it is ready.
-    #[allow(dead_code)] // the ledger test restarts crashed gateways; the suite starts new ones
-    pub async fn restart(&mut self) {
-        self.kill9();
-        self.spawn();
-        self.wait_ready().await;
+    /// SIGSTOP: the process keeps its sockets open but answers nothing (a hung server).
+    pub fn pause(&mut self) {
+        let pid = self
+            .pid()
+            .unwrap_or_else(|| panic!("{} is not running", self.name));
+        self.signal("-STOP", pid);
+        self.paused = true;
+    }
+
+    /// SIGCONT after `pause`.
+    pub fn resume(&mut self) {
+        let pid = self
+            .pid()
+            .unwrap_or_else(|| panic!("{} is not running", self.name));
+        self.signal("-CONT", pid);
+        self.paused = false;
+    }
+
+    fn signal(&self, signal: &str, pid: u32) {
+        let status = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(
+            status.success(),
+            "kill {signal} {} ({pid}) failed",
+            self.name
+        );
     }
 }
 
-impl Drop for GatewayProcess {
+impl Drop for ChildProcess {
     fn drop(&mut self) {
+        // A stopped process is continued first, so that it is reaped at once.
+        if self.paused
+            && let Some(pid) = self.pid()
+        {
+            let _ = Command::new("kill")
+                .args(["-CONT", &pid.to_string()])
+                .status();
+        }
         self.kill9();
     }
 }

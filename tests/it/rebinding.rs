@@ -1,38 +1,19 @@
-//! Review of the latest fixes: a consumer recreated under a running gateway, an ephemeral
-//! consumer across a NATS restart, concurrent in-progress calls, non-UTF-8 path ids, delayed
-//! naks against max_ack_pending, a prompt shutdown, a client hanging up mid-poll, and a
-//! lease held across a NATS restart.
+//! The gateway binding its consumer again under a running server's changes: a consumer
+//! deleted and recreated, an ephemeral consumer across a NATS restart, and a lease held
+//! across a NATS restart.
 
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
-use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
+use serde_json::json;
 
-use crate::support::gateway::parse_messages;
 use crate::support::{
-    Deadline, Gateway, Js, Msg, NatsServer, STREAM, server_ack_pending, setup, wait_until,
+    Action, Deadline, Js, NatsServer, STREAM, Setup, fetch_count, server_ack_pending, wait_until,
 };
-
-/// Fetch (polling, bounded) until `count` messages in total have been leased.
-async fn fetch_count(gateway: &Gateway, count: usize, timeout: Duration) -> Vec<Msg> {
-    let deadline = Deadline::after(format!("{count} messages are fetched"), timeout);
-    let mut got = Vec::new();
-    while got.len() < count {
-        got.extend(gateway.fetch_n((count - got.len()) as u64, 500).await);
-        if got.len() < count {
-            deadline
-                .tick_seeing(format_args!("{} so far", got.len()))
-                .await;
-        }
-    }
-    got
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recreated_consumer_is_rebound_and_old_leases_cannot_settle_new_deliveries() {
     let consumer = "rv-recreated";
-    let (_server, js, gateway) = setup(&["--consumer", consumer, "--ack-wait", "30s"]).await;
+    let (_server, js, gateway) = Setup::consumer(consumer).ack_wait("30s").start().await;
     let sequence = js.publish("orders.1", "survives the consumer").await;
     let lease_a = gateway.fetch_n(1, 2000).await.remove(0);
     assert_eq!(lease_a.stream_sequence, sequence);
@@ -56,9 +37,19 @@ async fn recreated_consumer_is_rebound_and_old_leases_cannot_settle_new_deliveri
         let reply = gateway
             .fetch_reply(Some(&json!({ "batch": 1, "wait_ms": 500 })))
             .await;
+        // While the consumer is gone a fetch is refused with 503 ("consumer gone"), nothing else.
+        assert!(
+            reply.status == 200 || reply.status == 503,
+            "a fetch while the consumer is recreated: {} {}",
+            reply.status,
+            reply.text
+        );
+        if reply.status == 503 {
+            reply.assert_problem(503);
+        }
         if ready == 200
             && reply.status == 200
-            && let Some(message) = parse_messages(&reply).into_iter().next()
+            && let Some(message) = reply.messages().into_iter().next()
         {
             break message;
         }
@@ -88,9 +79,9 @@ async fn recreated_consumer_is_rebound_and_old_leases_cannot_settle_new_deliveri
     // A belongs to the deleted consumer: its ack must be fenced, not sent as a "stale ack"
     // that the server would apply to B (same consumer name, same sequence).
     gateway
-        .settle(&lease_a.id, "ack", None)
+        .settle(&lease_a.id, Action::Ack, None)
         .await
-        .assert_problem(&[410], "");
+        .assert_problem(410);
     assert_eq!(
         server_ack_pending(&js, &gateway).await,
         1,
@@ -105,7 +96,7 @@ async fn recreated_consumer_is_rebound_and_old_leases_cannot_settle_new_deliveri
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ephemeral_consumer_survives_a_nats_restart_without_replaying() {
-    let (mut server, js, mut gateway) = setup(&["--ephemeral", "--consumer", "rv-eph"]).await;
+    let (mut server, js, mut gateway) = Setup::consumer("rv-eph").ephemeral().start().await;
     let name_before = gateway.consumer_view().await["name"]
         .as_str()
         .expect("GET /consumer has a name")
@@ -150,7 +141,7 @@ async fn ephemeral_consumer_survives_a_nats_restart_without_replaying() {
         .fetch_reply(Some(&json!({ "batch": 10, "wait_ms": 1000 })))
         .await;
     assert_eq!(reply.status, 200, "{}", reply.text);
-    let replayed = parse_messages(&reply);
+    let replayed = reply.messages();
     if !replayed.is_empty() {
         let after = js.js.get_stream(STREAM).await.expect("stream");
         let info = after.consumer_info(&name_before).await;
@@ -186,182 +177,6 @@ async fn ephemeral_consumer_survives_a_nats_restart_without_replaying() {
     );
     assert_eq!(after.ack_floor.stream_sequence, 3);
     assert_eq!(gateway.leases_in_flight().await, 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_in_progress_calls_on_one_lease_both_answer_200() {
-    let (_server, js, gateway) = setup(&["--consumer", "rv-wpi", "--ack-wait", "30s"]).await;
-    js.publish("orders.1", "busy").await;
-    let lease = gateway.fetch_n(1, 2000).await.remove(0);
-    // Several rounds, so that the two calls really overlap at least once.
-    for round in 0..5 {
-        let (first, second) = tokio::join!(
-            gateway.in_progress(&lease.id),
-            gateway.in_progress(&lease.id)
-        );
-        for reply in [&first, &second] {
-            assert_eq!(
-                reply.status, 200,
-                "round {round}: concurrent in-progress answered {} {}",
-                reply.status, reply.text
-            );
-            let expires = reply.body["lease_expires_at"]
-                .as_str()
-                .unwrap_or_else(|| panic!("no lease_expires_at: {}", reply.text));
-            assert!(
-                crate::support::rfc3339(expires) >= lease.lease_expires(),
-                "an extension never shortens the lease: {expires} < {}",
-                lease.lease_expires_at
-            );
-        }
-    }
-    assert_eq!(gateway.ack(&lease.id).await, 204);
-    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_path_id_that_is_not_utf8_is_a_404_problem() {
-    let (_server, _js, gateway) = setup(&["--consumer", "rv-utf8"]).await;
-    for action in ["ack", "nak", "term", "in-progress"] {
-        let reply = gateway.post(&format!("/messages/%FF/{action}"), None).await;
-        reply.assert_problem(&[404], "");
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn delayed_naks_count_against_max_ack_pending() {
-    let (_server, js, gateway) = setup(&[
-        "--consumer",
-        "rv-parked",
-        "--max-ack-pending",
-        "2",
-        "--ack-wait",
-        "30s",
-    ])
-    .await;
-    js.publish_many("orders.1", 3, "m").await;
-    let held = fetch_count(&gateway, 2, Duration::from_secs(5)).await;
-    for message in &held {
-        assert_eq!(gateway.nak(&message.id, Some(60_000)).await, 204);
-    }
-    assert_eq!(gateway.leases_in_flight().await, 0, "both settled (nak'd)");
-    let info = js.consumer_info(STREAM, "rv-parked").await;
-    assert_eq!(
-        info.num_ack_pending, 2,
-        "the server still holds both delayed naks as pending"
-    );
-
-    // The server still holds both as pending: a fetch is refused, not left to wait.
-    let retry_after = gateway.fetch_refused_at_capacity().await;
-    assert!(
-        (1..=60).contains(&retry_after),
-        "Retry-After within the nak delay (60 s): {retry_after}"
-    );
-    let info = js.consumer_info(STREAM, "rv-parked").await;
-    assert_eq!(info.num_pending, 1, "the third message was not delivered");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_with_no_leases_out_completes_promptly() {
-    let (_server, _js, mut gateway) =
-        setup(&["--consumer", "rv-idle-stop", "--shutdown-grace", "30s"]).await;
-    assert_eq!(gateway.leases_in_flight().await, 0);
-    let started = Instant::now();
-    gateway.trigger_shutdown();
-    // `join` panics if run() has not returned within the bound.
-    stops_within(&mut gateway, started, Duration::from_secs(5)).await;
-}
-
-/// The same promise once the last lease out is settled during the grace period: the wait
-/// ends with that settle, not at the 30 s grace.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_completes_promptly_once_the_last_lease_is_settled() {
-    let (_server, js, mut gateway) = setup(&[
-        "--consumer",
-        "rv-last-settle",
-        "--shutdown-grace",
-        "30s",
-        "--ack-wait",
-        "60s",
-    ])
-    .await;
-    js.publish("orders.1", "settled during the grace").await;
-    let lease = gateway.fetch_n(1, 2000).await.remove(0);
-    gateway.begin_shutdown().await;
-    let started = Instant::now();
-    assert_eq!(gateway.ack(&lease.id).await, 204, "ack during the grace");
-    stops_within(&mut gateway, started, Duration::from_secs(5)).await;
-}
-
-/// Open a raw long poll (`POST /fetch`, wait_ms 10 000), let it wait at the server for
-/// `patience`, hang up, and publish at once. The next ordinary fetch must get the message
-/// as its first delivery, with the gateway's and the server's counts in step.
-async fn hang_up_then_publish(gateway: &Gateway, js: &Js, consumer: &str, patience: Duration) {
-    let body = json!({ "batch": 10, "wait_ms": 10_000 }).to_string();
-    let addr = gateway.base().trim_start_matches("http://").to_string();
-    let mut socket = TcpStream::connect(&addr).await.expect("connect to gateway");
-    let request = format!(
-        "POST /fetch HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    socket
-        .write_all(request.as_bytes())
-        .await
-        .expect("send the long poll");
-    // The long poll is under way once the gateway has a pull waiting at the server.
-    wait_until(
-        "the long poll has a pull waiting at the server",
-        Duration::from_secs(5),
-        || async { js.consumer_info(STREAM, consumer).await.num_waiting >= 1 },
-    )
-    .await;
-    // The client's patience: pacing, not a condition.
-    tokio::time::sleep(patience).await;
-    drop(socket);
-
-    let sequence = js.publish("orders.1", "after the hang-up").await;
-    let started = Instant::now();
-    let messages = gateway.fetch_n(10, 5000).await;
-    let took = started.elapsed();
-    if messages.is_empty() {
-        let info = js.consumer_info(STREAM, consumer).await;
-        panic!(
-            "(patience {patience:?}) the next fetch got nothing in {took:?}: server \
-             num_ack_pending {}, num_pending {}, delivered up to {}; gateway leases in flight {}",
-            info.num_ack_pending,
-            info.num_pending,
-            info.delivered.stream_sequence,
-            gateway.leases_in_flight().await
-        );
-    }
-    assert_eq!(messages.len(), 1, "{messages:?}");
-    assert_eq!(messages[0].stream_sequence, sequence);
-    assert_eq!(
-        messages[0].delivered, 1,
-        "(patience {patience:?}) handed on, not redelivered after a nak or ack_wait"
-    );
-    assert!(took < Duration::from_secs(5), "took {took:?}");
-
-    let view: Value = gateway.consumer_view().await;
-    assert_eq!(view["leases_in_flight"], 1, "{view}");
-    assert_eq!(server_ack_pending(js, gateway).await, 1, "{view}");
-
-    assert_eq!(gateway.ack(&messages[0].id).await, 204);
-    assert_eq!(gateway.leases_in_flight().await, 0);
-    assert_eq!(server_ack_pending(js, gateway).await, 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_hanging_up_mid_poll_does_not_strand_the_next_message() {
-    let consumer = "rv-hangup";
-    let (_server, js, gateway) = setup(&["--consumer", consumer, "--ack-wait", "30s"]).await;
-    hang_up_then_publish(&gateway, &js, consumer, Duration::from_millis(200)).await;
-    // Sharper: the publish right on the heels of the hang-up, while the gateway may not
-    // have noticed it yet. A few rounds, since it is a race.
-    for _ in 0..10 {
-        hang_up_then_publish(&gateway, &js, consumer, Duration::ZERO).await;
-    }
 }
 
 /// The consumer state nats-server has written to its store (`o.dat`): `(ack floor, delivered)`
@@ -409,7 +224,7 @@ fn persisted_consumer_state(server: &NatsServer, consumer: &str) -> Option<(u64,
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_held_across_a_nats_restart_still_settles() {
     let consumer = "rv-blip";
-    let (mut server, js, mut gateway) = setup(&["--consumer", consumer, "--ack-wait", "30s"]).await;
+    let (mut server, js, mut gateway) = Setup::consumer(consumer).ack_wait("30s").start().await;
     js.publish("orders.1", "held across the restart").await;
     let lease = gateway.fetch_n(1, 2000).await.remove(0);
     wait_until(
@@ -443,7 +258,7 @@ async fn a_lease_held_across_a_nats_restart_still_settles() {
         "the held delivery is still pending"
     );
 
-    let reply = gateway.settle(&lease.id, "ack", None).await;
+    let reply = gateway.settle(&lease.id, Action::Ack, None).await;
     assert_eq!(
         reply.status, 204,
         "a lease held across a NATS restart (same consumer, not redelivered, inside its \
@@ -451,10 +266,4 @@ async fn a_lease_held_across_a_nats_restart_still_settles() {
         reply.text
     );
     assert_eq!(server_ack_pending(&js, &gateway).await, 1);
-}
-
-/// `run()` returns Ok no later than `limit` after `started` (`join` panics past its bound).
-async fn stops_within(gateway: &mut Gateway, started: Instant, limit: Duration) {
-    let left = limit.saturating_sub(started.elapsed());
-    gateway.join(left).await.expect("run() returns Ok");
 }

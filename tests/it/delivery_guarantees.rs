@@ -1,4 +1,4 @@
-//! The delivery rules of issue 4, one test each: only the newest delivery settles (and a
+//! What a delivery may and may not do, one test each: only the newest delivery settles (and a
 //! fenced settle never reaches NATS), no two valid leases of a message at once, no re-lease
 //! after a confirmed ack or term, and neither a graceful stop nor a crash of the gateway
 //! leaves a message waiting longer than ack_wait.
@@ -8,12 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use serde_json::{Value, json};
 use time::OffsetDateTime;
 
-use crate::support::process::GatewayProcess;
 use crate::support::{
-    Gateway, Msg, NatsServer, STREAM, assert_stays, server_ack_pending, setup, wait_for,
+    Action, Gateway, Msg, NatsServer, STREAM, Setup, assert_stays, server_ack_pending, wait_for,
 };
 
 /// The delivery count token of a v1 ack subject
@@ -24,7 +22,7 @@ fn delivered_of(ack_subject: &str) -> Option<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_newest_delivery_settles_and_stale_settles_never_reach_nats() {
-    let (_server, js, gateway) = setup(&["--consumer", "newest", "--ack-wait", "1s"]).await;
+    let (_server, js, gateway) = Setup::consumer("newest").ack_wait("1s").start().await;
     // Everything the gateway sends on the consumer's ack subjects, as a plain NATS client.
     let mut wire = js
         .client
@@ -43,11 +41,11 @@ async fn only_the_newest_delivery_settles_and_stale_settles_never_reach_nats() {
     })
     .await;
 
-    for action in ["ack", "nak", "in-progress"] {
+    for action in [Action::Ack, Action::Nak, Action::InProgress] {
         gateway
             .settle(&a.id, action, None)
             .await
-            .assert_problem(&[410], "");
+            .assert_problem(410);
     }
     assert_eq!(gateway.ack(&b.id).await, 204);
     // One connection's publishes arrive in order: had any of A's settles gone out, it would
@@ -86,7 +84,7 @@ async fn only_the_newest_delivery_settles_and_stale_settles_never_reach_nats() {
 async fn no_two_valid_leases_of_one_message_exist_at_once() {
     const MESSAGES: usize = 40;
     const WORKERS: usize = 16;
-    let (_server, js, gateway) = setup(&["--consumer", "exclusive", "--ack-wait", "1s"]).await;
+    let (_server, js, gateway) = Setup::consumer("exclusive").ack_wait("1s").start().await;
     js.publish_many("orders.1", MESSAGES, "m").await;
     let gateway = Arc::new(gateway);
     // The newest lease seen per stream sequence, and everything that went wrong.
@@ -163,7 +161,7 @@ async fn no_two_valid_leases_of_one_message_exist_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_confirmed_ack_or_term_is_never_followed_by_a_re_lease() {
     const MESSAGES: usize = 60;
-    let (_server, js, gateway) = setup(&["--consumer", "final", "--ack-wait", "1s"]).await;
+    let (_server, js, gateway) = Setup::consumer("final").ack_wait("1s").start().await;
     js.publish_many("orders.1", MESSAGES, "m").await;
     let gateway = Arc::new(gateway);
     let settled: Arc<Mutex<HashSet<u64>>> = Arc::default();
@@ -228,23 +226,9 @@ async fn a_confirmed_ack_or_term_is_never_followed_by_a_re_lease() {
     assert_eq!(server_ack_pending(&js, &gateway).await, 0);
 }
 
-async fn fetch_process(gateway: &GatewayProcess, batch: u64) -> Vec<Value> {
-    let response = gateway
-        .http()
-        .post(gateway.url("/fetch"))
-        .json(&json!({ "batch": batch, "wait_ms": 1000 }))
-        .send()
-        .await
-        .expect("POST /fetch");
-    assert_eq!(response.status().as_u16(), 200);
-    let body: Value = response.json().await.expect("json");
-    body["messages"].as_array().expect("messages").clone()
-}
-
-/// Fetch (and ack) from `gateway` until every one of `sequences` came back; returns how long
-/// that took.
-async fn all_come_back(gateway: &Gateway, sequences: &HashSet<u64>, within: Duration) -> Duration {
-    let started = tokio::time::Instant::now();
+/// Fetch (and ack) from `gateway` until every one of `sequences` came back; panics when that
+/// takes longer than `within`.
+async fn all_come_back(gateway: &Gateway, sequences: &HashSet<u64>, within: Duration) {
     let deadline = crate::support::Deadline::after(
         format!("stream sequences {sequences:?} are delivered again"),
         within,
@@ -259,7 +243,6 @@ async fn all_come_back(gateway: &Gateway, sequences: &HashSet<u64>, within: Dura
             deadline.tick_seeing(format_args!("{back:?}")).await;
         }
     }
-    started.elapsed()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -268,36 +251,30 @@ async fn a_graceful_stop_naks_the_leases_still_out_so_they_come_back_at_once() {
     let js = crate::support::Js::connect(&server.url()).await;
     js.create_stream(STREAM, &["orders.>"]).await;
     js.publish_many("orders.1", 3, "m").await;
-    let flags = [
-        "--consumer",
-        "stopping",
-        "--ack-wait",
-        "60s",
-        "--shutdown-grace",
-        "1s",
-    ];
-    let mut first = GatewayProcess::start(&server.url(), &flags).await;
-    let held: HashSet<u64> = fetch_process(&first, 3)
+    let mut first = Setup::consumer("stopping")
+        .ack_wait("60s")
+        .shutdown_grace("1s")
+        .process(&server.url())
+        .await;
+    let held: HashSet<u64> = first
+        .fetch_n(3, 1000)
         .await
         .iter()
-        .map(|m| m["stream_sequence"].as_u64().expect("sequence"))
+        .map(|m| m.stream_sequence)
         .collect();
     assert_eq!(held.len(), 3);
     assert!(
-        first.terminate(Duration::from_secs(15)).await,
+        first.terminate(Duration::from_secs(15)).await.success(),
         "exit 0 after SIGTERM"
     );
 
-    let second = Gateway::ready(
-        &server.url(),
-        &["--consumer", "stopping", "--ack-wait", "60s"],
-    )
-    .await;
-    let took = all_come_back(&second, &held, Duration::from_secs(10)).await;
-    assert!(
-        took < Duration::from_secs(10),
-        "back at once, not after ack_wait (60 s): {took:?}"
-    );
+    let second = Setup::consumer("stopping")
+        .ack_wait("60s")
+        .ready(&server.url())
+        .await;
+    // Back at once: well within ack_wait (60 s), which is when they would come back had
+    // the stop not nak'd them.
+    all_come_back(&second, &held, Duration::from_secs(10)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -307,22 +284,19 @@ async fn a_crashed_gateway_leaves_nothing_waiting_longer_than_ack_wait() {
     let js = crate::support::Js::connect(&server.url()).await;
     js.create_stream(STREAM, &["orders.>"]).await;
     js.publish_many("orders.1", 3, "m").await;
-    let flags = ["--consumer", "crashing", "--ack-wait", "3s"];
-    let mut crashed = GatewayProcess::start(&server.url(), &flags).await;
-    let held: HashSet<u64> = fetch_process(&crashed, 3)
+    let setup = Setup::consumer("crashing").ack_wait("3s");
+    let mut crashed = setup.process(&server.url()).await;
+    let held: HashSet<u64> = crashed
+        .fetch_n(3, 1000)
         .await
         .iter()
-        .map(|m| m["stream_sequence"].as_u64().expect("sequence"))
+        .map(|m| m.stream_sequence)
         .collect();
     let leased_at = tokio::time::Instant::now();
     assert_eq!(held.len(), 3);
     crashed.kill9();
 
-    let second = Gateway::ready(
-        &server.url(),
-        &["--consumer", "crashing", "--ack-wait", "3s"],
-    )
-    .await;
+    let second = setup.ready(&server.url()).await;
     all_come_back(&second, &held, ACK_WAIT + Duration::from_secs(5)).await;
     let took = leased_at.elapsed();
     assert!(

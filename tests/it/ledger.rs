@@ -7,8 +7,12 @@
 //! Per run it prints K, acked, termed, lost, duplicates, redeliveries and the time to recover
 //! after each fault, and asserts:
 //! - **lost = 0**: every id ended acked or termed on purpose, and the server holds nothing
-//!   pending or unacknowledged. An ack whose answer a fault swallowed (gateway killed, client
-//!   gone) counts as acked once the message never comes back.
+//!   pending or unacknowledged. Only a 2xx counts as acked or termed; an id whose settle
+//!   answer a fault swallowed (or whose ack a vanishing client hung up on) is reported apart,
+//!   as unconfirmed, and is not lost only if the server holds nothing any more.
+//! - **answers as the contract says** in the runs without a server or gateway fault: every
+//!   fetch 200, no settle of a worker answered 5xx or not at all (so no unconfirmed ack but
+//!   those the vanishing client hung up on), naks 204, batch results one per id asked for.
 //! - **duplicates** (a message handed out again after its ack or term got 2xx) are 0 in the
 //!   runs without a server or gateway fault; in the others they are counted and reported.
 //!   Every server runs with `jetstream { sync_interval: always }`, so what it confirmed is on
@@ -18,20 +22,6 @@
 //! - **dead letters**: the gateway runs with `--dead-letter-subject`; in the runs without a
 //!   server or gateway fault, the dead-letter stream holds exactly the termed ids, once each,
 //!   with the reasons the ledger recorded.
-
-// The integration suite's fixtures, shared by path (as examples/bench.rs does); they name
-// each other as `crate::support::…`.
-#[path = "../it/support/cluster.rs"]
-mod cluster;
-#[path = "../it/support/nats.rs"]
-#[allow(dead_code)]
-mod nats;
-#[path = "../it/support/process.rs"]
-#[allow(dead_code)]
-mod process;
-mod support {
-    pub(crate) use super::{cluster, nats, process};
-}
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
@@ -43,8 +33,9 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use support::cluster::Cluster;
-use support::process::GatewayProcess;
+use crate::support::client::{batch_results, http_builder};
+use crate::support::cluster::Cluster;
+use crate::support::{Action, Client, FetchRequest, Reply, Setup};
 
 const STREAM: &str = "LEDGER";
 const CONSUMER: &str = "ledger";
@@ -78,8 +69,15 @@ struct Ledger {
     /// The reason each term was sent with (whatever its answer: a term whose answer was lost
     /// may have landed and been dead-lettered).
     term_reasons: HashMap<String, String>,
-    /// Ids with an ack sent whose answer never came (fault, vanished client, 504).
+    /// Ids with a worker's settle sent whose answer never came or was a 5xx (a fault, 504):
+    /// it may or may not have landed.
     ack_unconfirmed: HashSet<String>,
+    /// Ids whose ack the vanishing client sent and hung up on before the answer.
+    hung_up: HashSet<String>,
+    /// Answers outside the contract for a run without a fault: a fetch not answered 200, a
+    /// settle answered 5xx or not at all, a nak not answered 204, a batch whose results do
+    /// not match its ids. Reported always, a failure in the runs without a fault.
+    unexpected: Vec<String>,
     deliveries: u64,
     redeliveries: u64,
     /// Every `(id, delivered)` seen, for the diagnosis of a lost id.
@@ -128,6 +126,18 @@ fn record_delivery(ledger: &Shared, message: &Value) -> Option<Lease> {
     Some(lease)
 }
 
+fn unexpected(ledger: &Shared, what: String) {
+    lock(ledger).unexpected.push(what);
+}
+
+/// An answer as text for the ledger's notes.
+fn answer_text(answer: &Result<Reply, reqwest::Error>) -> String {
+    match answer {
+        Ok(reply) => format!("{} {}", reply.status, reply.text),
+        Err(err) => format!("no answer: {err}"),
+    }
+}
+
 /// A settle of `lease` got 2xx. The first confirmed outcome of an id stands (a duplicate
 /// delivery settled again does not change what happened to the message).
 fn confirm(ledger: &Shared, lease: &Lease, outcome: Outcome) {
@@ -172,44 +182,59 @@ fn behaviour(lease: &Lease) -> Behaviour {
     }
 }
 
-fn http_client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
+/// The ledger's client: a shorter bound than the suite's, so a worker caught by a fault
+/// moves on.
+fn client(base: &str) -> Client {
+    let http = http_builder()
         .timeout(Duration::from_secs(15))
         .build()
-        .expect("reqwest client")
+        .expect("reqwest client");
+    Client::with_http(base, http)
+}
+
+/// The deliveries of a fetch answered 200, recorded in the ledger.
+fn record_fetched(ledger: &Shared, reply: &Reply) -> Vec<Lease> {
+    reply
+        .body
+        .get("messages")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|message| record_delivery(ledger, message))
+        .collect()
 }
 
 /// Send an ack (single) and record the answer; retry a 504 (the lease stays valid).
-async fn ack(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease) {
-    ack_after(http, base, ledger, lease, false).await;
+async fn ack(client: &Client, ledger: &Shared, lease: &Lease) {
+    ack_after(client, ledger, lease, false).await;
 }
 
 /// `unanswered`: an earlier attempt of this ack got no definite answer (504, or a batch that
 /// failed), so it may have landed at the server however the retries end.
-async fn ack_after(
-    http: &reqwest::Client,
-    base: &str,
-    ledger: &Shared,
-    lease: &Lease,
-    mut unanswered: bool,
-) {
+async fn ack_after(client: &Client, ledger: &Shared, lease: &Lease, mut unanswered: bool) {
     for _ in 0..3 {
-        let answer = http
-            .post(format!("{base}/messages/{}/ack", lease.id))
-            .send()
-            .await;
-        match answer.map(|response| response.status().as_u16()) {
+        let answer = client.try_settle(&lease.id, Action::Ack, None, None).await;
+        match answer.as_ref().map(|reply| reply.status) {
             Ok(204) => {
                 confirm(ledger, lease, Outcome::Acked);
                 return;
             }
-            Ok(504) => unanswered = true,
+            Ok(504) => {
+                unexpected(
+                    ledger,
+                    format!("ack {}: {}", lease.ledger_id, answer_text(&answer)),
+                );
+                unanswered = true;
+            }
             // Expired or superseded (410), from a gateway since restarted (404): it comes back,
             // unless an unanswered earlier attempt landed after all.
             Ok(404 | 409 | 410) => break,
             // 503 or no answer: the ack may or may not have reached the server.
             _ => {
+                unexpected(
+                    ledger,
+                    format!("ack {}: {}", lease.ledger_id, answer_text(&answer)),
+                );
                 unanswered = true;
                 break;
             }
@@ -220,54 +245,83 @@ async fn ack_after(
     }
 }
 
-async fn batch_ack(http: &reqwest::Client, base: &str, ledger: &Shared, leases: &[Lease]) {
+async fn batch_ack(client: &Client, ledger: &Shared, leases: &[Lease]) {
     if leases.is_empty() {
         return;
     }
     let ids: Vec<&str> = leases.iter().map(|lease| lease.id.as_str()).collect();
-    let answer = http
-        .post(format!("{base}/messages/ack"))
-        .json(&json!({ "ids": ids }))
-        .send()
+    let answer = client
+        .try_post("/messages/ack", Some(&json!({ "ids": ids })), None)
         .await;
-    let results = match answer {
-        Ok(response) if response.status().as_u16() == 200 => response
-            .json::<Value>()
-            .await
-            .ok()
-            .and_then(|body| body["results"].as_array().cloned()),
+    let results = match &answer {
+        Ok(reply) if reply.status == 200 => Some(batch_results(reply)),
         _ => None,
     };
     let Some(results) = results else {
+        unexpected(ledger, format!("batch ack: {}", answer_text(&answer)));
         let mut ledger = lock(ledger);
         for lease in leases {
             ledger.ack_unconfirmed.insert(lease.ledger_id.clone());
         }
         return;
     };
-    for (lease, result) in leases.iter().zip(results) {
-        match result["status"].as_u64() {
+    // Matched by id, not by position: each id asked for has exactly one result.
+    let mut by_id: HashMap<&str, u16> = HashMap::new();
+    for result in &results {
+        if by_id.insert(result.id.as_str(), result.status).is_some() {
+            unexpected(ledger, format!("batch ack: two results for {}", result.id));
+        }
+    }
+    if results.len() != leases.len() {
+        unexpected(
+            ledger,
+            format!(
+                "batch ack of {} ids: {} results",
+                leases.len(),
+                results.len()
+            ),
+        );
+    }
+    for lease in leases {
+        match by_id.get(lease.id.as_str()) {
             Some(204) => confirm(ledger, lease, Outcome::Acked),
             Some(404 | 409 | 410) => {}
             // 504 in a batch: retry it alone.
-            _ => ack_after(http, base, ledger, lease, true).await,
+            Some(_) => ack_after(client, ledger, lease, true).await,
+            None => {
+                unexpected(
+                    ledger,
+                    format!("batch ack: no result for {}", lease.ledger_id),
+                );
+                ack_after(client, ledger, lease, true).await;
+            }
         }
     }
 }
 
-async fn term(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease) {
+async fn term(client: &Client, ledger: &Shared, lease: &Lease) {
     let reason = format!("ledger: {} rejected on purpose", lease.ledger_id);
     lock(ledger)
         .term_reasons
         .insert(lease.ledger_id.clone(), reason.clone());
-    let answer = http
-        .post(format!("{base}/messages/{}/term", lease.id))
-        .json(&json!({ "reason": reason }))
-        .send()
+    let answer = client
+        .try_settle(
+            &lease.id,
+            Action::Term,
+            Some(&json!({ "reason": reason })),
+            None,
+        )
         .await;
-    if answer.is_ok_and(|response| response.status().as_u16() == 204) {
+    let status = answer.as_ref().map(|reply| reply.status).ok();
+    if status == Some(204) {
         confirm(ledger, lease, Outcome::Termed);
     } else {
+        if !matches!(status, Some(404 | 409 | 410)) {
+            unexpected(
+                ledger,
+                format!("term {}: {}", lease.ledger_id, answer_text(&answer)),
+            );
+        }
         // Not confirmed: the message comes back, and is then acked or termed again. A term
         // that did land counts as unconfirmed-but-settled, like an ack.
         lock(ledger).ack_unconfirmed.insert(lease.ledger_id.clone());
@@ -275,93 +329,85 @@ async fn term(http: &reqwest::Client, base: &str, ledger: &Shared, lease: &Lease
 }
 
 async fn worker(base: String, ledger: Shared, stop: CancellationToken) {
-    let http = http_client();
+    let client = client(&base);
     while !stop.is_cancelled() {
-        let answer = http
-            .post(format!("{base}/fetch"))
-            .json(&json!({ "batch": 5, "wait_ms": 500, "encoding": "utf8" }))
-            .send()
+        let answer = client
+            .try_fetch(&FetchRequest::new(5, 500).utf8(), None)
             .await;
-        let body = match answer {
-            Ok(response) if response.status().as_u16() == 200 => {
-                response.json::<Value>().await.ok()
+        let reply = match answer {
+            Ok(reply) if reply.status == 200 => reply,
+            other => {
+                unexpected(&ledger, format!("fetch: {}", answer_text(&other)));
+                // Pacing the retry while a fault lasts.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
             }
-            _ => None,
         };
-        let Some(body) = body else {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
-        let leases: Vec<Lease> = body["messages"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|message| record_delivery(&ledger, message))
-            .collect();
+        let leases = record_fetched(&ledger, &reply);
         let mut batch = Vec::new();
         for lease in leases {
             match behaviour(&lease) {
-                Behaviour::Ack => ack(&http, &base, &ledger, &lease).await,
+                Behaviour::Ack => ack(&client, &ledger, &lease).await,
                 Behaviour::BatchAck => batch.push(lease),
                 Behaviour::NakWithDelay => {
-                    let _ = http
-                        .post(format!("{base}/messages/{}/nak", lease.id))
-                        .json(&json!({ "delay_ms": 300 }))
-                        .send()
+                    let answer = client
+                        .try_settle(
+                            &lease.id,
+                            Action::Nak,
+                            Some(&json!({ "delay_ms": 300 })),
+                            None,
+                        )
                         .await;
+                    // A nak settles nothing for good: the message comes back either way, but
+                    // anything but 204 (or a lease that just expired) breaks the contract.
+                    let status = answer.as_ref().map(|reply| reply.status).ok();
+                    if !matches!(status, Some(204 | 410)) {
+                        unexpected(
+                            &ledger,
+                            format!("nak {}: {}", lease.ledger_id, answer_text(&answer)),
+                        );
+                    }
                 }
-                Behaviour::Term => term(&http, &base, &ledger, &lease).await,
+                Behaviour::Term => term(&client, &ledger, &lease).await,
                 Behaviour::Abandon => {}
             }
         }
-        batch_ack(&http, &base, &ledger, &batch).await;
+        batch_ack(&client, &ledger, &batch).await;
     }
 }
 
 /// Clients that vanish: a long poll dropped mid-wait, and an ack dropped mid-flight.
 async fn vanishing_client(base: String, ledger: Shared, stop: CancellationToken, round: u64) {
-    let http = http_client();
+    let client = client(&base);
     let mut round = round;
     while !stop.is_cancelled() {
         round += 1;
         // Mid-fetch: gone after 50–350 ms of a 2 s long poll.
         let patience = Duration::from_millis(50 + (round * 70) % 300);
-        let fetched = http
-            .post(format!("{base}/fetch"))
-            .json(&json!({ "batch": 3, "wait_ms": 2000, "encoding": "utf8" }))
-            .timeout(patience)
-            .send()
+        let fetched = client
+            .try_fetch(&FetchRequest::new(3, 2000).utf8(), Some(patience))
             .await;
-        if let Ok(response) = fetched
-            && let Ok(body) = response.json::<Value>().await
-        {
+        if let Ok(reply) = fetched {
             // Answered before it left: those are real leases, abandoned.
-            for message in body["messages"].as_array().into_iter().flatten() {
-                record_delivery(&ledger, message);
-            }
+            record_fetched(&ledger, &reply);
         }
         // Mid-settle: fetch normally, then send acks and hang up before the answer.
-        let fetched = http
-            .post(format!("{base}/fetch"))
-            .json(&json!({ "batch": 2, "wait_ms": 200, "encoding": "utf8" }))
-            .send()
-            .await;
-        let Ok(response) = fetched else { continue };
-        let Ok(body) = response.json::<Value>().await else {
+        let Ok(reply) = client
+            .try_fetch(&FetchRequest::new(2, 200).utf8(), None)
+            .await
+        else {
             continue;
         };
-        for message in body["messages"].as_array().into_iter().flatten() {
-            let Some(lease) = record_delivery(&ledger, message) else {
-                continue;
-            };
-            lock(&ledger)
-                .ack_unconfirmed
-                .insert(lease.ledger_id.clone());
-            let _ = http
-                .post(format!("{base}/messages/{}/ack", lease.id))
-                .timeout(Duration::from_millis(1))
-                .send()
+        for lease in record_fetched(&ledger, &reply) {
+            let answer = client
+                .try_settle(&lease.id, Action::Ack, None, Some(Duration::from_millis(1)))
                 .await;
+            // Answered before the hang-up after all: a confirmed ack like any other.
+            if answer.is_ok_and(|reply| reply.status == 204) {
+                confirm(&ledger, &lease, Outcome::Acked);
+            } else {
+                lock(&ledger).hung_up.insert(lease.ledger_id.clone());
+            }
         }
     }
 }
@@ -376,26 +422,20 @@ impl Fault {
     /// Start probing right after the heal: `POST /fetch` (wait 0) every 50 ms until one
     /// answers 200; a message it leases is nak'd back at once.
     fn healed(name: &'static str, base: &str) -> Self {
-        let base = base.to_owned();
+        let client = client(base);
         let recovered = tokio::spawn(async move {
             let healed_at = Instant::now();
-            let http = http_client();
             while healed_at.elapsed() < RECOVERY_BOUND + Duration::from_secs(5) {
-                let answer = http
-                    .post(format!("{base}/fetch"))
-                    .json(&json!({ "batch": 1, "wait_ms": 0 }))
-                    .timeout(Duration::from_secs(2))
-                    .send()
+                let answer = client
+                    .try_fetch(&FetchRequest::new(1, 0), Some(Duration::from_secs(2)))
                     .await;
-                if let Ok(response) = answer
-                    && response.status().as_u16() == 200
+                if let Ok(reply) = answer
+                    && reply.status == 200
                 {
                     let took = healed_at.elapsed();
-                    if let Ok(body) = response.json::<Value>().await {
-                        for message in body["messages"].as_array().into_iter().flatten() {
-                            if let Some(id) = message["id"].as_str() {
-                                let _ = http.post(format!("{base}/messages/{id}/nak")).send().await;
-                            }
+                    for message in reply.body["messages"].as_array().into_iter().flatten() {
+                        if let Some(id) = message["id"].as_str() {
+                            let _ = client.try_settle(id, Action::Nak, None, None).await;
                         }
                     }
                     return Some(took);
@@ -411,8 +451,15 @@ impl Fault {
 /// What a run ended with.
 struct Report {
     scenario: &'static str,
+    /// Acked or termed with a 2xx.
     acked: usize,
+    /// Not settled with a 2xx, settled at the server after all: a worker's settle whose answer
+    /// a fault swallowed …
     acked_unconfirmed: usize,
+    /// … or an ack the vanishing client hung up on.
+    hung_up: usize,
+    /// Answers outside the contract (see `Ledger::unexpected`).
+    unexpected: Vec<String>,
     termed: usize,
     lost: Vec<String>,
     /// Termed ids without a recorded reason (must be 0: every term is on purpose).
@@ -442,24 +489,25 @@ impl Report {
                 .join("; ")
         };
         format!(
-            "| {:<28} | {:>3} | {:>5} ({:>2} unconfirmed) | {:>6} | {:>3} ({} differ) | {:>4} | {:>10} | {:>12} | {} | {:.0}s |",
+            "| {:<28} | {:>3} | {:>5} ({:>2} unconfirmed) | {:>6} | {:>3} ({} differ) | {:>4} | {:>10} | {:>12} | {:>9} | {} | {:.0}s |",
             self.scenario,
             K,
-            self.acked + self.acked_unconfirmed,
-            self.acked_unconfirmed,
+            self.acked + self.acked_unconfirmed + self.hung_up,
+            self.acked_unconfirmed + self.hung_up,
             self.termed,
             self.dead_lettered,
             self.dead_letter_mismatches.len(),
             self.lost.len(),
             self.duplicates.len(),
             self.redeliveries,
+            self.unexpected.len(),
             recoveries,
             self.took.as_secs_f64()
         )
     }
 }
 
-const HEADER: &str = "| scenario                     |   K | acked (of which unconfirmed) | termed | dead-lettered | lost | duplicates | redeliveries | recovery after fault | run |\n|---|---|---|---|---|---|---|---|---|---|";
+const HEADER: &str = "| scenario                     |   K | acked (of which unconfirmed) | termed | dead-lettered | lost | duplicates | redeliveries | off-contract answers | recovery after fault | run |\n|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// Print past the test harness' capture, so CI logs show the table.
 fn print_table(title: &str, reports: &[Report]) {
@@ -595,25 +643,15 @@ async fn run(scenario: Scenario) -> Report {
     let urls = cluster.urls();
     let js = create_streams(&urls, replicas).await;
     let ids = publish_all(&js).await;
-    let mut gateway = GatewayProcess::start(
-        &urls,
-        &[
-            "--stream",
-            STREAM,
-            "--consumer",
-            CONSUMER,
-            "--ack-wait",
-            ACK_WAIT,
-            "--settle-timeout",
-            "2s",
-            "--shutdown-grace",
-            "1s",
-            "--dead-letter-subject",
-            DLQ_SUBJECT,
-        ],
-    )
-    .await;
-    let base = gateway.url("");
+    let mut gateway = Setup::consumer(CONSUMER)
+        .stream(STREAM)
+        .ack_wait(ACK_WAIT)
+        .settle_timeout("2s")
+        .shutdown_grace("1s")
+        .dead_letter_subject(DLQ_SUBJECT)
+        .process(&urls)
+        .await;
+    let base = gateway.base();
     let ledger: Shared = Arc::default();
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
@@ -650,10 +688,10 @@ async fn run(scenario: Scenario) -> Report {
         Scenario::NoFault | Scenario::VanishingClients => {}
         Scenario::KillNatsServer => {
             wait_for_settled(30).await;
-            cluster.nodes[0].kill9();
+            cluster.nodes[0].1.kill();
             // Down for a second (pacing: the outage itself is the fault).
             tokio::time::sleep(Duration::from_secs(1)).await;
-            cluster.nodes[0].restart().await;
+            cluster.nodes[0].1.restart().await;
             faults.push(Fault::healed("restart", &base));
         }
         Scenario::KillGateway => {
@@ -669,7 +707,7 @@ async fn run(scenario: Scenario) -> Report {
             let leader = consumer_leader(&js)
                 .await
                 .expect("the consumer has a leader");
-            cluster.node(&leader).kill9();
+            cluster.node(&leader).kill();
             tokio::time::sleep(Duration::from_secs(1)).await;
             cluster.node(&leader).restart().await;
             faults.push(Fault::healed("leader kill", &base));
@@ -678,11 +716,11 @@ async fn run(scenario: Scenario) -> Report {
             let paused = cluster
                 .nodes
                 .iter()
-                .position(|node| node.name != leader)
+                .position(|(name, _)| *name != leader)
                 .expect("another node");
-            cluster.nodes[paused].pause();
+            cluster.nodes[paused].1.pause();
             tokio::time::sleep(Duration::from_secs(3)).await;
-            cluster.nodes[paused].resume();
+            cluster.nodes[paused].1.resume();
             faults.push(Fault::healed("pause 3s", &base));
         }
     }
@@ -759,18 +797,28 @@ async fn run(scenario: Scenario) -> Report {
         .filter(|outcome| **outcome == Outcome::Acked)
         .count();
     let termed = ledger.settled.len() - acked;
-    // Not settled with a 2xx: fine only if an ack (or term) was sent and the server holds
-    // nothing (the settle landed, its answer was lost).
+    // Not settled with a 2xx: never counted as acked or termed. It is not lost only if a
+    // settle of it was sent whose answer was lost (a fault, or the client hung up on it) and
+    // the server holds nothing any more (the settle landed); the check below says in which
+    // runs that may happen at all.
     let unsettled: Vec<&String> = ids
         .iter()
         .filter(|id| !ledger.settled.contains_key(*id))
         .collect();
     let server_empty = backlog == Some((0, 0));
+    let answer_lost =
+        |id: &String| ledger.ack_unconfirmed.contains(id) || ledger.hung_up.contains(id);
     let lost: Vec<String> = unsettled
         .iter()
-        .filter(|id| !server_empty || !ledger.ack_unconfirmed.contains(**id))
+        .filter(|id| !server_empty || !answer_lost(id))
         .map(|id| (*id).clone())
         .collect();
+    let hung_up = unsettled
+        .iter()
+        .filter(|id| {
+            server_empty && !ledger.ack_unconfirmed.contains(**id) && ledger.hung_up.contains(**id)
+        })
+        .count();
     let terms_without_reason = ledger
         .settled
         .iter()
@@ -824,7 +872,9 @@ async fn run(scenario: Scenario) -> Report {
     Report {
         scenario: scenario.name(),
         acked,
-        acked_unconfirmed: unsettled.len() - lost.len(),
+        acked_unconfirmed: unsettled.len() - lost.len() - hung_up,
+        hung_up,
+        unexpected: ledger.unexpected.clone(),
         termed,
         lost,
         terms_without_reason,
@@ -843,6 +893,23 @@ async fn run(scenario: Scenario) -> Report {
 fn check(report: &Report, faulty: bool) -> Vec<String> {
     let duplicates_allowed = faulty;
     let mut failures = Vec::new();
+    // What the README's table shows for the runs without a server or gateway fault: every
+    // answer as the contract says, no worker's settle left unanswered (unconfirmed acks
+    // there are only those a vanishing client hung up on).
+    if !faulty && !report.unexpected.is_empty() {
+        failures.push(format!(
+            "{}: {} answers outside the contract, e.g. {:?}",
+            report.scenario,
+            report.unexpected.len(),
+            &report.unexpected[..report.unexpected.len().min(10)]
+        ));
+    }
+    if !faulty && report.acked_unconfirmed > 0 {
+        failures.push(format!(
+            "{}: {} settles of well-behaved workers went unanswered",
+            report.scenario, report.acked_unconfirmed
+        ));
+    }
     if !faulty && !report.dead_letter_mismatches.is_empty() {
         failures.push(format!(
             "{}: dead letters differ from the ledger's terms: {:?}",
