@@ -120,9 +120,10 @@ pub(crate) fn parse<T: DeserializeOwned + Default>(bytes: &[u8]) -> Result<T, Er
         match inner.classify() {
             serde_json::error::Category::Data => {
                 let message = strip_position(&inner.to_string());
-                // serde_path_to_error's path already ends with an unknown field's name.
+                // serde_path_to_error's path already ends with an unknown field's name; a
+                // field left out is named by serde's message alone.
                 let field = if path.is_empty() || path == "." {
-                    unknown_field(&message).map(str::to_owned)
+                    named_field(&message).map(str::to_owned)
                 } else {
                     Some(path)
                 };
@@ -147,8 +148,11 @@ fn strip_position(message: &str) -> String {
     }
 }
 
-fn unknown_field(message: &str) -> Option<&str> {
-    let rest = message.strip_prefix("unknown field `")?;
+/// The field serde names in "unknown field `x`" or "missing field `x`".
+fn named_field(message: &str) -> Option<&str> {
+    let rest = message
+        .strip_prefix("unknown field `")
+        .or_else(|| message.strip_prefix("missing field `"))?;
     rest.split('`').next()
 }
 
@@ -162,6 +166,12 @@ mod tests {
     struct Sample {
         #[allow(dead_code)]
         batch: Option<u32>,
+    }
+
+    #[derive(Debug, Default, Deserialize)]
+    struct Required {
+        #[allow(dead_code)]
+        ids: Vec<String>,
     }
 
     fn field_of(body: &str) -> Option<String> {
@@ -185,6 +195,13 @@ mod tests {
         assert_eq!(field_of(r#"{"batch": "ten"}"#).as_deref(), Some("batch"));
         assert_eq!(field_of(r#"{"batch": -1}"#).as_deref(), Some("batch"));
         assert_eq!(field_of(r#"{"bacth": 1}"#).as_deref(), Some("bacth"));
+        match parse::<Required>(b"{}") {
+            Err(Error::Invalid { field, detail }) => {
+                assert_eq!(field.as_deref(), Some("ids"));
+                assert_eq!(detail, "ids: missing field `ids`");
+            }
+            other => panic!("expected a 422 naming ids, got {other:?}"),
+        }
     }
 
     #[test]

@@ -121,23 +121,20 @@ impl Reply {
         );
     }
 
-    /// Assert the 422 of a required field left out. The README promises that `field` names
-    /// it; the gateway says so only in `detail` today (`field` is absent), so that is what is
-    /// pinned here — exactly, so that any other 422 fails.
+    /// Assert the 422 of a required field left out: `field` names it, as the README says.
     #[track_caller]
     pub fn assert_missing(&self, field: &str) {
         let problem = self.assert_problem(422);
         assert_eq!(
-            self.detail(),
-            format!("missing field `{field}`"),
-            "a 422 for the missing field `{field}`: {}",
+            problem.get("field").and_then(Value::as_str),
+            Some(field),
+            "`.field` names the missing field: {}",
             self.text
         );
-        assert!(
-            problem
-                .get("field")
-                .is_none_or(|named| named.as_str() == Some(field)),
-            "`.field` names another field: {}",
+        assert_eq!(
+            self.detail(),
+            format!("{field}: missing field `{field}`"),
+            "a 422 for the missing field `{field}`: {}",
             self.text
         );
     }
