@@ -22,9 +22,9 @@ use crate::state::LeaseState;
 
 /// The gateway's metrics, for a task that outlives a borrow of [`LeaseState`].
 #[derive(Clone)]
-struct SharedMetrics(Arc<LeaseState>);
+struct StateMetrics(Arc<LeaseState>);
 
-impl AsRef<Metrics> for SharedMetrics {
+impl AsRef<Metrics> for StateMetrics {
     fn as_ref(&self) -> &Metrics {
         &self.0.metrics
     }
@@ -68,7 +68,7 @@ pub(super) async fn supervise(
         tokio::spawn(nats::dead_letter::run(
             client.clone(),
             target,
-            SharedMetrics(background.state.clone()),
+            StateMetrics(background.state.clone()),
             background.stop.child_token(),
         ));
     }

@@ -86,9 +86,9 @@ struct Ledger {
     duplicates: Vec<(String, u64)>,
 }
 
-type Shared = Arc<Mutex<Ledger>>;
+type SharedLedger = Arc<Mutex<Ledger>>;
 
-fn lock(ledger: &Shared) -> std::sync::MutexGuard<'_, Ledger> {
+fn lock(ledger: &SharedLedger) -> std::sync::MutexGuard<'_, Ledger> {
     ledger
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -102,7 +102,7 @@ struct Lease {
     delivered: u64,
 }
 
-fn record_delivery(ledger: &Shared, message: &Value) -> Option<Lease> {
+fn record_delivery(ledger: &SharedLedger, message: &Value) -> Option<Lease> {
     let lease = Lease {
         id: message["id"].as_str()?.to_owned(),
         ledger_id: message["data"].as_str()?.to_owned(),
@@ -126,7 +126,7 @@ fn record_delivery(ledger: &Shared, message: &Value) -> Option<Lease> {
     Some(lease)
 }
 
-fn unexpected(ledger: &Shared, what: String) {
+fn unexpected(ledger: &SharedLedger, what: String) {
     lock(ledger).unexpected.push(what);
 }
 
@@ -140,7 +140,7 @@ fn answer_text(answer: &Result<Reply, reqwest::Error>) -> String {
 
 /// A settle of `lease` got 2xx. The first confirmed outcome of an id stands (a duplicate
 /// delivery settled again does not change what happened to the message).
-fn confirm(ledger: &Shared, lease: &Lease, outcome: Outcome) {
+fn confirm(ledger: &SharedLedger, lease: &Lease, outcome: Outcome) {
     lock(ledger)
         .settled
         .entry(lease.ledger_id.clone())
@@ -193,7 +193,7 @@ fn client(base: &str) -> Client {
 }
 
 /// The deliveries of a fetch answered 200, recorded in the ledger.
-fn record_fetched(ledger: &Shared, reply: &Reply) -> Vec<Lease> {
+fn record_fetched(ledger: &SharedLedger, reply: &Reply) -> Vec<Lease> {
     reply
         .body
         .get("messages")
@@ -205,13 +205,13 @@ fn record_fetched(ledger: &Shared, reply: &Reply) -> Vec<Lease> {
 }
 
 /// Send an ack (single) and record the answer; retry a 504 (the lease stays valid).
-async fn ack(client: &Client, ledger: &Shared, lease: &Lease) {
+async fn ack(client: &Client, ledger: &SharedLedger, lease: &Lease) {
     ack_after(client, ledger, lease, false).await;
 }
 
 /// `unanswered`: an earlier attempt of this ack got no definite answer (504, or a batch that
 /// failed), so it may have landed at the server however the retries end.
-async fn ack_after(client: &Client, ledger: &Shared, lease: &Lease, mut unanswered: bool) {
+async fn ack_after(client: &Client, ledger: &SharedLedger, lease: &Lease, mut unanswered: bool) {
     for _ in 0..3 {
         let answer = client.try_settle(&lease.id, Action::Ack, None, None).await;
         match answer.as_ref().map(|reply| reply.status) {
@@ -245,7 +245,7 @@ async fn ack_after(client: &Client, ledger: &Shared, lease: &Lease, mut unanswer
     }
 }
 
-async fn batch_ack(client: &Client, ledger: &Shared, leases: &[Lease]) {
+async fn batch_ack(client: &Client, ledger: &SharedLedger, leases: &[Lease]) {
     if leases.is_empty() {
         return;
     }
@@ -299,7 +299,7 @@ async fn batch_ack(client: &Client, ledger: &Shared, leases: &[Lease]) {
     }
 }
 
-async fn term(client: &Client, ledger: &Shared, lease: &Lease) {
+async fn term(client: &Client, ledger: &SharedLedger, lease: &Lease) {
     let reason = format!("ledger: {} rejected on purpose", lease.ledger_id);
     lock(ledger)
         .term_reasons
@@ -328,7 +328,7 @@ async fn term(client: &Client, ledger: &Shared, lease: &Lease) {
     }
 }
 
-async fn worker(base: String, ledger: Shared, stop: CancellationToken) {
+async fn worker(base: String, ledger: SharedLedger, stop: CancellationToken) {
     let client = client(&base);
     while !stop.is_cancelled() {
         let answer = client
@@ -377,7 +377,7 @@ async fn worker(base: String, ledger: Shared, stop: CancellationToken) {
 }
 
 /// Clients that vanish: a long poll dropped mid-wait, and an ack dropped mid-flight.
-async fn vanishing_client(base: String, ledger: Shared, stop: CancellationToken, round: u64) {
+async fn vanishing_client(base: String, ledger: SharedLedger, stop: CancellationToken, round: u64) {
     let client = client(&base);
     let mut round = round;
     while !stop.is_cancelled() {
@@ -652,7 +652,7 @@ async fn run(scenario: Scenario) -> Report {
         .process(&urls)
         .await;
     let base = gateway.base();
-    let ledger: Shared = Arc::default();
+    let ledger: SharedLedger = Arc::default();
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
     for _ in 0..W {
@@ -672,7 +672,7 @@ async fn run(scenario: Scenario) -> Report {
             )));
         }
     }
-    let settled = |ledger: &Shared| lock(ledger).settled.len();
+    let settled = |ledger: &SharedLedger| lock(ledger).settled.len();
     let wait_for_settled = |fraction: usize| {
         let ledger = ledger.clone();
         async move {
