@@ -45,6 +45,9 @@ pub(crate) const DELIVERIES_RELEASED: &str = "ruststream_deliveries_released_tot
 pub(crate) const FETCH_WAIT: &str = "ruststream_fetch_wait_seconds";
 /// Time to serve a `POST /fetch` answered 200: the wait plus leasing and JSON (histogram).
 pub(crate) const FETCH_LATENCY: &str = "ruststream_fetch_latency_seconds";
+/// Fetches the gateway is serving now: waiting for messages, or for the first answer of
+/// their `Idempotency-Key` (gauge).
+pub(crate) const FETCHES_IN_PROGRESS: &str = "ruststream_fetches_in_progress";
 /// Fetches answered 200 with no message (counter).
 pub(crate) const FETCHES_EMPTY: &str = "ruststream_fetches_empty_total";
 /// Fetches refused, by `reason`: `at_capacity` (429), `token_limit` (429, the token's
@@ -150,6 +153,15 @@ impl SettleOutcome {
     }
 }
 
+/// Counts one fetch in `ruststream_fetches_in_progress` while it lives.
+pub(crate) struct InProgress<'a>(&'a IntGauge);
+
+impl Drop for InProgress<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// Why a fetch was refused (`reason` of `ruststream_fetches_refused_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum FetchRefusal {
@@ -186,6 +198,7 @@ pub(crate) struct Metrics {
     fetch_wait: Histogram,
     fetch_latency: Histogram,
     fetches_empty: IntCounter,
+    fetches_in_progress: IntGauge,
     fetches_refused_at_capacity: IntCounter,
     fetches_refused_unavailable: IntCounter,
     fetches_refused_token_limit: IntCounter,
@@ -287,6 +300,10 @@ impl Metrics {
                 "Seconds to serve a POST /fetch answered 200, including leasing and JSON encoding",
             ),
             fetches_empty: reg.counter(FETCHES_EMPTY, "Fetches answered 200 with no message"),
+            fetches_in_progress: reg.gauge(
+                FETCHES_IN_PROGRESS,
+                "Fetches being served now: waiting for messages, or for the first answer of their Idempotency-Key",
+            ),
             fetches_refused_at_capacity: refused.with_label_values(&["at_capacity"]),
             fetches_refused_unavailable: refused.with_label_values(&["unavailable"]),
             fetches_refused_token_limit: refused.with_label_values(&["token_limit"]),
@@ -365,6 +382,12 @@ impl Metrics {
 
     pub(crate) fn fetch_waited(&self, wait: Duration) {
         self.fetch_wait.observe(wait.as_secs_f64());
+    }
+
+    /// A fetch is being served until the guard is dropped.
+    pub(crate) fn fetch_in_progress(&self) -> InProgress<'_> {
+        self.fetches_in_progress.inc();
+        InProgress(&self.fetches_in_progress)
     }
 
     /// A fetch answered 200 with `messages` messages after `latency`.
@@ -511,6 +534,7 @@ mod tests {
             FETCH_WAIT,
             FETCH_LATENCY,
             FETCHES_EMPTY,
+            FETCHES_IN_PROGRESS,
             FETCHES_REFUSED,
             NATS_CONNECTED,
             NATS_RECONNECTS,

@@ -54,6 +54,7 @@ impl Gateway {
         render: impl Fn(Vec<Leased>) -> Result<Bytes, Error>,
     ) -> Result<Fetched, Error> {
         let started = Instant::now();
+        let _in_progress = self.state.metrics.fetch_in_progress();
         let Some(idempotency) = idempotency else {
             let leased = self.lease_for(demand, caller).await?;
             if caller.is_some_and(Caller::has_hung_up) {

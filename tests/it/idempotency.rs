@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
-use crate::support::{Gateway, Reply, Setup, server_ack_pending, sleep_past, wait_until};
+use crate::support::{Gateway, Reply, Scrape, Setup, server_ack_pending, sleep_past, wait_until};
 
 async fn fetch_with_key(gateway: &Gateway, key: &str, auth: Option<&str>, body: &Value) -> Reply {
     let mut request = gateway
@@ -146,9 +146,18 @@ async fn a_repeat_while_the_first_still_waits_gets_the_first_answer() {
     )
     .await;
     let repeat = spawn_keyed_fetch(&gateway, "slow", &request);
-    // Pacing, not a condition: the repeat should reach the gateway while the first waits
-    // (a later one would get the same answer as a replay, which the assertions accept too).
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // The repeat waits in the gateway for the first's answer before anything is published.
+    wait_until(
+        "the repeat waits beside the first",
+        Duration::from_secs(10),
+        || async {
+            Scrape::of(&gateway)
+                .await
+                .get("ruststream_fetches_in_progress")
+                == 2.0
+        },
+    )
+    .await;
     js.publish_many("orders.1", 2, "m").await;
     let first = first.await.expect("first");
     let repeat = repeat.await.expect("repeat");

@@ -5,6 +5,7 @@
 pub mod client;
 pub mod cluster;
 pub mod gateway;
+pub mod metrics;
 pub mod nats;
 pub mod setup;
 
@@ -17,6 +18,7 @@ use tokio::time::Instant;
 
 pub use client::{Action, Client, FetchRequest, Msg, Reply};
 pub use gateway::{Gateway, GatewayProcess};
+pub use metrics::Scrape;
 pub use nats::{Js, NatsServer};
 pub use setup::{STREAM, Setup};
 
