@@ -8,7 +8,7 @@ use base64::Engine as _;
 use serde_json::{Value, json};
 use time::OffsetDateTime;
 
-use crate::support::{Deadline, STREAM, Setup, rfc3339, wait_until};
+use crate::support::{Deadline, STREAM, Scrape, Setup, rfc3339, wait_for, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn empty_body_and_empty_object_use_the_defaults() {
@@ -458,4 +458,50 @@ async fn configured_batch_wait_and_body_caps_are_enforced() {
         "the 413 names the configured cap: {}",
         over.text
     );
+}
+
+/// A delivery nobody takes (here: beyond a fetch's max_bytes) is held for the next fetch for
+/// min(ack_wait/4, 2 s) — 500 ms at ack_wait 2 s — then released: nak'd back to the server,
+/// counted in `ruststream_deliveries_released_total`, and redelivered to the next fetch
+/// (`delivered` 2) long before ack_wait would have brought it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_nobody_takes_is_held_then_released() {
+    let (_server, js, gateway) = Setup::consumer("held").ack_wait("2s").start().await;
+    let published = js.publish_many("orders.1", 2, "m").await;
+    let released = "ruststream_deliveries_released_total";
+    let before = Scrape::of(&gateway).await.get(released);
+    let first = gateway
+        .fetch(json!({ "batch": 2, "wait_ms": 1000, "max_bytes": 1 }))
+        .await;
+    let answered = Instant::now();
+    assert_eq!(first.len(), 1, "max_bytes 1: one message, the other held");
+    assert_eq!(first[0].stream_sequence, published[0]);
+
+    let held_for = wait_for(
+        "the held delivery is released",
+        Duration::from_secs(5),
+        || async {
+            let now = Scrape::of(&gateway).await.get(released);
+            (now > before).then(|| (now - before, answered.elapsed()))
+        },
+    )
+    .await;
+    assert_eq!(
+        held_for.0, 1.0,
+        "exactly the one held delivery was released"
+    );
+    assert!(
+        held_for.1 >= Duration::from_millis(400),
+        "held for the next fetch first (500 ms), released after {:?}",
+        held_for.1
+    );
+    assert!(
+        held_for.1 < Duration::from_secs(2),
+        "released before ack_wait would bring it back: {:?}",
+        held_for.1
+    );
+    let again = gateway.fetch_n(1, 2000).await;
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].stream_sequence, published[1]);
+    assert_eq!(again[0].delivered, 2, "nak'd back once, redelivered");
 }

@@ -4,6 +4,8 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
 
 use crate::support::{Gateway, Reply, Scrape, Setup, server_ack_pending, sleep_past, wait_until};
@@ -213,4 +215,60 @@ async fn a_key_is_released_when_its_leases_expire() {
     assert_eq!(fresh[0].stream_sequence, leased[0].stream_sequence);
     assert_eq!(fresh[0].delivered, 2);
     assert_ne!(fresh[0].id, leased[0].id);
+}
+
+/// A first answer is kept even when its client hangs up without reading it: the retry with
+/// the same key gets those very leases (replayed) instead of stranding them until ack_wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_whose_client_hung_up_unread_is_kept_for_the_retry() {
+    let (_server, js, gateway) = Setup::consumer("unread").ack_wait("30s").start().await;
+    let body = json!({ "batch": 1, "wait_ms": 10_000 });
+    let text = body.to_string();
+    let addr = gateway.base().trim_start_matches("http://").to_string();
+    let mut socket = TcpStream::connect(&addr).await.expect("connect to gateway");
+    let request = format!(
+        "POST /fetch HTTP/1.1\r\nHost: {addr}\r\nIdempotency-Key: unread\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+        text.len()
+    );
+    socket
+        .write_all(request.as_bytes())
+        .await
+        .expect("send the keyed fetch");
+    wait_until(
+        "the keyed fetch waits at the server",
+        Duration::from_secs(10),
+        || async {
+            js.consumer_info(&gateway.stream, &gateway.consumer)
+                .await
+                .num_waiting
+                >= 1
+        },
+    )
+    .await;
+    let sequence = js.publish("orders.1", "answered, never read").await;
+    wait_until(
+        "the gateway leased the message to the keyed fetch",
+        Duration::from_secs(10),
+        || async { gateway.leases_in_flight().await == 1 },
+    )
+    .await;
+    drop(socket);
+
+    let retry = fetch_with_key(&gateway, "unread", None, &body).await;
+    assert_eq!(retry.status, 200, "{}", retry.text);
+    assert!(
+        replayed(&retry),
+        "the first answer, replayed: {:?}",
+        retry.headers
+    );
+    let messages = retry.messages();
+    assert_eq!(messages.len(), 1, "{}", retry.text);
+    assert_eq!(messages[0].stream_sequence, sequence);
+    assert_eq!(
+        messages[0].delivered, 1,
+        "the same delivery, not a redelivery"
+    );
+    assert_eq!(gateway.ack(&messages[0].id).await, 204, "its lease is live");
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
 }

@@ -11,8 +11,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::support::{
-    Action, Deadline, Gateway, Js, STREAM, Setup, assert_stays, server_ack_pending, wait_for,
-    wait_until,
+    Action, Deadline, Gateway, Js, STREAM, Scrape, Setup, assert_stays, server_ack_pending,
+    wait_for, wait_until,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -352,4 +352,54 @@ async fn pulls_are_slices_of_a_second_and_at_most_half_of_max_waiting() {
     for poll in polls {
         assert_eq!(poll.await.expect("poll task"), 0, "nothing was published");
     }
+}
+
+/// A client that sends a fetch for a message that is already there and hangs up at once:
+/// whether the gateway notices before leasing (the fetch is withdrawn) or after (the leases
+/// are given back, `ruststream_leases_withdrawn_total`), the message goes to the next fetch
+/// as its first delivery — never stranded until ack_wait. Every lease issued either
+/// reached a client or was given back: granted − given back = leases clients got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_as_its_leases_are_issued_strands_nothing() {
+    let (_server, js, gateway) = Setup::consumer("gone").ack_wait("30s").start().await;
+    let addr = gateway.base().trim_start_matches("http://").to_string();
+    let body = json!({ "batch": 1, "wait_ms": 1000 }).to_string();
+    let request = format!(
+        "POST /fetch HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let before = Scrape::of(&gateway).await;
+    const ROUNDS: u64 = 10;
+    for round in 0..ROUNDS {
+        let sequence = js.publish("orders.1", "for a vanishing client").await;
+        let mut socket = TcpStream::connect(&addr).await.expect("connect to gateway");
+        socket
+            .write_all(request.as_bytes())
+            .await
+            .expect("send the fetch");
+        drop(socket);
+        let messages = gateway.fetch_n(1, 5000).await;
+        assert_eq!(
+            messages.len(),
+            1,
+            "round {round}: the next fetch got nothing"
+        );
+        assert_eq!(messages[0].stream_sequence, sequence, "round {round}");
+        assert_eq!(
+            messages[0].delivered, 1,
+            "round {round}: handed on, not redelivered"
+        );
+        assert_eq!(gateway.ack(&messages[0].id).await, 204, "round {round}");
+    }
+    let after = Scrape::of(&gateway).await;
+    let delta = |series: &str| after.get(series) - before.get(series);
+    let given_back = delta("ruststream_leases_withdrawn_total");
+    assert_eq!(
+        delta("ruststream_leases_granted_total") - given_back,
+        ROUNDS as f64,
+        "every lease issued reached a client or was given back ({given_back} given back)"
+    );
+    assert_eq!(gateway.leases_in_flight().await, 0);
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
 }
