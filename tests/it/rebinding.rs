@@ -267,3 +267,73 @@ async fn a_lease_held_across_a_nats_restart_still_settles() {
     );
     assert_eq!(server_ack_pending(&js, &gateway).await, 1);
 }
+
+/// A server killed before it wrote its consumer state forgets deliveries it had made: after
+/// the restart it delivers the same message again with the same sequences and delivery
+/// count. The gateway sees the server's delivered position behind what it received, starts
+/// a new lease epoch, and the earlier id answers 410 — it would otherwise name the new
+/// delivery, held by someone else — and never reaches the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ids_from_before_the_server_lost_its_deliveries_answer_410() {
+    let consumer = "rv-forgot";
+    let (mut server, js, mut gateway) = Setup::consumer(consumer).ack_wait("30s").start().await;
+    // One settled message first, on disk, so that the consumer itself survives the kill.
+    js.publish("orders.1", "settled before").await;
+    let settled = gateway.fetch_n(1, 2000).await.remove(0);
+    assert_eq!(gateway.ack(&settled.id).await, 204);
+    wait_until(
+        "the server has written the ack to its store",
+        Duration::from_secs(5),
+        || {
+            let state = persisted_consumer_state(&server, consumer);
+            async move { state.is_some_and(|(ack_floor, _)| ack_floor == 1) }
+        },
+    )
+    .await;
+    drop(js);
+
+    // Fetch and kill at once, inside the server's write-behind window; the store on disk
+    // says whether the kill landed there (if the server was quicker, try again).
+    let mut forgotten = None;
+    for _ in 0..5 {
+        let js = Js::connect(&server.url()).await;
+        js.publish("orders.1", "delivered, then forgotten").await;
+        let lease = gateway.fetch_n(1, 2000).await.remove(0);
+        server.kill();
+        let on_disk = persisted_consumer_state(&server, consumer).map(|(_, delivered)| delivered);
+        gateway.wait_unready().await;
+        server.restart().await;
+        gateway.wait_ready().await;
+        if on_disk.is_some_and(|delivered| delivered < lease.stream_sequence) {
+            forgotten = Some(lease);
+            break;
+        }
+        // The server wrote the delivery in time: the lease is simply still good.
+        assert_eq!(
+            gateway.ack(&lease.id).await,
+            204,
+            "a remembered delivery settles"
+        );
+    }
+    let old = forgotten.expect("a kill inside the server's write-behind window in 5 tries");
+
+    let js = Js::connect(&server.url()).await;
+    let reply = gateway.settle(&old.id, Action::Ack, None).await;
+    reply.assert_problem(410);
+    let again = gateway.fetch_n(1, 5000).await;
+    assert_eq!(again.len(), 1, "the forgotten delivery is made again");
+    assert_eq!(again[0].stream_sequence, old.stream_sequence);
+    assert_eq!(
+        again[0].consumer_sequence, old.consumer_sequence,
+        "same sequences"
+    );
+    assert_eq!(again[0].delivered, old.delivered, "same delivery count");
+    assert_ne!(again[0].id, old.id, "a new id: the epoch changed");
+    assert_eq!(
+        server_ack_pending(&js, &gateway).await,
+        1,
+        "the 410 sent nothing to the server"
+    );
+    assert_eq!(gateway.ack(&again[0].id).await, 204);
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
+}
