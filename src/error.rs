@@ -35,6 +35,9 @@ pub(crate) enum Error {
     },
     #[error("{0}")]
     Unavailable(String),
+    /// A publish whose `Nats-Expected-*` header did not hold.
+    #[error("{0}")]
+    PublishPrecondition(String),
     #[error(
         "the NATS server did not confirm in time; the lease is still valid and retrying is safe"
     )]

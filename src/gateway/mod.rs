@@ -33,6 +33,7 @@ use crate::domain::settle::{AckCommand, SettleKind};
 use crate::domain::{subject, wall_clock};
 use crate::error::Error;
 use crate::metrics::{Metrics, SettleAction, SettleOutcome, Snapshot};
+use crate::nats::publish::PublishFailure;
 use crate::nats::settle::{self as nats_settle, ConfirmError};
 use crate::nats::{self, Bound, Client};
 use crate::state::LeaseState;
@@ -450,7 +451,11 @@ impl Gateway {
             self.config.settle_timeout,
         )
         .await
-        .map_err(|err| Error::Unavailable(format!("{err:#}")))
+        .map_err(|failure| match failure {
+            PublishFailure::Expectation(detail) => Error::PublishPrecondition(detail),
+            PublishFailure::Refused(detail) => Error::invalid("headers", detail),
+            PublishFailure::Unavailable(detail) => Error::Unavailable(detail),
+        })
     }
 
     /// Stop taking fetches and answer the waiting ones now.

@@ -70,6 +70,7 @@ impl Error {
             Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::Unavailable(_) | Self::ClientGone => StatusCode::SERVICE_UNAVAILABLE,
             Self::TimedOut => StatusCode::GATEWAY_TIMEOUT,
+            Self::PublishPrecondition(_) => StatusCode::PRECONDITION_FAILED,
         }
     }
 
@@ -93,6 +94,9 @@ impl Error {
             }
             Self::BodyTimeout { .. } => ("body-timeout", "Request body too slow"),
             Self::TimedOut => ("not-confirmed", "Settle not confirmed in time"),
+            Self::PublishPrecondition(_) => {
+                ("publish-precondition-failed", "Publish expectation failed")
+            }
         }
     }
 

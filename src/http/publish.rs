@@ -12,7 +12,7 @@ use base64::engine::general_purpose::STANDARD;
 
 use super::body::JsonBody;
 use super::dto::{Encoding, HeaderValues, PublishBody, PublishResponse};
-use super::responses::{BodyRefusals, Guarded, NatsRefusals};
+use super::responses::{BodyRefusals, Guarded, PublishRefusals};
 use crate::domain::subject::validate_publish_subject;
 use crate::error::Error;
 use crate::gateway::Gateway;
@@ -26,7 +26,7 @@ use crate::gateway::Gateway;
     request_body(content = PublishBody, content_type = "application/json"),
     responses(
         (status = 201, description = "Stored by the stream", body = PublishResponse),
-        Guarded, BodyRefusals, NatsRefusals,
+        Guarded, BodyRefusals, PublishRefusals,
     )
 )]
 pub(crate) async fn publish(
@@ -43,6 +43,21 @@ pub(crate) async fn publish(
     };
     let mut headers = async_nats::HeaderMap::new();
     for (name, values) in body.headers {
+        // NATS writes headers as `Name: value` lines: an empty name (stored as `: v`) makes
+        // other clients read no headers at all, and a colon or a control character in a
+        // name would split or end the line.
+        if name.is_empty()
+            || name
+                .chars()
+                .any(|c| c == ':' || c.is_whitespace() || c.is_control())
+        {
+            return Err(Error::invalid(
+                "headers",
+                format!(
+                    "headers: invalid header name {name:?} (must be non-empty, without spaces, colons or control characters)"
+                ),
+            ));
+        }
         let header_name = async_nats::header::HeaderName::from_str(&name).map_err(|_| {
             Error::invalid("headers", format!("headers: invalid header name {name:?}"))
         })?;

@@ -39,10 +39,11 @@ pub(crate) enum ProblemKind {
     TooManyLeases,
     Unavailable,
     NotConfirmed,
+    PublishPrecondition,
 }
 
 impl ProblemKind {
-    const ALL: [Self; 12] = [
+    const ALL: [Self; 13] = [
         Self::Unauthorized,
         Self::Forbidden,
         Self::BodyTimeout,
@@ -55,6 +56,7 @@ impl ProblemKind {
         Self::TooManyLeases,
         Self::Unavailable,
         Self::NotConfirmed,
+        Self::PublishPrecondition,
     ];
 
     fn name(self) -> &'static str {
@@ -71,6 +73,7 @@ impl ProblemKind {
             Self::TooManyLeases => "TooManyLeases",
             Self::Unavailable => "Unavailable",
             Self::NotConfirmed => "NotConfirmed",
+            Self::PublishPrecondition => "PublishPrecondition",
         }
     }
 
@@ -107,6 +110,9 @@ impl ProblemKind {
             }
             Self::NotConfirmed => {
                 "The NATS server did not confirm in time; the lease stays valid and retrying is safe."
+            }
+            Self::PublishPrecondition => {
+                "A `Nats-Expected-*` header did not hold (expected stream, last sequence, last subject sequence or last message id): nothing was stored, and retrying as is cannot succeed."
             }
         }
     }
@@ -150,6 +156,10 @@ impl ProblemKind {
             ],
             Self::Unavailable => vec![Error::Unavailable("not connected to NATS".into())],
             Self::NotConfirmed => vec![Error::TimedOut],
+            Self::PublishPrecondition => vec![Error::PublishPrecondition(
+                "the stream refused the message: wrong last sequence: 7 (code 400, error code 10071)"
+                    .into(),
+            )],
         }
     }
 
@@ -267,6 +277,8 @@ refusal_sets! {
     FetchRefusals = [TooManyLeases, Unavailable];
     /// An endpoint that needs the NATS server.
     NatsRefusals = [Unavailable];
+    /// `POST /publish` beyond its body: an expectation header that did not hold, or no NATS.
+    PublishRefusals = [PublishPrecondition, Unavailable];
 }
 
 #[cfg(test)]

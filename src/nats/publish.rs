@@ -6,7 +6,10 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use async_nats::jetstream::{self, consumer};
+use std::error::Error as _;
+
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+use async_nats::jetstream::{self, ErrorCode, consumer};
 use bytes::Bytes;
 
 use super::{API_TIMEOUT, Bound};
@@ -21,6 +24,19 @@ pub(crate) async fn consumer_info(bound: &Bound) -> anyhow::Result<consumer::Inf
     Ok(info.clone())
 }
 
+/// Why the stream did not store a published message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PublishFailure {
+    /// An expectation the publisher set did not hold (`Nats-Expected-Stream`,
+    /// `Nats-Expected-Last-Sequence`, `-Last-Subject-Sequence`, `-Last-Msg-Id`).
+    Expectation(String),
+    /// The stream refused the message itself: a header it does not allow (`Nats-Rollup`
+    /// without rollups, a malformed directive) or its size.
+    Refused(String),
+    /// NATS is unreachable, slow, or the stream has no leader; retrying may succeed.
+    Unavailable(String),
+}
+
 /// Publish to the stream and wait for its acknowledgement.
 pub(crate) async fn publish(
     bound: &Bound,
@@ -28,7 +44,8 @@ pub(crate) async fn publish(
     headers: async_nats::HeaderMap,
     payload: Bytes,
     timeout: Duration,
-) -> anyhow::Result<jetstream::publish::PublishAck> {
+) -> Result<jetstream::publish::PublishAck, PublishFailure> {
+    let timed_out = |_| PublishFailure::Unavailable("the stream did not answer in time".into());
     let ack = tokio::time::timeout(
         timeout,
         bound
@@ -36,10 +53,92 @@ pub(crate) async fn publish(
             .publish_with_headers(subject, headers, payload),
     )
     .await
-    .context("timed out publishing")?
-    .context("publishing")?;
+    .map_err(timed_out)?
+    .map_err(|err| classify(&err))?;
     tokio::time::timeout(timeout, ack.into_future())
         .await
-        .context("timed out waiting for the stream's acknowledgement")?
-        .context("the stream did not acknowledge the message")
+        .map_err(timed_out)?
+        .map_err(|err| classify(&err))
+}
+
+/// A client error (the publisher's headers or message) or an outage, by the JetStream error
+/// code the stream answered with.
+fn classify(err: &PublishError) -> PublishFailure {
+    let refused = |what: &dyn std::fmt::Display| format!("the stream refused the message: {what}");
+    match err.kind() {
+        PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence => {
+            PublishFailure::Expectation(refused(&source_or_kind(err)))
+        }
+        PublishErrorKind::MaxPayloadExceeded => {
+            PublishFailure::Refused(refused(&"larger than the server's max_payload"))
+        }
+        PublishErrorKind::Other => match err
+            .source()
+            .and_then(|source| source.downcast_ref::<jetstream::Error>())
+        {
+            // By the JetStream error code first: the server answers some refusals of the
+            // message itself (a rollup the stream does not allow) with a 500.
+            Some(api) if EXPECTATIONS.contains(&api.error_code()) => {
+                PublishFailure::Expectation(refused(api))
+            }
+            Some(api)
+                if REFUSALS.contains(&api.error_code()) || (400..500).contains(&api.code()) =>
+            {
+                PublishFailure::Refused(refused(api))
+            }
+            Some(api) => PublishFailure::Unavailable(format!("the stream is unavailable: {api}")),
+            None => PublishFailure::Unavailable(format!("publishing failed: {err}")),
+        },
+        PublishErrorKind::StreamNotFound => {
+            PublishFailure::Unavailable("no stream answered for the subject".into())
+        }
+        PublishErrorKind::TimedOut
+        | PublishErrorKind::BrokenPipe
+        | PublishErrorKind::MaxAckPending => {
+            PublishFailure::Unavailable(format!("publishing failed: {}", err.kind()))
+        }
+    }
+}
+
+/// JetStream error codes of expectations that did not hold.
+const EXPECTATIONS: [ErrorCode; 4] = [
+    ErrorCode::STREAM_WRONG_LAST_MESSAGE_ID,
+    ErrorCode::STREAM_WRONG_LAST_SEQUENCE,
+    ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT,
+    ErrorCode::STREAM_NOT_MATCH,
+];
+
+/// JetStream error codes of a message the stream refuses for what the publisher sent:
+/// retrying it unchanged cannot succeed, whatever HTTP-like code the server gave.
+const REFUSALS: [ErrorCode; 23] = [
+    ErrorCode::BAD_REQUEST,
+    ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM,
+    ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM,
+    ErrorCode::STREAM_SEALED,
+    ErrorCode::STREAM_ROLLUP_FAILED,
+    ErrorCode::MESSAGE_TTL_INVALID,
+    ErrorCode::MESSAGE_TTL_DISABLED,
+    ErrorCode::MESSAGE_INCR_DISABLED,
+    ErrorCode::MESSAGE_INCR_MISSING,
+    ErrorCode::MESSAGE_INCR_PAYLOAD,
+    ErrorCode::MESSAGE_INCR_INVALID,
+    ErrorCode::ATOMIC_PUBLISH_DISABLED,
+    ErrorCode::ATOMIC_PUBLISH_MISSING_SEQ,
+    ErrorCode::ATOMIC_PUBLISH_INCOMPLETE_BATCH,
+    ErrorCode::ATOMIC_PUBLISH_UNSUPPORTED_HEADER,
+    ErrorCode::ATOMIC_PUBLISH_INVALID_BATCH_ID,
+    ErrorCode::MESSAGE_SCHEDULES_DISABLED,
+    ErrorCode::MESSAGE_SCHEDULES_PATTERN_INVALID,
+    ErrorCode::MESSAGE_SCHEDULES_TARGET_INVALID,
+    ErrorCode::MESSAGE_SCHEDULES_TTL_INVALID,
+    ErrorCode::MESSAGE_SCHEDULES_ROLLUP_INVALID,
+    ErrorCode::STREAM_EXPECTED_LAST_SEQ_PER_SUBJECT_INVALID,
+    ErrorCode::INVALID_JSON,
+];
+
+/// The JetStream error behind `err`, or its kind when it has none.
+fn source_or_kind(err: &PublishError) -> String {
+    err.source()
+        .and_then(|source| source.downcast_ref::<jetstream::Error>())
+        .map_or_else(|| err.kind().to_string(), ToString::to_string)
 }
