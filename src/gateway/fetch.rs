@@ -200,12 +200,27 @@ impl Gateway {
             .answered
             .as_mut()
             .ok_or_else(|| Error::Unavailable("the gateway is stopping".into()))?;
-        let leased = match tokio::time::timeout(bound, answered).await {
-            Ok(Ok(leased)) => leased,
-            Ok(Err(_)) => return Err(Error::Unavailable("the gateway is stopping".into())),
-            Err(_) => {
+        let mut nats_up = self.nats_up.clone();
+        // Behind a load balancer a client should learn of an outage at once and try a
+        // replica that is connected, not sleep through its whole wait.
+        let connection_lost = async move {
+            let _ = nats_up.wait_for(|up| !*up).await;
+        };
+        let leased = tokio::select! {
+            // An answer that is there wins: its leases were issued.
+            biased;
+            answer = tokio::time::timeout(bound, answered) => match answer {
+                Ok(Ok(leased)) => leased,
+                Ok(Err(_)) => return Err(Error::Unavailable("the gateway is stopping".into())),
+                Err(_) => {
+                    return Err(Error::Unavailable(
+                        "no answer from the dispatcher in time; NATS may be unreachable".into(),
+                    ));
+                }
+            },
+            () = connection_lost => {
                 return Err(Error::Unavailable(
-                    "no answer from the dispatcher in time; NATS may be unreachable".into(),
+                    "the connection to NATS was lost while this fetch waited; retry".into(),
                 ));
             }
         };

@@ -47,6 +47,8 @@ pub(crate) struct Gateway {
     client: Arc<OnceLock<Client>>,
     commands: mpsc::Sender<Command>,
     bound: watch::Receiver<Option<Arc<Bound>>>,
+    /// Whether the NATS connection is up (from its events), for waiting fetches.
+    nats_up: watch::Receiver<bool>,
     accepting: Arc<AtomicBool>,
     next_fetch: Arc<AtomicU64>,
     config: Arc<Config>,
@@ -98,6 +100,7 @@ impl Gateway {
         let config = Arc::new(config);
         let (commands_tx, commands_rx) = mpsc::channel(1024);
         let (bound_tx, bound_rx) = watch::channel(None);
+        let (connected_tx, nats_up) = watch::channel(false);
         let (fatal_tx, fatal_rx) = oneshot::channel();
         let stop = CancellationToken::new();
 
@@ -124,6 +127,7 @@ impl Gateway {
                     stop: stop.clone(),
                     state: state.clone(),
                     client,
+                    connected: connected_tx,
                 };
                 tokio::select! {
                     result = supervise(&config, &state, bound_tx, commands, background) => {
@@ -140,6 +144,7 @@ impl Gateway {
             client,
             commands: commands_tx,
             bound: bound_rx,
+            nats_up,
             accepting: Arc::new(AtomicBool::new(true)),
             next_fetch: Arc::new(AtomicU64::new(1)),
             config,

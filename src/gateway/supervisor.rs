@@ -36,6 +36,8 @@ pub(super) struct Background {
     pub(super) state: Arc<LeaseState>,
     /// Where the connection goes once made, for the connection gauge.
     pub(super) client: Arc<OnceLock<Client>>,
+    /// Whether the connection is up, as its events tell: waiting fetches give up on a loss.
+    pub(super) connected: watch::Sender<bool>,
 }
 
 /// Keep the gateway bound: connect, bind, and rebind after reconnects or when asked.
@@ -81,6 +83,7 @@ pub(super) async fn supervise(
             match tokio::time::timeout(Duration::from_secs(1), events.recv()).await {
                 Ok(Some(ConnectionEvent::Disconnected)) => {
                     connection_lost = true;
+                    background.connected.send_replace(false);
                     let _ = commands.send(Command::ConnectionLost).await;
                 }
                 Ok(Some(ConnectionEvent::Connected)) if connection_lost => {
@@ -91,6 +94,7 @@ pub(super) async fn supervise(
                 _ => {}
             }
         }
+        background.connected.send_replace(true);
         let bound = match nats::bind(config, &client, &ephemeral_name).await {
             Ok(bound) => bound,
             Err(BindError::Fatal(message)) => anyhow::bail!(message),
@@ -137,6 +141,7 @@ pub(super) async fn supervise(
                 event = events.recv() => match event {
                     Some(ConnectionEvent::Disconnected) => {
                         connection_lost = true;
+                        background.connected.send_replace(false);
                         warn!("disconnected from NATS; leases stay valid, fetches answer 503 until reconnected");
                         let _ = commands.send(Command::ConnectionLost).await;
                     }

@@ -45,7 +45,7 @@ pub(crate) struct Problem {
     /// The request field at fault, for validation errors.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) field: Option<String>,
-    /// Seconds until a retry can succeed (mirrors the Retry-After header), for 429.
+    /// Seconds until a retry can succeed (mirrors the Retry-After header), for 429 and 503.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1)]
     pub(crate) retry_after: Option<u64>,
@@ -100,9 +100,12 @@ impl Error {
         }
     }
 
-    /// Whole seconds to wait before retrying a 429, never zero.
+    /// Whole seconds to wait before retrying a 429 or a 503, never zero.
     fn retry_after_secs(&self) -> Option<u64> {
         match self {
+            // A 503 is an outage of this gateway's NATS connection (or its shutdown): a
+            // second is enough for a client to try again, here or at another replica.
+            Self::Unavailable(_) => Some(1),
             Self::AtCapacity { retry_after, .. }
             | Self::TooManyWaitingFetches { retry_after, .. } => {
                 let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);

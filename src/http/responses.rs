@@ -171,7 +171,7 @@ impl ProblemKind {
             .to_string()
     }
 
-    /// The reusable response: problem+json with its examples, plus `Retry-After` for 429.
+    /// The reusable response: problem+json with its examples, plus `Retry-After` for 429 and 503.
     fn response(self) -> Response {
         let errors = self.examples();
         let problems: Vec<Problem> = errors.iter().map(Error::problem).collect();
