@@ -113,6 +113,11 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
 
+    /// A second address serving only /healthz, /readyz and /metrics, with a connection
+    /// budget of its own, so probes and scrapes answer while the main listener is full.
+    #[arg(long, env = "RUSTSTREAM_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+
     /// How long a settle waits for the NATS server's confirmation before answering 504.
     #[arg(long, env = "RUSTSTREAM_SETTLE_TIMEOUT", default_value = "5s", value_parser = parse_positive_duration)]
     pub settle_timeout: Duration,

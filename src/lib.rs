@@ -45,6 +45,10 @@ use tracing::{info, warn};
 pub use config::Config;
 use gateway::Gateway;
 
+/// Connections the admin listener serves at once: probes and scrapes need few, and a full
+/// main listener must not starve them.
+const ADMIN_MAX_CONNECTIONS: usize = 64;
+
 /// Serve the gateway on `listener` until `shutdown` resolves, then drain and return.
 ///
 /// HTTP is served at once; NATS is reached in the background (`/readyz` says when). Returns
@@ -68,8 +72,16 @@ pub async fn run(
         Some(path) => Some(domain::lease_id::LeaseKey::load(path)?),
         None => None,
     };
+    let admin_listener = match config.admin_listen {
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .with_context(|| format!("cannot listen on --admin-listen {address}"))?,
+        ),
+        None => None,
+    };
     let (gateway, tasks, fatal_rx) = Gateway::start(config, lease_key);
-    let app = http::router(gateway.clone(), auth);
+    let app = http::router(gateway.clone(), auth.clone());
     let address = listener
         .local_addr()
         .context("reading the listen address")?;
@@ -96,13 +108,36 @@ pub async fn run(
             }
         }
     };
+    let admin_stop = tokio_util::sync::CancellationToken::new();
     let limits = http::serve::Limits {
         max_connections: gateway.config().max_connections as usize,
         header_read_timeout: gateway.config().header_read_timeout,
         body_read_timeout: gateway.config().body_read_timeout,
         max_body_bytes: gateway.config().max_body_bytes as usize,
     };
+    let admin = admin_listener.map(|admin_listener| {
+        let app = http::admin_router(gateway.clone(), auth);
+        if let Ok(address) = admin_listener.local_addr() {
+            info!(%address, "admin listener (/healthz, /readyz, /metrics)");
+        }
+        let limits = http::serve::Limits {
+            max_connections: ADMIN_MAX_CONNECTIONS,
+            ..limits
+        };
+        let stop = admin_stop.clone();
+        tokio::spawn(http::serve::serve(
+            admin_listener,
+            app,
+            limits,
+            async move { stop.cancelled().await },
+        ))
+    });
     http::serve::serve(listener, app, limits, stop_serving).await;
+    // Probes keep answering through the main listener's drain; they stop with it.
+    admin_stop.cancel();
+    if let Some(admin) = admin {
+        let _ = admin.await;
+    }
     gateway.stop(tasks).await;
     let fatal = fatal.lock().ok().and_then(|mut slot| slot.take());
     match fatal {

@@ -173,11 +173,28 @@ fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
 
 /// The complete application; `auth` guards every route but health, readiness and the docs.
 pub(crate) fn router(gateway: Gateway, auth: Auth) -> Router {
+    with_layers(
+        api().split_for_parts().0.merge(docs::routes()),
+        gateway,
+        auth,
+    )
+}
+
+/// The admin listener's application: the probes and the metrics only, behind the same
+/// middleware (`/metrics` keeps its `admin` scope when tokens are configured).
+pub(crate) fn admin_router(gateway: Gateway, auth: Auth) -> Router {
+    let routes = axum::Router::new()
+        .route("/healthz", axum::routing::get(ops::healthz))
+        .route("/readyz", axum::routing::get(ops::readyz))
+        .route("/metrics", axum::routing::get(metrics::metrics));
+    with_layers(routes, gateway, auth)
+}
+
+/// The middleware stack every listener shares: request ids, the access log, problem+json
+/// for panics and misses, the metrics, and authentication.
+fn with_layers(routes: Router<Gateway>, gateway: Gateway, auth: Auth) -> Router {
     let request_id = HeaderName::from_static("x-request-id");
-    api()
-        .split_for_parts()
-        .0
-        .merge(docs::routes())
+    routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(

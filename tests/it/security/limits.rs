@@ -182,3 +182,59 @@ async fn connections_past_the_cap_wait_until_one_closes() {
         String::from_utf8_lossy(&buf[..n])
     );
 }
+
+/// With `--admin-listen`, probes and scrapes have a listener and a connection budget of their
+/// own: while slow clients hold every `--max-connections` slot of the main listener, the
+/// admin listener still answers `/healthz`, `/readyz` and `/metrics` — and nothing else.
+#[tokio::test]
+async fn the_admin_listener_answers_probes_while_the_main_listener_is_full() {
+    let admin_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port();
+    let (_server, _js, mut gateway) = Setup::consumer("admin-port")
+        .flag("--max-connections", "2")
+        .flag("--admin-listen", &format!("127.0.0.1:{admin_port}"))
+        .start()
+        .await;
+    gateway.http = crate::support::client::http_client();
+    let address = gateway.url("").trim_start_matches("http://").to_owned();
+    // Two clients that connect and send nothing take both slots (until the header timeout).
+    let mut hogs = Vec::new();
+    for _ in 0..2 {
+        hogs.push(TcpStream::connect(&address).await.expect("connect"));
+    }
+    let mut starved = TcpStream::connect(&address).await.expect("connect");
+    starved
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = [0u8; 1024];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(700), starved.read(&mut buf))
+            .await
+            .is_err(),
+        "the main listener is full"
+    );
+
+    let admin = crate::support::Client::new(format!("http://127.0.0.1:{admin_port}"));
+    for path in ["/healthz", "/readyz"] {
+        let reply = admin.get(path).await;
+        assert_eq!(
+            reply.status, 200,
+            "{path} on the admin listener: {}",
+            reply.text
+        );
+        assert_eq!(reply.body, serde_json::json!({ "status": "ok" }));
+    }
+    let metrics = admin.get("/metrics").await;
+    assert_eq!(metrics.status, 200, "{}", metrics.text);
+    assert!(
+        metrics.text.contains("ruststream_nats_connected 1"),
+        "{}",
+        metrics.text
+    );
+    admin.post("/fetch", None).await.assert_problem(404);
+    admin.get("/consumer").await.assert_problem(404);
+    drop(hogs);
+}
