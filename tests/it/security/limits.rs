@@ -194,7 +194,7 @@ async fn the_admin_listener_answers_probes_while_the_main_listener_is_full() {
         .port();
     let (_server, _js, mut gateway) = Setup::consumer("admin-port")
         .flag("--max-connections", "2")
-        .flag("--admin-listen", &format!("127.0.0.1:{admin_port}"))
+        .flag("--admin-listen", format!("127.0.0.1:{admin_port}"))
         .start()
         .await;
     gateway.http = crate::support::client::http_client();
