@@ -41,6 +41,9 @@ pub(crate) const DELIVERIES_RECEIVED: &str = "ruststream_deliveries_received_tot
 pub(crate) const REDELIVERIES: &str = "ruststream_redeliveries_total";
 /// Deliveries nak'd back to the server without ever being leased (counter).
 pub(crate) const DELIVERIES_RELEASED: &str = "ruststream_deliveries_released_total";
+/// Redeliveries of messages whose ack or term the server had confirmed (and then forgot, in
+/// a crash), settled again by the gateway instead of leased, by `kind` (counter).
+pub(crate) const SETTLED_AGAIN: &str = "ruststream_redeliveries_settled_again_total";
 /// Time a fetch waited in the gateway for messages, from queued to answered (histogram).
 pub(crate) const FETCH_WAIT: &str = "ruststream_fetch_wait_seconds";
 /// Time to serve a `POST /fetch` answered 200: the wait plus leasing and JSON (histogram).
@@ -195,6 +198,8 @@ pub(crate) struct Metrics {
     deliveries_received: IntCounter,
     redeliveries: IntCounter,
     deliveries_released: IntCounter,
+    settled_again_ack: IntCounter,
+    settled_again_term: IntCounter,
     fetch_wait: Histogram,
     fetch_latency: Histogram,
     fetches_empty: IntCounter,
@@ -245,6 +250,11 @@ impl Metrics {
             "Fetches refused: at_capacity (429, max_ack_pending slots taken), token_limit (429, the token's waiting fetches) or unavailable (503)",
             &["reason"],
         );
+        let settled_again = reg.counter_vec(
+            SETTLED_AGAIN,
+            "Redeliveries of messages whose ack or term the server had confirmed (and forgot in a crash), settled again by the gateway instead of leased",
+            &["kind"],
+        );
         let dead_letters_skipped = reg.counter_vec(
             DEAD_LETTERS_SKIPPED,
             "Dead-letter advisories not copied: missing (the message had left the stream) or failed (publishing kept failing)",
@@ -291,6 +301,8 @@ impl Metrics {
                 DELIVERIES_RELEASED,
                 "Deliveries nak'd back to the server without ever being leased (nobody fetched them in time, or shutdown)",
             ),
+            settled_again_ack: settled_again.with_label_values(&["ack"]),
+            settled_again_term: settled_again.with_label_values(&["term"]),
             fetch_wait: reg.histogram(
                 FETCH_WAIT,
                 "Seconds a fetch waited in the gateway for messages, from queued to answered",
@@ -378,6 +390,15 @@ impl Metrics {
 
     pub(crate) fn delivery_released(&self) {
         self.deliveries_released.inc();
+    }
+
+    /// A redelivery of a message acked (`term`: terminated) before was settled again.
+    pub(crate) fn settled_again(&self, term: bool) {
+        if term {
+            self.settled_again_term.inc();
+        } else {
+            self.settled_again_ack.inc();
+        }
     }
 
     pub(crate) fn fetch_waited(&self, wait: Duration) {
@@ -531,6 +552,7 @@ mod tests {
             DELIVERIES_RECEIVED,
             REDELIVERIES,
             DELIVERIES_RELEASED,
+            SETTLED_AGAIN,
             FETCH_WAIT,
             FETCH_LATENCY,
             FETCHES_EMPTY,

@@ -12,8 +12,10 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::domain::delivery::{Delivery, Leased};
+use crate::domain::finals::{Final, Finals};
 use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
 use crate::domain::leases::LeaseTable;
+use crate::domain::settle::AckCommand;
 use crate::metrics::Metrics;
 
 /// How long settled and expired leases are remembered, so that retries get the first answer.
@@ -23,6 +25,8 @@ const LEASE_MEMORY_MAX: usize = 500_000;
 
 /// State shared by the request paths and the dispatcher.
 pub(crate) struct LeaseState {
+    /// Messages whose ack or term the server confirmed: it may forget them in a crash.
+    finals: Mutex<Finals>,
     leases: Mutex<LeaseTable>,
     signer: LeaseSigner,
     /// Bumped when the consumer is recreated; ids of an earlier epoch are void.
@@ -44,6 +48,7 @@ pub(crate) struct LeaseState {
 impl LeaseState {
     pub(crate) fn new(signer: LeaseSigner, ack_wait: Duration, max_ack_pending: usize) -> Self {
         let state = Self {
+            finals: Mutex::new(Finals::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
             leases: Mutex::new(LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
             signer,
             // A random first epoch: with a shared --lease-key-file, the ids of a previous
@@ -168,6 +173,33 @@ impl LeaseState {
         self.highest_consumer_sequence
             .fetch_max(coordinates.consumer_sequence, Ordering::Relaxed);
         self.leases().note_delivery(coordinates.key, Instant::now());
+    }
+
+    /// The server confirmed `command` for the message at `stream_sequence`: if it ends the
+    /// message (ack, term), remember it.
+    pub(crate) fn confirmed(&self, stream_sequence: u64, command: &AckCommand) {
+        if let Some(outcome) = Final::of(command) {
+            self.finals()
+                .record(stream_sequence, outcome, Instant::now());
+        }
+    }
+
+    /// How the message at `stream_sequence` ended through this gateway, if it did.
+    pub(crate) fn final_of(&self, stream_sequence: u64) -> Option<Final> {
+        self.finals().get(stream_sequence, Instant::now())
+    }
+
+    /// The consumer was recreated: its sequences start over, what ended before says
+    /// nothing about them.
+    pub(crate) fn forget_finals(&self) {
+        self.finals().clear();
+    }
+
+    fn finals(&self) -> MutexGuard<'_, Finals> {
+        // As for the lease table: keep going with a table a panic left behind.
+        self.finals
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// A delivery was nak'd back without ever being leased.

@@ -30,6 +30,7 @@ use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
 
 use crate::domain::delivery::{Delivery, Demand};
+use crate::domain::finals::Final;
 use crate::nats::Bound;
 use crate::nats::pull::{self, PullEvent};
 use crate::nats::settle as nats_settle;
@@ -39,6 +40,8 @@ use book::{Answer, Book, PULL_GRACE, PullLimits};
 /// How long the reader of a pull given up on keeps forwarding before it is stopped: the
 /// server's end-of-request status normally comes long before.
 const STRAGGLER_READ: Duration = Duration::from_secs(30);
+/// How long a settle the gateway repeats on its own waits for the server's confirmation.
+const SETTLE_AGAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub(crate) enum Command {
     Fetch {
@@ -226,7 +229,46 @@ impl Dispatcher {
             return;
         }
         self.state.note_delivery(&delivery.coordinates);
+        if let Some(outcome) = self
+            .state
+            .final_of(delivery.coordinates.key.stream_sequence)
+        {
+            self.settle_again(delivery, outcome);
+            return;
+        }
         self.book.place(owner, delivery);
+    }
+
+    /// A message acked or terminated through this gateway came back: the server confirmed
+    /// that settle, then lost it (killed before its state was on disk). Settle it again,
+    /// confirmed, instead of leasing it a second time; should that fail, the server
+    /// redelivers it after ack_wait and it comes here again.
+    fn settle_again(&self, delivery: Delivery, outcome: Final) {
+        let Some(bound) = self.bound.clone() else {
+            return;
+        };
+        let command = outcome.command();
+        self.state
+            .metrics
+            .settled_again(matches!(outcome, Final::Terminated { .. }));
+        info!(
+            stream_sequence = delivery.coordinates.key.stream_sequence,
+            delivered = delivery.coordinates.key.delivered,
+            ?command,
+            "a message settled before was delivered again (the server lost the settle); settling it again"
+        );
+        tokio::spawn(async move {
+            let deadline = tokio::time::sleep(SETTLE_AGAIN_TIMEOUT);
+            if nats_settle::confirm(&bound, &delivery.reply, &command, deadline)
+                .await
+                .is_err()
+            {
+                warn!(
+                    stream_sequence = delivery.coordinates.key.stream_sequence,
+                    "settling a redelivered message again was not confirmed; the server redelivers it after ack_wait"
+                );
+            }
+        });
     }
 
     /// Ask the supervisor to rebind, once per binding (every open pull reports a deleted

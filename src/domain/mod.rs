@@ -5,6 +5,7 @@
 //! delivery's subject and headers pass through as plain values).
 
 pub(crate) mod delivery;
+pub(crate) mod finals;
 pub(crate) mod idempotency;
 pub(crate) mod lease_id;
 pub(crate) mod leases;

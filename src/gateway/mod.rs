@@ -339,6 +339,9 @@ impl Gateway {
             let now = Instant::now();
             let mut leases = self.state.leases();
             leases.finish_settle(key, kind, confirmed.is_ok(), now);
+            if confirmed.is_ok() {
+                self.state.confirmed(key.stream_sequence, command);
+            }
             if let (Ok(()), AckCommand::Nak { delay: Some(delay) }) = (&confirmed, command) {
                 leases.park(key.stream_sequence, now + *delay);
             }

@@ -123,6 +123,10 @@ pub(super) async fn supervise(
         state.apply_settings(bound.ack_wait, bound.max_ack_pending);
         if identity_seen.as_ref() != Some(&identity) || forgot_deliveries {
             if identity_seen.is_some() {
+                if identity_seen.as_ref() != Some(&identity) {
+                    // A new consumer: its sequences name other deliveries.
+                    state.forget_finals();
+                }
                 warn!(consumer = %identity.0, forgot_deliveries, "the consumer was recreated or lost deliveries; every earlier lease is void");
                 state.new_epoch();
             }

@@ -11,7 +11,8 @@ use futures::StreamExt as _;
 use time::OffsetDateTime;
 
 use crate::support::{
-    Action, Gateway, Msg, NatsServer, STREAM, Setup, assert_stays, server_ack_pending, wait_for,
+    Action, Gateway, Msg, NatsServer, STREAM, Scrape, Setup, assert_stays, server_ack_pending,
+    wait_for,
 };
 
 /// The delivery count token of a v1 ack subject
@@ -304,4 +305,91 @@ async fn a_crashed_gateway_leaves_nothing_waiting_longer_than_ack_wait() {
         "redelivered within ack_wait (+ a pull's latency) of the crash: {took:?}"
     );
     assert_eq!(server_ack_pending(&js, &second).await, 0);
+}
+
+/// nats-server confirms an ack (or a term) before its consumer state is on disk: killed -9
+/// right after, it delivers those messages again. The gateway remembers what it settled and
+/// settles such a redelivery again itself — the ack as an ack, the term with its reason —
+/// so no client is handed a message whose ack or term it got a 2xx for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_acked_or_termed_before_a_server_crash_are_never_leased_again() {
+    let consumer = "finals";
+    // A short ack_wait: what the server forgot it redelivers once that passes.
+    let (mut server, js, mut gateway) = Setup::consumer(consumer).ack_wait("2s").start().await;
+    const MESSAGES: usize = 40;
+    let again =
+        |kind: &str| format!("ruststream_redeliveries_settled_again_total{{kind=\"{kind}\"}}");
+    // Settle and kill at once, inside the server's write-behind window; the server itself
+    // says after the restart how much it forgot (if it wrote everything in time, try again).
+    let mut forgotten = 0_u64;
+    for _ in 0..5 {
+        js.publish_many("orders.1", MESSAGES, "m").await;
+        let leased = gateway.fetch_n(MESSAGES as u64, 2000).await;
+        assert_eq!(leased.len(), MESSAGES);
+        let (terms, acks) = leased.split_at(MESSAGES / 4);
+        let ack_ids: Vec<&str> = acks.iter().map(|m| m.id.as_str()).collect();
+        let acked = gateway
+            .settle_many_ok(Action::Ack, &serde_json::json!({ "ids": ack_ids }))
+            .await;
+        assert!(acked.iter().all(|(_, status)| *status == 204), "{acked:?}");
+        for message in terms {
+            let reply = gateway
+                .settle(
+                    &message.id,
+                    Action::Term,
+                    Some(&serde_json::json!({ "reason": "bad order" })),
+                )
+                .await;
+            assert_eq!(reply.status, 204, "{}", reply.text);
+        }
+        server.kill();
+        gateway.wait_unready().await;
+        server.restart().await;
+        gateway.wait_ready().await;
+        let info = js.consumer_info(STREAM, consumer).await;
+        forgotten = info.num_ack_pending as u64 + info.num_pending;
+        if forgotten > 0 {
+            break;
+        }
+    }
+    assert!(
+        forgotten > 0,
+        "a kill inside the server's write-behind window in 5 tries"
+    );
+
+    let before = Scrape::of(&gateway).await;
+    // Fetches pull again: the forgotten settles come back, and not one reaches a client.
+    let fetched = gateway.fetch_n(MESSAGES as u64, 4000).await;
+    assert!(
+        fetched.is_empty(),
+        "a settled message was leased again: {fetched:?}"
+    );
+    let settled_again = wait_for(
+        "the server holds nothing pending",
+        Duration::from_secs(15),
+        || async {
+            let info = js.consumer_info(STREAM, consumer).await;
+            if info.num_ack_pending as u64 + info.num_pending > 0 {
+                let _ = gateway.fetch_n(MESSAGES as u64, 200).await;
+                return None;
+            }
+            let after = Scrape::of(&gateway).await;
+            Some(
+                after.get(&again("ack")) + after.get(&again("term"))
+                    - before.get(&again("ack"))
+                    - before.get(&again("term")),
+            )
+        },
+    )
+    .await;
+    assert_eq!(
+        settled_again, forgotten as f64,
+        "each message the server forgot was settled again, once"
+    );
+    assert_stays(
+        "no settled message is leased again",
+        Duration::from_secs(2),
+        || async { gateway.fetch_n(10, 200).await.is_empty() },
+    )
+    .await;
 }

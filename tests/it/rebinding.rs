@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::support::{
-    Action, Deadline, Js, NatsServer, STREAM, Setup, fetch_count, server_ack_pending, wait_until,
+    Action, Deadline, Js, STREAM, Setup, fetch_count, server_ack_pending, wait_until,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -118,7 +118,7 @@ async fn ephemeral_consumer_survives_a_nats_restart_without_replaying() {
         "the server has written the three acks to its store",
         Duration::from_secs(5),
         || {
-            let state = persisted_consumer_state(&server, &name_before);
+            let state = server.persisted_consumer_state(STREAM, &name_before);
             async move { state.is_some_and(|(ack_floor, _)| ack_floor == 3) }
         },
     )
@@ -179,46 +179,6 @@ async fn ephemeral_consumer_survives_a_nats_restart_without_replaying() {
     assert_eq!(gateway.leases_in_flight().await, 0);
 }
 
-/// The consumer state nats-server has written to its store (`o.dat`): `(ack floor, delivered)`
-/// stream sequences, or `None` before the first write. The server writes consumer state
-/// asynchronously (batched, ~100 ms after a change), so a SIGKILL right after a confirmed
-/// ack can lose it; a test that kills the server waits for this first.
-fn persisted_consumer_state(server: &NatsServer, consumer: &str) -> Option<(u64, u64)> {
-    let log = server.log();
-    let (_, rest) = log.split_once("Store Directory: \"")?;
-    let (store, _) = rest.split_once('"')?;
-    let path = std::path::Path::new(store)
-        .join("$G/streams")
-        .join(STREAM)
-        .join("obs")
-        .join(consumer)
-        .join("o.dat");
-    let bytes = std::fs::read(path).ok()?;
-    // Magic 0x16, version 2, then uvarints: ack floor (consumer, stream), delivered
-    // (consumer, stream).
-    if bytes.len() < 2 || bytes[0] != 0x16 || bytes[1] != 2 {
-        return None;
-    }
-    let mut at = 2;
-    let mut next = || {
-        let mut value = 0u64;
-        for shift in (0..64).step_by(7) {
-            let byte = *bytes.get(at)?;
-            at += 1;
-            value |= u64::from(byte & 0x7f) << shift;
-            if byte & 0x80 == 0 {
-                return Some(value);
-            }
-        }
-        None
-    };
-    let _ack_floor_consumer = next()?;
-    let ack_floor_stream = next()?;
-    let _delivered_consumer = next()?;
-    let delivered_stream = next()?;
-    Some((ack_floor_stream, delivered_stream))
-}
-
 /// After a NATS restart the server keeps the consumer and its pending state (same `created`
 /// in consumer info): a lease held across it still settles.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -231,7 +191,7 @@ async fn a_lease_held_across_a_nats_restart_still_settles() {
         "the server has written the delivery to its store",
         Duration::from_secs(5),
         || {
-            let state = persisted_consumer_state(&server, consumer);
+            let state = server.persisted_consumer_state(STREAM, consumer);
             async move { state.is_some_and(|(_, delivered)| delivered == 1) }
         },
     )
@@ -285,7 +245,7 @@ async fn ids_from_before_the_server_lost_its_deliveries_answer_410() {
         "the server has written the ack to its store",
         Duration::from_secs(5),
         || {
-            let state = persisted_consumer_state(&server, consumer);
+            let state = server.persisted_consumer_state(STREAM, consumer);
             async move { state.is_some_and(|(ack_floor, _)| ack_floor == 1) }
         },
     )
@@ -300,7 +260,9 @@ async fn ids_from_before_the_server_lost_its_deliveries_answer_410() {
         js.publish("orders.1", "delivered, then forgotten").await;
         let lease = gateway.fetch_n(1, 2000).await.remove(0);
         server.kill();
-        let on_disk = persisted_consumer_state(&server, consumer).map(|(_, delivered)| delivered);
+        let on_disk = server
+            .persisted_consumer_state(STREAM, consumer)
+            .map(|(_, delivered)| delivered);
         gateway.wait_unready().await;
         server.restart().await;
         gateway.wait_ready().await;

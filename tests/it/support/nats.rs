@@ -124,6 +124,46 @@ impl NatsServer {
         self.port
     }
 
+    /// The consumer state nats-server has written to its store (`o.dat`): `(ack floor, delivered)`
+    /// stream sequences, or `None` before the first write. The server writes consumer state
+    /// asynchronously (batched, ~100 ms after a change), so a SIGKILL right after a confirmed
+    /// ack can lose it; a test that kills the server waits for this first.
+    pub fn persisted_consumer_state(&self, stream: &str, consumer: &str) -> Option<(u64, u64)> {
+        let log = self.log();
+        let (_, rest) = log.split_once("Store Directory: \"")?;
+        let (store, _) = rest.split_once('"')?;
+        let path = std::path::Path::new(store)
+            .join("$G/streams")
+            .join(stream)
+            .join("obs")
+            .join(consumer)
+            .join("o.dat");
+        let bytes = std::fs::read(path).ok()?;
+        // Magic 0x16, version 2, then uvarints: ack floor (consumer, stream), delivered
+        // (consumer, stream).
+        if bytes.len() < 2 || bytes[0] != 0x16 || bytes[1] != 2 {
+            return None;
+        }
+        let mut at = 2;
+        let mut next = || {
+            let mut value = 0u64;
+            for shift in (0..64).step_by(7) {
+                let byte = *bytes.get(at)?;
+                at += 1;
+                value |= u64::from(byte & 0x7f) << shift;
+                if byte & 0x80 == 0 {
+                    return Some(value);
+                }
+            }
+            None
+        };
+        let _ack_floor_consumer = next()?;
+        let ack_floor_stream = next()?;
+        let _delivered_consumer = next()?;
+        let delivered_stream = next()?;
+        Some((ack_floor_stream, delivered_stream))
+    }
+
     /// SIGKILL the server and reap it; the store stays for `restart`.
     pub fn kill(&mut self) {
         self.process.kill9();
