@@ -102,6 +102,16 @@ where
     }
 }
 
+/// Set up the advisory stream and its consumer while binding, so that it captures the
+/// advisories of every lease the binding issues. An error is one worth retrying; a refusal
+/// is left to [`run`], which reports it and falls back.
+pub(crate) async fn prepare(js: &jetstream::Context, target: &Target) -> anyhow::Result<()> {
+    match ensure(js, target).await {
+        Ok(_) | Err(SetupError::Refused(_)) => Ok(()),
+        Err(SetupError::Transient(err)) => Err(err),
+    }
+}
+
 /// Create the advisory stream and its durable consumer, or bring them to the config wanted.
 async fn ensure(
     js: &jetstream::Context,
@@ -216,6 +226,12 @@ fn refused_or_transient(
     err: jetstream::context::CreateStreamError,
 ) -> SetupError {
     match err.kind() {
+        // Another gateway created it between our look and our create: look again.
+        jetstream::context::CreateStreamErrorKind::JetStream(js)
+            if js.error_code() == jetstream::ErrorCode::STREAM_NAME_EXIST =>
+        {
+            SetupError::Transient(anyhow::Error::new(err).context(format!("{action} {name}")))
+        }
         jetstream::context::CreateStreamErrorKind::JetStream(js) if js.code() < 500 => {
             SetupError::Refused(format!("cannot {action} stream {name}: {err}"))
         }

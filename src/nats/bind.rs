@@ -1,5 +1,6 @@
 //! Binding to the consumer: find (or create) the stream, create or bind the durable (or
-//! ephemeral) pull consumer, reconcile its mutable settings, and read back what is in force.
+//! ephemeral) pull consumer, reconcile its mutable settings, set up the advisory stream that
+//! dead-lettering needs, and read back what is in force.
 //!
 //! May import: `config`. Nothing of the gateway above the NATS boundary.
 
@@ -81,6 +82,18 @@ pub(crate) async fn bind(
     } else {
         bind_durable(config, &stream).await?
     };
+    if let Some(subject) = &config.dead_letter_subject
+        && !config.ephemeral
+    {
+        let target = super::dead_letter::Target {
+            stream: config.stream.clone(),
+            consumer: config.consumer.clone(),
+            subject: subject.clone(),
+        };
+        super::advisories::prepare(&js, &target)
+            .await
+            .map_err(|err| err.context("setting up the advisory stream"))?;
+    }
     // Read the consumer's state back: the create/update reply right after a server restart
     // carries a fresh `created`, consumer info the real one (and the delivered position).
     let info = tokio::time::timeout(API_TIMEOUT, consumer.info())
