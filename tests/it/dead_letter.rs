@@ -331,12 +331,19 @@ async fn terms_answered_204_are_dead_lettered_exactly_once_although_the_gateway_
     gateway.restart().await;
     // Advisories the killed gateway held unacked come back after the advisory consumer's
     // ack_wait (10 s).
-    wait_until(
+    let deadline = crate::support::Deadline::after(
         "all 10 termed messages are in the dead-letter stream",
         Duration::from_secs(30),
-        || async { dlq_count(&js).await >= 10 },
-    )
-    .await;
+    );
+    loop {
+        let stored = dlq_count(&js).await;
+        if stored >= 10 {
+            break;
+        }
+        deadline
+            .tick_seeing(format_args!("{stored} of 10 dead-lettered"))
+            .await;
+    }
     assert_stays(
         "the dead-letter stream holds each once",
         Duration::from_secs(1),
