@@ -33,6 +33,7 @@ use crate::domain::settle::{AckCommand, SettleKind};
 use crate::domain::{subject, wall_clock};
 use crate::error::Error;
 use crate::metrics::{Metrics, SettleAction, SettleOutcome, Snapshot};
+use crate::nats::dead_letter::Outcome;
 use crate::nats::publish::PublishFailure;
 use crate::nats::settle::{self as nats_settle, ConfirmError};
 use crate::nats::{self, Bound, Client};
@@ -331,8 +332,21 @@ impl Gateway {
             Ok(SettleStart::Send(reply)) => reply,
             Err(refusal) => return Err(refused(refusal)),
         };
+        let mut deadline = std::pin::pin!(deadline);
         let confirmed = match self.connected() {
-            Ok(bound) => nats_settle::confirm(&bound, &reply, command, deadline).await,
+            Ok(bound) => match self
+                .copy_before_term(&bound, key, command, &mut deadline)
+                .await
+            {
+                Ok(()) => nats_settle::confirm(&bound, &reply, command, deadline).await,
+                Err(not_copied) => {
+                    // Nothing was sent: the lease stays as it was, the term may be retried.
+                    self.state
+                        .leases()
+                        .finish_settle(key, kind, false, Instant::now());
+                    return Err(not_copied);
+                }
+            },
             Err(_) => Err(ConfirmError::Unavailable),
         };
         {
@@ -350,6 +364,58 @@ impl Gateway {
             self.state.freed_capacity();
         }
         confirmed.map(|()| Sent::Confirmed).map_err(unconfirmed)
+    }
+
+    /// Before a term of a message the stream deletes on term (work-queue or interest
+    /// retention), copy it to the dead-letter subject: the copy made on the server's
+    /// advisory would find nothing. Same headers and dedup id as that copy, so whichever
+    /// comes second is dropped by the dead-letter stream. Bounded by the settle's deadline.
+    async fn copy_before_term(
+        &self,
+        bound: &Bound,
+        key: DeliveryKey,
+        command: &AckCommand,
+        deadline: &mut (impl Future<Output = ()> + Unpin),
+    ) -> Result<(), Error> {
+        let (AckCommand::Term { reason }, Some(subject), true) = (
+            command,
+            &self.config.dead_letter_subject,
+            bound.deletes_on_term,
+        ) else {
+            return Ok(());
+        };
+        let target = nats::dead_letter::Target {
+            stream: self.config.stream.clone(),
+            consumer: bound.consumer_name.clone(),
+            subject: subject.clone(),
+        };
+        let copy = nats::dead_letter::copy_before_term(
+            &bound.jetstream,
+            &target,
+            key.stream_sequence,
+            key.delivered,
+            reason.as_deref(),
+        );
+        let copied = tokio::select! {
+            biased;
+            copied = copy => copied,
+            () = deadline => return Err(Error::TimedOut),
+        };
+        match copied {
+            Ok(Outcome::Stored) => {
+                self.state.metrics.dead_lettered();
+                info!(stream_sequence = key.stream_sequence, %subject, "dead-lettered before the term");
+                Ok(())
+            }
+            // Already copied (a retried term), or nothing left to copy (purged meanwhile).
+            Ok(Outcome::Duplicate | Outcome::Missing | Outcome::RemovedOnTerm) => Ok(()),
+            Err(err) => {
+                warn!(stream_sequence = key.stream_sequence, error = %format!("{err:#}"), %subject, "could not dead-letter before the term; the term was not sent");
+                Err(Error::Unavailable(format!(
+                    "could not copy the message to the dead-letter subject, so the term was not sent: {err:#}"
+                )))
+            }
+        }
     }
 
     /// Count a settle (or extension) of one lease and log it with the lease's coordinates

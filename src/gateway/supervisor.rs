@@ -66,13 +66,21 @@ pub(super) async fn supervise(
             },
             subject: subject.clone(),
         };
-        // Subscribed once: async-nats renews subscriptions after every reconnect.
-        tokio::spawn(nats::dead_letter::run(
-            client.clone(),
-            target,
-            StateMetrics(background.state.clone()),
-            background.stop.child_token(),
-        ));
+        let metrics = StateMetrics(background.state.clone());
+        let stop = background.stop.child_token();
+        if config.ephemeral {
+            // An ephemeral consumer lives as long as this process, and so would an advisory
+            // stream named after it: listen instead. Subscribed once: async-nats renews
+            // subscriptions after every reconnect.
+            tokio::spawn(nats::dead_letter::listen(
+                client.clone(),
+                target,
+                metrics,
+                stop,
+            ));
+        } else {
+            tokio::spawn(nats::advisories::run(client.clone(), target, metrics, stop));
+        }
     }
     let mut identity_seen: Option<(String, OffsetDateTime)> = None;
     let mut published = false;

@@ -88,6 +88,10 @@ pub(crate) async fn nak(
 }
 
 /// Terminate a message: never deliver it again (with an optional reason).
+///
+/// With a dead-letter subject configured, on a stream that deletes the message on term
+/// (work-queue or interest retention), the message is copied there first; a copy that
+/// cannot be stored answers 503 and sends no term (the lease stays valid).
 #[utoipa::path(
     post,
     path = "/messages/{id}/term",

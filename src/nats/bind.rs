@@ -1,5 +1,6 @@
 //! Binding to the consumer: find (or create) the stream, create or bind the durable (or
-//! ephemeral) pull consumer, reconcile its mutable settings, and read back what is in force.
+//! ephemeral) pull consumer, reconcile its mutable settings, set up the advisory stream that
+//! dead-lettering needs, and read back what is in force.
 //!
 //! May import: `config`. Nothing of the gateway above the NATS boundary.
 
@@ -30,6 +31,9 @@ pub(crate) struct Bound {
     pub(crate) epoch: u32,
     /// Subjects the stream captures: what `POST /publish` may publish to.
     pub(crate) stream_subjects: Vec<String>,
+    /// Whether the stream deletes a message once it is terminated (work-queue or interest
+    /// retention): a term must then copy a dead letter before it is sent.
+    pub(crate) deletes_on_term: bool,
     /// Effective settings read back from the server.
     pub(crate) ack_wait: Duration,
     pub(crate) max_ack_pending: usize,
@@ -69,6 +73,8 @@ pub(crate) async fn bind(
     let js = jetstream::new(client.clone());
     let stream = get_or_create_stream(config, &js).await?;
     let stream_subjects = stream.cached_info().config.subjects.clone();
+    let deletes_on_term =
+        super::dead_letter::is_deleted_on_term(stream.cached_info().config.retention);
     let mut consumer = if config.ephemeral {
         let mut ephemeral = desired_config(config, None);
         ephemeral.name = Some(ephemeral_name.to_owned());
@@ -76,6 +82,18 @@ pub(crate) async fn bind(
     } else {
         bind_durable(config, &stream).await?
     };
+    if let Some(subject) = &config.dead_letter_subject
+        && !config.ephemeral
+    {
+        let target = super::dead_letter::Target {
+            stream: config.stream.clone(),
+            consumer: config.consumer.clone(),
+            subject: subject.clone(),
+        };
+        super::advisories::prepare(&js, &target)
+            .await
+            .map_err(|err| err.context("setting up the advisory stream"))?;
+    }
     // Read the consumer's state back: the create/update reply right after a server restart
     // carries a fresh `created`, consumer info the real one (and the delivered position).
     let info = tokio::time::timeout(API_TIMEOUT, consumer.info())
@@ -98,6 +116,7 @@ pub(crate) async fn bind(
         delivered_consumer_sequence: info.delivered.consumer_sequence,
         epoch: 0,
         stream_subjects,
+        deletes_on_term,
         ack_wait: info.config.ack_wait,
         max_ack_pending: usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX),
         max_waiting: usize::try_from(info.config.max_waiting).unwrap_or(512),

@@ -2,11 +2,16 @@
 //! terminated is republished, with its headers and delivery metadata, to `--dead-letter-subject`.
 //!
 //! JetStream itself only emits an advisory (`MAX_DELIVERIES`, `MSG_TERMINATED`) and leaves the
-//! message in the stream, no longer tracked by the consumer. This task listens for both
-//! advisories of the gateway's consumer, reads the message by stream sequence and publishes a
-//! copy through JetStream with a `Nats-Msg-Id` derived from stream, consumer and sequence, so
-//! the dead-letter stream stores it once even when the advisory is seen twice (two replicas,
-//! a retry after a timeout) — within that stream's duplicate window (2 min by default).
+//! message in the stream, no longer tracked by the consumer. Each advisory names a message by
+//! stream sequence; this module reads it and publishes a copy through JetStream with a
+//! `Nats-Msg-Id` derived from stream, consumer and sequence, so the dead-letter stream stores
+//! it once even when it is copied twice (two replicas, an advisory redelivered after a crash,
+//! a term copied before it was sent) — within that stream's duplicate window (2 min by default).
+//!
+//! The advisories reach it through the advisory stream ([`super::advisories`]); the live
+//! subscription here ([`listen`]) is what remains when that stream cannot be had (an
+//! ephemeral consumer, another stream already capturing the subjects). [`copy_before_term`]
+//! is the copy a term makes itself when the stream deletes the message on term.
 //!
 //! May import: `config`, `domain`, `metrics`. Nothing of the gateway above the boundary.
 
@@ -50,7 +55,7 @@ pub(crate) const REASON_MAX_DELIVERIES: &str = "max_deliveries";
 pub(crate) const REASON_TERMINATED: &str = "terminated";
 
 /// How many advisories are handled at once; more wait (the subscription buffers them).
-const CONCURRENCY: usize = 16;
+pub(crate) const CONCURRENCY: usize = 16;
 /// Each NATS call of one attempt is bounded by this.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Retries of a failed attempt (NATS away, dead-letter stream leaderless) stop after this,
@@ -67,14 +72,14 @@ pub(crate) struct Target {
 
 /// Why JetStream stopped delivering a message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Cause {
+pub(crate) enum Cause {
     MaxDeliveries,
     Terminated { reason: Option<String> },
 }
 
-/// The fields of both advisories this task uses.
+/// The fields of both advisories this module uses.
 #[derive(Debug, Deserialize)]
-struct Advisory {
+pub(crate) struct Advisory {
     stream_seq: u64,
     #[serde(default)]
     deliveries: u64,
@@ -82,7 +87,8 @@ struct Advisory {
     reason: Option<String>,
 }
 
-fn advisory_subjects(target: &Target) -> [String; 2] {
+/// The subjects of the consumer's `MAX_DELIVERIES` and `MSG_TERMINATED` advisories.
+pub(crate) fn advisory_subjects(target: &Target) -> [String; 2] {
     [
         format!(
             "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.{}",
@@ -95,9 +101,32 @@ fn advisory_subjects(target: &Target) -> [String; 2] {
     ]
 }
 
-/// Listen for the consumer's advisories until `stop`, dead-lettering each message named.
+/// An advisory as received on `subject` with `payload`: what it names and why.
+pub(crate) fn read_advisory(
+    subject: &str,
+    payload: &[u8],
+) -> Result<(Advisory, Cause), serde_json::Error> {
+    let advisory: Advisory = serde_json::from_slice(payload)?;
+    let cause = if subject.starts_with("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.") {
+        Cause::MaxDeliveries
+    } else {
+        Cause::Terminated {
+            reason: term_reason(advisory.reason.as_deref()),
+        }
+    };
+    Ok((advisory, cause))
+}
+
+/// A term reason as a dead letter carries it: none rather than a blank one.
+fn term_reason(reason: Option<&str>) -> Option<String> {
+    reason.filter(|r| !r.trim().is_empty()).map(str::to_owned)
+}
+
+/// Listen for the consumer's advisories on a plain subscription until `stop`, dead-lettering
+/// each message named. An advisory published while this process is not subscribed is
+/// missed: the fallback when the advisory stream cannot be had.
 /// async-nats re-subscribes after a reconnect, so one subscription lasts the process.
-pub(crate) async fn run<M>(client: Client, target: Target, metrics: M, stop: CancellationToken)
+pub(crate) async fn listen<M>(client: Client, target: Target, metrics: M, stop: CancellationToken)
 where
     M: AsRef<Metrics> + Clone + Send + 'static,
 {
@@ -114,7 +143,7 @@ where
             return;
         }
     };
-    info!(subject = %target.subject, "dead-lettering exhausted and terminated messages");
+    warn!(subject = %target.subject, "dead-lettering from a live subscription: advisories published while no gateway listens are missed");
     let js = jetstream::new(client);
     let target = Arc::new(target);
     let slots = Arc::new(Semaphore::new(CONCURRENCY));
@@ -126,23 +155,12 @@ where
                 None => return,
             },
         };
-        let cause = if message.subject.as_str() == max_deliveries {
-            Cause::MaxDeliveries
-        } else {
-            Cause::Terminated { reason: None }
-        };
-        let advisory: Advisory = match serde_json::from_slice(&message.payload) {
-            Ok(advisory) => advisory,
+        let (advisory, cause) = match read_advisory(message.subject.as_str(), &message.payload) {
+            Ok(read) => read,
             Err(err) => {
                 warn!(error = %err, subject = %message.subject, "unreadable advisory ignored");
                 continue;
             }
-        };
-        let cause = match cause {
-            Cause::Terminated { .. } => Cause::Terminated {
-                reason: advisory.reason.clone().filter(|r| !r.trim().is_empty()),
-            },
-            other => other,
         };
         let Ok(slot) = slots.clone().acquire_owned().await else {
             return;
@@ -153,20 +171,29 @@ where
             let _slot = slot;
             tokio::select! {
                 () = stop.cancelled() => {}
-                () = dead_letter(&js, &target, &advisory, &cause, metrics.as_ref()) => {}
+                _ = dead_letter(&js, &target, &advisory, &cause, metrics.as_ref()) => {}
             }
         });
     }
 }
 
+/// What became of an advisory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Handled {
+    /// Copied, found copied already, or known to have nothing to copy: done with.
+    Done,
+    /// Retried for [`RETRY_FOR`] without success.
+    GaveUp,
+}
+
 /// Copy one message to the dead-letter subject, retrying transient failures for a while.
-async fn dead_letter(
+pub(crate) async fn dead_letter(
     js: &jetstream::Context,
     target: &Target,
     advisory: &Advisory,
     cause: &Cause,
     metrics: &Metrics,
-) {
+) -> Handled {
     let sequence = advisory.stream_seq;
     let give_up_at = tokio::time::Instant::now() + RETRY_FOR;
     let mut backoff = Duration::from_millis(250);
@@ -175,14 +202,14 @@ async fn dead_letter(
             Ok(Outcome::Stored) => {
                 metrics.dead_lettered();
                 info!(stream_sequence = sequence, ?cause, subject = %target.subject, "dead-lettered");
-                return;
+                return Handled::Done;
             }
             Ok(Outcome::Duplicate) => {
                 info!(
                     stream_sequence = sequence,
-                    "already dead-lettered (another replica or an earlier attempt)"
+                    "already dead-lettered (another replica, an earlier attempt or the term)"
                 );
-                return;
+                return Handled::Done;
             }
             Ok(Outcome::Missing) => {
                 metrics.dead_letter_missing();
@@ -191,13 +218,20 @@ async fn dead_letter(
                     ?cause,
                     "the message is no longer in the stream (limits, work-queue retention or a purge); nothing to dead-letter"
                 );
-                return;
+                return Handled::Done;
+            }
+            Ok(Outcome::RemovedOnTerm) => {
+                info!(
+                    stream_sequence = sequence,
+                    "removed from the stream by its term (work-queue or interest retention); a term through the gateway copied it before it was sent"
+                );
+                return Handled::Done;
             }
             Err(err) => {
                 if tokio::time::Instant::now() + backoff > give_up_at {
                     metrics.dead_letter_failed();
                     error!(stream_sequence = sequence, ?cause, error = %format!("{err:#}"), subject = %target.subject, "could not dead-letter; giving up");
-                    return;
+                    return Handled::GaveUp;
                 }
                 warn!(stream_sequence = sequence, error = %format!("{err:#}"), retry_in = ?backoff, "dead-lettering failed; retrying");
                 tokio::time::sleep(backoff).await;
@@ -207,10 +241,37 @@ async fn dead_letter(
     }
 }
 
-enum Outcome {
+/// What one attempt at a copy came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
     Stored,
+    /// The dead-letter stream had it already (same `Nats-Msg-Id` within its window).
     Duplicate,
     Missing,
+    /// Missing, because a term removed it: the stream deletes on term (work-queue or interest
+    /// retention), where a term through the gateway copies the message before it is sent.
+    RemovedOnTerm,
+}
+
+/// Copy the message a lease names before its `+TERM` is sent, with the headers and dedup id
+/// the advisory's copy would have: on a stream that deletes the message on term, the copy
+/// made on the advisory would find nothing. One attempt; the client retries the term.
+pub(crate) async fn copy_before_term(
+    js: &jetstream::Context,
+    target: &Target,
+    stream_sequence: u64,
+    delivered: u64,
+    reason: Option<&str>,
+) -> anyhow::Result<Outcome> {
+    let advisory = Advisory {
+        stream_seq: stream_sequence,
+        deliveries: delivered,
+        reason: None,
+    };
+    let cause = Cause::Terminated {
+        reason: term_reason(reason),
+    };
+    attempt(js, target, &advisory, &cause).await
 }
 
 async fn attempt(
@@ -230,6 +291,9 @@ async fn attempt(
     let original = match original {
         Ok(message) => message,
         Err(err) if err.kind() == RawMessageErrorKind::NoMessageFound => {
+            if matches!(cause, Cause::Terminated { .. }) && deletes_on_term(js, target).await? {
+                return Ok(Outcome::RemovedOnTerm);
+            }
             return Ok(Outcome::Missing);
         }
         Err(err) => return Err(anyhow::Error::new(err).context("reading the message")),
@@ -253,6 +317,26 @@ async fn attempt(
     } else {
         Outcome::Stored
     })
+}
+
+/// Whether the stream deletes a message once it is terminated: a work-queue stream at once,
+/// an interest stream once no consumer wants it any more.
+async fn deletes_on_term(js: &jetstream::Context, target: &Target) -> anyhow::Result<bool> {
+    use anyhow::Context as _;
+    let stream = tokio::time::timeout(CALL_TIMEOUT, js.get_stream(&target.stream))
+        .await
+        .context("timed out reading the stream's info")?
+        .context("reading the stream's info")?;
+    Ok(is_deleted_on_term(stream.cached_info().config.retention))
+}
+
+/// Whether a stream of `retention` deletes a message once it is terminated.
+pub(crate) fn is_deleted_on_term(retention: jetstream::stream::RetentionPolicy) -> bool {
+    use jetstream::stream::RetentionPolicy;
+    matches!(
+        retention,
+        RetentionPolicy::WorkQueue | RetentionPolicy::Interest
+    )
 }
 
 /// The id the dead-letter stream deduplicates on: one per message and consumer.

@@ -8,9 +8,11 @@
 //! - [`settle`]: ack/nak/term/in-progress with the server's confirmation; release.
 //! - [`publish`]: publish to the stream; the consumer's server-side state.
 //! - [`dead_letter`]: advisories of exhausted or terminated messages → dead-letter copies.
+//! - [`advisories`]: the stream capturing those advisories, drained by a durable consumer.
 //!
 //! May import: `config`, `domain`, `metrics`. Never `state`, `dispatch`, `gateway` or `http`.
 
+pub(crate) mod advisories;
 pub(crate) mod bind;
 pub(crate) mod connect;
 pub(crate) mod dead_letter;

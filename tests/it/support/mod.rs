@@ -126,7 +126,7 @@ pub async fn server_ack_pending(js: &Js, gateway: &Gateway) -> usize {
 }
 
 /// Fetch (polling, bounded) until `count` messages in total have been leased.
-pub async fn fetch_count(gateway: &Gateway, count: usize, timeout: Duration) -> Vec<Msg> {
+pub async fn fetch_count(gateway: &Client, count: usize, timeout: Duration) -> Vec<Msg> {
     let deadline = Deadline::after(format!("{count} messages are fetched"), timeout);
     let mut got = Vec::new();
     while got.len() < count {

@@ -1,0 +1,381 @@
+//! The advisory stream: the consumer's `MAX_DELIVERIES` and `MSG_TERMINATED` advisories are
+//! plain publishes, missed by whoever is not subscribed at that instant (a gateway killed,
+//! restarting, or not yet connected). A stream the gateway creates captures them, and a
+//! durable pull consumer on it hands each to a gateway until one acks it — after its copy is
+//! stored, or known to have nothing to copy — so every advisory is handled at least once.
+//! Replicas of the gateway share the durable consumer, and so the work.
+//!
+//! May import: `config`, `domain`, `metrics`. Nothing of the gateway above the boundary.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::Client;
+use async_nats::jetstream::{self, AckKind, consumer, stream};
+use futures::StreamExt as _;
+use sha2::{Digest, Sha256};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::metrics::Metrics;
+
+use super::API_TIMEOUT;
+use super::dead_letter::{self, CONCURRENCY, Handled, Target};
+
+/// Advisories older than this are dropped: long enough for a gateway to be restarted, short
+/// enough that the stream stays small.
+pub(crate) const MAX_AGE: Duration = Duration::from_secs(60 * 60);
+/// And the stream never holds more than this (an advisory is about 400 bytes: some 160 000).
+pub(crate) const MAX_BYTES: i64 = 64 * 1024 * 1024;
+/// The durable consumer on the advisory stream.
+pub(crate) const CONSUMER: &str = "ruststream-dead-letters";
+/// How long a gateway may hold an advisory unacked before the server hands it to another
+/// (or to the same after a restart): short, so a crashed gateway's advisories come back
+/// soon. A copy that takes longer keeps its advisory with in-progress acks.
+const ACK_WAIT: Duration = Duration::from_secs(10);
+/// nats-server refuses longer stream names.
+const MAX_NAME_LEN: usize = 255;
+
+/// The advisory stream of `stream`/`consumer`: `RUSTSTREAM_ADVISORIES_<stream>_<consumer>`,
+/// or, where that is longer than NATS allows, the prefix and a hash of both names.
+pub(crate) fn stream_name(stream: &str, consumer: &str) -> String {
+    let name = format!("RUSTSTREAM_ADVISORIES_{stream}_{consumer}");
+    if name.len() <= MAX_NAME_LEN {
+        return name;
+    }
+    let digest = Sha256::digest(format!("{stream}\n{consumer}").as_bytes());
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("RUSTSTREAM_ADVISORIES_{hex}")
+}
+
+/// Why the advisory stream or its consumer could not be set up.
+enum SetupError {
+    /// The server refused (another stream captures the subjects, the name is taken by a
+    /// stream capturing something else): retrying will not help.
+    Refused(String),
+    /// NATS is unreachable or slow; try again.
+    Transient(anyhow::Error),
+}
+
+impl From<anyhow::Error> for SetupError {
+    fn from(err: anyhow::Error) -> Self {
+        Self::Transient(err)
+    }
+}
+
+/// Dead-letter the advisories of `target` through its advisory stream until `stop`. When the
+/// stream cannot be had, dead-letter from a live subscription instead (and say so).
+pub(crate) async fn run<M>(client: Client, target: Target, metrics: M, stop: CancellationToken)
+where
+    M: AsRef<Metrics> + Clone + Send + 'static,
+{
+    let js = jetstream::new(client.clone());
+    let target = Arc::new(target);
+    let mut backoff = Duration::from_millis(250);
+    loop {
+        let consumer = match ensure(&js, &target).await {
+            Ok(consumer) => consumer,
+            Err(SetupError::Refused(reason)) => {
+                error!(%reason, "no advisory stream; falling back to a live subscription");
+                let target = Arc::unwrap_or_clone(target);
+                return dead_letter::listen(client, target, metrics, stop).await;
+            }
+            Err(SetupError::Transient(err)) => {
+                debug!(error = %format!("{err:#}"), retry_in = ?backoff, "cannot set up the advisory stream yet");
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(250);
+        if drain(&js, consumer, &target, &metrics, &stop)
+            .await
+            .is_err()
+        {
+            return;
+        }
+        // The consumer (or its stream) was deleted: set it up again.
+    }
+}
+
+/// Set up the advisory stream and its consumer while binding, so that it captures the
+/// advisories of every lease the binding issues. An error is one worth retrying; a refusal
+/// is left to [`run`], which reports it and falls back.
+pub(crate) async fn prepare(js: &jetstream::Context, target: &Target) -> anyhow::Result<()> {
+    match ensure(js, target).await {
+        Ok(_) | Err(SetupError::Refused(_)) => Ok(()),
+        Err(SetupError::Transient(err)) => Err(err),
+    }
+}
+
+/// Create the advisory stream and its durable consumer, or bring them to the config wanted.
+async fn ensure(
+    js: &jetstream::Context,
+    target: &Target,
+) -> Result<consumer::PullConsumer, SetupError> {
+    use anyhow::Context as _;
+    let name = stream_name(&target.stream, &target.consumer);
+    let mut subjects = dead_letter::advisory_subjects(target).to_vec();
+    subjects.sort();
+    // As many replicas as the stream whose advisories it holds: as available as that one.
+    let source = tokio::time::timeout(API_TIMEOUT, js.get_stream(&target.stream))
+        .await
+        .context("timed out looking up the consumed stream")?
+        .context("looking up the consumed stream")?;
+    let wanted = stream::Config {
+        name: name.clone(),
+        description: Some(format!(
+            "ruststream-nats: dead-letter advisories of {}/{} (made by the gateway)",
+            target.stream, target.consumer
+        )),
+        subjects: subjects.clone(),
+        retention: stream::RetentionPolicy::Limits,
+        discard: stream::DiscardPolicy::Old,
+        max_age: MAX_AGE,
+        max_bytes: MAX_BYTES,
+        storage: stream::StorageType::File,
+        num_replicas: source.cached_info().config.num_replicas.max(1),
+        ..Default::default()
+    };
+    let found = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
+        .await
+        .context("timed out looking up the advisory stream")?;
+    let stream = match found {
+        Ok(mut existing) => {
+            let current = existing.cached_info().config.clone();
+            let mut theirs = current.subjects.clone();
+            theirs.sort();
+            if theirs != subjects {
+                return Err(SetupError::Refused(format!(
+                    "stream {name} exists capturing {theirs:?}, not the advisories {subjects:?}"
+                )));
+            }
+            if (current.max_age, current.max_bytes, current.discard)
+                != (wanted.max_age, wanted.max_bytes, wanted.discard)
+            {
+                let mut updated = current;
+                updated.max_age = wanted.max_age;
+                updated.max_bytes = wanted.max_bytes;
+                updated.discard = wanted.discard;
+                let result = tokio::time::timeout(API_TIMEOUT, js.update_stream(updated))
+                    .await
+                    .context("timed out updating the advisory stream")?;
+                result.map_err(|err| refused_or_transient(&name, "update", err))?;
+                info!(stream = %name, "updated the advisory stream's limits");
+                existing = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
+                    .await
+                    .context("timed out looking up the advisory stream")?
+                    .context("looking up the advisory stream")?;
+            }
+            existing
+        }
+        Err(err)
+            if matches!(
+                err.kind(),
+                jetstream::context::GetStreamErrorKind::JetStream(ref js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+            ) =>
+        {
+            let created = tokio::time::timeout(API_TIMEOUT, js.create_stream(wanted))
+                .await
+                .context("timed out creating the advisory stream")?;
+            let created = created.map_err(|err| refused_or_transient(&name, "create", err))?;
+            info!(stream = %name, subjects = ?subjects, "created the advisory stream");
+            created
+        }
+        Err(err) => {
+            return Err(SetupError::Transient(
+                anyhow::Error::new(err).context("looking up the advisory stream"),
+            ));
+        }
+    };
+    let config = consumer::pull::Config {
+        durable_name: Some(CONSUMER.to_owned()),
+        description: Some("ruststream-nats: copies dead letters".to_owned()),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: ACK_WAIT,
+        ..Default::default()
+    };
+    // Create-or-update: every gateway sends the same config, so replicas agree.
+    let created = tokio::time::timeout(API_TIMEOUT, stream.create_consumer(config))
+        .await
+        .context("timed out creating the advisory consumer")?;
+    let consumer = created.map_err(|err| match err.kind() {
+        jetstream::stream::ConsumerErrorKind::JetStream(js) if js.code() < 500 => {
+            SetupError::Refused(format!(
+                "the server refused consumer {CONSUMER} on {name}: {err}"
+            ))
+        }
+        _ => {
+            SetupError::Transient(anyhow::Error::new(err).context("creating the advisory consumer"))
+        }
+    })?;
+    info!(stream = %name, consumer = CONSUMER, dead_letter_subject = %target.subject, "dead-lettering from the advisory stream");
+    Ok(consumer)
+}
+
+/// A 4xx from the JetStream API is about the request (subjects overlapping another stream's,
+/// limits over the account's): the operator must act. Anything else may pass.
+fn refused_or_transient(
+    name: &str,
+    action: &str,
+    err: jetstream::context::CreateStreamError,
+) -> SetupError {
+    match err.kind() {
+        // Another gateway created it between our look and our create: look again.
+        jetstream::context::CreateStreamErrorKind::JetStream(js)
+            if js.error_code() == jetstream::ErrorCode::STREAM_NAME_EXIST =>
+        {
+            SetupError::Transient(anyhow::Error::new(err).context(format!("{action} {name}")))
+        }
+        jetstream::context::CreateStreamErrorKind::JetStream(js) if js.code() < 500 => {
+            SetupError::Refused(format!("cannot {action} stream {name}: {err}"))
+        }
+        _ => SetupError::Transient(anyhow::Error::new(err).context(format!("{action} {name}"))),
+    }
+}
+
+/// Hand the consumer's advisories to copy tasks until the consumer goes away (`Ok`) or
+/// `stop` (`Err`).
+async fn drain<M>(
+    js: &jetstream::Context,
+    consumer: consumer::PullConsumer,
+    target: &Arc<Target>,
+    metrics: &M,
+    stop: &CancellationToken,
+) -> Result<(), ()>
+where
+    M: AsRef<Metrics> + Clone + Send + 'static,
+{
+    // Few at a time: an advisory waiting in the client burns its ack_wait.
+    let pulled = consumer
+        .stream()
+        .max_messages_per_batch(CONCURRENCY)
+        .expires(Duration::from_secs(10))
+        .heartbeat(Duration::from_secs(5))
+        .messages()
+        .await;
+    let mut advisories = match pulled {
+        Ok(advisories) => advisories,
+        Err(err) => {
+            debug!(error = %err, "cannot pull advisories yet");
+            tokio::select! {
+                () = stop.cancelled() => return Err(()),
+                () = tokio::time::sleep(Duration::from_secs(1)) => return Ok(()),
+            }
+        }
+    };
+    let slots = Arc::new(Semaphore::new(CONCURRENCY));
+    loop {
+        let next = tokio::select! {
+            () = stop.cancelled() => return Err(()),
+            next = advisories.next() => next,
+        };
+        let message = match next {
+            None => return Ok(()),
+            Some(Ok(message)) => message,
+            Some(Err(err)) => match err.kind() {
+                consumer::pull::MessagesErrorKind::ConsumerDeleted => {
+                    warn!("the advisory consumer was deleted; setting it up again");
+                    return Ok(());
+                }
+                // Expected while NATS is away; the stream pulls again on its own.
+                consumer::pull::MessagesErrorKind::MissingHeartbeat
+                | consumer::pull::MessagesErrorKind::NoResponders => {
+                    debug!(error = %err, "pulling advisories");
+                    continue;
+                }
+                _ => {
+                    warn!(error = %err, "pulling advisories");
+                    continue;
+                }
+            },
+        };
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return Err(());
+        };
+        let (js, target, metrics, stop) =
+            (js.clone(), target.clone(), metrics.clone(), stop.clone());
+        tokio::spawn(async move {
+            let _slot = slot;
+            tokio::select! {
+                // Unacked, the advisory comes back after ACK_WAIT (to another replica, or to
+                // this gateway's successor).
+                () = stop.cancelled() => {}
+                () = handle(&js, &target, message, metrics.as_ref()) => {}
+            }
+        });
+    }
+}
+
+/// Copy the message one advisory names, then ack the advisory; terminate it when it cannot
+/// be read or the copy gave up (it stays in the advisory stream until MAX_AGE, for an
+/// operator to look at).
+async fn handle(
+    js: &jetstream::Context,
+    target: &Target,
+    message: jetstream::Message,
+    metrics: &Metrics,
+) {
+    let read = dead_letter::read_advisory(message.subject.as_str(), &message.payload);
+    let (advisory, cause) = match read {
+        Ok(read) => read,
+        Err(err) => {
+            warn!(error = %err, subject = %message.subject, "unreadable advisory terminated");
+            settle(&message, AckKind::Term).await;
+            return;
+        }
+    };
+    let copy = dead_letter::dead_letter(js, target, &advisory, &cause, metrics);
+    // A copy retried for a while keeps its advisory rather than have it handed to another.
+    let keep = async {
+        let mut every = tokio::time::interval(ACK_WAIT / 3);
+        every.tick().await;
+        loop {
+            every.tick().await;
+            settle(&message, AckKind::Progress).await;
+        }
+    };
+    let handled = tokio::select! {
+        handled = copy => handled,
+        never = keep => match never {},
+    };
+    match handled {
+        Handled::Done => settle(&message, AckKind::Ack).await,
+        Handled::GaveUp => settle(&message, AckKind::Term).await,
+    }
+}
+
+/// Send an ack of `kind` for an advisory. Not confirmed: one that is lost brings the
+/// advisory back after ACK_WAIT, and its copy is then a duplicate the dead-letter stream
+/// drops.
+async fn settle(message: &jetstream::Message, kind: AckKind) {
+    // Publishing only queues, but blocks once the queue is full while disconnected.
+    match tokio::time::timeout(API_TIMEOUT, message.ack_with(kind)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(err)) => debug!(error = %err, "could not ack an advisory; it comes back"),
+        Err(_) => debug!("timed out acking an advisory; it comes back"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stream_is_named_after_stream_and_consumer() {
+        assert_eq!(
+            stream_name("ORDERS", "billing"),
+            "RUSTSTREAM_ADVISORIES_ORDERS_billing"
+        );
+        let long = "c".repeat(250);
+        let name = stream_name("ORDERS", &long);
+        assert!(name.len() <= MAX_NAME_LEN, "{name}");
+        assert!(name.starts_with("RUSTSTREAM_ADVISORIES_"), "{name}");
+        assert_ne!(name, stream_name("ORDERS2", &long));
+    }
+}
