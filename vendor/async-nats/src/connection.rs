@@ -36,6 +36,8 @@ use tokio::io::{self, AsyncRead, AsyncReadExt, AsyncWrite};
 use tracing::trace;
 
 use crate::header::{HeaderMap, HeaderName, IntoHeaderValue};
+// PATCH: the reserved headers the parser sets on content it cannot parse.
+use crate::header::{UNPARSED_HEADERS, UNPARSED_REPLY, UNPARSED_SUBJECT};
 use crate::status::StatusCode;
 use crate::subject::Subject;
 use crate::{ClientOp, ServerError, ServerOp, Statistics};
@@ -177,9 +179,10 @@ impl Connection {
         }
 
         if self.read_buf.starts_with(b"MSG ") {
-            let line = str::from_utf8(&self.read_buf[4..len])
-                .map_err(|err| io::Error::new(io::ErrorKind::InvalidInput, err))?;
-            let mut args = line.split(' ').filter(|s| !s.is_empty());
+            // PATCH: the control line is read as bytes. The subject is whatever the publisher
+            // sent (the server does not require UTF-8); only the numbers must be text.
+            let line = &self.read_buf[4..len];
+            let mut args = line.split(|b| *b == b' ').filter(|s| !s.is_empty());
 
             // Parse the operation syntax: MSG <subject> <sid> [reply-to] <#bytes>
             let (subject, sid, reply_to, payload_len) = match (
@@ -203,14 +206,10 @@ impl Connection {
                 }
             };
 
-            let sid = sid
-                .parse::<u64>()
-                .map_err(|err| io::Error::new(io::ErrorKind::InvalidInput, err))?;
+            let sid = ascii_number::<u64>(sid)?;
 
             // Parse the number of payload bytes.
-            let payload_len = payload_len
-                .parse::<usize>()
-                .map_err(|err| io::Error::new(io::ErrorKind::InvalidInput, err))?;
+            let payload_len = ascii_number::<usize>(payload_len)?;
 
             // Return early without advancing if there is not enough data read the entire
             // message
@@ -222,8 +221,10 @@ impl Connection {
                 + reply_to.as_ref().map(|reply| reply.len()).unwrap_or(0)
                 + subject.len();
 
-            let subject = Subject::from(subject);
-            let reply = reply_to.map(Subject::from);
+            let mut unparsed = None;
+            let subject = subject_from_bytes(subject, UNPARSED_SUBJECT, &mut unparsed);
+            let reply =
+                reply_to.map(|reply| subject_from_bytes(reply, UNPARSED_REPLY, &mut unparsed));
 
             self.read_buf.advance(len + 2);
             let payload = self.read_buf.split_to(payload_len).freeze();
@@ -241,7 +242,7 @@ impl Connection {
                 sid,
                 length,
                 reply,
-                headers: None,
+                headers: unparsed,
                 subject,
                 payload,
                 status: None,
@@ -251,9 +252,13 @@ impl Connection {
 
         if self.read_buf.starts_with(b"HMSG ") {
             // Extract whitespace-delimited arguments that come after "HMSG".
-            let line = std::str::from_utf8(&self.read_buf[5..len])
-                .map_err(|err| io::Error::new(io::ErrorKind::InvalidInput, err))?;
-            let mut args = line.split_whitespace().filter(|s| !s.is_empty());
+            // PATCH: as for MSG, the control line is read as bytes, split at ASCII blanks
+            // only as the server does (`split_whitespace` also split a UTF-8 subject at a
+            // no-break space, miscounting the arguments).
+            let line = &self.read_buf[5..len];
+            let mut args = line
+                .split(|b| *b == b' ' || *b == b'\t')
+                .filter(|s| !s.is_empty());
 
             // <subject> <sid> [reply-to] <# header bytes><# total bytes>
             let (subject, sid, reply_to, header_len, total_len) = match (
@@ -284,10 +289,11 @@ impl Connection {
             };
 
             // Convert the slice into a subject
-            let subject = Subject::from(subject);
+            let mut unparsed = None;
+            let subject = subject_from_bytes(subject, UNPARSED_SUBJECT, &mut unparsed);
 
             // Parse the subject ID.
-            let sid = sid.parse::<u64>().map_err(|_| {
+            let sid = ascii_number::<u64>(sid).map_err(|_| {
                 io::Error::new(
                     io::ErrorKind::InvalidInput,
                     "cannot parse sid argument after HMSG",
@@ -295,10 +301,11 @@ impl Connection {
             })?;
 
             // Convert the slice into a subject.
-            let reply = reply_to.map(Subject::from);
+            let reply =
+                reply_to.map(|reply| subject_from_bytes(reply, UNPARSED_REPLY, &mut unparsed));
 
             // Parse the number of payload bytes.
-            let header_len = header_len.parse::<usize>().map_err(|_| {
+            let header_len = ascii_number::<usize>(header_len).map_err(|_| {
                 io::Error::new(
                     io::ErrorKind::InvalidInput,
                     "cannot parse the number of header bytes argument after \
@@ -307,7 +314,7 @@ impl Connection {
             })?;
 
             // Parse the number of payload bytes.
-            let total_len = total_len.parse::<usize>().map_err(|_| {
+            let total_len = ascii_number::<usize>(total_len).map_err(|_| {
                 io::Error::new(
                     io::ErrorKind::InvalidInput,
                     "cannot parse the number of bytes argument after HMSG",
@@ -331,67 +338,25 @@ impl Connection {
             let payload = self.read_buf.split_to(total_len - header_len).freeze();
             self.read_buf.advance(2);
 
-            let mut lines = std::str::from_utf8(&header)
-                .map_err(|_| {
-                    io::Error::new(io::ErrorKind::InvalidInput, "header isn't valid utf-8")
-                })?
-                .lines()
-                .peekable();
-            let version_line = lines.next().ok_or_else(|| {
-                io::Error::new(io::ErrorKind::InvalidInput, "no header version line found")
-            })?;
-
-            let version_line_suffix = version_line
-                .strip_prefix("NATS/1.0")
-                .map(str::trim)
-                .ok_or_else(|| {
-                    io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        "header version line does not begin with `NATS/1.0`",
-                    )
-                })?;
-
-            let (status, description) = version_line_suffix
-                .split_once(' ')
-                .map(|(status, description)| (status.trim(), description.trim()))
-                .unwrap_or((version_line_suffix, ""));
-            let status = if !status.is_empty() {
-                Some(
-                    status
-                        .parse::<StatusCode>()
-                        .map_err(|_| std::io::Error::other("could not parse status parameter"))?,
-                )
-            } else {
-                None
-            };
-            let description = if !description.is_empty() {
-                Some(description.to_owned())
-            } else {
-                None
-            };
-
-            let mut headers = HeaderMap::new();
-            while let Some(line) = lines.next() {
-                if line.is_empty() {
-                    continue;
+            // PATCH: a header block that cannot be parsed is the publisher's content, not a
+            // protocol error: the message is delivered with the block's exact bytes under a
+            // reserved header instead of failing (and so reconnecting) the connection. A
+            // well-formed block that uses a reserved name itself is handed over the same way,
+            // so a reserved header is only ever one the parser set.
+            let (mut headers, status, description) = match parse_header_block(&header) {
+                Ok((headers, status, description)) if !uses_reserved_names(&headers) => {
+                    (headers, status, description)
                 }
-
-                let (name, value) = line.split_once(':').ok_or_else(|| {
-                    io::Error::new(io::ErrorKind::InvalidInput, "no header version line found")
-                })?;
-
-                let name = HeaderName::from_str(name)
-                    .map_err(|err| io::Error::new(io::ErrorKind::InvalidInput, err))?;
-
-                // Read the header value, which might have been split into multiple lines
-                // `trim_start` and `trim_end` do the same job as doing `value.trim().to_owned()` at the end, but without a reallocation
-                let mut value = value.trim_start().to_owned();
-                while let Some(v) = lines.next_if(|s| s.starts_with(char::is_whitespace)) {
-                    value.push_str(v);
+                _ => {
+                    let mut headers = HeaderMap::new();
+                    headers.insert(UNPARSED_HEADERS, hex(&header));
+                    (headers, None, None)
                 }
-                value.truncate(value.trim_end().len());
-
-                headers.append(name, value.into_header_value());
+            };
+            for (name, values) in unparsed.iter().flat_map(HeaderMap::iter) {
+                for value in values {
+                    headers.append(name.clone(), value.clone());
+                }
             }
 
             trace!(
@@ -862,6 +827,122 @@ where
     }
 }
 
+/// PATCH: the header block of an `HMSG`, parsed as before the patch (moved here unchanged so
+/// that its errors can fall back to the raw block instead of ending the connection).
+fn parse_header_block(
+    header: &[u8],
+) -> Result<(HeaderMap, Option<StatusCode>, Option<String>), io::Error> {
+    let mut lines = std::str::from_utf8(header)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "header isn't valid utf-8"))?
+        .lines()
+        .peekable();
+    let version_line = lines.next().ok_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidInput, "no header version line found")
+    })?;
+
+    let version_line_suffix = version_line
+        .strip_prefix("NATS/1.0")
+        .map(str::trim)
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "header version line does not begin with `NATS/1.0`",
+            )
+        })?;
+
+    let (status, description) = version_line_suffix
+        .split_once(' ')
+        .map(|(status, description)| (status.trim(), description.trim()))
+        .unwrap_or((version_line_suffix, ""));
+    let status = if !status.is_empty() {
+        Some(
+            status
+                .parse::<StatusCode>()
+                .map_err(|_| std::io::Error::other("could not parse status parameter"))?,
+        )
+    } else {
+        None
+    };
+    let description = if !description.is_empty() {
+        Some(description.to_owned())
+    } else {
+        None
+    };
+
+    let mut headers = HeaderMap::new();
+    while let Some(line) = lines.next() {
+        if line.is_empty() {
+            continue;
+        }
+
+        let (name, value) = line.split_once(':').ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidInput, "no header version line found")
+        })?;
+
+        let name = HeaderName::from_str(name)
+            .map_err(|err| io::Error::new(io::ErrorKind::InvalidInput, err))?;
+
+        // Read the header value, which might have been split into multiple lines
+        // `trim_start` and `trim_end` do the same job as doing `value.trim().to_owned()` at the end, but without a reallocation
+        let mut value = value.trim_start().to_owned();
+        while let Some(v) = lines.next_if(|s| s.starts_with(char::is_whitespace)) {
+            value.push_str(v);
+        }
+        value.truncate(value.trim_end().len());
+
+        headers.append(name, value.into_header_value());
+    }
+
+    Ok((headers, status, description))
+}
+
+/// PATCH: whether a parsed header block names a header the parser reserves for itself.
+fn uses_reserved_names(headers: &HeaderMap) -> bool {
+    [UNPARSED_HEADERS, UNPARSED_SUBJECT, UNPARSED_REPLY]
+        .iter()
+        .any(|name| headers.get(*name).is_some())
+}
+
+/// PATCH: a subject token of a control line. One that is not UTF-8 becomes its lossy form,
+/// and its exact bytes are recorded under `marker` in `unparsed`.
+fn subject_from_bytes(
+    token: &[u8],
+    marker: &'static str,
+    unparsed: &mut Option<HeaderMap>,
+) -> Subject {
+    match str::from_utf8(token) {
+        Ok(text) => Subject::from(text),
+        Err(_) => {
+            unparsed
+                .get_or_insert_with(HeaderMap::new)
+                .insert(marker, hex(token));
+            Subject::from(String::from_utf8_lossy(token).as_ref())
+        }
+    }
+}
+
+/// PATCH: a number argument of a control line (always ASCII digits from the server).
+fn ascii_number<T: FromStr>(token: &[u8]) -> Result<T, io::Error> {
+    str::from_utf8(token)
+        .ok()
+        .and_then(|text| text.parse::<T>().ok())
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "invalid number in control line",
+            )
+        })
+}
+
+/// PATCH: lowercase hex, to carry raw bytes in a header value without another dependency.
+fn hex(bytes: &[u8]) -> String {
+    let mut text = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        let _ = write!(text, "{byte:02x}");
+    }
+    text
+}
+
 #[cfg(test)]
 mod read_op {
     use std::sync::Arc;
@@ -1162,36 +1243,87 @@ mod read_op {
         connection.read_op().await.unwrap();
     }
 
-    // Regression for https://github.com/nats-io/nats.rs/issues/1572:
-    // nats-server forwards arbitrary bytes in subjects (no UTF-8 enforcement),
-    // so a publisher sending `balance.\xFF` reaches a `balance.*` subscriber.
-    // The parser must surface an io::Error rather than panicking, otherwise the
-    // ConnectionHandler task dies and the client never reconnects.
-    #[tokio::test]
-    async fn msg_with_non_utf8_subject_returns_error() {
-        let (stream, mut server) = io::duplex(128);
+    // PATCH: nats-server forwards arbitrary bytes in subjects and header blocks (no UTF-8
+    // enforcement). Such content must neither panic the parser nor end the connection: the
+    // message arrives, its exact bytes under a reserved header.
+    async fn read_one(input: &[u8]) -> ServerOp {
+        let (stream, mut server) = io::duplex(1024);
         let mut connection = Connection::new(Box::new(stream), 0, Arc::new(Statistics::default()));
+        server.write_all(input).await.unwrap();
+        server.write_all(b"PING\r\n").await.unwrap();
+        let op = connection.read_op().await.unwrap().unwrap();
+        // The connection reads on: what followed the message is still there.
+        assert_eq!(connection.read_op().await.unwrap(), Some(ServerOp::Ping));
+        op
+    }
 
-        server.write_all(b"MSG balance.\xFF 1 2\r\n").await.unwrap();
-        server.write_all(b"hi\r\n").await.unwrap();
-
-        let err = connection.read_op().await.unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+    fn unparsed(op: &ServerOp, name: &str) -> Option<String> {
+        match op {
+            ServerOp::Message { headers, .. } => headers
+                .as_ref()
+                .and_then(|headers| headers.get(name))
+                .map(|value| value.to_string()),
+            other => panic!("not a message: {other:?}"),
+        }
     }
 
     #[tokio::test]
-    async fn hmsg_with_non_utf8_subject_returns_error() {
-        let (stream, mut server) = io::duplex(128);
-        let mut connection = Connection::new(Box::new(stream), 0, Arc::new(Statistics::default()));
+    async fn msg_with_non_utf8_subject_is_delivered_with_its_bytes() {
+        let op = read_one(b"MSG balance.\xFF 1 2\r\nhi\r\n").await;
+        assert_eq!(
+            unparsed(&op, crate::header::UNPARSED_SUBJECT).as_deref(),
+            Some("62616c616e63652eff")
+        );
+        match op {
+            ServerOp::Message {
+                subject, payload, ..
+            } => {
+                assert_eq!(subject.as_str(), "balance.\u{FFFD}");
+                assert_eq!(payload.as_ref(), b"hi");
+            }
+            other => panic!("not a message: {other:?}"),
+        }
+    }
 
-        server
-            .write_all(b"HMSG balance.\xFF 1 12 14\r\n")
-            .await
-            .unwrap();
-        server.write_all(b"NATS/1.0\r\n\r\nhi\r\n").await.unwrap();
+    #[tokio::test]
+    async fn hmsg_with_non_utf8_subject_is_delivered_with_its_bytes() {
+        let op = read_one(b"HMSG balance.\xFF 1 21 23\r\nNATS/1.0\r\nA: b\r\n\r\nhi\r\n").await;
+        assert_eq!(
+            unparsed(&op, crate::header::UNPARSED_SUBJECT).as_deref(),
+            Some("62616c616e63652eff")
+        );
+        assert_eq!(unparsed(&op, "A").as_deref(), Some("b"));
+    }
 
-        let err = connection.read_op().await.unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+    #[tokio::test]
+    async fn hmsg_with_a_subject_holding_a_no_break_space_is_one_subject() {
+        let op = read_one(b"HMSG a\xC2\xA0b 1 12 14\r\nNATS/1.0\r\n\r\nhi\r\n").await;
+        match op {
+            ServerOp::Message { subject, .. } => assert_eq!(subject.as_str(), "a\u{A0}b"),
+            other => panic!("not a message: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn unparsable_header_blocks_are_delivered_raw() {
+        for block in [
+            &b"NATS/1.0\r\nX-Bin: \xFF\xFE\r\n\r\n"[..],
+            b"NATS/1.0\r\nNoColon\r\n\r\n",
+            b"NATS/1.0\r\nBad Name: v\r\n\r\n",
+            b"NATS/1.0\r\nAsync-Nats-Unparsed-Headers: 00\r\n\r\n",
+        ] {
+            let mut input =
+                format!("HMSG s 1 {} {}\r\n", block.len(), block.len() + 2).into_bytes();
+            input.extend_from_slice(block);
+            input.extend_from_slice(b"hi\r\n");
+            let op = read_one(&input).await;
+            let hex: String = block.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(
+                unparsed(&op, crate::header::UNPARSED_HEADERS),
+                Some(hex),
+                "{block:?}"
+            );
+        }
     }
 }
 

@@ -576,6 +576,16 @@ macro_rules! standard_headers {
     }
 }
 
+/// PATCH: set on a message whose header block could not be parsed (not UTF-8, a line without
+/// `:`, an invalid name or status) or that used one of these reserved names itself: the
+/// block's exact bytes, `NATS/1.0` line included, in lowercase hex.
+pub const UNPARSED_HEADERS: &str = "Async-Nats-Unparsed-Headers";
+/// PATCH: set on a message whose subject is not UTF-8: its exact bytes in lowercase hex
+/// ([`Message::subject`](crate::Message::subject) then holds the lossy UTF-8 form).
+pub const UNPARSED_SUBJECT: &str = "Async-Nats-Unparsed-Subject";
+/// PATCH: as [`UNPARSED_SUBJECT`], for the reply subject.
+pub const UNPARSED_REPLY: &str = "Async-Nats-Unparsed-Reply";
+
 // Generate constants for all standard NATS headers.
 standard_headers! {
     /// The name of the stream the message belongs to.
