@@ -16,6 +16,7 @@ mod leases;
 mod ledger;
 mod logs;
 mod metrics;
+mod poison;
 mod publish;
 mod readme;
 mod rebinding;
