@@ -258,13 +258,13 @@ fn take_unparsed(headers: Option<HeaderMap>) -> (Option<HeaderMap>, Unparsed) {
 /// Lowercase or uppercase hex to bytes; `None` for anything else.
 fn from_hex(text: &str) -> Option<Bytes> {
     let digits = text.as_bytes();
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         return None;
     }
     let digit = |d: u8| char::from(d).to_digit(16);
     digits
         .chunks_exact(2)
-        .map(|pair| Some(u8::try_from(digit(pair[0])? * 16 + digit(pair[1])?).ok()?))
+        .map(|pair| u8::try_from(digit(pair[0])? * 16 + digit(pair[1])?).ok())
         .collect::<Option<Vec<u8>>>()
         .map(Bytes::from)
 }
