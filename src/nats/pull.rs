@@ -5,7 +5,10 @@
 //! Each pull has its own inbox subscription (a delivery carries its stream subject, so only
 //! the subscription tells which pull it answers). The reader parses on arrival, which keeps
 //! parsing off the dispatcher's path, and a lease counts from when the delivery arrived,
-//! however busy the dispatcher is.
+//! however busy the dispatcher is. A subject or header block NATS clients cannot parse
+//! arrives (patched client, `vendor/async-nats/PATCHED.md`) as reserved headers; the reader
+//! turns them back into the exact bytes ([`Unparsed`]) so such a message is leased like any
+//! other.
 //!
 //! May import: `domain`. Nothing of the gateway above the NATS boundary.
 
