@@ -12,7 +12,10 @@ WORKDIR /src
 #    change, not on every source edit. Stub sources stand in for the crate's own targets
 #    (lib, the binary, and any target that Cargo.toml gives an explicit path), and
 #    the crate's own artifacts are removed afterwards so step 2 always rebuilds it.
+#    vendor/ holds patched dependencies (Cargo.toml's [patch.crates-io] points there), so it
+#    belongs to this layer: without it the dependency build cannot resolve them.
 COPY Cargo.toml Cargo.lock ./
+COPY vendor/ vendor/
 RUN set -eu; \
     mkdir -p src; \
     echo 'fn main() {}' > src/main.rs; \

@@ -522,6 +522,7 @@ mod tests {
             subject: "orders.created".into(),
             payload: Bytes::from(vec![b'x'; bytes]),
             headers: None,
+            unparsed: Default::default(),
             stream: "S".into(),
             consumer: "C".into(),
             pending: 0,

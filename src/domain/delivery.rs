@@ -21,11 +21,25 @@ pub(crate) struct Delivery {
     pub(crate) subject: Subject,
     pub(crate) payload: Bytes,
     pub(crate) headers: Option<HeaderMap>,
+    /// What NATS clients cannot parse, exactly as the server sent it.
+    pub(crate) unparsed: Unparsed,
     pub(crate) stream: String,
     pub(crate) consumer: String,
     pub(crate) pending: u64,
     pub(crate) published_at: OffsetDateTime,
     pub(crate) received_at: Instant,
+}
+
+/// The bytes of a delivery that are not UTF-8 text of the form NATS clients parse. The server
+/// stores whatever a publisher sends; keeping these lets a client see the message exactly
+/// rather than a lossy rendering, or none at all.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Unparsed {
+    /// The subject, when it is not UTF-8 ([`Delivery::subject`] holds its lossy form).
+    pub(crate) subject: Option<Bytes>,
+    /// The whole header block, `NATS/1.0` line included, when it is not UTF-8 `Name: value`
+    /// lines ([`Delivery::headers`] then holds none of it).
+    pub(crate) headers: Option<Bytes>,
 }
 
 /// A delivery handed to a client, with its lease.

@@ -101,12 +101,31 @@ pub(crate) struct FetchBody {
 pub(crate) struct MessageDto {
     /// Lease id: opaque, URL-safe; settle the message with it.
     pub(crate) id: String,
+    /// The subject. When it is not UTF-8 (NATS stores any bytes a publisher sends), this is
+    /// its lossy form, each invalid sequence replaced by U+FFFD, and `subject_base64` holds
+    /// the exact bytes.
     pub(crate) subject: String,
+    /// Present only when the subject is not UTF-8: its exact bytes, standard base64
+    /// (RFC 4648, with padding).
+    // Left out rather than null when absent, so never null in the schema either.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub(crate) subject_base64: Option<String>,
     /// The payload, encoded as `encoding` says.
     pub(crate) data: String,
     pub(crate) encoding: Encoding,
-    /// NATS headers; a header may repeat.
+    /// NATS headers; a header may repeat. Empty when `headers_base64` is present.
     pub(crate) headers: BTreeMap<String, Vec<String>>,
+    /// Present only when the message's header block is not UTF-8 `Name: value` lines (a value
+    /// or name that is not UTF-8, a line without a colon, an invalid name — NATS stores any
+    /// block a publisher sends): the whole block exactly as stored, from its `NATS/1.0` line
+    /// through the blank line that ends it, standard base64 (RFC 4648, with padding). Such a
+    /// message is leased like any other; its `headers` is then empty. The same holds for a
+    /// block naming a header `Async-Nats-Unparsed-Headers`, `Async-Nats-Unparsed-Subject` or
+    /// `Async-Nats-Unparsed-Reply` (reserved by the gateway's NATS client).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub(crate) headers_base64: Option<String>,
     pub(crate) stream: String,
     pub(crate) consumer: String,
     pub(crate) stream_sequence: u64,
@@ -141,9 +160,11 @@ impl MessageDto {
         Self {
             id: leased.id,
             subject: delivery.subject.to_string(),
+            subject_base64: delivery.unparsed.subject.map(|raw| STANDARD.encode(raw)),
             data,
             encoding,
             headers,
+            headers_base64: delivery.unparsed.headers.map(|raw| STANDARD.encode(raw)),
             stream: delivery.stream,
             consumer: delivery.consumer,
             stream_sequence: delivery.coordinates.key.stream_sequence,

@@ -5,7 +5,10 @@
 //! Each pull has its own inbox subscription (a delivery carries its stream subject, so only
 //! the subscription tells which pull it answers). The reader parses on arrival, which keeps
 //! parsing off the dispatcher's path, and a lease counts from when the delivery arrived,
-//! however busy the dispatcher is.
+//! however busy the dispatcher is. A subject or header block NATS clients cannot parse
+//! arrives (patched client, `vendor/async-nats/PATCHED.md`) as reserved headers; the reader
+//! turns them back into the exact bytes ([`Unparsed`]) so such a message is leased like any
+//! other.
 //!
 //! May import: `domain`. Nothing of the gateway above the NATS boundary.
 
@@ -13,15 +16,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use async_nats::Subject;
+use async_nats::header::{UNPARSED_HEADERS, UNPARSED_REPLY, UNPARSED_SUBJECT};
 use async_nats::jetstream::consumer;
+use async_nats::{HeaderMap, Subject};
+use bytes::Bytes;
 use futures::StreamExt as _;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tracing::warn;
+use tracing::{info, warn};
 
-use crate::domain::delivery::Delivery;
+use crate::domain::delivery::{Delivery, Unparsed};
 use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates};
 
 use super::{API_TIMEOUT, Bound};
@@ -186,16 +191,119 @@ fn delivery(
     let published_at = info.published;
     let reply: Arc<str> = Arc::from(message.reply.as_deref().unwrap_or_default());
     let message = message.message;
+    let (headers, unparsed) = take_unparsed(message.headers);
+    if unparsed != Unparsed::default() {
+        info!(
+            stream_sequence = coordinates.key.stream_sequence,
+            subject = %message.subject,
+            subject_unparsed = unparsed.subject.is_some(),
+            headers_unparsed = unparsed.headers.is_some(),
+            "a message whose subject or headers are not what NATS clients parse; leased with their exact bytes"
+        );
+    }
     Ok(Delivery {
         coordinates,
         reply,
         subject: message.subject,
         payload: message.payload,
-        headers: message.headers,
+        headers,
+        unparsed,
         stream,
         consumer,
         pending,
         published_at,
         received_at,
     })
+}
+
+/// Split off the reserved headers the NATS client (patched: `vendor/async-nats/PATCHED.md`)
+/// sets where it met a subject or header block it cannot parse, instead of dropping the
+/// connection: the message's own headers, and the exact bytes the reserved ones carry. The
+/// client sets them only itself (a publisher's block naming them arrives unparsed), so they
+/// are trusted here.
+fn take_unparsed(headers: Option<HeaderMap>) -> (Option<HeaderMap>, Unparsed) {
+    let Some(headers) = headers else {
+        return (None, Unparsed::default());
+    };
+    let reserved = [UNPARSED_HEADERS, UNPARSED_SUBJECT, UNPARSED_REPLY];
+    if reserved.iter().all(|name| headers.get(*name).is_none()) {
+        return (Some(headers), Unparsed::default());
+    }
+    let bytes = |name: &str| {
+        let text = headers.get(name)?.as_str();
+        let decoded = from_hex(text);
+        if decoded.is_none() {
+            warn!(
+                header = name,
+                "the NATS client's record of unparsed bytes is not hex; ignored"
+            );
+        }
+        decoded
+    };
+    let unparsed = Unparsed {
+        subject: bytes(UNPARSED_SUBJECT),
+        headers: bytes(UNPARSED_HEADERS),
+    };
+    let mut own = HeaderMap::new();
+    for (name, values) in headers.iter() {
+        let text: &str = name.as_ref();
+        if reserved.contains(&text) {
+            continue;
+        }
+        for value in values {
+            own.append(name.clone(), value.clone());
+        }
+    }
+    let own = (!own.is_empty()).then_some(own);
+    (own, unparsed)
+}
+
+/// Lowercase or uppercase hex to bytes; `None` for anything else.
+fn from_hex(text: &str) -> Option<Bytes> {
+    let digits = text.as_bytes();
+    if !digits.len().is_multiple_of(2) {
+        return None;
+    }
+    let digit = |d: u8| char::from(d).to_digit(16);
+    digits
+        .chunks_exact(2)
+        .map(|pair| u8::try_from(digit(pair[0])? * 16 + digit(pair[1])?).ok())
+        .collect::<Option<Vec<u8>>>()
+        .map(Bytes::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use async_nats::HeaderMap;
+    use async_nats::header::{UNPARSED_HEADERS, UNPARSED_SUBJECT};
+
+    use super::{from_hex, take_unparsed};
+
+    #[test]
+    fn reserved_headers_become_bytes_and_leave_the_others() {
+        let mut headers = HeaderMap::new();
+        headers.insert(UNPARSED_SUBJECT, "6fff");
+        headers.insert("X-Ok", "yes");
+        let (own, unparsed) = take_unparsed(Some(headers));
+        let own = own.expect("X-Ok stays");
+        assert_eq!(own.len(), 1);
+        assert_eq!(own.get("X-Ok").map(|v| v.as_str()), Some("yes"));
+        assert_eq!(unparsed.subject.as_deref(), Some(&b"o\xff"[..]));
+        assert_eq!(unparsed.headers, None);
+
+        let mut headers = HeaderMap::new();
+        headers.insert(UNPARSED_HEADERS, "4e");
+        let (own, unparsed) = take_unparsed(Some(headers));
+        assert!(own.is_none());
+        assert_eq!(unparsed.headers.as_deref(), Some(&b"N"[..]));
+    }
+
+    #[test]
+    fn hex_decodes_pairs_only() {
+        assert_eq!(from_hex("00fFa0").as_deref(), Some(&[0, 255, 160][..]));
+        assert_eq!(from_hex(""), Some(bytes::Bytes::new()));
+        for bad in ["0", "0g", "+1", "é0"] {
+            assert_eq!(from_hex(bad), None, "{bad}");
+        }
+    }
 }

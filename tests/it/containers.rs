@@ -338,6 +338,53 @@ fn dockerfile_runs_as_non_root_with_a_healthcheck_on_healthz() {
     gateway_arguments("Dockerfile HEALTHCHECK", &env, &check_args);
 }
 
+/// A path dependency in Cargo.toml (the vendored, patched async-nats) must be in the image's
+/// dependency layer — copied before the first `cargo build` — and not kept out by
+/// `.dockerignore`, or `docker build` fails to resolve it.
+#[test]
+fn dockerfile_copies_path_dependencies_before_building_them() {
+    let manifest = read("Cargo.toml");
+    let directories: Vec<String> = manifest
+        .lines()
+        .filter(|line| !line.trim_start().starts_with('#'))
+        .filter_map(|line| {
+            let (_, rest) = line.split_once("path = \"")?;
+            let (path, _) = rest.split_once('"')?;
+            (!path.ends_with(".rs")).then(|| path.trim_end_matches('/').to_owned())
+        })
+        .collect();
+    assert!(
+        directories.iter().any(|dir| dir == "vendor/async-nats"),
+        "Cargo.toml patches async-nats from vendor/: {directories:?}"
+    );
+    let dockerfile = read("Dockerfile");
+    let build = dockerfile
+        .find("cargo build")
+        .expect("the Dockerfile builds with cargo");
+    let copies: Vec<&str> = dockerfile[..build]
+        .lines()
+        .map(str::trim)
+        .filter_map(|line| line.strip_prefix("COPY "))
+        .collect();
+    let ignored = read(".dockerignore");
+    for dir in &directories {
+        assert!(
+            copies.iter().any(|copy| copy
+                .split_whitespace()
+                .next()
+                .is_some_and(|source| dir.starts_with(source.trim_end_matches('/')))),
+            "the dependency layer copies {dir} before `cargo build`: {copies:?}"
+        );
+        assert!(
+            !ignored
+                .lines()
+                .map(|line| line.trim().trim_end_matches('/'))
+                .any(|line| !line.is_empty() && !line.starts_with('#') && dir.starts_with(line)),
+            ".dockerignore keeps {dir} out of the build context"
+        );
+    }
+}
+
 /// `--healthcheck <URL>` (the image's HEALTHCHECK) exits 0 on a 200, 1 otherwise.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_healthcheck_flag_gets_healthz() {

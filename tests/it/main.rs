@@ -17,6 +17,7 @@ mod ledger;
 mod logs;
 mod metrics;
 mod nats_outage;
+mod poison;
 mod publish;
 mod readme;
 mod rebinding;

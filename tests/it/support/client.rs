@@ -165,9 +165,15 @@ impl Reply {
 pub struct Msg {
     pub id: String,
     pub subject: String,
+    /// The subject's exact bytes, only when it is not UTF-8.
+    #[serde(default)]
+    pub subject_base64: Option<String>,
     pub data: String,
     pub encoding: String,
     pub headers: Map<String, Value>,
+    /// The exact header block, only when it could not be parsed.
+    #[serde(default)]
+    pub headers_base64: Option<String>,
     pub stream: String,
     pub consumer: String,
     pub stream_sequence: u64,
