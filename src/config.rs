@@ -68,16 +68,16 @@ pub struct Config {
     pub nats_tls_key: Option<PathBuf>,
 
     /// JetStream stream to consume from.
-    #[arg(long, env = "RUSTSTREAM_STREAM", default_value = "ORDERS")]
+    #[arg(long, env = "RUSTSTREAM_STREAM", default_value = "ORDERS", value_parser = parse_name)]
     pub stream: String,
 
     /// Consumer name (the durable name unless --ephemeral).
-    #[arg(long, env = "RUSTSTREAM_CONSUMER", default_value = "billing")]
+    #[arg(long, env = "RUSTSTREAM_CONSUMER", default_value = "billing", value_parser = parse_name)]
     pub consumer: String,
 
     /// Only deliver messages whose subject matches this filter. Not given: an existing
     /// consumer keeps its filter, a new one gets none.
-    #[arg(long, env = "RUSTSTREAM_FILTER_SUBJECT")]
+    #[arg(long, env = "RUSTSTREAM_FILTER_SUBJECT", value_parser = parse_filter)]
     pub filter_subject: Option<String>,
 
     /// Where a new consumer starts: all | last | new | last-per-subject |
@@ -85,8 +85,9 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_DELIVER_POLICY", default_value = "all")]
     pub deliver_policy: DeliverPolicy,
 
-    /// How long a leased message may stay unsettled before NATS redelivers it (e.g. 30s, 1m).
-    #[arg(long, env = "RUSTSTREAM_ACK_WAIT", default_value = "30s", value_parser = parse_positive_duration)]
+    /// How long a leased message may stay unsettled before NATS redelivers it (e.g. 30s, 1m);
+    /// at least 1s.
+    #[arg(long, env = "RUSTSTREAM_ACK_WAIT", default_value = "30s", value_parser = parse_ack_wait)]
     pub ack_wait: Duration,
 
     /// Most messages leased out at once (the consumer's max_ack_pending).
@@ -136,7 +137,8 @@ pub struct Config {
         long,
         env = "RUSTSTREAM_STREAM_SUBJECTS",
         value_delimiter = ',',
-        default_value = "orders.>"
+        default_value = "orders.>",
+        value_parser = parse_filter
     )]
     pub stream_subjects: Vec<String>,
 
@@ -395,6 +397,29 @@ fn redact_url_credentials(urls: &str) -> String {
         })
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// The shortest `--ack-wait`: a lease is ack_wait less a margin, and the gateway holds an
+/// unleased delivery up to ack_wait/4; below a second every lease would be born (nearly)
+/// expired and the message would loop.
+pub(crate) const MIN_ACK_WAIT: Duration = Duration::from_secs(1);
+
+fn parse_ack_wait(value: &str) -> Result<Duration, String> {
+    let duration = humantime::parse_duration(value).map_err(|err| err.to_string())?;
+    if duration < MIN_ACK_WAIT {
+        return Err("must be at least 1s".into());
+    }
+    Ok(duration)
+}
+
+fn parse_name(value: &str) -> Result<String, String> {
+    crate::domain::subject::validate_name(value)?;
+    Ok(value.to_owned())
+}
+
+fn parse_filter(value: &str) -> Result<String, String> {
+    crate::domain::subject::validate_filter(value)?;
+    Ok(value.to_owned())
 }
 
 fn parse_dead_letter_subject(value: &str) -> Result<String, String> {

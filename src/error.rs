@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::domain::settle::SettleKind;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub(crate) enum Error {
     /// The request body is not JSON at all.
     #[error("{detail}")]
@@ -58,6 +58,12 @@ pub(crate) enum Error {
     /// The request body did not arrive in time.
     #[error("the request body did not arrive within {}s", timeout.as_secs_f64())]
     BodyTimeout { timeout: Duration },
+    /// The request target is longer than the gateway takes.
+    #[error("the request URI is longer than {limit} bytes")]
+    UriTooLong { limit: usize },
+    /// The request's header section is larger than the gateway takes.
+    #[error("the request headers are larger than {limit} bytes in all")]
+    HeadersTooLarge { limit: usize },
     /// The client hung up before its answer was ready; nobody reads this.
     #[error("the client closed the connection")]
     ClientGone,

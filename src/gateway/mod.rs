@@ -12,6 +12,7 @@ mod supervisor;
 
 pub(crate) use fetch::{Caller, Idempotency};
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -242,11 +243,24 @@ impl Gateway {
         command: &AckCommand,
     ) -> Vec<SettleResult> {
         let deadline = Box::pin(tokio::time::sleep(self.config.settle_timeout)).shared();
-        join_all(
-            ids.iter()
+        // An id listed twice is settled (and counted) once; each position gets its answer.
+        let mut distinct: Vec<&str> = Vec::with_capacity(ids.len());
+        let mut position: HashMap<&str, usize> = HashMap::with_capacity(ids.len());
+        for id in ids {
+            position.entry(id.as_str()).or_insert_with(|| {
+                distinct.push(id.as_str());
+                distinct.len() - 1
+            });
+        }
+        let results = join_all(
+            distinct
+                .iter()
                 .map(|id| self.settle_by(id, command, deadline.clone())),
         )
-        .await
+        .await;
+        ids.iter()
+            .map(|id| results[position[id.as_str()]].clone())
+            .collect()
     }
 
     /// [`Gateway::settle`], unconfirmed (504) once `deadline` resolves.

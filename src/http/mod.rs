@@ -43,7 +43,7 @@ use responses::ProblemResponses;
 #[openapi(
     info(
         title = "ruststream-nats",
-        description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.\n\nEvery error is an RFC 9457 `application/problem+json` object. Each operation lists the statuses it answers; besides those, a path not listed here answers 404 and a listed path called with another method 405 (with `Allow`), both problem+json.",
+        description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.\n\nEvery error is an RFC 9457 `application/problem+json` object. Each operation lists the statuses it answers; besides those, a path not listed here answers 404, a listed path called with another method 405 (with `Allow`), a request URI over 8 KiB 414 and a header section over 64 KiB 431, all problem+json.",
         license(name = "MIT OR Apache-2.0", identifier = "MIT OR Apache-2.0")
     ),
     // Relative: the API is where the document was served from (Swagger UI, generated
@@ -222,6 +222,72 @@ fn with_layers(routes: Router<Gateway>, gateway: Gateway, auth: Auth) -> Router 
             request_id,
             SequentialRequestId::new(),
         ))
+        .layer(axum::middleware::from_fn(drop_unusable_request_id))
+        .layer(axum::middleware::from_fn(refuse_oversized_head))
+}
+
+/// Longest request URI the gateway takes: a lease id path is under 200 bytes.
+const MAX_URI_BYTES: usize = 8 * 1024;
+/// Largest header section (names and values) the gateway takes.
+const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// Oversized request heads answer problem+json 414 or 431 here, well below the limits at
+/// which hyper itself answers them with an empty body (64 KiB URIs, a ~400 KiB head). The
+/// URI is not echoed as the problem's `instance`.
+async fn refuse_oversized_head(
+    request: Request<axum::body::Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let uri_bytes = request
+        .uri()
+        .path_and_query()
+        .map_or(0, |target| target.as_str().len());
+    if uri_bytes > MAX_URI_BYTES {
+        return Error::UriTooLong {
+            limit: MAX_URI_BYTES,
+        }
+        .into_response();
+    }
+    let head_bytes: usize = request
+        .headers()
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum();
+    if head_bytes > MAX_HEAD_BYTES {
+        return Error::HeadersTooLarge {
+            limit: MAX_HEAD_BYTES,
+        }
+        .into_response();
+    }
+    next.run(request).await
+}
+
+/// Longest `x-request-id` taken from a client; longer (or not visible ASCII) is replaced by
+/// one of ours, since it is echoed in the answer and written to every log line.
+const MAX_REQUEST_ID: usize = 128;
+
+/// A client's `x-request-id` is kept only when it is 1 to 128 visible ASCII characters;
+/// otherwise it is dropped here and the next layer makes one up.
+async fn drop_unusable_request_id(
+    mut request: Request<axum::body::Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let usable = |value: &axum::http::HeaderValue| {
+        let bytes = value.as_bytes();
+        !bytes.is_empty()
+            && bytes.len() <= MAX_REQUEST_ID
+            && bytes.iter().all(|byte| byte.is_ascii_graphic())
+    };
+    let headers = request.headers_mut();
+    let all_usable = {
+        let mut values = headers.get_all("x-request-id").iter();
+        let first = values.next();
+        first.is_some_and(usable) && values.next().is_none()
+    };
+    if !all_usable {
+        headers.remove("x-request-id");
+    }
+    next.run(request).await
 }
 
 /// One span per request: method, route (the matched template, as in the metrics), request id;

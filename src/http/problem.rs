@@ -71,6 +71,8 @@ impl Error {
             Self::Unavailable(_) | Self::ClientGone => StatusCode::SERVICE_UNAVAILABLE,
             Self::TimedOut => StatusCode::GATEWAY_TIMEOUT,
             Self::PublishPrecondition(_) => StatusCode::PRECONDITION_FAILED,
+            Self::UriTooLong { .. } => StatusCode::URI_TOO_LONG,
+            Self::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
         }
     }
 
@@ -87,6 +89,8 @@ impl Error {
             Self::AtCapacity { .. } => ("too-many-leases", "Too many leases in flight"),
             Self::Unavailable(_) => ("unavailable", "NATS unavailable"),
             Self::ClientGone => ("client-gone", "Client closed the connection"),
+            Self::UriTooLong { .. } => ("uri-too-long", "Request URI too long"),
+            Self::HeadersTooLarge { .. } => ("headers-too-large", "Request headers too large"),
             Self::Unauthorized { .. } => ("unauthorized", "Authentication required"),
             Self::Forbidden { .. } => ("forbidden", "Scope missing"),
             Self::TooManyWaitingFetches { .. } => {

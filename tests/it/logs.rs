@@ -176,3 +176,53 @@ async fn a_warning_says_when_http_authentication_is_off() {
     let text = guarded.log();
     assert!(!text.contains(WARNING), "warned with tokens given:\n{text}");
 }
+
+/// A client's `x-request-id` is echoed and logged only when it is 1 to 128 visible ASCII
+/// characters; a longer one (or one with spaces or other bytes) is replaced by a made-up id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unusable_request_ids_are_replaced() {
+    let (_server, _js, gateway) = Setup::consumer("request-id-hygiene").start().await;
+    let answered_id = |sent: Vec<u8>| {
+        let gateway = &gateway;
+        async move {
+            let reply = gateway
+                .http
+                .get(gateway.url("/healthz"))
+                .header(
+                    "x-request-id",
+                    reqwest::header::HeaderValue::from_bytes(&sent).expect("a header value"),
+                )
+                .send()
+                .await
+                .expect("GET /healthz");
+            assert_eq!(reply.status(), 200);
+            reply
+                .headers()
+                .get("x-request-id")
+                .map(|id| id.as_bytes().to_vec())
+                .unwrap_or_else(|| panic!("no x-request-id on {reply:?}"))
+        }
+    };
+    let longest = vec![b'a'; 128];
+    assert_eq!(
+        answered_id(longest.clone()).await,
+        longest,
+        "128 characters are kept"
+    );
+    for unusable in [
+        vec![b'a'; 8000],
+        vec![b'a'; 129],
+        b"has space".to_vec(),
+        b"tab\there".to_vec(),
+        vec![b'x', 0xff, b'y'],
+    ] {
+        let answered = answered_id(unusable.clone()).await;
+        assert_ne!(answered, unusable, "{unusable:?} was echoed");
+        assert!(
+            !answered.is_empty()
+                && answered.len() <= 128
+                && answered.iter().all(u8::is_ascii_graphic),
+            "a made-up id instead: {answered:?}"
+        );
+    }
+}

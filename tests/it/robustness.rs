@@ -109,3 +109,63 @@ async fn a_path_id_that_is_not_utf8_is_a_404_problem() {
         reply.assert_problem(404);
     }
 }
+
+/// Oversized request heads are refused as problem+json (414 for the URI, 431 for the
+/// headers) without echoing them; what hyper refuses before the gateway sees a request (a
+/// malformed request line or header) is a bare 400 that closes the connection, as the
+/// README lists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_and_malformed_request_heads_are_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_server, _js, gateway) = Setup::consumer("heads").start().await;
+    let address = gateway.url("").trim_start_matches("http://").to_owned();
+    let exchange = |raw: Vec<u8>| {
+        let address = address.clone();
+        async move {
+            let mut stream = tokio::net::TcpStream::connect(&address)
+                .await
+                .expect("connect");
+            stream.write_all(&raw).await.expect("write");
+            let mut answer = Vec::new();
+            tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                stream.read_to_end(&mut answer),
+            )
+            .await
+            .expect("answered and closed")
+            .expect("read");
+            String::from_utf8_lossy(&answer).into_owned()
+        }
+    };
+    let long_path = format!("/messages/{}/ack", "a".repeat(9000));
+    let answer = exchange(
+        format!("POST {long_path} HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n").into_bytes(),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 414"), "{answer:.300}");
+    assert!(answer.contains("application/problem+json"), "{answer:.300}");
+    assert!(
+        answer.contains("urn:ruststream-nats:problem:uri-too-long"),
+        "{answer:.300}"
+    );
+    assert!(!answer.contains(&"a".repeat(100)), "the URI is not echoed");
+
+    let big_header = format!(
+        "GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\nX-Big: {}\r\n\r\n",
+        "b".repeat(70 * 1024)
+    );
+    let answer = exchange(big_header.into_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer:.300}");
+    assert!(
+        answer.contains("urn:ruststream-nats:problem:headers-too-large"),
+        "{answer:.300}"
+    );
+
+    for malformed in [
+        b"GARBAGE\r\n\r\n".to_vec(),
+        b"GET /healthz HTTP/1.1\r\nHost: g\r\nNo Colon Here\r\n\r\n".to_vec(),
+    ] {
+        let answer = exchange(malformed).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer:.300}");
+    }
+}

@@ -9,8 +9,8 @@ use serde_json::{Value, json};
 use time::OffsetDateTime;
 
 use crate::support::{
-    Action, Deadline, Gateway, Msg, STREAM, Setup, assert_stays, rfc3339, server_ack_pending,
-    sleep_past, wait_for,
+    Action, Deadline, Gateway, Msg, STREAM, Scrape, Setup, assert_stays, rfc3339,
+    server_ack_pending, sleep_past, wait_for,
 };
 
 /// Fetch until the message with `stream_sequence` comes back with a higher delivery count.
@@ -654,4 +654,33 @@ async fn a_settle_whose_client_hung_up_can_be_retried() {
         gateway.fetch_n(5, 500).await.is_empty(),
         "no acked message comes back"
     );
+}
+
+/// A batch that lists one id many times settles it once — one confirmed settle sent, one
+/// counted — and answers every position as the single call would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_repeating_an_id_settles_it_once_and_answers_each_position() {
+    let (_server, js, gateway) = Setup::consumer("repeated-ids").start().await;
+    js.publish_many("orders.1", 2, "m").await;
+    let leased = gateway.fetch_n(2, 1000).await;
+    assert_eq!(leased.len(), 2);
+    let acks = r#"ruststream_leases_settled_total{kind="ack","#;
+    let before = Scrape::of(&gateway).await.sum(acks);
+    let mut ids = vec![leased[0].id.as_str(); 999];
+    ids.insert(500, leased[1].id.as_str());
+    let results = gateway
+        .settle_many_ok(Action::Ack, &json!({ "ids": ids }))
+        .await;
+    assert_eq!(results.len(), 1000);
+    for (position, (id, status)) in results.iter().enumerate() {
+        assert_eq!(id, ids[position], "position {position}");
+        assert_eq!(*status, 204, "position {position}");
+    }
+    let after = Scrape::of(&gateway).await.sum(acks);
+    assert_eq!(
+        after - before,
+        2.0,
+        "two distinct leases, two settles counted, whatever their result"
+    );
+    assert_eq!(server_ack_pending(&js, &gateway).await, 0);
 }

@@ -430,3 +430,36 @@ async fn by_start_time_policy_applies_and_survives_a_restart() {
     let second = setup.ready(&server.url()).await;
     assert!(second.fetch_n(10, 300).await.is_empty());
 }
+
+/// Values NATS would refuse (or that make every lease born expired) stop the start at once,
+/// exiting non-zero with a message naming the flag and the value, instead of retrying forever.
+#[test]
+fn bad_names_subjects_and_ack_waits_refuse_to_start_naming_the_value() {
+    for (flag, value, reason) in [
+        ("--ack-wait", "1ms", "at least 1s"),
+        ("--ack-wait", "0s", "at least 1s"),
+        ("--stream", "bad name.x", "must not contain"),
+        ("--consumer", "billing.v2", "must not contain"),
+        ("--consumer", "", "must not be empty"),
+        ("--filter-subject", "orders..created", "empty tokens"),
+        ("--filter-subject", "orders.>.x", "last token"),
+        ("--stream-subjects", "bad subject", "whitespace"),
+    ] {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_ruststream-nats"))
+            .args([flag, value])
+            .env("NATS_URL", "nats://127.0.0.1:1")
+            .output()
+            .expect("run the gateway binary");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "{flag} {value:?} must refuse to start: {stderr}"
+        );
+        let first = stderr.lines().next().unwrap_or_default();
+        assert!(
+            first.contains(flag) && first.contains(value) && stderr.contains(reason),
+            "{flag} {value:?}: the error names the flag, the value and why: {stderr}"
+        );
+    }
+}

@@ -54,4 +54,13 @@ impl Scrape {
     pub fn get_or_zero(&self, series: &str) -> f64 {
         self.samples.get(series).copied().unwrap_or(0.0)
     }
+
+    /// The sum of every series whose name and labels start with `prefix`.
+    pub fn sum(&self, prefix: &str) -> f64 {
+        self.samples
+            .iter()
+            .filter(|(series, _)| series.starts_with(prefix))
+            .map(|(_, value)| value)
+            .sum()
+    }
 }
