@@ -35,6 +35,9 @@ pub(crate) enum Error {
     },
     #[error("{0}")]
     Unavailable(String),
+    /// The gateway is shutting down: no new fetches, and not ready.
+    #[error("the gateway is shutting down; no new fetches")]
+    ShuttingDown,
     /// A publish whose `Nats-Expected-*` header did not hold.
     #[error("{0}")]
     PublishPrecondition(String),

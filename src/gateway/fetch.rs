@@ -152,7 +152,7 @@ impl Gateway {
             Err(Error::AtCapacity { .. }) => {
                 self.state.metrics.fetch_refused(FetchRefusal::AtCapacity);
             }
-            Err(Error::Unavailable(_)) => {
+            Err(Error::Unavailable(_) | Error::ShuttingDown) => {
                 self.state.metrics.fetch_refused(FetchRefusal::Unavailable);
             }
             // Validation errors and a client gone are no refusals.
@@ -163,9 +163,7 @@ impl Gateway {
 
     async fn wait_for_leases(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
         if !self.accepting.load(Ordering::Relaxed) {
-            return Err(Error::Unavailable(
-                "the gateway is shutting down; no new fetches".into(),
-            ));
+            return Err(Error::ShuttingDown);
         }
         self.connected()?;
         let max_ack_pending = self.state.max_ack_pending();
@@ -188,7 +186,7 @@ impl Gateway {
         self.commands
             .send(Command::Fetch { id, demand, answer })
             .await
-            .map_err(|_| Error::Unavailable("the gateway is stopping".into()))?;
+            .map_err(|_| Error::ShuttingDown)?;
         let mut pending = PendingFetch {
             id,
             answered: Some(answered),
@@ -196,10 +194,7 @@ impl Gateway {
         };
         // The dispatcher answers by the deadline; the bound only guards against it stalling.
         let bound = demand.wait + Duration::from_secs(5);
-        let answered = pending
-            .answered
-            .as_mut()
-            .ok_or_else(|| Error::Unavailable("the gateway is stopping".into()))?;
+        let answered = pending.answered.as_mut().ok_or(Error::ShuttingDown)?;
         let mut nats_up = self.nats_up.clone();
         // Behind a load balancer a client should learn of an outage at once and try a
         // replica that is connected, not sleep through its whole wait.
@@ -211,7 +206,7 @@ impl Gateway {
             biased;
             answer = tokio::time::timeout(bound, answered) => match answer {
                 Ok(Ok(leased)) => leased,
-                Ok(Err(_)) => return Err(Error::Unavailable("the gateway is stopping".into())),
+                Ok(Err(_)) => return Err(Error::ShuttingDown),
                 Err(_) => {
                     return Err(Error::Unavailable(
                         "no answer from the dispatcher in time; NATS may be unreachable".into(),

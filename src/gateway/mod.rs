@@ -180,7 +180,7 @@ impl Gateway {
     /// Why the gateway is not ready, in words safe for anyone (no address, no names).
     pub(crate) fn readiness(&self) -> Result<(), Error> {
         if !self.accepting.load(Ordering::Relaxed) {
-            return Err(Error::Unavailable("shutting down".into()));
+            return Err(Error::ShuttingDown);
         }
         self.connected().map(drop).map_err(|err| match err {
             Error::Unavailable(_) if self.bound.borrow().is_some() => {
@@ -565,10 +565,7 @@ impl Gateway {
                 return;
             }
             if Instant::now() >= deadline {
-                info!(
-                    in_flight,
-                    "shutdown grace over with leases still out; the server redelivers them after ack_wait"
-                );
+                // What becomes of these leases is said once, by `stop`, when it knows.
                 return;
             }
             let wake = self
@@ -595,23 +592,31 @@ impl Gateway {
         // Leases still out after the grace can no longer be settled through this process:
         // nak them, so the server redelivers them now rather than after ack_wait.
         let revoked = self.state.leases().revoke_live(Instant::now());
-        if !revoked.is_empty()
-            && let Ok(bound) = self.connected()
-        {
-            // Bounded as a whole: a connection that drops now must not hold up the exit
-            // (the server then redelivers after ack_wait, as after a crash).
-            let naks = async {
-                for reply in &revoked {
-                    nats_settle::release(&bound, reply).await;
+        if !revoked.is_empty() {
+            let naked = match self.connected() {
+                Ok(bound) => {
+                    // Bounded as a whole: a connection that drops now must not hold up the
+                    // exit (the server then redelivers after ack_wait, as after a crash).
+                    let naks = async {
+                        for reply in &revoked {
+                            nats_settle::release(&bound, reply).await;
+                        }
+                    };
+                    tokio::time::timeout(Duration::from_secs(2), naks)
+                        .await
+                        .is_ok()
                 }
+                Err(_) => false,
             };
-            if tokio::time::timeout(Duration::from_secs(2), naks)
-                .await
-                .is_ok()
-            {
+            if naked {
                 info!(
                     count = revoked.len(),
-                    "nak'd the leases still out: the server redelivers them at once"
+                    "shutdown grace over with leases still out: nak'd them, the server redelivers them at once"
+                );
+            } else {
+                warn!(
+                    count = revoked.len(),
+                    "shutdown grace over with leases still out: NATS unreachable, the server redelivers them after ack_wait"
                 );
             }
         }
@@ -648,7 +653,7 @@ fn settle_outcome(err: &Error) -> SettleOutcome {
         Error::LeaseGone => SettleOutcome::Gone,
         Error::UnknownLease => SettleOutcome::Unknown,
         Error::TimedOut => SettleOutcome::Timeout,
-        Error::Unavailable(_) => SettleOutcome::Unavailable,
+        Error::Unavailable(_) | Error::ShuttingDown => SettleOutcome::Unavailable,
         _ => SettleOutcome::Error,
     }
 }

@@ -85,6 +85,7 @@ pub(super) async fn supervise(
     let mut identity_seen: Option<(String, OffsetDateTime)> = None;
     let mut published = false;
     let mut backoff = Duration::from_millis(100);
+    let mut unreachable = Unreachable::default();
     loop {
         // Wait for the connection; async-nats reconnects on its own.
         while !nats::is_connected(&client) {
@@ -94,9 +95,14 @@ pub(super) async fn supervise(
                     background.connected.send_replace(false);
                     let _ = commands.send(Command::ConnectionLost).await;
                 }
-                Ok(Some(ConnectionEvent::Connected)) if connection_lost => {
-                    connection_lost = false;
-                    state.metrics.nats_reconnected();
+                Ok(Some(ConnectionEvent::Connected)) => {
+                    unreachable = Unreachable::default();
+                    if std::mem::take(&mut connection_lost) {
+                        state.metrics.nats_reconnected();
+                    }
+                }
+                Ok(Some(ConnectionEvent::ClientError(err))) => {
+                    unreachable.failed(config, &err).await;
                 }
                 Ok(None) => anyhow::bail!("the NATS client stopped"),
                 _ => {}
@@ -154,10 +160,12 @@ pub(super) async fn supervise(
                     Some(ConnectionEvent::Disconnected) => {
                         connection_lost = true;
                         background.connected.send_replace(false);
-                        warn!("disconnected from NATS; leases stay valid, fetches answer 503 until reconnected");
+                        warn!(nats = %config.nats_url_redacted(), "disconnected from NATS; leases stay valid, fetches answer 503 until reconnected");
                         let _ = commands.send(Command::ConnectionLost).await;
                     }
+                    Some(ConnectionEvent::ClientError(err)) => unreachable.failed(config, &err).await,
                     Some(ConnectionEvent::Connected) => {
+                        unreachable = Unreachable::default();
                         if std::mem::take(&mut connection_lost) {
                             state.metrics.nats_reconnected();
                         }
@@ -176,5 +184,37 @@ pub(super) async fn supervise(
                 }
             }
         }
+    }
+}
+
+/// How often a NATS server that stays unreachable is reported again.
+const UNREACHABLE_REPORT_EVERY: Duration = Duration::from_secs(30);
+
+/// Failed connection attempts, reported at warn with the server and the reason — the first
+/// one, then at most every [`UNREACHABLE_REPORT_EVERY`] — instead of one line per attempt.
+#[derive(Default)]
+struct Unreachable {
+    reported_at: Option<tokio::time::Instant>,
+    attempts: u64,
+}
+
+impl Unreachable {
+    async fn failed(&mut self, config: &Config, err: &str) {
+        self.attempts += 1;
+        if self
+            .reported_at
+            .is_some_and(|at| at.elapsed() < UNREACHABLE_REPORT_EVERY)
+        {
+            return;
+        }
+        self.reported_at = Some(tokio::time::Instant::now());
+        let reason = nats::connect::unreachable_because(config).await;
+        warn!(
+            nats = %config.nats_url_redacted(),
+            reason,
+            client_error = err,
+            attempts = self.attempts,
+            "cannot reach NATS; retrying (fetches answer 503 meanwhile)"
+        );
     }
 }

@@ -307,7 +307,7 @@ fn request_span<B>(request: &Request<B>) -> tracing::Span {
         request_id,
         path = tracing::field::Empty,
         status = tracing::field::Empty,
-        latency_ms = tracing::field::Empty,
+        latency_us = tracing::field::Empty,
     );
     if route.is_none() {
         span.record("path", request.uri().path());
@@ -319,7 +319,10 @@ fn request_span<B>(request: &Request<B>) -> tracing::Span {
 /// that span shows the whole of it.
 fn finish_request_span<B>(response: &Response<B>, latency: Duration, span: &tracing::Span) {
     span.record("status", response.status().as_u16());
-    span.record("latency_ms", latency.as_secs_f64() * 1000.0);
+    span.record(
+        "latency_us",
+        u64::try_from(latency.as_micros()).unwrap_or(u64::MAX),
+    );
     tracing::info!(parent: span, "request finished");
 }
 

@@ -68,7 +68,9 @@ impl Error {
             Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             Self::Forbidden { .. } => StatusCode::FORBIDDEN,
             Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            Self::Unavailable(_) | Self::ClientGone => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Unavailable(_) | Self::ShuttingDown | Self::ClientGone => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::TimedOut => StatusCode::GATEWAY_TIMEOUT,
             Self::PublishPrecondition(_) => StatusCode::PRECONDITION_FAILED,
             Self::UriTooLong { .. } => StatusCode::URI_TOO_LONG,
@@ -88,6 +90,7 @@ impl Error {
             Self::AlreadySettled { .. } => ("lease-settled", "Lease already settled"),
             Self::AtCapacity { .. } => ("too-many-leases", "Too many leases in flight"),
             Self::Unavailable(_) => ("unavailable", "NATS unavailable"),
+            Self::ShuttingDown => ("shutting-down", "Shutting down"),
             Self::ClientGone => ("client-gone", "Client closed the connection"),
             Self::UriTooLong { .. } => ("uri-too-long", "Request URI too long"),
             Self::HeadersTooLarge { .. } => ("headers-too-large", "Request headers too large"),
@@ -109,7 +112,7 @@ impl Error {
         match self {
             // A 503 is an outage of this gateway's NATS connection (or its shutdown): a
             // second is enough for a client to try again, here or at another replica.
-            Self::Unavailable(_) => Some(1),
+            Self::Unavailable(_) | Self::ShuttingDown => Some(1),
             Self::AtCapacity { retry_after, .. }
             | Self::TooManyWaitingFetches { retry_after, .. } => {
                 let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);

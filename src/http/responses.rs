@@ -154,7 +154,10 @@ impl ProblemKind {
                     retry_after: Duration::from_secs(1),
                 },
             ],
-            Self::Unavailable => vec![Error::Unavailable("not connected to NATS".into())],
+            Self::Unavailable => vec![
+                Error::Unavailable("not connected to NATS".into()),
+                Error::ShuttingDown,
+            ],
             Self::NotConfirmed => vec![Error::TimedOut],
             Self::PublishPrecondition => vec![Error::PublishPrecondition(
                 "the stream refused the message: wrong last sequence: 7 (code 400, error code 10071)"

@@ -18,6 +18,8 @@ pub(crate) enum ConnectionEvent {
     Disconnected,
     /// The server reported an error on the connection (e.g. a permission violation).
     ServerError(String),
+    /// A connection attempt failed (async-nats says only "IO error" and the like).
+    ClientError(String),
     /// Anything else worth a log line (slow consumer, lame duck, ...).
     Other(String),
 }
@@ -28,8 +30,46 @@ impl From<Event> for ConnectionEvent {
             Event::Connected => Self::Connected,
             Event::Disconnected => Self::Disconnected,
             Event::ServerError(err) => Self::ServerError(err.to_string()),
+            Event::ClientError(err) => Self::ClientError(err.to_string()),
             other => Self::Other(other.to_string()),
         }
+    }
+}
+
+/// Why the first NATS server cannot be reached, in words an operator can act on: the
+/// client's own error says only "IO error", so try a plain TCP connection to it.
+pub(crate) async fn unreachable_because(config: &Config) -> String {
+    let Some(url) = config
+        .nats_servers()
+        .ok()
+        .and_then(|servers| servers.urls.into_iter().next())
+    else {
+        return "no server URL".into();
+    };
+    let authority = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest);
+    let authority = authority.split('/').next().unwrap_or_default();
+    let authority = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    let address = if authority
+        .rsplit_once(':')
+        .is_some_and(|(_, port)| port.parse::<u16>().is_ok())
+    {
+        authority.to_owned()
+    } else {
+        format!("{authority}:4222")
+    };
+    match tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::net::TcpStream::connect(&address),
+    )
+    .await
+    {
+        Ok(Ok(_)) => {
+            "the server accepts TCP connections but not this client (TLS or credentials?)".into()
+        }
+        Ok(Err(err)) => format!("{address}: {err}"),
+        Err(_) => format!("{address}: no answer within 2s"),
     }
 }
 

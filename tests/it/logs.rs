@@ -133,7 +133,10 @@ async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
     let ack = finished("/messages/{id}/ack", "ack-1");
     assert_eq!(span(ack, "status"), 204, "{ack}");
     assert_eq!(span(ack, "method"), "POST", "{ack}");
-    assert!(span(ack, "latency_ms").as_f64().is_some(), "{ack}");
+    assert!(
+        span(ack, "latency_us").as_u64().is_some(),
+        "latency in whole microseconds: {ack}"
+    );
     let fetch = finished("/fetch", "fetch-1");
     assert_eq!(span(fetch, "status"), 200, "{fetch}");
 
@@ -225,4 +228,75 @@ async fn unusable_request_ids_are_replaced() {
             "a made-up id instead: {answered:?}"
         );
     }
+}
+
+/// What an operator on call reads, at the binary's default level and in a log file: the
+/// lost NATS connection at warn, naming the server and why it cannot be reached — not a
+/// line per reconnect attempt —, no colour codes, and one true line about the leases still
+/// out at shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_logs_say_what_happened_plainly_and_once() {
+    let mut server = NatsServer::start().await;
+    let js = Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    js.publish("orders.1", "held through the shutdown").await;
+    let mut gateway = Setup::consumer("operator")
+        .ack_wait("60s")
+        .shutdown_grace("1s")
+        .rust_log("")
+        .process(&server.url())
+        .await;
+    let held = gateway.fetch_n(1, 2000).await;
+    assert_eq!(held.len(), 1);
+
+    server.kill();
+    let address = format!("127.0.0.1:{}", server.port());
+    wait_until(
+        "the gateway says it cannot reach NATS",
+        Duration::from_secs(10),
+        || async { gateway.log().contains("cannot reach NATS") },
+    )
+    .await;
+    gateway.terminate(Duration::from_secs(15)).await;
+    let log = gateway.log();
+
+    assert!(
+        !log.contains('\u{1b}'),
+        "no ANSI colour codes in a log file:\n{log}"
+    );
+    let unreachable: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("cannot reach NATS"))
+        .collect();
+    assert_eq!(
+        unreachable.len(),
+        1,
+        "reported once, not per attempt:\n{log}"
+    );
+    let line = unreachable[0];
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains(&address), "names the server: {line}");
+    assert!(
+        line.to_lowercase().contains("refused"),
+        "says why (the server is gone: connection refused): {line}"
+    );
+    assert!(
+        !log.lines()
+            .any(|line| line.contains("INFO") && line.contains("IO error")),
+        "no info line per failed reconnect:\n{log}"
+    );
+    let shutdown: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("leases still out"))
+        .collect();
+    assert_eq!(
+        shutdown.len(),
+        1,
+        "one line about the leases still out:\n{log}"
+    );
+    assert!(
+        shutdown[0].contains("NATS unreachable, the server redelivers them after ack_wait"),
+        "the true one (nothing could be nak'd): {}",
+        shutdown[0]
+    );
 }

@@ -50,11 +50,24 @@ async fn waiting_polls_return_and_new_fetches_are_refused() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body, json!({ "messages": [] }));
 
-    // A new fetch after shutdown began is refused with 503.
-    gateway
-        .fetch_reply(Some(&json!({ "wait_ms": 0 })))
-        .await
-        .assert_problem(503);
+    // A new fetch after shutdown began is refused with 503, saying so (not "NATS
+    // unavailable"), and /readyz says the same, so a balancer stops routing here.
+    for reply in [
+        gateway.fetch_reply(Some(&json!({ "wait_ms": 0 }))).await,
+        gateway.get("/readyz").await,
+    ] {
+        reply.assert_problem(503);
+        assert_eq!(
+            reply.body["type"], "urn:ruststream-nats:problem:shutting-down",
+            "{}",
+            reply.text
+        );
+        assert_eq!(reply.body["title"], "Shutting down", "{}", reply.text);
+        assert_eq!(
+            reply.headers.get("retry-after").map(|v| v.as_bytes()),
+            Some(&b"1"[..])
+        );
+    }
     // The last lease settled, the drain ends without waiting out the grace.
     assert_eq!(gateway.ack(&held[0].id).await, 204);
 

@@ -189,8 +189,11 @@ impl GatewayProcess {
             env!("CARGO_BIN_EXE_ruststream-nats"),
             args,
             dir.path().join("gateway.log"),
-        )
-        .env("RUST_LOG", setup.rust_log_filter());
+        );
+        // An empty filter: the binary's own default level, as an operator runs it.
+        if !setup.rust_log_filter().is_empty() {
+            process = process.env("RUST_LOG", setup.rust_log_filter());
+        }
         for (key, value) in setup.env_vars() {
             process = process.env(key, value);
         }
