@@ -758,6 +758,8 @@ async fn drain_gateway(
     server_pid: Option<u32>,
 ) -> anyhow::Result<Outcome> {
     const CONSUMER: &str = "gw";
+    // reqwest's TLS has no crypto provider of its own here (ring, as the gateway uses).
+    let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(30))

@@ -114,6 +114,19 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
 
+    /// Certificate chain (PEM) for HTTPS on the main listener (with --tls-key); reloaded when
+    /// the file changes.
+    #[arg(long, env = "RUSTSTREAM_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "RUSTSTREAM_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// CA certificates (PEM): with TLS on, require client certificates signed by them (mTLS).
+    #[arg(long, env = "RUSTSTREAM_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+
     /// A second address serving only /healthz, /readyz and /metrics, with a connection
     /// budget of its own, so probes and scrapes answer while the main listener is full.
     #[arg(long, env = "RUSTSTREAM_ADMIN_LISTEN")]

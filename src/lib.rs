@@ -72,6 +72,15 @@ pub async fn run(
         Some(path) => Some(domain::lease_id::LeaseKey::load(path)?),
         None => None,
     };
+    let tls_files = match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Some(http::tls::TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            client_ca: config.tls_client_ca.clone(),
+        }),
+        _ => None,
+    };
+    let tls = tls_files.as_ref().map(http::tls::Tls::load).transpose()?;
     let admin_listener = match config.admin_listen {
         Some(address) => Some(
             TcpListener::bind(address)
@@ -125,14 +134,19 @@ pub async fn run(
             ..limits
         };
         let stop = admin_stop.clone();
+        // Plain HTTP: probes and scrapes stay simple, inside the pod or the cluster.
         tokio::spawn(http::serve::serve(
             admin_listener,
             app,
             limits,
+            None,
             async move { stop.cancelled().await },
         ))
     });
-    http::serve::serve(listener, app, limits, stop_serving).await;
+    if let (Some(tls), Some(files)) = (&tls, tls_files) {
+        tls.watch(files, admin_stop.clone());
+    }
+    http::serve::serve(listener, app, limits, tls, stop_serving).await;
     // Probes keep answering through the main listener's drain; they stop with it.
     admin_stop.cancel();
     if let Some(admin) = admin {

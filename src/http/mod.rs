@@ -17,6 +17,7 @@ pub(crate) mod problem;
 mod publish;
 pub(crate) mod responses;
 pub(crate) mod serve;
+pub(crate) mod tls;
 
 use std::time::Duration;
 

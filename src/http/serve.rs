@@ -1,5 +1,10 @@
-//! The HTTP/1 accept loop: hyper with a header-read timeout (slowloris), a cap on open
-//! connections, the hang-up watch of [`super::client`], and graceful shutdown.
+//! The accept loop: HTTP/1.1 and HTTP/2 on one port (h2c with prior knowledge, or h2 by
+//! ALPN over TLS), a header-read timeout (slowloris; the TLS handshake has the same bound),
+//! a cap on open connections, the hang-up watch of [`super::client`], graceful shutdown.
+//!
+//! A waiting fetch notices its client leaving through the socket watch (HTTP/1.1), or —
+//! over HTTP/2, where one connection carries many requests — because hyper drops the
+//! request's future when its stream is reset.
 //!
 //! `axum::serve` sets no timer, so hyper's header-read timeout never fires there; this loop
 //! gives hyper a Tokio timer and otherwise does what `axum::serve` does.
@@ -14,7 +19,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -24,6 +30,7 @@ use tracing::{debug, error};
 
 use super::body::{BodyLimit, BodyReadTimeout};
 use super::client::watch as watch_connection;
+use super::tls::{MaybeTls, Tls};
 
 /// Connection-level limits.
 #[derive(Debug, Clone, Copy)]
@@ -46,15 +53,18 @@ pub(crate) async fn serve(
     listener: TcpListener,
     app: Router,
     limits: Limits,
+    tls: Option<Tls>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let stop = CancellationToken::new();
     let connections = TaskTracker::new();
-    let mut builder = hyper::server::conn::http1::Builder::new();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
+        .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout);
+    builder.http2().timer(TokioTimer::new());
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let slot = tokio::select! {
@@ -86,10 +96,27 @@ pub(crate) async fn serve(
             let mut app = app.clone();
             async move { app.call(request).await }
         });
-        let connection = builder.serve_connection(TokioIo::new(io), service);
         let stop = stop.clone();
+        let builder = builder.clone();
+        let tls = tls.clone();
+        let handshake_timeout = limits.header_read_timeout;
         connections.spawn(async move {
             let _slot = slot;
+            let io = match tls {
+                None => MaybeTls::Plain(io),
+                Some(tls) => match tokio::time::timeout(handshake_timeout, tls.accept(io)).await {
+                    Ok(Ok(stream)) => MaybeTls::Tls(Box::new(stream)),
+                    Ok(Err(err)) => {
+                        debug!(error = %err, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        debug!("TLS handshake too slow; connection closed");
+                        return;
+                    }
+                },
+            };
+            let connection = builder.serve_connection(TokioIo::new(io), service);
             let mut connection = std::pin::pin!(connection);
             tokio::select! {
                 result = connection.as_mut() => {

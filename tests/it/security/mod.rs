@@ -1,4 +1,4 @@
-//! Issue 4, security: bearer tokens and scopes, the lease-key file, request limits, NATS
+//! Security: bearer tokens and scopes, the lease-key file, request limits, NATS
 //! authentication and TLS, and error bodies that reveal nothing internal.
 
 mod auth;
@@ -6,3 +6,4 @@ mod errors;
 mod lease_ids;
 mod limits;
 mod nats_auth;
+mod tls;

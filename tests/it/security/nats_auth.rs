@@ -12,6 +12,7 @@ use nkeys::KeyPair;
 use serde_json::{Value, json};
 
 use crate::support::nats::{files_dir, quoted};
+use crate::support::pki::make_pki;
 use crate::support::{GatewayProcess, NatsServer, Setup, assert_stays, wait_until};
 
 /// A gateway creating its stream, with these NATS connection flags.
@@ -275,56 +276,6 @@ fn creds_file(jwt: &str, seed: &str) -> String {
         "-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n\
          -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
     )
-}
-
-/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files.
-struct Pki {
-    _dir: tempfile::TempDir,
-    ca: String,
-    server_cert: String,
-    server_key: String,
-    client_cert: String,
-    client_key: String,
-}
-
-fn make_pki() -> Pki {
-    use rcgen::{
-        BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa,
-        KeyPair as CertKey,
-    };
-    let dir = files_dir();
-    let write = |name: &str, text: String| {
-        let path = dir.path().join(name);
-        std::fs::write(&path, text).expect("write pem");
-        path.to_str().expect("utf8").to_owned()
-    };
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca =
-        CertifiedIssuer::self_signed(ca_params, CertKey::generate().expect("key")).expect("ca");
-    let leaf = |names: Vec<String>, purpose: ExtendedKeyUsagePurpose| {
-        let key = CertKey::generate().expect("key");
-        let mut params = CertificateParams::new(names).expect("params");
-        params.extended_key_usages = vec![purpose];
-        let cert = params.signed_by(&key, &ca).expect("sign");
-        (cert.pem(), key.serialize_pem())
-    };
-    let (server_cert, server_key) = leaf(
-        vec!["127.0.0.1".into(), "localhost".into()],
-        ExtendedKeyUsagePurpose::ServerAuth,
-    );
-    let (client_cert, client_key) = leaf(
-        vec!["gateway.test".into()],
-        ExtendedKeyUsagePurpose::ClientAuth,
-    );
-    Pki {
-        ca: write("ca.pem", ca.pem()),
-        server_cert: write("server.pem", server_cert),
-        server_key: write("server-key.pem", server_key),
-        client_cert: write("client.pem", client_cert),
-        client_key: write("client-key.pem", client_key),
-        _dir: dir,
-    }
 }
 
 #[tokio::test]

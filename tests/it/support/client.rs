@@ -11,9 +11,17 @@ use serde_json::{Map, Value, json};
 /// The one reqwest builder of the suite: no proxies from the environment, a bound on every
 /// request. Tests that need more (a bearer token, no redirects, a shorter timeout) add it.
 pub fn http_builder() -> reqwest::ClientBuilder {
+    install_crypto_provider();
     reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(60))
+}
+
+/// reqwest's TLS is built without a crypto provider of its own (the suite uses ring, as the
+/// gateway does): install it once for the process before any client is built.
+pub fn install_crypto_provider() {
+    // Err only when one is installed already, which is as good.
+    let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
 }
 
 /// [`http_builder`], built.

@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod gateway;
 pub mod metrics;
 pub mod nats;
+pub mod pki;
 pub mod setup;
 
 use std::future::Future;
