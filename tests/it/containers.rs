@@ -16,7 +16,7 @@ use yaml_rust2::{Yaml, YamlLoader};
 use crate::support::Setup;
 use crate::support::nats::free_port;
 
-fn read(file: &str) -> String {
+pub(crate) fn read(file: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
     std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("read {}: {err}", path.display()))
 }
@@ -91,7 +91,11 @@ fn words(value: &Yaml) -> Vec<String> {
 
 /// Turn environment variables and arguments given to the gateway into one argument list for
 /// `Config`, panicking on any variable or flag `Config` does not know.
-fn gateway_arguments(origin: &str, env: &[(String, String)], args: &[String]) -> Vec<String> {
+pub(crate) fn gateway_arguments(
+    origin: &str,
+    env: &[(String, String)],
+    args: &[String],
+) -> Vec<String> {
     let command = Config::command();
     let mut argv = vec!["ruststream-nats".to_owned()];
     // A flag given on the command line wins over its variable, as clap does it.
@@ -230,7 +234,7 @@ fn compose_gives_the_gateway_only_flags_and_variables_it_has() {
 
 /// The Dockerfile's instructions of its last stage (the runtime image), continuation lines
 /// joined: `(INSTRUCTION, arguments)`.
-fn runtime_stage() -> Vec<(String, String)> {
+pub(crate) fn runtime_stage() -> Vec<(String, String)> {
     let mut instructions: Vec<(String, String)> = Vec::new();
     let mut current = String::new();
     for line in read("Dockerfile").lines() {

@@ -12,6 +12,7 @@ mod docs;
 mod fetch;
 mod idempotency;
 mod introspection;
+mod kubernetes;
 mod leases;
 mod ledger;
 mod logs;
