@@ -38,8 +38,10 @@ impl LeaseKey {
         #[cfg(unix)]
         if let Ok(meta) = std::fs::metadata(path) {
             use std::os::unix::fs::PermissionsExt as _;
-            if meta.permissions().mode() & 0o077 != 0 {
-                tracing::warn!(path = %path.display(), "--lease-key-file is readable by other users; chmod 600 it");
+            // Group access is how a Kubernetes secret reaches a non-root pod (fsGroup), so
+            // only access for everyone else is worth a warning.
+            if meta.permissions().mode() & 0o007 != 0 {
+                tracing::warn!(path = %path.display(), "--lease-key-file is readable by other users; chmod o-rwx it");
             }
         }
         Self::parse(&bytes)
