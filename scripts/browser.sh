@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Swagger UI (GET /docs) in a real browser: Debian's headless Chromium, driven by playwright-core
+# (tests/browser/swagger-ui.mjs), authorizes with a bearer token, runs "Try it out" on
+# POST /fetch and on POST /messages/{id}/ack against a live gateway and nats-server, and reads
+# the 200 (with the lease id) and the 204 from the page. The page may load nothing from
+# anywhere but the gateway. Screenshots are kept in target/browser/: swagger-ui.png (the whole
+# page), swagger-ui-fetchMessages.png and swagger-ui-ackMessage.png (each request as sent and
+# the page's answer), or swagger-ui-failed.png (the page when a step failed).
+#
+# Chromium is Debian's `chromium` package (/usr/bin/chromium, or CHROMIUM_BIN): under CI
+# (CI=true) as root it is installed with apt-get when missing; elsewhere without it the test
+# is SKIPPED, saying so. Nothing downloads a browser build: playwright-core has no browser of
+# its own, and is installed pinned by `npm ci` from tests/browser/package-lock.json into
+# tests/browser/node_modules (git-ignored, reused while the pins are unchanged).
+#
+# It builds the gateway as scripts/ecosystem.sh does (a no-op after scripts/test.sh's cargo
+# test), starts nats-server (free port, temporary store) and the gateway (--create-stream,
+# one bearer token with the fetch, settle and publish scopes), publishes one message with
+# curl, and always stops everything it started. The last line counts, e.g.
+# `browser: 1 passed, 0 failed`; the exit status is non-zero unless the test passed (or was
+# skipped outside CI).
+set -euo pipefail
+
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$ROOT"
+
+BROWSER_DIR="$ROOT/tests/browser"
+ARTEFACTS="$ROOT/target/browser"
+SCREENSHOT="$ARTEFACTS/swagger-ui.png"
+CHROMIUM_BIN="${CHROMIUM_BIN:-/usr/bin/chromium}"
+export CHROMIUM_BIN
+
+started=$SECONDS
+step() { printf '\n== browser: %s (at %ss)\n' "$*" "$((SECONDS - started))" >&2; }
+
+TESTS=("Swagger UI: authorize, fetch, ack")
+PASSED=()
+FAILED=()
+SKIPPED=()
+
+summary() {
+    local not_run=$((${#TESTS[@]} - ${#PASSED[@]} - ${#FAILED[@]} - ${#SKIPPED[@]}))
+    local failed=$((${#FAILED[@]} + not_run))
+    printf '\n' >&2
+    ((not_run == 0)) || log "NOT RUN (the script stopped before it): $not_run test"
+    log "took $((SECONDS - started))s"
+    if ((${#SKIPPED[@]})); then
+        echo "browser: ${#PASSED[@]} passed, $failed failed, ${#SKIPPED[@]} skipped"
+    else
+        echo "browser: ${#PASSED[@]} passed, $failed failed"
+    fi
+    if ((failed && EXIT_STATUS == 0)); then EXIT_STATUS=1; fi
+}
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/ruststream-browser.XXXXXX")"
+NATS_PID=""
+GATEWAY_PID=""
+# Run alone (not under scripts/test.sh), this script is its own guard against a browser
+# process left behind; under scripts/test.sh that guard covers it.
+OWN_GUARD=0
+if [[ -z "${RUSTSTREAM_TEST_RUN:-}" ]]; then
+    RUSTSTREAM_TEST_RUN="browser-$$-${RANDOM}${RANDOM}"
+    export RUSTSTREAM_TEST_RUN
+    OWN_GUARD=1
+fi
+
+# shellcheck disable=SC2317  # only called through at_exit
+cleanup() {
+    local file
+    if ((EXIT_STATUS != 0 || ${#FAILED[@]})); then
+        for file in gateway.log nats-server.log; do
+            if [[ -s "$WORK/$file" ]]; then
+                log "last lines of $file:"
+                tail -n 30 "$WORK/$file" >&2 || true
+            fi
+        done
+    fi
+    stop_pid "$GATEWAY_PID" gateway
+    stop_pid "$NATS_PID" nats-server
+    if ((OWN_GUARD)); then stop_leftovers; fi
+    rm -rf "$WORK"
+    summary
+}
+at_exit cleanup
+
+step "Chromium"
+if [[ ! -x "$CHROMIUM_BIN" ]]; then
+    if [[ "${CI:-}" == true && "$(id -u)" == 0 && "$CHROMIUM_BIN" == /usr/bin/chromium ]]; then
+        log "installing Debian's chromium (apt-get)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    elif [[ "${CI:-}" == true ]]; then
+        die "no Chromium at $CHROMIUM_BIN, and CI never skips the browser test (as root it installs Debian's chromium itself)"
+    else
+        log "SKIPPED: the Swagger UI browser test, because there is no Chromium at $CHROMIUM_BIN (apt-get install chromium; or CHROMIUM_BIN=...)"
+        SKIPPED+=("${TESTS[0]}")
+        exit 0
+    fi
+fi
+# Debian's /usr/bin/chromium is a wrapper script; its own complaints are not ours.
+log "using $("$CHROMIUM_BIN" --version 2>/dev/null) ($CHROMIUM_BIN)"
+
+need_cargo
+for tool in node npm curl python3; do
+    command -v "$tool" >/dev/null 2>&1 || die "$tool not found (the browser test needs Node.js with npm, curl and Python 3)"
+done
+
+step "tools: npm ci in ${BROWSER_DIR#"$ROOT"/}"
+stamp="$(cat "$BROWSER_DIR/package.json" "$BROWSER_DIR/package-lock.json" | sha256sum | cut -d' ' -f1)"
+if [[ "$(cat "$BROWSER_DIR/node_modules/.stamp" 2>/dev/null)" != "$stamp" ]]; then
+    (cd "$BROWSER_DIR" && npm ci --no-audit --no-fund --loglevel=error)
+    echo "$stamp" >"$BROWSER_DIR/node_modules/.stamp"
+fi
+
+step "build the gateway"
+# The binary the integration tests use, as scripts/ecosystem.sh takes it.
+GATEWAY_BIN="$(cargo test --no-run --quiet --test it --message-format=json-render-diagnostics | python3 -c '
+import json, sys
+for line in sys.stdin:
+    message = json.loads(line)
+    if message.get("reason") == "compiler-artifact" and "bin" in message["target"]["kind"] \
+            and message["target"]["name"] == "ruststream-nats":
+        print(message["executable"])
+')"
+[[ -x "$GATEWAY_BIN" ]] || die "no gateway binary (cargo said: '$GATEWAY_BIN')"
+
+step "start nats-server and the gateway"
+NATS_BIN="$("$ROOT/scripts/nats-server.sh")"
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+NATS_PORT="$(free_port)"
+"$NATS_BIN" -js -a 127.0.0.1 -p "$NATS_PORT" -sd "$WORK" -l "$WORK/nats-server.log" </dev/null &
+NATS_PID=$!
+HTTP_PORT="$(free_port)"
+BASE="http://127.0.0.1:$HTTP_PORT"
+TOKEN="browser-$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
+# None of the caller's RUSTSTREAM_* or NATS_* variables may change this run.
+scrub=()
+while IFS= read -r name; do
+    [[ "$name" == RUSTSTREAM_TEST_RUN ]] || scrub+=(-u "$name")
+done < <(compgen -e | grep -E '^(RUSTSTREAM|NATS)_' || true)
+env "${scrub[@]}" RUST_LOG=warn "$GATEWAY_BIN" --nats-url "nats://127.0.0.1:$NATS_PORT" --listen "127.0.0.1:$HTTP_PORT" \
+    --create-stream --stream ORDERS --stream-subjects 'orders.>' --consumer browser \
+    --auth-tokens "$TOKEN fetch,settle,publish" </dev/null >"$WORK/gateway.log" 2>&1 &
+GATEWAY_PID=$!
+deadline=$((SECONDS + 30))
+until curl -fso /dev/null --max-time 2 "$BASE/readyz"; do
+    kill -0 "$NATS_PID" 2>/dev/null || die "nats-server exited during start-up"
+    kill -0 "$GATEWAY_PID" 2>/dev/null || die "the gateway exited during start-up"
+    ((SECONDS < deadline)) || die "the gateway was not ready within 30s"
+    sleep 0.2
+done
+log "gateway ready at $BASE (nats-server on port $NATS_PORT)"
+
+step "publish one message"
+DATA="hello from the browser test $RANDOM"
+status="$(curl -sS -o "$WORK/publish.json" -w '%{http_code}' --max-time 10 -X POST "$BASE/publish" \
+    -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' \
+    --data "{\"subject\": \"orders.browser\", \"data\": \"$DATA\"}")"
+[[ "$status" == 201 ]] || die "POST /publish answered $status, not 201: $(cat "$WORK/publish.json")"
+log "published: $(cat "$WORK/publish.json")"
+
+step "${TESTS[0]}"
+mkdir -p "$ARTEFACTS" "$WORK/profile"
+rm -f "$ARTEFACTS"/swagger-ui*.png
+# Bounded: a hung browser cannot hold up the run (its steps have their own 15s limits).
+if timeout --kill-after=10 120 node "$BROWSER_DIR/swagger-ui.mjs" "$BASE" "$TOKEN" "$DATA" "$SCREENSHOT" "$WORK/profile"; then
+    [[ -s "$SCREENSHOT" ]] || die "the test passed but wrote no screenshot at $SCREENSHOT"
+    PASSED+=("${TESTS[0]}")
+    log "passed; screenshots of the executed requests: $(cd "$ROOT" && echo "${ARTEFACTS#"$ROOT"/}"/swagger-ui*.png)"
+else
+    FAILED+=("${TESTS[0]}")
+    log "FAILED: ${TESTS[0]}"
+fi
