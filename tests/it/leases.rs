@@ -357,11 +357,13 @@ async fn pulls_are_slices_of_a_second_and_at_most_half_of_max_waiting() {
 /// A client that sends a fetch for a message that is already there and hangs up at once:
 /// whether the gateway notices before leasing (the fetch is withdrawn) or after (the leases
 /// are given back, `ruststream_leases_withdrawn_total`), the message goes to the next fetch
-/// as its first delivery — never stranded until ack_wait. Every lease issued either
-/// reached a client or was given back: granted − given back = leases clients got.
+/// as its first delivery. Only when the client left after its answer was already written
+/// (a slow client task) did that answer reach it: then the message comes back after
+/// ack_wait (2 s here) as its second delivery — never lost, never stranded longer. Every
+/// lease issued either reached a client or was given back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_as_its_leases_are_issued_strands_nothing() {
-    let (_server, js, gateway) = Setup::consumer("gone").ack_wait("30s").start().await;
+    let (_server, js, gateway) = Setup::consumer("gone").ack_wait("2s").start().await;
     let addr = gateway.base().trim_start_matches("http://").to_string();
     let body = json!({ "batch": 1, "wait_ms": 1000 }).to_string();
     let request = format!(
@@ -371,6 +373,7 @@ async fn a_client_gone_as_its_leases_are_issued_strands_nothing() {
     );
     let before = Scrape::of(&gateway).await;
     const ROUNDS: u64 = 10;
+    let mut answered_before_leaving = 0_u64;
     for round in 0..ROUNDS {
         let sequence = js.publish("orders.1", "for a vanishing client").await;
         let mut socket = TcpStream::connect(&addr).await.expect("connect to gateway");
@@ -386,19 +389,25 @@ async fn a_client_gone_as_its_leases_are_issued_strands_nothing() {
             "round {round}: the next fetch got nothing"
         );
         assert_eq!(messages[0].stream_sequence, sequence, "round {round}");
-        assert_eq!(
-            messages[0].delivered, 1,
-            "round {round}: handed on, not redelivered"
-        );
+        match messages[0].delivered {
+            1 => {}
+            2 => answered_before_leaving += 1,
+            other => panic!("round {round}: delivered {other}"),
+        }
         assert_eq!(gateway.ack(&messages[0].id).await, 204, "round {round}");
     }
+    assert!(
+        answered_before_leaving < ROUNDS,
+        "the gateway never noticed a client leaving"
+    );
     let after = Scrape::of(&gateway).await;
     let delta = |series: &str| after.get(series) - before.get(series);
     let given_back = delta("ruststream_leases_withdrawn_total");
     assert_eq!(
         delta("ruststream_leases_granted_total") - given_back,
-        ROUNDS as f64,
-        "every lease issued reached a client or was given back ({given_back} given back)"
+        (ROUNDS + answered_before_leaving) as f64,
+        "every lease issued reached a client or was given back ({given_back} given back, \
+         {answered_before_leaving} answered before the client left)"
     );
     assert_eq!(gateway.leases_in_flight().await, 0);
     assert_eq!(server_ack_pending(&js, &gateway).await, 0);
