@@ -189,8 +189,8 @@ impl Principal {
     /// not. `None` for a static token: its Authorization header already names it for good.
     pub(crate) fn idempotency_credential(&self) -> Option<Vec<u8>> {
         self.subject.as_ref().map(|subject| {
-            // `:` cannot occur in a static token (RFC 6750 b64token), so no credential of a
-            // subject equals one of a token; `\0` keeps issuer and subject apart.
+            // A static token's credential is its Authorization header, which starts with
+            // the scheme (`Bearer `), never with `jwt:`; `\0` keeps issuer and subject apart.
             format!(
                 "jwt:{}\0{}",
                 subject.issuer.as_deref().unwrap_or_default(),
