@@ -166,6 +166,40 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_AUTH_TOKENS", hide_env_values = true)]
     pub auth_tokens: Option<Secret>,
 
+    /// JWKS file (`{"keys": […]}`) whose keys verify JWT bearer tokens (RS256, ES256,
+    /// EdDSA); re-read every 5 minutes and on a token naming an unknown key. Needs
+    /// --auth-jwt-audience. Static tokens keep working beside JWTs.
+    #[arg(
+        long,
+        env = "RUSTSTREAM_AUTH_JWKS_FILE",
+        requires = "auth_jwt_audience"
+    )]
+    pub auth_jwks_file: Option<PathBuf>,
+
+    /// JWKS URL (http or https, e.g. the identity provider's `jwks_uri`), fetched at start,
+    /// every 5 minutes, and on a token naming an unknown key (at most once per 30 s).
+    #[arg(long, env = "RUSTSTREAM_AUTH_JWKS_URL", requires = "auth_jwt_audience")]
+    pub auth_jwks_url: Option<String>,
+
+    /// The `iss` a JWT must carry. Not given: any issuer whose keys are in the JWKS.
+    #[arg(long, env = "RUSTSTREAM_AUTH_JWT_ISSUER")]
+    pub auth_jwt_issuer: Option<String>,
+
+    /// An `aud` a JWT must carry (required with a JWKS: without it, a token the issuer
+    /// made for any other service would be accepted).
+    #[arg(long, env = "RUSTSTREAM_AUTH_JWT_AUDIENCE")]
+    pub auth_jwt_audience: Option<String>,
+
+    /// The claim holding a JWT's scopes: a space-separated string or an array of strings.
+    /// Values that are not a scope (fetch, settle, publish, admin, *) are ignored.
+    #[arg(long, env = "RUSTSTREAM_AUTH_JWT_SCOPE_CLAIM", default_value = "scope")]
+    pub auth_jwt_scope_claim: String,
+
+    /// A prefix the JWT's scope values carry (e.g. `ruststream:` for `ruststream:fetch`);
+    /// values without it are ignored.
+    #[arg(long, env = "RUSTSTREAM_AUTH_JWT_SCOPE_PREFIX")]
+    pub auth_jwt_scope_prefix: Option<String>,
+
     /// File holding the lease-id signing key: at least 32 bytes, raw or as hex or base64
     /// text. A gateway restarted with the same file knows its predecessor's ids as genuine
     /// (410, not 404). Not given: a random key per process.

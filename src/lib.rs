@@ -60,11 +60,12 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let grace = config.shutdown_grace;
-    let auth = http::auth::Auth::from_config(&config)?;
+    let auth = http::auth::Auth::from_config(&config).await?;
     config.nats_servers().map_err(anyhow::Error::msg)?;
     if !auth.is_on() {
         warn!(
-            "HTTP authentication is off (no --auth-tokens-file or --auth-tokens): anyone who \
+            "HTTP authentication is off (no --auth-tokens-file, --auth-tokens or --auth-jwks-*): \
+             anyone who \
              reaches the listen address can fetch, settle and publish"
         );
     }

@@ -1,8 +1,9 @@
 //! Retry-safe fetches: `POST /fetch` with an `Idempotency-Key` header, repeated while any of
 //! the leases it handed out is live, answers with the first answer instead of leasing more.
 //!
-//! A key is scoped by the SHA-256 of the request's `Authorization` header (when present), so
-//! one credential cannot read another's leases by guessing keys. It is remembered while at
+//! A key is scoped by the SHA-256 of the caller's credential — the request's `Authorization`
+//! header, or a JWT's verified subject, so that a subject's renewed tokens share its keys —
+//! so one credential cannot read another's leases by guessing keys. It is remembered while at
 //! least one of its leases is live (not settled, expired or superseded) — so the table never
 //! holds more entries than there are live leases plus fetches in progress. A repeat that
 //! arrives while the first is still waiting waits for its answer. The same key with a
@@ -30,11 +31,11 @@ pub(crate) struct Scope {
 }
 
 impl Scope {
-    /// `key` is the header value (already validated with [`validate_key`]); `authorization`
-    /// the raw `Authorization` header value, if any.
-    pub(crate) fn new(key: &str, authorization: Option<&[u8]>) -> Self {
+    /// `key` is the header value (already validated with [`validate_key`]); `credential`
+    /// what names the caller (the raw `Authorization` header value, or a JWT's subject), if any.
+    pub(crate) fn new(key: &str, credential: Option<&[u8]>) -> Self {
         Self {
-            credential: authorization.map(|value| Sha256::digest(value).into()),
+            credential: credential.map(|value| Sha256::digest(value).into()),
             key: key.to_owned(),
         }
     }

@@ -1,15 +1,19 @@
-//! HTTP bearer-token authentication: the configured tokens with their scopes, and the
-//! middleware that checks each request against the scope its route needs.
+//! HTTP bearer-token authentication: the configured static tokens with their scopes, JWTs
+//! (see [`super::jwt`]), and the middleware that checks each request against the scope its
+//! route needs.
 //!
-//! Tokens come from `--auth-tokens-file` and/or `--auth-tokens`, one `<token> <scopes>` entry
-//! per line (or per `;` inline). Only SHA-256 digests of the tokens are kept, and a presented
-//! token is compared with every one of them in constant time, so neither timing nor memory
-//! tells which token (or which prefix) came close. Tokens never reach a log or an error.
+//! Static tokens come from `--auth-tokens-file` and/or `--auth-tokens`, one `<token> <scopes>`
+//! entry per line (or per `;` inline). Only SHA-256 digests of the tokens are kept, and a
+//! presented token is compared with every one of them in constant time, so neither timing nor
+//! memory tells which token (or which prefix) came close. A token that is none of them is
+//! checked as a JWT when a JWKS is configured. Tokens never reach a log or an error; a JWT's
+//! subject (`sub`) goes into the request's log line instead.
 //!
 //! May import: as the rest of `http`.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -20,6 +24,7 @@ use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
 use subtle::{ConditionallySelectable, ConstantTimeEq};
 
+use super::jwt::Jwt;
 use crate::config::Config;
 use crate::error::Error;
 
@@ -46,6 +51,11 @@ impl Scope {
             Self::Publish => "publish",
             Self::Admin => "admin",
         }
+    }
+
+    /// The scope a name (as in a token file or a JWT's scope claim) stands for.
+    pub(crate) fn named(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|scope| scope.as_str() == name)
     }
 
     fn bit(self) -> u8 {
@@ -92,37 +102,51 @@ pub(crate) fn requirement(path: &str) -> Requirement {
     }
 }
 
-/// One configured token: its digest, scopes, and the fetches it has waiting.
-pub(crate) struct TokenEntry {
-    digest: [u8; 32],
-    scopes: u8,
-    waiting_fetches: AtomicUsize,
-}
+/// A set of scopes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Scopes(u8);
 
-impl TokenEntry {
-    pub(crate) fn allows(&self, scope: Scope) -> bool {
+impl Scopes {
+    pub(crate) const NONE: Self = Self(0);
+    pub(crate) const ALL: Self = Self(1 | 2 | 4 | 8);
+
+    #[must_use]
+    pub(crate) fn with(self, scope: Scope) -> Self {
+        Self(self.0 | scope.bit())
+    }
+
+    /// Whether these scopes grant what `scope` guards (see [`Scope::granted_by`]).
+    pub(crate) fn allows(self, scope: Scope) -> bool {
         scope
             .granted_by()
             .iter()
-            .any(|granting| self.scopes & granting.bit() != 0)
-    }
-
-    /// Count one more waiting fetch for this token, unless it already has `limit`.
-    pub(crate) fn begin_fetch(self: &Arc<Self>, limit: usize) -> Result<WaitingFetch, Error> {
-        let before = self.waiting_fetches.fetch_add(1, Ordering::AcqRel);
-        if before >= limit {
-            self.waiting_fetches.fetch_sub(1, Ordering::AcqRel);
-            return Err(Error::TooManyWaitingFetches {
-                limit,
-                retry_after: Duration::from_secs(1),
-            });
-        }
-        Ok(WaitingFetch(self.clone()))
+            .any(|granting| self.0 & granting.bit() != 0)
     }
 }
 
-/// A fetch counted against its token until dropped.
-pub(crate) struct WaitingFetch(Arc<TokenEntry>);
+/// A caller's share of waiting fetches: one per static token, one per JWT subject (however
+/// many tokens the issuer hands that subject).
+#[derive(Default)]
+pub(crate) struct Account {
+    waiting_fetches: AtomicUsize,
+}
+
+/// One configured token: its digest, scopes, and its account.
+pub(crate) struct TokenEntry {
+    digest: [u8; 32],
+    scopes: Scopes,
+    account: Arc<Account>,
+}
+
+impl TokenEntry {
+    #[cfg(test)]
+    fn allows(&self, scope: Scope) -> bool {
+        self.scopes.allows(scope)
+    }
+}
+
+/// A fetch counted against its caller until dropped.
+pub(crate) struct WaitingFetch(Arc<Account>);
 
 impl Drop for WaitingFetch {
     fn drop(&mut self) {
@@ -132,7 +156,50 @@ impl Drop for WaitingFetch {
 
 /// The caller a request was authenticated as; handlers find it in the request extensions.
 #[derive(Clone)]
-pub(crate) struct Principal(pub Arc<TokenEntry>);
+pub(crate) struct Principal {
+    account: Arc<Account>,
+    scopes: Scopes,
+    /// A JWT's verified issuer and subject; `None` for a static token.
+    subject: Option<Arc<Subject>>,
+}
+
+/// Who a JWT speaks for.
+#[derive(PartialEq, Eq, Hash)]
+struct Subject {
+    issuer: Option<String>,
+    subject: String,
+}
+
+impl Principal {
+    /// Count one more waiting fetch for this caller, unless it already has `limit`.
+    pub(crate) fn begin_fetch(&self, limit: usize) -> Result<WaitingFetch, Error> {
+        let before = self.account.waiting_fetches.fetch_add(1, Ordering::AcqRel);
+        if before >= limit {
+            self.account.waiting_fetches.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::TooManyWaitingFetches {
+                limit,
+                retry_after: Duration::from_secs(1),
+            });
+        }
+        Ok(WaitingFetch(self.account.clone()))
+    }
+
+    /// What scopes an `Idempotency-Key` for this caller: a JWT's issuer and subject, so the
+    /// caller's next token (a refresh) reaches the same answers and another subject does
+    /// not. `None` for a static token: its Authorization header already names it for good.
+    pub(crate) fn idempotency_credential(&self) -> Option<Vec<u8>> {
+        self.subject.as_ref().map(|subject| {
+            // A static token's credential is its Authorization header, which starts with
+            // the scheme (`Bearer `), never with `jwt:`; `\0` keeps issuer and subject apart.
+            format!(
+                "jwt:{}\0{}",
+                subject.issuer.as_deref().unwrap_or_default(),
+                subject.subject
+            )
+            .into_bytes()
+        })
+    }
+}
 
 /// The configured tokens; `None` inside [`Auth`] means authentication is off.
 pub(crate) struct Tokens {
@@ -169,25 +236,21 @@ impl Tokens {
                     "{origin}: no scopes for the token (expected fetch, settle, publish, admin or *)"
                 ));
             }
-            let mut bits = 0u8;
+            let mut granted = Scopes::NONE;
             for scope in &scopes {
-                bits |= match scope.as_str() {
-                    "*" => Scope::ALL.iter().fold(0, |bits, scope| bits | scope.bit()),
-                    _ => Scope::ALL
-                        .iter()
-                        .find(|known| known.as_str() == scope)
-                        .map(|known| known.bit())
-                        .ok_or_else(|| {
-                            format!(
-                                "{origin}: unknown scope {scope:?} (expected fetch, settle, publish, admin or *)"
-                            )
-                        })?,
+                granted = match scope.as_str() {
+                    "*" => Scopes::ALL,
+                    _ => granted.with(Scope::named(scope).ok_or_else(|| {
+                        format!(
+                            "{origin}: unknown scope {scope:?} (expected fetch, settle, publish, admin or *)"
+                        )
+                    })?),
                 };
             }
             entries.push(Arc::new(TokenEntry {
                 digest: Sha256::digest(token.as_bytes()).into(),
-                scopes: bits,
-                waiting_fetches: AtomicUsize::new(0),
+                scopes: granted,
+                account: Arc::default(),
             }));
         }
         Ok(Self { entries })
@@ -319,28 +382,63 @@ fn is_b64token(token: &str) -> bool {
 #[derive(Clone)]
 pub(crate) struct Auth {
     tokens: Option<Arc<Tokens>>,
+    jwt: Option<Arc<Jwt>>,
+    /// The account of each JWT subject with a request in progress: entries whose last
+    /// principal is gone are dropped as the map grows.
+    subjects: Arc<Mutex<SubjectAccounts>>,
+}
+
+#[derive(Default)]
+struct SubjectAccounts {
+    accounts: HashMap<Arc<Subject>, Weak<Account>>,
+    /// Size after the last sweep of dead entries; the next sweep comes at twice that.
+    swept_at: usize,
+}
+
+impl SubjectAccounts {
+    /// The account of `subject`: the one its requests in progress share, or a new one.
+    fn account(&mut self, subject: &Arc<Subject>) -> Arc<Account> {
+        if let Some(account) = self.accounts.get(subject).and_then(Weak::upgrade) {
+            return account;
+        }
+        if self.accounts.len() >= (2 * self.swept_at).max(64) {
+            self.accounts
+                .retain(|_, account| account.strong_count() > 0);
+            self.swept_at = self.accounts.len();
+        }
+        let account = Arc::new(Account::default());
+        self.accounts
+            .insert(subject.clone(), Arc::downgrade(&account));
+        account
+    }
 }
 
 impl Auth {
     /// No authentication: every request is let through.
     pub(crate) fn off() -> Self {
-        Self { tokens: None }
+        Self {
+            tokens: None,
+            jwt: None,
+            subjects: Arc::default(),
+        }
     }
 
     pub(crate) fn with_tokens(tokens: Tokens) -> Self {
         Self {
             tokens: Some(Arc::new(tokens)),
+            ..Self::off()
         }
     }
 
     pub(crate) fn is_on(&self) -> bool {
-        self.tokens.is_some()
+        self.tokens.is_some() || self.jwt.is_some()
     }
 
-    /// Load the token sources the configuration names; off when it names none.
-    pub(crate) fn from_config(config: &Config) -> anyhow::Result<Self> {
+    /// Load the token sources and JWKS the configuration names; off when it names none.
+    pub(crate) async fn from_config(config: &Config) -> anyhow::Result<Self> {
+        let jwt = Jwt::from_config(config).await?;
         if config.auth_tokens_file.is_none() && config.auth_tokens.is_none() {
-            return Ok(Self::off());
+            return Ok(Self { jwt, ..Self::off() });
         }
         let mut entries = Vec::new();
         if let Some(path) = &config.auth_tokens_file {
@@ -360,14 +458,37 @@ impl Auth {
                 "authentication is configured but names no token: every request would be refused"
             );
         }
-        Ok(Self::with_tokens(Tokens { entries }))
+        Ok(Self {
+            jwt,
+            ..Self::with_tokens(Tokens { entries })
+        })
     }
 
-    /// Check a request's token against what its path requires.
-    fn check(&self, request: &Request) -> Result<Option<Principal>, Error> {
-        let Some(tokens) = &self.tokens else {
+    /// Check a presented token against what the request's path requires.
+    async fn check_presented(
+        &self,
+        presented: Option<(Requirement, String)>,
+    ) -> Result<Option<Principal>, Error> {
+        let Some((needed, presented)) = presented else {
             return Ok(None);
         };
+        let principal = self.authenticate(&presented).await?;
+        if let Requirement::Scope(scope) = needed
+            && !principal.scopes.allows(scope)
+        {
+            return Err(Error::Forbidden {
+                scope: scope.as_str(),
+            });
+        }
+        Ok(Some(principal))
+    }
+
+    /// What the request's path requires and the bearer token it presents; `None` when it
+    /// needs none.
+    fn presented(&self, request: &Request) -> Result<Option<(Requirement, String)>, Error> {
+        if !self.is_on() {
+            return Ok(None);
+        }
         let needed = requirement(request.uri().path());
         // No route matched (this runs inside the router): the answer is a 404 either way.
         let unmatched = request.extensions().get::<MatchedPath>().is_none();
@@ -389,17 +510,47 @@ impl Auth {
         let Some(presented) = presented else {
             return Err(Error::Unauthorized { invalid: false });
         };
-        let entry = tokens
-            .authenticate(presented)
-            .ok_or(Error::Unauthorized { invalid: true })?;
-        if let Requirement::Scope(scope) = needed
-            && !entry.allows(scope)
+        Ok(Some((needed, presented.to_owned())))
+    }
+
+    /// The caller a token stands for: a static token first (constant time over all of
+    /// them), then a JWT.
+    async fn authenticate(&self, presented: &str) -> Result<Principal, Error> {
+        if let Some(entry) = self
+            .tokens
+            .as_ref()
+            .and_then(|tokens| tokens.authenticate(presented))
         {
-            return Err(Error::Forbidden {
-                scope: scope.as_str(),
+            return Ok(Principal {
+                account: entry.account.clone(),
+                scopes: entry.scopes,
+                subject: None,
             });
         }
-        Ok(Some(Principal(entry)))
+        let Some(jwt) = &self.jwt else {
+            return Err(Error::Unauthorized { invalid: true });
+        };
+        let verified = jwt.verify(presented).await.map_err(|why| {
+            // Why, for the operator; the client hears only `invalid_token`.
+            tracing::debug!(%why, "JWT refused");
+            Error::Unauthorized { invalid: true }
+        })?;
+        // The request's log line names the caller (never the token).
+        tracing::Span::current().record("subject", verified.subject.as_str());
+        let subject = Arc::new(Subject {
+            issuer: verified.issuer,
+            subject: verified.subject,
+        });
+        let account = self
+            .subjects
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .account(&subject);
+        Ok(Principal {
+            account,
+            scopes: verified.scopes,
+            subject: Some(subject),
+        })
     }
 }
 
@@ -410,7 +561,12 @@ pub(crate) async fn authenticate(
     mut request: Request,
     next: Next,
 ) -> Response {
-    match auth.check(&request) {
+    let presented = auth.presented(&request);
+    let checked = match presented {
+        Ok(presented) => auth.check_presented(presented).await,
+        Err(err) => Err(err),
+    };
+    match checked {
         Ok(principal) => {
             if let Some(principal) = principal {
                 request.extensions_mut().insert(principal);

@@ -42,7 +42,7 @@ pub(crate) const DEFAULT_WAIT_MS: u64 = 5_000;
     tag = "leases",
     params(
         ("Idempotency-Key" = Option<String>, Header,
-            description = "Makes the fetch retry-safe: repeated (1 to 255 printable ASCII characters, same body) while any lease of its first answer is live, it returns that answer again instead of leasing more. Scoped by the Authorization header.",
+            description = "Makes the fetch retry-safe: repeated (1 to 255 printable ASCII characters, same body) while any lease of its first answer is live, it returns that answer again instead of leasing more. Scoped by the caller: a JWT's subject, else the Authorization header.",
             // The key: 1 to 255 printable ASCII characters. HTTP drops spaces and tabs around a
             // header value, so the raw header may carry them (and be longer).
             pattern = "^[ \\t]*[!-~]([ -~]{0,253}[!-~])?[ \\t]*$"),
@@ -65,17 +65,20 @@ pub(crate) async fn fetch(
     let demand = demand(&body, gateway.config())?;
     // Held until the answer is built: counts this fetch against its token's share.
     let _waiting = match &principal {
-        Some(Extension(Principal(token))) => {
+        Some(Extension(principal)) => {
             let limit = gateway.config().max_waiting_fetches_per_token as usize;
             Some(
-                token
+                principal
                     .begin_fetch(limit)
                     .inspect_err(|_| gateway.metrics().fetch_refused(FetchRefusal::TokenLimit))?,
             )
         }
         None => None,
     };
-    let idempotency = idempotency(&headers, &demand, encoding)?;
+    let credential = principal
+        .as_ref()
+        .and_then(|Extension(principal)| principal.idempotency_credential());
+    let idempotency = idempotency(&headers, credential.as_deref(), &demand, encoding)?;
     let client = client.map(|Extension(ConnectInfo(client))| client);
     let fetched = gateway
         .fetch(demand, idempotency, client.as_ref(), |leased| {
@@ -91,9 +94,11 @@ pub(crate) async fn fetch(
     Ok(response)
 }
 
-/// The fetch's `Idempotency-Key`, scoped by its `Authorization` header, with what it asks.
+/// The fetch's `Idempotency-Key`, scoped by the caller — a JWT's subject (`credential`) or
+/// else the `Authorization` header — with what it asks.
 fn idempotency(
     headers: &HeaderMap,
+    credential: Option<&[u8]>,
     demand: &Demand,
     encoding: Encoding,
 ) -> Result<Option<Idempotency>, Error> {
@@ -102,12 +107,12 @@ fn idempotency(
     };
     let key = idempotency::validate_key(key.as_bytes())
         .map_err(|detail| Error::invalid("Idempotency-Key", detail))?;
-    let scope = Scope::new(
-        key,
+    let credential = credential.or_else(|| {
         headers
             .get(header::AUTHORIZATION)
-            .map(HeaderValue::as_bytes),
-    );
+            .map(HeaderValue::as_bytes)
+    });
+    let scope = Scope::new(key, credential);
     let fingerprint = Fingerprint::of(&format!(
         "batch={};wait={:?};max_bytes={:?};encoding={encoding:?}",
         demand.batch, demand.wait, demand.max_bytes

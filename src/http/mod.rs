@@ -10,6 +10,7 @@ pub(crate) mod client;
 mod docs;
 pub(crate) mod dto;
 mod fetch;
+mod jwt;
 mod messages;
 mod metrics;
 mod ops;
@@ -140,7 +141,7 @@ fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
             HttpBuilder::new()
                 .scheme(HttpAuthScheme::Bearer)
                 .description(Some(
-                    "A token from --auth-tokens-file / --auth-tokens; its scopes (fetch, settle, publish, admin) decide the endpoints it may call. Not required when the gateway runs without tokens.",
+                    "A token from --auth-tokens-file / --auth-tokens, or a JWT signed by a key of --auth-jwks-file / --auth-jwks-url (its scope claim naming the scopes); its scopes (fetch, settle, publish, admin) decide the endpoints it may call. Not required when the gateway runs without authentication.",
                 ))
                 .build(),
         ),
@@ -306,6 +307,8 @@ fn request_span<B>(request: &Request<B>) -> tracing::Span {
         method = %request.method(),
         route = route.map_or(metrics_names::UNMATCHED_ROUTE, MatchedPath::as_str),
         request_id,
+        // A JWT's `sub`, recorded by the authentication middleware.
+        subject = tracing::field::Empty,
         path = tracing::field::Empty,
         status = tracing::field::Empty,
         latency_us = tracing::field::Empty,
