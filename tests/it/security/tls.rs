@@ -345,3 +345,71 @@ async fn an_http2_stream_reset_withdraws_a_waiting_fetch() {
     assert_eq!(messages[0].delivered, 1, "handed on, not stranded");
     assert_eq!(gateway.ack(&messages[0].id).await, 204);
 }
+
+/// Over HTTPS with HTTP/1.1, a client that goes away while its fetch waits is noticed at
+/// once, as on plain HTTP: its fetch is withdrawn, not left waiting out its `wait_ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_a_waiting_fetch_over_tls_withdraws_it() {
+    let pki = make_pki();
+    let server = crate::support::NatsServer::start().await;
+    let js = crate::support::Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    let gateway = tls_setup("tls-hangup", &pki).starting(&server.url()).await;
+    let address = gateway.url("").trim_start_matches("http://").to_owned();
+    let connector =
+        tokio_rustls::TlsConnector::from(Arc::new(client_config(&pki, &[b"http/1.1"], false)));
+    let connect = || {
+        let connector = connector.clone();
+        let address = address.clone();
+        async move {
+            let tcp = tokio::net::TcpStream::connect(&address).await?;
+            connector
+                .connect(ServerName::try_from("localhost").expect("name"), tcp)
+                .await
+        }
+    };
+    let mut stream = wait_for_tls(connect).await;
+    let body = r#"{"batch":1,"wait_ms":20000}"#;
+    stream
+        .write_all(
+            format!(
+                "POST /fetch HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+                 Content-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("send the long poll");
+    let in_progress = |expected: f64| {
+        let pki = &pki;
+        let base = https_base(&gateway.url(""));
+        async move {
+            let client = https_client(client_config(pki, &[b"h2"], false));
+            let text = client
+                .get(format!("{base}/metrics"))
+                .send()
+                .await
+                .expect("metrics")
+                .text()
+                .await
+                .expect("text");
+            text.lines()
+                .any(|line| line == format!("ruststream_fetches_in_progress {expected}"))
+        }
+    };
+    wait_until("the fetch waits", Duration::from_secs(20), || {
+        in_progress(1.0)
+    })
+    .await;
+    let left = Instant::now();
+    drop(stream);
+    wait_until("the fetch is withdrawn", Duration::from_secs(5), || {
+        in_progress(0.0)
+    })
+    .await;
+    assert!(
+        left.elapsed() < Duration::from_secs(5),
+        "noticed at once, not after the 20 s wait"
+    );
+}
