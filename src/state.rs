@@ -168,11 +168,13 @@ impl LeaseState {
         self.metrics.leases_expired(old.take_expired());
     }
 
-    pub(crate) fn note_delivery(&self, coordinates: &LeaseCoordinates) {
+    /// A delivery arrived; `true` when the server made it before (see
+    /// [`LeaseTable::note_delivery`]).
+    pub(crate) fn note_delivery(&self, coordinates: &LeaseCoordinates) -> bool {
         self.metrics.delivery_received(coordinates.key.delivered);
         self.highest_consumer_sequence
             .fetch_max(coordinates.consumer_sequence, Ordering::Relaxed);
-        self.leases().note_delivery(coordinates.key, Instant::now());
+        self.leases().note_delivery(coordinates.key, Instant::now())
     }
 
     /// The server confirmed `command` for the message at `stream_sequence`: if it ends the

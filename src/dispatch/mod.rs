@@ -228,7 +228,22 @@ impl Dispatcher {
             self.book.hold(delivery);
             return;
         }
-        self.state.note_delivery(&delivery.coordinates);
+        if self.state.note_delivery(&delivery.coordinates) {
+            // The server lost deliveries it had made (its consumer state was not on disk when
+            // it died) and makes them again with the same numbers, so ids issued before would
+            // name them too. The position the server reported at rebind does not always show
+            // it; this does. Void every earlier lease and rebind under a new epoch; this
+            // delivery, of the old one now, is released and comes back.
+            warn!(
+                stream_sequence = delivery.coordinates.key.stream_sequence,
+                delivered = delivery.coordinates.key.delivered,
+                "the server delivered a message again with the same delivery count; every earlier lease is void"
+            );
+            self.state.new_epoch();
+            self.request_rebind();
+            self.book.hold(delivery);
+            return;
+        }
         if let Some(outcome) = self
             .state
             .final_of(delivery.coordinates.key.stream_sequence)

@@ -180,15 +180,22 @@ impl LeaseTable {
 
     /// A delivery arrived from the server: every older delivery of the same message is stale
     /// from now on, whether or not it was ever leased.
-    pub(crate) fn note_delivery(&mut self, key: DeliveryKey, now: Instant) {
+    /// A delivery arrived. Returns `true` when it is one this table already leased (same
+    /// message, same delivery count): the server forgot that it had made it (a crash before
+    /// its state was on disk) and made it again, so an id issued for the first would also
+    /// name this one.
+    pub(crate) fn note_delivery(&mut self, key: DeliveryKey, now: Instant) -> bool {
         self.unpark(key.stream_sequence);
+        if self.records.contains_key(&key) {
+            return true;
+        }
         let newest = self.newest.entry(key.stream_sequence).or_insert(0);
         if key.delivered <= *newest {
-            return;
+            return false;
         }
         let previous = std::mem::replace(newest, key.delivered);
         if previous == 0 {
-            return;
+            return false;
         }
         let old = DeliveryKey {
             stream_sequence: key.stream_sequence,
@@ -202,6 +209,7 @@ impl LeaseTable {
         {
             self.retire(old, State::Superseded, now);
         }
+        false
     }
 
     /// Issue a lease for a delivery received from the server.
@@ -490,6 +498,22 @@ mod tests {
             Err(Refusal::Gone)
         );
         assert_eq!(leases.begin_extend(key(1, 1), later), Err(Refusal::Gone));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_delivery_made_again_with_the_same_count_is_reported() {
+        let mut leases = table();
+        let now = Instant::now();
+        assert!(!leases.note_delivery(key(3, 1), now), "a first delivery");
+        leases.issue(key(3, 1), reply(), now + WAIT);
+        assert!(
+            leases.note_delivery(key(3, 1), now),
+            "the server made the leased delivery again"
+        );
+        assert!(
+            !leases.note_delivery(key(3, 2), now),
+            "a redelivery is not a replay"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -193,8 +193,29 @@ impl NatsServer {
 
     /// Spawn (killing a running one first) and wait until it accepts connections.
     pub async fn spawn_and_wait(&mut self) -> Result<(), String> {
+        // Ready means *this* process said so: a port taken meanwhile by another test's
+        // server would also accept connections, while this one exits ("address in use").
+        let log = self.process.log_path().to_owned();
+        let ready = |log: &Path| {
+            std::fs::read_to_string(log)
+                .map(|text| text.matches("Server is ready").count())
+                .unwrap_or(0)
+        };
+        let before = ready(&log);
         self.process.spawn()?;
-        let started = self.process.wait_listening(self.port, START_DEADLINE).await;
+        let port = self.port;
+        let started = self
+            .process
+            .wait_until(&format!("ready on port {port}"), START_DEADLINE, || {
+                let log = log.clone();
+                async move {
+                    ready(&log) > before
+                        && tokio::net::TcpStream::connect(("127.0.0.1", port))
+                            .await
+                            .is_ok()
+                }
+            })
+            .await;
         if started.is_err() {
             self.process.kill9();
         }

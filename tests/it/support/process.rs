@@ -7,7 +7,7 @@
 
 use std::ffi::OsString;
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
@@ -83,6 +83,11 @@ impl ChildProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Where the process' output goes.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
     /// The exit status if it has exited (it is then no longer counted as running).
     pub fn exited(&mut self) -> Option<ExitStatus> {
         let status = self.child.as_mut()?.try_wait().ok().flatten()?;
@@ -123,20 +128,6 @@ impl ChildProcess {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-
-    /// Wait until it accepts TCP connections on `port`.
-    pub async fn wait_listening(&mut self, port: u16, within: Duration) -> Result<(), String> {
-        self.wait_until(
-            &format!("accepting on port {port}"),
-            within,
-            || async move {
-                tokio::net::TcpStream::connect(("127.0.0.1", port))
-                    .await
-                    .is_ok()
-            },
-        )
-        .await
     }
 
     /// SIGKILL and reap: the process dies holding whatever it held.
