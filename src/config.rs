@@ -206,6 +206,12 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_LEASE_KEY_FILE")]
     pub lease_key_file: Option<PathBuf>,
 
+    /// Subject prefix of what replicas on one consumer exchange (forwarded settles,
+    /// heartbeats, keyed fetch answers): `<prefix>.<stream>.<consumer>.…`. Only gateways
+    /// may publish under it.
+    #[arg(long, env = "RUSTSTREAM_INTERNAL_PREFIX", default_value = "_RUSTSTREAM", value_parser = parse_subject_prefix)]
+    pub internal_prefix: String,
+
     /// Most messages one fetch may ask for (`batch`).
     #[arg(long, env = "RUSTSTREAM_MAX_BATCH", default_value_t = 1000,
           value_parser = clap::value_parser!(u32).range(1..=1000))]
@@ -470,6 +476,11 @@ fn parse_filter(value: &str) -> Result<String, String> {
 }
 
 fn parse_dead_letter_subject(value: &str) -> Result<String, String> {
+    crate::domain::subject::validate_publish_subject(value)?;
+    Ok(value.to_owned())
+}
+
+fn parse_subject_prefix(value: &str) -> Result<String, String> {
     crate::domain::subject::validate_publish_subject(value)?;
     Ok(value.to_owned())
 }

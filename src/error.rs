@@ -26,7 +26,7 @@ pub(crate) enum Error {
     #[error("the lease was already settled with {}", settled.as_str())]
     AlreadySettled { settled: SettleKind },
     #[error(
-        "the gateway already holds {max_ack_pending} leases (max_ack_pending); settle some or retry after {}s",
+        "all {max_ack_pending} max_ack_pending slots of the consumer are taken (leases of this gateway or of its replicas); settle some or retry after {}s",
         retry_after.as_secs()
     )]
     AtCapacity {

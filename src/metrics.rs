@@ -75,6 +75,13 @@ pub(crate) const DEAD_LETTERED: &str = "ruststream_dead_lettered_total";
 /// Dead-letter advisories not copied, by `reason`: `missing` (the message had already left
 /// the stream) or `failed` (publishing kept failing for a minute) (counter).
 pub(crate) const DEAD_LETTERS_SKIPPED: &str = "ruststream_dead_letters_skipped_total";
+/// Settles (per lease) this replica forwarded to the replica that issued the lease, by
+/// `result` (counter).
+pub(crate) const SETTLES_FORWARDED: &str = "ruststream_settles_forwarded_total";
+/// Settles (per lease) other replicas forwarded to this one, by `result` (counter).
+pub(crate) const FORWARDED_SETTLES_RECEIVED: &str = "ruststream_forwarded_settles_received_total";
+/// Live replicas on the consumer, this one included, as their heartbeats say (gauge).
+pub(crate) const REPLICAS: &str = "ruststream_replicas";
 /// Always 1, labelled with the gateway's `version` (gauge).
 pub(crate) const BUILD_INFO: &str = "ruststream_build_info";
 
@@ -217,6 +224,10 @@ pub(crate) struct Metrics {
     dead_lettered: IntCounter,
     dead_letters_missing: IntCounter,
     dead_letters_failed: IntCounter,
+    /// Indexed by `SettleOutcome as usize`.
+    settles_forwarded: Vec<IntCounter>,
+    forwarded_settles_received: Vec<IntCounter>,
+    replicas: IntGauge,
 }
 
 impl Default for Metrics {
@@ -268,6 +279,22 @@ impl Metrics {
         build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
+        let by_outcome = |vec: IntCounterVec| -> Vec<IntCounter> {
+            SettleOutcome::ALL
+                .iter()
+                .map(|outcome| vec.with_label_values(&[outcome.as_str()]))
+                .collect()
+        };
+        let settles_forwarded = by_outcome(reg.counter_vec(
+            SETTLES_FORWARDED,
+            "Settles (per lease) forwarded to the replica that issued the lease, by result",
+            &["result"],
+        ));
+        let forwarded_settles_received = by_outcome(reg.counter_vec(
+            FORWARDED_SETTLES_RECEIVED,
+            "Settles (per lease) other replicas forwarded to this one, by result",
+            &["result"],
+        ));
         let ack_wait = prometheus::Gauge::with_opts(Opts::new(
             ACK_WAIT,
             "The consumer's effective ack_wait in seconds",
@@ -357,6 +384,12 @@ impl Metrics {
             ),
             dead_letters_missing: dead_letters_skipped.with_label_values(&["missing"]),
             dead_letters_failed: dead_letters_skipped.with_label_values(&["failed"]),
+            settles_forwarded,
+            forwarded_settles_received,
+            replicas: reg.gauge(
+                REPLICAS,
+                "Live replicas on the consumer, this one included, as their heartbeats say",
+            ),
             registry,
         }
     }
@@ -374,6 +407,21 @@ impl Metrics {
 
     pub(crate) fn leases_given_back(&self, count: usize) {
         self.leases_given_back.inc_by(count as u64);
+    }
+
+    /// A settle of one lease forwarded to its owner came to `outcome`.
+    pub(crate) fn settle_forwarded(&self, outcome: SettleOutcome) {
+        self.settles_forwarded[outcome as usize].inc();
+    }
+
+    /// A settle of one lease forwarded here by another replica came to `outcome`.
+    pub(crate) fn forwarded_settle_received(&self, outcome: SettleOutcome) {
+        self.forwarded_settles_received[outcome as usize].inc();
+    }
+
+    /// How many replicas are live, this one included.
+    pub(crate) fn replicas(&self, count: usize) {
+        self.replicas.set(i64::try_from(count).unwrap_or(i64::MAX));
     }
 
     pub(crate) fn settled(&self, action: SettleAction, outcome: SettleOutcome) {

@@ -42,6 +42,8 @@ pub(crate) struct LeaseState {
     settled: Notify,
     /// Fetches wait for capacity: the next settle wakes the dispatcher.
     starved: AtomicBool,
+    /// Live replicas on the consumer, this one included: they share its max_waiting.
+    replicas: AtomicUsize,
     pub(crate) metrics: Metrics,
 }
 
@@ -63,9 +65,11 @@ impl LeaseState {
             capacity_freed: Arc::new(Notify::new()),
             settled: Notify::new(),
             starved: AtomicBool::new(false),
+            replicas: AtomicUsize::new(1),
             metrics: Metrics::new(),
         };
         state.apply_settings(ack_wait, max_ack_pending);
+        state.metrics.replicas(1);
         state
     }
 
@@ -77,6 +81,22 @@ impl LeaseState {
         );
         self.max_ack_pending
             .store(max_ack_pending, Ordering::Relaxed);
+    }
+
+    /// How many replicas share the consumer (at least this one).
+    pub(crate) fn replicas(&self) -> usize {
+        self.replicas.load(Ordering::Relaxed).max(1)
+    }
+
+    pub(crate) fn set_replicas(&self, count: usize) {
+        self.replicas.store(count.max(1), Ordering::Relaxed);
+        self.metrics.replicas(count.max(1));
+    }
+
+    /// The server's ack_wait was lowered by `by`: live leases end that much earlier (see
+    /// [`LeaseTable::shorten_live`]). Returns how many were shortened.
+    pub(crate) fn shorten_leases(&self, by: Duration) -> usize {
+        self.leases().shorten_live(by, Instant::now())
     }
 
     /// The highest consumer sequence delivered to the gateway in this epoch.

@@ -399,7 +399,8 @@ impl Dispatcher {
             .max_ack_pending()
             .saturating_sub(self.state.taken() + self.book.reserved());
         let limits = PullLimits {
-            max_waiting: bound.max_waiting,
+            // The consumer's max_waiting counts every replica's pulls together.
+            max_waiting: bound.max_waiting / self.state.replicas(),
             max_batch: bound.max_batch,
             max_expires: bound.max_expires,
         };

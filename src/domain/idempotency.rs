@@ -41,6 +41,26 @@ impl Scope {
     }
 }
 
+impl Scope {
+    /// A name for the scope that reveals neither key nor credential (hex SHA-256): what
+    /// replicas sharing answers file them under.
+    pub(crate) fn digest(&self) -> String {
+        let mut hasher = Sha256::new();
+        if let Some(credential) = &self.credential {
+            hasher.update([1]);
+            hasher.update(credential);
+        } else {
+            hasher.update([0]);
+        }
+        hasher.update(self.key.as_bytes());
+        hex(&hasher.finalize())
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
 /// Check an `Idempotency-Key` value: 1 to 255 printable ASCII characters.
 pub(crate) fn validate_key(key: &[u8]) -> Result<&str, String> {
     if key.is_empty() || key.len() > MAX_KEY_LEN {
@@ -64,6 +84,11 @@ impl Fingerprint {
     /// `{}` and `{"batch": 10}` are the same request).
     pub(crate) fn of(canonical: &str) -> Self {
         Self(Sha256::digest(canonical.as_bytes()).into())
+    }
+
+    /// Hex, as replicas compare it.
+    pub(crate) fn to_hex(self) -> String {
+        hex(&self.0)
     }
 }
 
@@ -223,6 +248,18 @@ mod tests {
             stream_sequence: sequence,
             delivered: 1,
         }
+    }
+
+    #[test]
+    fn scope_digests_differ_by_key_and_credential_and_hide_both() {
+        let anonymous = Scope::new("k1", None).digest();
+        let alice = Scope::new("k1", Some(b"Bearer alice")).digest();
+        assert_eq!(anonymous, Scope::new("k1", None).digest());
+        assert_ne!(anonymous, alice);
+        assert_ne!(anonymous, Scope::new("k2", None).digest());
+        assert_ne!(alice, Scope::new("k1", Some(b"Bearer bob")).digest());
+        assert_eq!(alice.len(), 64);
+        assert!(!alice.contains("k1") && alice.bytes().all(|b| b.is_ascii_hexdigit()));
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! Lease ids: self-describing, HMAC-signed tokens naming one delivery of one message.
 //!
-//! An id carries the delivery's coordinates (binding epoch, stream and consumer sequence,
-//! delivery count, publish time) in the clear and a truncated HMAC-SHA256 over them and the stream/consumer
-//! names. It holds no secret, cannot be forged without the key, and gives a later version
-//! what it needs to let any replica sharing the key settle it without a shared table.
+//! An id carries the gateway instance that issued it and the delivery's coordinates (binding
+//! epoch, stream and consumer sequence, delivery count, publish time) in the clear, and a
+//! truncated HMAC-SHA256 over them and the stream/consumer names. It holds no secret and
+//! cannot be forged without the key; any replica sharing the key can tell whose it is and
+//! forward its settle there, without a shared table.
 //!
 //! May import: the rest of `domain` only.
 
@@ -99,6 +100,30 @@ pub(crate) struct DeliveryKey {
     pub(crate) delivered: u64,
 }
 
+/// One gateway process: random at start, named in every lease id it issues, so that another
+/// replica knows where to forward a settle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct InstanceId(pub(crate) u64);
+
+impl InstanceId {
+    pub(crate) fn random() -> Self {
+        Self(rand::random())
+    }
+}
+
+impl std::fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// A genuine id, decoded: who issued it and what it names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SignedLease {
+    pub(crate) owner: InstanceId,
+    pub(crate) lease: LeaseCoordinates,
+}
+
 /// Everything an id names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct LeaseCoordinates {
@@ -110,25 +135,27 @@ pub(crate) struct LeaseCoordinates {
     pub(crate) published_unix_nanos: i64,
 }
 
-const VERSION: u8 = 1;
-const BODY_LEN: usize = 1 + 4 + 8 * 4;
+/// Version 2 added the issuing instance.
+const VERSION: u8 = 2;
+const BODY_LEN: usize = 1 + 8 + 4 + 8 * 4;
 /// 128 bits of tag: unguessable, and keeps ids short enough to paste into a curl line.
 const TAG_LEN: usize = 16;
 const ID_LEN: usize = BODY_LEN + TAG_LEN;
 
-/// Signs and verifies lease ids for one stream/consumer pair.
+/// Signs and verifies lease ids for one stream/consumer pair, issuing them as one instance.
 pub(crate) struct LeaseSigner {
     mac: HmacSha256,
+    owner: InstanceId,
 }
 
 impl LeaseSigner {
     /// A signer with a fresh random key: ids die with the process.
-    pub(crate) fn random(stream: &str, consumer: &str) -> Self {
+    pub(crate) fn random(stream: &str, consumer: &str, owner: InstanceId) -> Self {
         let key: [u8; 32] = rand::random();
-        Self::with_key(&key, stream, consumer)
+        Self::with_key(&key, stream, consumer, owner)
     }
 
-    pub(crate) fn with_key(key: &[u8], stream: &str, consumer: &str) -> Self {
+    pub(crate) fn with_key(key: &[u8], stream: &str, consumer: &str, owner: InstanceId) -> Self {
         // HMAC accepts keys of any length, so this cannot fail.
         let mut mac = <HmacSha256 as KeyInit>::new_from_slice(key)
             .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
@@ -138,24 +165,40 @@ impl LeaseSigner {
         mac.update(&[0]);
         mac.update(consumer.as_bytes());
         mac.update(&[0]);
-        Self { mac }
+        Self { mac, owner }
+    }
+
+    /// The instance whose ids this signer issues.
+    pub(crate) fn owner(&self) -> InstanceId {
+        self.owner
+    }
+
+    /// A short digest of the key (and the stream and consumer): replicas compare theirs to
+    /// find one signing with another key, whose ids they could not verify. Reveals nothing
+    /// of the key.
+    pub(crate) fn key_fingerprint(&self) -> String {
+        // Distinct from any id body: those start with the version byte and are BODY_LEN long.
+        let tag = self.tag(b"ruststream-nats lease key fingerprint");
+        tag[..8].iter().map(|byte| format!("{byte:02x}")).collect()
     }
 
     pub(crate) fn encode(&self, lease: &LeaseCoordinates) -> String {
         let mut raw = [0u8; ID_LEN];
         raw[0] = VERSION;
-        raw[1..5].copy_from_slice(&lease.epoch.to_be_bytes());
-        raw[5..13].copy_from_slice(&lease.key.stream_sequence.to_be_bytes());
-        raw[13..21].copy_from_slice(&lease.consumer_sequence.to_be_bytes());
-        raw[21..29].copy_from_slice(&lease.key.delivered.to_be_bytes());
-        raw[29..37].copy_from_slice(&lease.published_unix_nanos.to_be_bytes());
+        raw[1..9].copy_from_slice(&self.owner.0.to_be_bytes());
+        raw[9..13].copy_from_slice(&lease.epoch.to_be_bytes());
+        raw[13..21].copy_from_slice(&lease.key.stream_sequence.to_be_bytes());
+        raw[21..29].copy_from_slice(&lease.consumer_sequence.to_be_bytes());
+        raw[29..37].copy_from_slice(&lease.key.delivered.to_be_bytes());
+        raw[37..45].copy_from_slice(&lease.published_unix_nanos.to_be_bytes());
         let tag = self.tag(&raw[..BODY_LEN]);
         raw[BODY_LEN..].copy_from_slice(&tag[..TAG_LEN]);
         URL_SAFE_NO_PAD.encode(raw)
     }
 
-    /// The coordinates of a genuine id; `None` for anything malformed, truncated or forged.
-    pub(crate) fn decode(&self, id: &str) -> Option<LeaseCoordinates> {
+    /// The issuer and coordinates of a genuine id (this instance's or another's with the
+    /// same key); `None` for anything malformed, truncated or forged.
+    pub(crate) fn decode(&self, id: &str) -> Option<SignedLease> {
         if id.len() != URL_SAFE_NO_PAD.encode([0u8; ID_LEN]).len() {
             return None;
         }
@@ -173,15 +216,18 @@ impl LeaseSigner {
             bytes
         };
         let mut epoch = [0u8; 4];
-        epoch.copy_from_slice(&raw[1..5]);
-        Some(LeaseCoordinates {
-            epoch: u32::from_be_bytes(epoch),
-            key: DeliveryKey {
-                stream_sequence: u64::from_be_bytes(word(5)),
-                delivered: u64::from_be_bytes(word(21)),
+        epoch.copy_from_slice(&raw[9..13]);
+        Some(SignedLease {
+            owner: InstanceId(u64::from_be_bytes(word(1))),
+            lease: LeaseCoordinates {
+                epoch: u32::from_be_bytes(epoch),
+                key: DeliveryKey {
+                    stream_sequence: u64::from_be_bytes(word(13)),
+                    delivered: u64::from_be_bytes(word(29)),
+                },
+                consumer_sequence: u64::from_be_bytes(word(21)),
+                published_unix_nanos: i64::from_be_bytes(word(37)),
             },
-            consumer_sequence: u64::from_be_bytes(word(13)),
-            published_unix_nanos: i64::from_be_bytes(word(29)),
         })
     }
 
@@ -242,18 +288,24 @@ mod tests {
 
     #[test]
     fn round_trips_and_is_url_safe() {
-        let signer = LeaseSigner::random("ORDERS", "billing");
+        let signer = LeaseSigner::random("ORDERS", "billing", InstanceId(0xfeed));
         let id = signer.encode(&sample());
         assert!(
             id.chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
         );
-        assert_eq!(signer.decode(&id), Some(sample()));
+        assert_eq!(
+            signer.decode(&id),
+            Some(SignedLease {
+                owner: InstanceId(0xfeed),
+                lease: sample()
+            })
+        );
     }
 
     #[test]
     fn rejects_tampered_truncated_and_foreign_ids() {
-        let signer = LeaseSigner::with_key(b"key", "ORDERS", "billing");
+        let signer = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
         let id = signer.encode(&sample());
         assert_eq!(signer.decode(&id[..id.len() - 1]), None);
         assert_eq!(signer.decode(""), None);
@@ -264,10 +316,34 @@ mod tests {
             signer.decode(std::str::from_utf8(&tampered).expect("ascii")),
             None
         );
-        let other_consumer = LeaseSigner::with_key(b"key", "ORDERS", "shipping");
+        let other_consumer = LeaseSigner::with_key(b"key", "ORDERS", "shipping", InstanceId(1));
         assert_eq!(other_consumer.decode(&id), None);
-        let other_key = LeaseSigner::with_key(b"other", "ORDERS", "billing");
+        let other_key = LeaseSigner::with_key(b"other", "ORDERS", "billing", InstanceId(1));
         assert_eq!(other_key.decode(&id), None);
+        // Another replica with the same key verifies it and sees whose it is.
+        let replica = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(2));
+        assert_eq!(
+            replica.decode(&id).map(|signed| signed.owner),
+            Some(InstanceId(1))
+        );
+    }
+
+    #[test]
+    fn key_fingerprints_match_only_for_the_same_key() {
+        let one = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
+        let two = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(2));
+        let other = LeaseSigner::with_key(b"kez", "ORDERS", "billing", InstanceId(1));
+        assert_eq!(one.key_fingerprint(), two.key_fingerprint());
+        assert_ne!(one.key_fingerprint(), other.key_fingerprint());
+        assert_eq!(one.key_fingerprint().len(), 16);
+    }
+
+    #[test]
+    fn instance_ids_print_as_16_hex_digits() {
+        assert_eq!(
+            InstanceId(0x00ab_cdef_0123_4567).to_string(),
+            "00abcdef01234567"
+        );
     }
 
     mod properties {
@@ -298,7 +374,7 @@ mod tests {
         }
 
         fn signer() -> LeaseSigner {
-            LeaseSigner::with_key(&[7u8; 32], "ORDERS", "billing")
+            LeaseSigner::with_key(&[7u8; 32], "ORDERS", "billing", InstanceId(7))
         }
 
         proptest! {
@@ -306,7 +382,7 @@ mod tests {
             fn every_id_round_trips(lease in coordinates()) {
                 let signer = signer();
                 let id = signer.encode(&lease);
-                prop_assert_eq!(signer.decode(&id), Some(lease));
+                prop_assert_eq!(signer.decode(&id).map(|signed| signed.lease), Some(lease));
             }
 
             #[test]
@@ -344,7 +420,7 @@ mod tests {
             }
 
             #[test]
-            fn truncating_or_extending_is_rejected(lease in coordinates(), cut in 1usize..71) {
+            fn truncating_or_extending_is_rejected(lease in coordinates(), cut in 1usize..82) {
                 let signer = signer();
                 let id = signer.encode(&lease);
                 prop_assert_eq!(signer.decode(&id[..id.len() - cut.min(id.len())]), None);

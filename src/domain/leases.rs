@@ -344,6 +344,25 @@ impl LeaseTable {
         Some(record.expires_at)
     }
 
+    /// The server's ack_wait was lowered by `by` (someone edited the consumer): every live
+    /// lease now ends that much earlier, at the server's new deadline for its delivery, so
+    /// that no id outlives the delivery it names. Returns how many leases were shortened.
+    pub(crate) fn shorten_live(&mut self, by: Duration, now: Instant) -> usize {
+        self.expire(now);
+        let live: Vec<(Instant, DeliveryKey)> =
+            std::mem::take(&mut self.expiries).into_iter().collect();
+        let shortened = live.len();
+        for (expires_at, key) in live {
+            let earlier = expires_at.checked_sub(by).unwrap_or(now);
+            if let Some(record) = self.records.get_mut(&key) {
+                record.expires_at = earlier;
+            }
+            self.expiries.insert((earlier, key));
+        }
+        self.expire(now);
+        shortened
+    }
+
     /// Move leases past their expiry out of the live set, and forget old outcomes.
     pub(crate) fn expire(&mut self, now: Instant) {
         // The common case on every settle: nothing is due.
@@ -467,6 +486,23 @@ mod tests {
             leases.begin_extend(key(1, 1), now),
             Err(Refusal::Settled(SettleKind::Ack))
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lowered_ack_wait_ends_live_leases_at_the_servers_new_deadline() {
+        let mut leases = table();
+        let now = Instant::now();
+        leases.issue(key(1, 1), reply(), now + WAIT);
+        leases.issue(key(2, 1), reply(), now + Duration::from_secs(5));
+        // ack_wait 30 s → 20 s: the first lease now ends 10 s later, the second at once.
+        assert_eq!(leases.shorten_live(Duration::from_secs(10), now), 2);
+        assert_eq!(leases.in_flight(now), 1);
+        assert_eq!(
+            leases.begin_settle(key(2, 1), SettleKind::Ack, now),
+            Err(Refusal::Gone)
+        );
+        assert!(leases.is_live(key(1, 1), now + Duration::from_secs(19)));
+        assert!(!leases.is_live(key(1, 1), now + Duration::from_secs(20)));
     }
 
     #[tokio::test(start_paused = true)]

@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
+use tracing::warn;
 
 use super::Gateway;
 use crate::dispatch::Command;
@@ -100,6 +101,22 @@ impl Gateway {
                 }
                 Begin::First(claim) => claim,
             };
+            // A retry reaching this replica after the first went to another one.
+            match self.shared_answer(&idempotency).await {
+                Some(SharedAnswer::Same(body)) => {
+                    return Ok(Fetched {
+                        body,
+                        replayed: true,
+                    });
+                }
+                Some(SharedAnswer::Other) => {
+                    return Err(Error::invalid(
+                        "Idempotency-Key",
+                        "Idempotency-Key: already used with a different request body; use a new key",
+                    ));
+                }
+                None => {}
+            }
             let leased = self.lease_for(demand, caller).await?;
             let count = leased.len();
             let keys = leased
@@ -110,11 +127,57 @@ impl Gateway {
             // Remembered even when the caller hung up meanwhile: it said it would retry, and
             // its retry gets these leases instead of stranding them until they expire.
             claim.answer(body.clone(), keys);
+            if count > 0 {
+                self.share_answer(&idempotency, body.clone()).await;
+            }
             self.state.metrics.fetch_served(started.elapsed(), count);
             return Ok(Fetched {
                 body,
                 replayed: false,
             });
+        }
+    }
+
+    /// The answer another replica gave first to this fetch's key, if any. A shared stream
+    /// that cannot be read costs the retry-safety across replicas only, not the fetch.
+    async fn shared_answer(&self, idempotency: &Idempotency) -> Option<SharedAnswer> {
+        let bound = self.bound().ok()?;
+        let shared = bound.shared.as_ref()?;
+        match shared.remembered_answer(&idempotency.scope.digest()).await {
+            Ok(Some((fingerprint, body))) => {
+                Some(if fingerprint == idempotency.fingerprint.to_hex() {
+                    SharedAnswer::Same(body)
+                } else {
+                    SharedAnswer::Other
+                })
+            }
+            Ok(None) => None,
+            Err(err) => {
+                warn!(error = %format!("{err:#}"), "cannot read the answers replicas share; this keyed fetch is retry-safe at this replica only");
+                None
+            }
+        }
+    }
+
+    /// Share a keyed fetch's answer with the other replicas for as long as its leases can
+    /// live, before the client sees it: a retry anywhere gets it.
+    async fn share_answer(&self, idempotency: &Idempotency, body: Bytes) {
+        let Ok(bound) = self.bound() else {
+            return;
+        };
+        let Some(shared) = bound.shared.as_ref() else {
+            return;
+        };
+        if let Err(err) = shared
+            .remember_answer(
+                &idempotency.scope.digest(),
+                &idempotency.fingerprint.to_hex(),
+                body,
+                self.state.ack_wait(),
+            )
+            .await
+        {
+            warn!(error = %format!("{err:#}"), "cannot share a keyed fetch's answer with the other replicas; a retry at another replica leases anew");
         }
     }
 
@@ -181,6 +244,15 @@ impl Gateway {
                 });
             }
         }
+        // Other replicas' leases are not in this table: the server's count says when all
+        // of them together are full (it then delivers nothing, silently).
+        let shared_capacity_reached = || Error::AtCapacity {
+            max_ack_pending,
+            retry_after: Duration::from_secs(1),
+        };
+        if *self.consumer_full.borrow() {
+            return Err(shared_capacity_reached());
+        }
         let (answer, answered) = oneshot::channel();
         let id = self.next_fetch.fetch_add(1, Ordering::Relaxed);
         self.commands
@@ -201,6 +273,13 @@ impl Gateway {
         let connection_lost = async move {
             let _ = nats_up.wait_for(|up| !*up).await;
         };
+        let mut consumer_full = self.consumer_full.clone();
+        let became_full = async move {
+            if consumer_full.wait_for(|full| *full).await.is_err() {
+                // Nobody watches the consumer any more (stopping): never.
+                std::future::pending::<()>().await;
+            }
+        };
         let leased = tokio::select! {
             // An answer that is there wins: its leases were issued.
             biased;
@@ -218,6 +297,7 @@ impl Gateway {
                     "the connection to NATS was lost while this fetch waited; retry".into(),
                 ));
             }
+            () = became_full => return Err(shared_capacity_reached()),
         };
         pending.answered = None;
         Ok(leased)
@@ -229,6 +309,14 @@ impl Gateway {
         let deliveries = self.state.give_back(leased);
         let _ = self.commands.send(Command::GiveBack(deliveries)).await;
     }
+}
+
+/// What another replica answered first under a key.
+enum SharedAnswer {
+    /// To the same request: its body, to give again.
+    Same(Bytes),
+    /// To another request under the same key (422).
+    Other,
 }
 
 /// A fetch waiting for its answer. Dropped before the answer was taken (the HTTP client

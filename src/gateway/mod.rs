@@ -8,13 +8,14 @@
 //! May import: `dispatch`, `nats`, `state`, `domain`, `config`, `error`, `metrics`. Never `http`.
 
 mod fetch;
+mod replicas;
 mod supervisor;
 
 pub(crate) use fetch::{Caller, Idempotency};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use futures::FutureExt as _;
@@ -28,7 +29,9 @@ use tracing::{debug, info, warn};
 use crate::config::Config;
 use crate::dispatch::{Command, Dispatcher};
 use crate::domain::idempotency::IdempotencyCache;
-use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates, LeaseKey, LeaseSigner};
+use crate::domain::lease_id::{
+    DeliveryKey, InstanceId, LeaseCoordinates, LeaseKey, LeaseSigner, SignedLease,
+};
 use crate::domain::leases::{Refusal, SettleStart};
 use crate::domain::settle::{AckCommand, SettleKind};
 use crate::domain::{subject, wall_clock};
@@ -36,6 +39,7 @@ use crate::error::Error;
 use crate::metrics::{Metrics, SettleAction, SettleOutcome, Snapshot};
 use crate::nats::dead_letter::Outcome;
 use crate::nats::publish::PublishFailure;
+use crate::nats::replicas::{ReplicaRecord, Subjects};
 use crate::nats::settle::{self as nats_settle, ConfirmError};
 use crate::nats::{self, Bound, Client};
 use crate::state::LeaseState;
@@ -55,6 +59,16 @@ pub(crate) struct Gateway {
     next_fetch: Arc<AtomicU64>,
     config: Arc<Config>,
     idempotency: Arc<IdempotencyCache>,
+    /// This process, as its lease ids name it.
+    instance: InstanceId,
+    started_at: OffsetDateTime,
+    /// What replicas on the consumer send each other.
+    subjects: Arc<Subjects>,
+    /// The live replicas' last heartbeats (this one's included once it beat).
+    replicas: Arc<Mutex<Vec<ReplicaRecord>>>,
+    /// True while other replicas are live and, all together, hold max_ack_pending
+    /// deliveries: a fetch here would get nothing from the server.
+    consumer_full: watch::Receiver<bool>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -89,9 +103,12 @@ impl Gateway {
         config: Config,
         lease_key: Option<LeaseKey>,
     ) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
+        let instance = InstanceId::random();
         let signer = match &lease_key {
-            Some(key) => LeaseSigner::with_key(key.bytes(), &config.stream, &config.consumer),
-            None => LeaseSigner::random(&config.stream, &config.consumer),
+            Some(key) => {
+                LeaseSigner::with_key(key.bytes(), &config.stream, &config.consumer, instance)
+            }
+            None => LeaseSigner::random(&config.stream, &config.consumer, instance),
         };
         let state = Arc::new(LeaseState::new(
             signer,
@@ -141,6 +158,12 @@ impl Gateway {
                 }
             }
         });
+        let (consumer_full_tx, consumer_full) = watch::channel(false);
+        let subjects = Arc::new(Subjects::new(
+            &config.internal_prefix,
+            &config.stream,
+            &config.consumer,
+        ));
         let gateway = Self {
             state,
             client,
@@ -151,7 +174,14 @@ impl Gateway {
             next_fetch: Arc::new(AtomicU64::new(1)),
             config,
             idempotency: Arc::default(),
+            instance,
+            started_at: OffsetDateTime::now_utc(),
+            subjects,
+            replicas: Arc::default(),
+            consumer_full,
         };
+        tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
+        tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
         let tasks = Tasks { stop, dispatcher };
         (gateway, tasks, fatal_rx)
     }
@@ -218,55 +248,100 @@ impl Gateway {
         })
     }
 
-    /// The lease a genuine id names. Forged or malformed: 404; from an earlier binding of
-    /// the consumer: 410.
-    fn decode(&self, id: &str) -> Result<LeaseCoordinates, Error> {
-        let lease = self.state.signer().decode(id).ok_or(Error::UnknownLease)?;
-        if lease.epoch != self.state.epoch() {
-            return Err(Error::LeaseGone);
-        }
-        Ok(lease)
+    /// The replica to forward a settle of this lease to, when another one issued it.
+    fn owner_elsewhere(&self, signed: Option<SignedLease>) -> Option<InstanceId> {
+        signed
+            .map(|signed| signed.owner)
+            .filter(|owner| *owner != self.instance)
     }
 
-    /// Ack, nak or term one lease; `Ok` only once the server confirmed it.
+    /// Ack, nak or term one lease; `Ok` only once the server confirmed it. A lease another
+    /// replica issued is settled there.
     pub(crate) async fn settle(&self, id: &str, command: &AckCommand) -> SettleResult {
+        let signed = self.state.signer().decode(id);
+        if let Some(owner) = self.owner_elsewhere(signed) {
+            return only_answer(self.forward(owner, &[id], command).await).map(drop);
+        }
         let deadline = tokio::time::sleep(self.config.settle_timeout);
-        self.settle_by(id, command, deadline).await
+        self.settle_by(id, signed, command, deadline).await
     }
 
     /// Settle every id concurrently (one batch costs about one NATS round trip, not one
-    /// each); the results in the order of `ids`. The settles share one timer for their
-    /// common timeout: one per settle costs measurably on the batch path.
+    /// each); the results in the order of `ids`. Ids other replicas issued are forwarded, one
+    /// request per replica, alongside.
     pub(crate) async fn settle_many(
         &self,
         ids: &[String],
         command: &AckCommand,
     ) -> Vec<SettleResult> {
+        let leases: Vec<(&str, Option<SignedLease>)> = ids
+            .iter()
+            .map(|id| (id.as_str(), self.state.signer().decode(id)))
+            .collect();
+        let signed: Vec<Option<SignedLease>> = leases.iter().map(|(_, signed)| *signed).collect();
+        let (here, elsewhere) = replicas::by_owner(&signed, self.instance);
+        if elsewhere.is_empty() {
+            return self.settle_many_here(&leases, command).await;
+        }
+        let local: Vec<(&str, Option<SignedLease>)> = here.iter().map(|at| leases[*at]).collect();
+        let forwarded = elsewhere.into_iter().map(|(owner, positions)| {
+            let ids: Vec<&str> = positions.iter().map(|at| leases[*at].0).collect();
+            async move {
+                let results = self.forward(owner, &ids, command).await;
+                positions.into_iter().zip(results).collect::<Vec<_>>()
+            }
+        });
+        let (local_results, forwarded_results) =
+            futures::join!(self.settle_many_here(&local, command), join_all(forwarded));
+        let mut results: Vec<Option<SettleResult>> = vec![None; ids.len()];
+        for (at, result) in here.into_iter().zip(local_results) {
+            results[at] = Some(result);
+        }
+        for (at, result) in forwarded_results.into_iter().flatten() {
+            results[at] = Some(result.map(drop));
+        }
+        results
+            .into_iter()
+            .map(|result| result.unwrap_or_else(|| Err(no_answer())))
+            .collect()
+    }
+
+    /// [`Gateway::settle_many`] of leases settled here: not issued elsewhere. The settles
+    /// share one timer for their common timeout: one per settle costs measurably on the
+    /// batch path.
+    async fn settle_many_here(
+        &self,
+        leases: &[(&str, Option<SignedLease>)],
+        command: &AckCommand,
+    ) -> Vec<SettleResult> {
         let deadline = Box::pin(tokio::time::sleep(self.config.settle_timeout)).shared();
         // An id listed twice is settled (and counted) once; each position gets its answer.
-        let mut distinct: Vec<&str> = Vec::with_capacity(ids.len());
-        let mut position: HashMap<&str, usize> = HashMap::with_capacity(ids.len());
-        for id in ids {
-            position.entry(id.as_str()).or_insert_with(|| {
-                distinct.push(id.as_str());
+        let mut distinct: Vec<(&str, Option<SignedLease>)> = Vec::with_capacity(leases.len());
+        let mut position: HashMap<&str, usize> = HashMap::with_capacity(leases.len());
+        for (id, signed) in leases {
+            position.entry(id).or_insert_with(|| {
+                distinct.push((id, *signed));
                 distinct.len() - 1
             });
         }
         let results = join_all(
             distinct
                 .iter()
-                .map(|id| self.settle_by(id, command, deadline.clone())),
+                .map(|(id, signed)| self.settle_by(id, *signed, command, deadline.clone())),
         )
         .await;
-        ids.iter()
-            .map(|id| results[position[id.as_str()]].clone())
+        leases
+            .iter()
+            .map(|(id, _)| results[position[id]].clone())
             .collect()
     }
 
-    /// [`Gateway::settle`], unconfirmed (504) once `deadline` resolves.
+    /// [`Gateway::settle`] of a lease settled here, unconfirmed (504) once `deadline`
+    /// resolves.
     async fn settle_by(
         &self,
         id: &str,
+        signed: Option<SignedLease>,
         command: &AckCommand,
         deadline: impl Future<Output = ()>,
     ) -> SettleResult {
@@ -275,10 +350,10 @@ impl Gateway {
             AckCommand::Nak { .. } => (SettleKind::Nak, SettleAction::Nak),
             AckCommand::Term { .. } => (SettleKind::Term, SettleAction::Term),
             AckCommand::InProgress => {
-                return self.extend_by(id, deadline).await.map(|_| ());
+                return self.extend_by(id, signed, deadline).await.map(|_| ());
             }
         };
-        self.on_lease(id, action, |key| async move {
+        self.on_lease(id, signed, action, |key| async move {
             let sent = self.settle_lease(key, kind, command, deadline).await?;
             let outcome = match sent {
                 Sent::Confirmed => SettleOutcome::Ok,
@@ -289,32 +364,41 @@ impl Gateway {
         .await
     }
 
-    /// [`Gateway::extend`], unconfirmed (504) once `deadline` resolves.
+    /// [`Gateway::extend`] of a lease extended here, unconfirmed (504) once `deadline`
+    /// resolves.
     async fn extend_by(
         &self,
         id: &str,
+        signed: Option<SignedLease>,
         deadline: impl Future<Output = ()>,
     ) -> Result<OffsetDateTime, Error> {
-        self.on_lease(id, SettleAction::InProgress, |key| async move {
+        self.on_lease(id, signed, SettleAction::InProgress, |key| async move {
             let expires_at = self.extend_lease(key, deadline).await?;
             Ok((expires_at, SettleOutcome::Ok))
         })
         .await
     }
 
-    /// The one path of every settle and extension: the id is decoded (404 or 410 without
-    /// touching anything), `act` runs on the lease it names, and the outcome is counted and
-    /// logged.
+    /// The one path of every settle and extension done here: the id, decoded as `signed`,
+    /// is checked (404 when forged or malformed, 410 when from an earlier binding of the
+    /// consumer, without touching anything), `act` runs on the lease it names, and the
+    /// outcome is counted and logged.
     async fn on_lease<T, F>(
         &self,
         id: &str,
+        signed: Option<SignedLease>,
         action: SettleAction,
         act: impl FnOnce(DeliveryKey) -> F,
     ) -> Result<T, Error>
     where
         F: Future<Output = Result<(T, SettleOutcome), Error>>,
     {
-        let lease = match self.decode(id) {
+        let lease = match signed {
+            None => Err(Error::UnknownLease),
+            Some(signed) if signed.lease.epoch != self.state.epoch() => Err(Error::LeaseGone),
+            Some(signed) => Ok(signed.lease),
+        };
+        let lease = match lease {
             Ok(lease) => lease,
             Err(err) => {
                 self.report(action, id, None, settle_outcome(&err));
@@ -462,10 +546,16 @@ impl Gateway {
         }
     }
 
-    /// Restart a lease's clock (and the server's ack timer). Returns the new expiry.
+    /// Restart a lease's clock (and the server's ack timer), at the replica that issued
+    /// it. Returns the new expiry.
     pub(crate) async fn extend(&self, id: &str) -> Result<OffsetDateTime, Error> {
+        let signed = self.state.signer().decode(id);
+        if let Some(owner) = self.owner_elsewhere(signed) {
+            let extended = self.forward(owner, &[id], &AckCommand::InProgress).await;
+            return only_answer(extended)?.ok_or_else(no_answer);
+        }
         let deadline = tokio::time::sleep(self.config.settle_timeout);
-        self.extend_by(id, deadline).await
+        self.extend_by(id, signed, deadline).await
     }
 
     async fn extend_lease(
@@ -620,11 +710,21 @@ impl Gateway {
                 );
             }
         }
+        self.withdraw().await;
         tasks.stop.cancel();
         if let Ok(bound) = self.bound() {
             let _ = tokio::time::timeout(Duration::from_secs(2), bound.client.flush()).await;
         }
     }
+}
+
+/// The one answer a forwarded settle of one id got.
+fn only_answer(mut results: Vec<replicas::Settled>) -> replicas::Settled {
+    results.pop().unwrap_or_else(|| Err(no_answer()))
+}
+
+fn no_answer() -> Error {
+    Error::Unavailable("the replica that issued the lease gave no answer for it".into())
 }
 
 fn refused(refusal: Refusal) -> Error {

@@ -109,7 +109,12 @@ pub(super) async fn supervise(
             }
         }
         background.connected.send_replace(true);
-        let bound = match nats::bind(config, &client, &ephemeral_name).await {
+        let binder = nats::bind::Binder {
+            instance: state.signer().owner(),
+            ephemeral_name: &ephemeral_name,
+            first: identity_seen.is_none(),
+        };
+        let bound = match nats::bind(config, &client, &binder).await {
             Ok(bound) => bound,
             Err(BindError::Fatal(message)) => anyhow::bail!(message),
             Err(BindError::Transient(err)) => {

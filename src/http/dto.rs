@@ -350,7 +350,26 @@ pub(crate) struct ConsumerConfigDto {
     "num_ack_pending": 3,
     "num_redelivered": 0,
     "num_waiting": 0,
-    "leases_in_flight": 3
+    "leases_in_flight": 3,
+    "instance_id": "5f0c2a9e41d3b7c8",
+    "replicas": [
+        {
+            "instance_id": "5f0c2a9e41d3b7c8",
+            "started_at": "2026-11-30T09:00:00Z",
+            "leases_in_flight": 3,
+            "listen": "0.0.0.0:8080",
+            "lease_key_matches": true,
+            "this_replica": true
+        },
+        {
+            "instance_id": "a17e03c95b6d2f18",
+            "started_at": "2026-11-30T09:00:02Z",
+            "leases_in_flight": 5,
+            "listen": "0.0.0.0:8080",
+            "lease_key_matches": true,
+            "this_replica": false
+        }
+    ]
 }))]
 pub(crate) struct ConsumerDto {
     pub(crate) name: String,
@@ -365,6 +384,28 @@ pub(crate) struct ConsumerDto {
     pub(crate) num_waiting: usize,
     /// Live leases held by clients of this gateway.
     pub(crate) leases_in_flight: usize,
+    /// This replica: the instance its lease ids name (random per process).
+    pub(crate) instance_id: String,
+    /// The live replicas on this consumer, this one included, oldest first, as their
+    /// heartbeats (every second) say.
+    pub(crate) replicas: Vec<ReplicaDto>,
+}
+
+/// A live replica of the gateway on the same consumer.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct ReplicaDto {
+    pub(crate) instance_id: String,
+    /// RFC 3339.
+    pub(crate) started_at: String,
+    /// Live leases its clients hold.
+    pub(crate) leases_in_flight: usize,
+    /// Its `--listen` address, as it was given.
+    pub(crate) listen: String,
+    /// Whether it signs lease ids with this replica's key; `false`: settles between the two
+    /// answer 404 — give every replica the same `--lease-key-file`.
+    pub(crate) lease_key_matches: bool,
+    /// This entry is the replica that answered.
+    pub(crate) this_replica: bool,
 }
 
 /// `GET /healthz` and `GET /readyz` answer (a readiness failure is a problem: 503).

@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::http::header;
 use axum::response::IntoResponse;
 
-use super::dto::{ConsumerConfigDto, ConsumerDto, HealthDto};
+use super::dto::{ConsumerConfigDto, ConsumerDto, HealthDto, ReplicaDto};
 use super::responses::{Guarded, NatsRefusals};
 use crate::error::Error;
 use crate::gateway::Gateway;
@@ -86,6 +86,22 @@ pub(crate) async fn consumer(State(gateway): State<Gateway>) -> Result<Json<Cons
         num_redelivered: info.num_redelivered,
         num_waiting: info.num_waiting,
         leases_in_flight: status.leases_in_flight,
+        instance_id: gateway.instance().to_string(),
+        replicas: gateway
+            .replicas()
+            .into_iter()
+            .map(|replica| ReplicaDto {
+                instance_id: replica.instance_id,
+                started_at: replica
+                    .started_at
+                    .format(&time::format_description::well_known::Rfc3339)
+                    .unwrap_or_default(),
+                leases_in_flight: replica.leases_in_flight,
+                listen: replica.listen,
+                lease_key_matches: replica.lease_key_matches,
+                this_replica: replica.this_replica,
+            })
+            .collect(),
     }))
 }
 

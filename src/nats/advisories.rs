@@ -13,7 +13,6 @@ use std::time::Duration;
 use async_nats::Client;
 use async_nats::jetstream::{self, AckKind, consumer, stream};
 use futures::StreamExt as _;
-use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -44,9 +43,10 @@ pub(crate) fn stream_name(stream: &str, consumer: &str) -> String {
     if name.len() <= MAX_NAME_LEN {
         return name;
     }
-    let digest = Sha256::digest(format!("{stream}\n{consumer}").as_bytes());
-    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-    format!("RUSTSTREAM_ADVISORIES_{hex}")
+    format!(
+        "RUSTSTREAM_ADVISORIES_{}",
+        super::names_digest(stream, consumer)
+    )
 }
 
 /// Why the advisory stream or its consumer could not be set up.

@@ -8,11 +8,13 @@ use std::time::Duration;
 
 use async_nats::Client;
 use async_nats::jetstream::{self, consumer, stream};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::config::{Config, DeliverPolicy};
+use crate::domain::lease_id::InstanceId;
 
 use super::API_TIMEOUT;
+use super::replicas::{ReplicaRecord, Shared, Subjects};
 
 /// A consumer the gateway is bound to, and what it needs to use it.
 #[derive(Clone)]
@@ -41,6 +43,9 @@ pub(crate) struct Bound {
     /// The consumer's own limits on one pull request, when it has any.
     pub(crate) max_batch: Option<usize>,
     pub(crate) max_expires: Option<Duration>,
+    /// What replicas on this (durable) consumer share; `None` with `--ephemeral`, whose
+    /// consumer is this process's alone.
+    pub(crate) shared: Option<Shared>,
 }
 
 /// Why binding failed.
@@ -61,26 +66,59 @@ impl Bound {
     }
 }
 
-/// Find the stream, create or bind the consumer, and reconcile its mutable settings.
-///
-/// `ephemeral_name` (with `--ephemeral`) is chosen once per process: binding again after a
-/// reconnect finds the same consumer instead of making a new one that replays the stream.
+/// Who is binding: this process, and whether for the first time.
+pub(crate) struct Binder<'a> {
+    pub(crate) instance: InstanceId,
+    /// `--ephemeral`: chosen once per process, so binding again after a reconnect finds the
+    /// same consumer instead of making a new one that replays the stream.
+    pub(crate) ephemeral_name: &'a str,
+    /// The first bind of this process: a replica that would change the settings of a
+    /// consumer other live replicas use refuses to start. Later (a rebind after a
+    /// reconnect), it takes the consumer's settings as they are.
+    pub(crate) first: bool,
+}
+
+/// Find the stream, create or bind the consumer, and reconcile its mutable settings —
+/// unless other live replicas use the consumer (see [`Binder::first`]).
 pub(crate) async fn bind(
     config: &Config,
     client: &Client,
-    ephemeral_name: &str,
+    binder: &Binder<'_>,
 ) -> Result<Bound, BindError> {
     let js = jetstream::new(client.clone());
     let stream = get_or_create_stream(config, &js).await?;
     let stream_subjects = stream.cached_info().config.subjects.clone();
     let deletes_on_term =
         super::dead_letter::is_deleted_on_term(stream.cached_info().config.retention);
-    let mut consumer = if config.ephemeral {
+    let (mut consumer, shared) = if config.ephemeral {
         let mut ephemeral = desired_config(config, None);
-        ephemeral.name = Some(ephemeral_name.to_owned());
-        create_consumer(&stream, ephemeral).await?
+        ephemeral.name = Some(binder.ephemeral_name.to_owned());
+        (create_consumer(&stream, ephemeral).await?, None)
     } else {
-        bind_durable(config, &stream).await?
+        let subjects = Subjects::new(&config.internal_prefix, &config.stream, &config.consumer);
+        let replicas = stream.cached_info().config.num_replicas;
+        let shared = async {
+            let shared =
+                Shared::ensure(&js, subjects, &config.stream, &config.consumer, replicas).await?;
+            let others: Vec<ReplicaRecord> = shared
+                .replicas()
+                .await?
+                .into_iter()
+                .filter(|record| record.instance_id != binder.instance.to_string())
+                .collect();
+            anyhow::Ok((shared, others))
+        };
+        // Without the shared stream (a NATS user not allowed to make it) the gateway still
+        // works, and forwards settles; only what replicas learn of each other is missing.
+        let (shared, others) = match shared.await {
+            Ok((shared, others)) => (Some(shared), others),
+            Err(err) => {
+                warn!(error = %format!("{err:#}"), "cannot use the shared stream of this consumer's replicas: each replica counts only itself (max_waiting, capacity, Idempotency-Key) and cannot see others' settings");
+                (None, Vec::new())
+            }
+        };
+        let consumer = bind_durable(config, &stream, &others, binder.first).await?;
+        (consumer, shared)
     };
     if let Some(subject) = &config.dead_letter_subject
         && !config.ephemeral
@@ -125,6 +163,7 @@ pub(crate) async fn bind(
             .filter(|max| *max > 0),
         max_expires: Some(info.config.max_expires).filter(|max| !max.is_zero()),
         consumer,
+        shared,
     })
 }
 
@@ -232,6 +271,8 @@ fn flag_syntax(policy: &consumer::DeliverPolicy) -> String {
 async fn bind_durable(
     config: &Config,
     stream: &stream::Stream,
+    others: &[ReplicaRecord],
+    first: bool,
 ) -> Result<consumer::PullConsumer, BindError> {
     let existing = tokio::time::timeout(API_TIMEOUT, stream.consumer_info(&config.consumer))
         .await
@@ -285,10 +326,77 @@ async fn bind_durable(
             .map_err(&not_pull)?;
     if pull_updated == pull_current {
         info!(consumer = %config.consumer, "bound to existing consumer");
-    } else {
-        info!(consumer = %config.consumer, "updating existing consumer's ack_wait/max_ack_pending/max_deliver/filter");
+        return create_consumer(stream, pull_updated).await;
     }
+    if !others.is_empty() {
+        // The consumer's settings are one for all its clients: changing them under live
+        // replicas would let the server redeliver what they still hold as leased.
+        let changes = shared_setting_changes(&pull_current, &pull_updated).join("; ");
+        let users = others
+            .iter()
+            .map(|record| {
+                format!(
+                    "{} (listening on {}, started {})",
+                    record.instance_id, record.listen, record.started_at
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        if first {
+            return Err(BindError::Fatal(format!(
+                "consumer {} is used by {} live replica(s): {users}; this replica would change its {changes}. A replica must not change a consumer other replicas use: start it with the consumer's values, or stop the others first",
+                config.consumer,
+                others.len(),
+            )));
+        }
+        warn!(consumer = %config.consumer, %changes, replicas = %users, "rebinding to a consumer live replicas use: keeping its settings rather than this replica's flags");
+        return create_consumer(stream, pull_current).await;
+    }
+    info!(consumer = %config.consumer, "updating existing consumer's ack_wait/max_ack_pending/max_deliver/filter");
     create_consumer(stream, pull_updated).await
+}
+
+/// The shared settings that differ between the consumer as it is and as wanted, each as
+/// `<field> from <current> to <wanted>`.
+fn shared_setting_changes(
+    current: &consumer::pull::Config,
+    wanted: &consumer::pull::Config,
+) -> Vec<String> {
+    let filter = |config: &consumer::pull::Config| {
+        if config.filter_subjects.is_empty() {
+            format!("{:?}", config.filter_subject)
+        } else {
+            format!("{:?}", config.filter_subjects)
+        }
+    };
+    let mut changes = Vec::new();
+    if current.ack_wait != wanted.ack_wait {
+        changes.push(format!(
+            "ack_wait from {} to {}",
+            humantime::format_duration(current.ack_wait),
+            humantime::format_duration(wanted.ack_wait)
+        ));
+    }
+    if current.max_ack_pending != wanted.max_ack_pending {
+        changes.push(format!(
+            "max_ack_pending from {} to {}",
+            current.max_ack_pending, wanted.max_ack_pending
+        ));
+    }
+    if current.max_deliver != wanted.max_deliver {
+        changes.push(format!(
+            "max_deliver from {} to {}",
+            current.max_deliver, wanted.max_deliver
+        ));
+    }
+    if filter(current) != filter(wanted) {
+        changes.push(format!(
+            "filter from {} to {}",
+            filter(current),
+            filter(wanted)
+        ));
+    }
+    changes
 }
 
 /// Refuse to start when a field the server cannot change differs from what the flags ask for.

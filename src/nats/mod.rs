@@ -9,6 +9,8 @@
 //! - [`publish`]: publish to the stream; the consumer's server-side state.
 //! - [`dead_letter`]: advisories of exhausted or terminated messages → dead-letter copies.
 //! - [`advisories`]: the stream capturing those advisories, drained by a durable consumer.
+//! - [`replicas`]: what replicas on one consumer share: heartbeats, keyed fetch answers.
+//! - [`forward`]: settles forwarded to the replica that issued the lease.
 //!
 //! May import: `config`, `domain`, `metrics`. Never `state`, `dispatch`, `gateway` or `http`.
 
@@ -16,8 +18,10 @@ pub(crate) mod advisories;
 pub(crate) mod bind;
 pub(crate) mod connect;
 pub(crate) mod dead_letter;
+pub(crate) mod forward;
 pub(crate) mod publish;
 pub(crate) mod pull;
+pub(crate) mod replicas;
 pub(crate) mod settle;
 
 use std::time::Duration;
@@ -29,3 +33,11 @@ pub(crate) use connect::{ConnectionEvent, connect, is_connected};
 /// How long any JetStream API call may take before it is given up (and, on the start-up
 /// path, retried).
 const API_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A short hash of a stream and consumer name, for the name of a stream the gateway makes
+/// where the names in full would be longer than NATS allows.
+fn names_digest(stream: &str, consumer: &str) -> String {
+    use sha2::{Digest as _, Sha256};
+    let digest = Sha256::digest(format!("{stream}\n{consumer}").as_bytes());
+    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+}

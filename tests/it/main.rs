@@ -22,6 +22,7 @@ mod poison;
 mod publish;
 mod readme;
 mod rebinding;
+mod replicas;
 mod robustness;
 mod security;
 mod settle;

@@ -450,6 +450,16 @@ impl Client {
         self.fetch_with(&FetchRequest::new(batch, wait_ms)).await
     }
 
+    /// POST /fetch with this body and an `Idempotency-Key`, any status.
+    pub async fn fetch_keyed(&self, key: &str, body: &Value) -> Reply {
+        let request = self
+            .http
+            .post(self.url("/fetch"))
+            .header("Idempotency-Key", key)
+            .json(body);
+        Reply::read(request.send().await.expect("POST /fetch")).await
+    }
+
     /// POST /fetch with a typed body, any status or a transport error (see `try_post`).
     pub async fn try_fetch(
         &self,

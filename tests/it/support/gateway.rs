@@ -246,6 +246,21 @@ impl GatewayProcess {
         self.process.kill9();
     }
 
+    /// SIGSTOP: the process stalls, holding its sockets and leases.
+    pub fn pause(&mut self) {
+        self.process.pause();
+    }
+
+    /// SIGCONT after [`GatewayProcess::pause`].
+    pub fn resume(&mut self) {
+        self.process.resume();
+    }
+
+    /// SIGTERM without waiting: the graceful stop begins.
+    pub fn sigterm(&mut self) {
+        self.process.sigterm();
+    }
+
     /// SIGTERM and wait (bounded) for the graceful stop.
     pub async fn terminate(&mut self, within: Duration) -> ExitStatus {
         self.process.terminate(within).await

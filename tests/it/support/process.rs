@@ -139,12 +139,17 @@ impl ChildProcess {
         self.paused = false;
     }
 
-    /// SIGTERM and wait (bounded) for the exit; panics with the log when it does not come.
-    pub async fn terminate(&mut self, within: Duration) -> ExitStatus {
+    /// SIGTERM, without waiting for the exit.
+    pub fn sigterm(&mut self) {
         let pid = self
             .pid()
             .unwrap_or_else(|| panic!("{} is not running", self.name));
         self.signal("-TERM", pid);
+    }
+
+    /// SIGTERM and wait (bounded) for the exit; panics with the log when it does not come.
+    pub async fn terminate(&mut self, within: Duration) -> ExitStatus {
+        self.sigterm();
         let deadline = Instant::now() + within;
         loop {
             if let Some(status) = self.exited() {

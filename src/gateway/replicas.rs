@@ -1,0 +1,535 @@
+//! Several replicas on one consumer, no sticky sessions: a settle of a lease another
+//! replica issued is forwarded to that replica (the lease id names it) and answered as it
+//! answers; this replica answers the settles others forward to it; and a heartbeat loop
+//! keeps what the replicas share in step — who is live (for `GET /consumer`, the share of
+//! max_waiting, a differing lease key), whether the consumer's max_ack_pending is reached
+//! across all of them, and the consumer's settings as the server enforces them.
+//!
+//! May import: as the rest of `gateway`.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use time::OffsetDateTime;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, warn};
+
+use super::Gateway;
+use crate::domain::lease_id::{InstanceId, SignedLease};
+use crate::domain::settle::{AckCommand, SettleKind};
+use crate::error::Error;
+use crate::metrics::SettleOutcome;
+use crate::nats::forward::{self, ForwardError, ForwardedSettle, RemoteResult};
+use crate::nats::replicas::ReplicaRecord;
+
+/// How often a replica says it is live, and looks at the others and the consumer.
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+/// A replica whose heartbeat is older than this is no longer counted.
+const HEARTBEAT_TTL: Duration = Duration::from_secs(4);
+/// A forwarded settle waits for the owner's answer this much beyond `--settle-timeout`, so
+/// that an owner's own answer at its timeout (504, or a late confirmation) wins the race.
+const FORWARD_GRACE: Duration = Duration::from_millis(250);
+
+/// What a settle of one lease came to, at whichever replica did it: `Some(expiry)` for an
+/// extension.
+pub(super) type Settled = Result<Option<OffsetDateTime>, Error>;
+
+/// A live replica, as `GET /consumer` shows it.
+#[derive(Debug, Clone)]
+pub(crate) struct ReplicaView {
+    pub(crate) instance_id: String,
+    pub(crate) started_at: OffsetDateTime,
+    pub(crate) leases_in_flight: usize,
+    pub(crate) listen: String,
+    /// Whether it signs lease ids with the same key as this replica (else settles between
+    /// the two answer 404).
+    pub(crate) lease_key_matches: bool,
+    pub(crate) this_replica: bool,
+}
+
+impl Gateway {
+    /// This process, as its lease ids name it.
+    pub(crate) fn instance(&self) -> InstanceId {
+        self.instance
+    }
+
+    /// The live replicas as last seen (this one always among them).
+    pub(crate) fn replicas(&self) -> Vec<ReplicaView> {
+        let mine = self.state.signer().key_fingerprint();
+        let seen = self
+            .replicas
+            .lock()
+            .map(|seen| seen.clone())
+            .unwrap_or_default();
+        let me = self.instance.to_string();
+        let mut views: Vec<ReplicaView> = seen
+            .into_iter()
+            .filter(|record| record.instance_id != me)
+            .map(|record| ReplicaView {
+                lease_key_matches: record.lease_key_fingerprint == mine,
+                instance_id: record.instance_id,
+                started_at: record.started_at,
+                leases_in_flight: record.leases_in_flight,
+                listen: record.listen,
+                this_replica: false,
+            })
+            .collect();
+        let record = self.own_record();
+        views.push(ReplicaView {
+            instance_id: record.instance_id,
+            started_at: record.started_at,
+            leases_in_flight: record.leases_in_flight,
+            listen: record.listen,
+            lease_key_matches: true,
+            this_replica: true,
+        });
+        views.sort_by_key(|view| view.started_at);
+        views
+    }
+
+    fn own_record(&self) -> ReplicaRecord {
+        ReplicaRecord {
+            instance_id: self.instance.to_string(),
+            started_at: self.started_at,
+            leases_in_flight: self.leases_in_flight(),
+            lease_key_fingerprint: self.state.signer().key_fingerprint(),
+            listen: self.config.listen.to_string(),
+        }
+    }
+
+    /// Settle (or extend) `ids`, leases `owner` issued, by forwarding them to it: one
+    /// request for all of them. The results in the order of `ids`.
+    pub(super) async fn forward(
+        &self,
+        owner: InstanceId,
+        ids: &[&str],
+        command: &AckCommand,
+    ) -> Vec<Settled> {
+        let all = |err: Error| ids.iter().map(|_| Err(err.clone())).collect::<Vec<_>>();
+        let results = match self.client.get() {
+            None => all(Error::Unavailable(
+                "not connected to NATS yet; retrying".into(),
+            )),
+            Some(client) => {
+                let request = forwarded(command, ids);
+                let timeout = self.config.settle_timeout + FORWARD_GRACE;
+                let subject = self.subjects.settle(owner);
+                match forward::forward(client, subject, &request, timeout).await {
+                    Ok(results) => results.into_iter().map(from_remote).collect(),
+                    // Nobody listens for the owner: it is gone, and so are its leases (the
+                    // server redelivers their messages after ack_wait).
+                    Err(ForwardError::OwnerGone) => all(Error::LeaseGone),
+                    Err(ForwardError::TimedOut) => all(Error::TimedOut),
+                    Err(ForwardError::Unavailable(detail)) => all(Error::Unavailable(detail)),
+                }
+            }
+        };
+        for result in &results {
+            self.state.metrics.settle_forwarded(outcome_of(result));
+        }
+        debug!(%owner, count = ids.len(), kind = request_kind(command), "forwarded settles to the replica that issued the leases");
+        results
+    }
+
+    /// Answer the settles other replicas forward to this one until `stop` (which comes
+    /// after the shutdown grace: a replica being rolled keeps settling its leases).
+    pub(super) async fn serve_forwarded(self, stop: CancellationToken) {
+        use futures::StreamExt as _;
+        let client = loop {
+            if let Some(client) = self.client.get() {
+                break client.clone();
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+        };
+        let subject = self.subjects.settle(self.instance);
+        let mut requests = loop {
+            match forward::listen(&client, subject.clone()).await {
+                Ok(requests) => break requests,
+                Err(err) => {
+                    warn!(error = %format!("{err:#}"), "cannot listen for forwarded settles yet");
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
+            }
+        };
+        loop {
+            let message = tokio::select! {
+                () = stop.cancelled() => return,
+                message = requests.next() => match message {
+                    Some(message) => message,
+                    None => return,
+                },
+            };
+            let Some(reply) = message.reply.clone() else {
+                continue;
+            };
+            let gateway = self.clone();
+            let client = client.clone();
+            tokio::spawn(async move {
+                let results = gateway.settle_forwarded(&message.payload).await;
+                forward::answer(&client, reply, results).await;
+            });
+        }
+    }
+
+    /// Do what another replica forwarded, as if a client had asked here.
+    async fn settle_forwarded(&self, payload: &[u8]) -> Vec<RemoteResult> {
+        let request: ForwardedSettle = match serde_json::from_slice(payload) {
+            Ok(request) => request,
+            Err(err) => {
+                debug!(error = %err, "unreadable forwarded settle");
+                return Vec::new();
+            }
+        };
+        let ids: Vec<&str> = request.ids.iter().map(String::as_str).collect();
+        let results: Vec<Settled> = match command_of(&request) {
+            None => ids.iter().map(|_| Err(Error::UnknownLease)).collect(),
+            Some(AckCommand::InProgress) => {
+                let extensions = ids.iter().map(|id| async move {
+                    let signed = self.own_lease(id);
+                    let deadline = tokio::time::sleep(self.config.settle_timeout);
+                    self.extend_by(id, signed, deadline).await.map(Some)
+                });
+                futures::future::join_all(extensions).await
+            }
+            Some(command) => {
+                let leases: Vec<(&str, Option<SignedLease>)> =
+                    ids.iter().map(|id| (*id, self.own_lease(id))).collect();
+                self.settle_many_here(&leases, &command)
+                    .await
+                    .into_iter()
+                    .map(|result| result.map(|()| None))
+                    .collect()
+            }
+        };
+        results
+            .into_iter()
+            .map(|result| {
+                self.state
+                    .metrics
+                    .forwarded_settle_received(outcome_of(&result));
+                to_remote(result)
+            })
+            .collect()
+    }
+
+    /// A forwarded id, decoded only if this replica issued it: an id forwarded here by
+    /// mistake is not passed on again.
+    fn own_lease(&self, id: &str) -> Option<SignedLease> {
+        self.state
+            .signer()
+            .decode(id)
+            .filter(|signed| signed.owner == self.instance)
+    }
+
+    /// Beat, look at the other replicas and at the consumer, every [`HEARTBEAT_EVERY`],
+    /// until `stop`.
+    pub(super) async fn keep_in_step(
+        self,
+        consumer_full: watch::Sender<bool>,
+        stop: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut reported_keys: HashSet<String> = HashSet::new();
+        let mut announce_failed = false;
+        let mut bindings = self.bound.clone();
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                _ = tick.tick() => {}
+                // A new binding beats at once: a replica starting now must see this one.
+                changed = bindings.changed() => if changed.is_err() {
+                    return;
+                },
+            }
+            let Ok(bound) = self.connected() else {
+                continue;
+            };
+            if let Some(shared) = &bound.shared {
+                match shared
+                    .announce(self.instance, &self.own_record(), HEARTBEAT_TTL)
+                    .await
+                {
+                    Ok(()) => announce_failed = false,
+                    Err(err) if !announce_failed => {
+                        announce_failed = true;
+                        warn!(error = %format!("{err:#}"), "cannot announce this replica to the others; retrying");
+                    }
+                    Err(_) => {}
+                }
+                match shared.replicas().await {
+                    Ok(records) => self.saw_replicas(records, &mut reported_keys),
+                    Err(err) => debug!(error = %format!("{err:#}"), "cannot list the replicas"),
+                }
+            }
+            match crate::nats::publish::consumer_info(&bound).await {
+                Ok(info) => {
+                    let max_ack_pending =
+                        usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX);
+                    self.follow_settings(info.config.ack_wait, max_ack_pending);
+                    // Other replicas hold slots this one does not count: the server's count
+                    // of unacknowledged deliveries says when all of them together are full.
+                    let full = self.state.replicas() > 1
+                        && max_ack_pending > 0
+                        && info.num_ack_pending >= max_ack_pending;
+                    consumer_full.send_if_modified(|was| std::mem::replace(was, full) != full);
+                }
+                Err(err) => debug!(error = %format!("{err:#}"), "cannot read the consumer's state"),
+            }
+        }
+    }
+
+    fn saw_replicas(&self, records: Vec<ReplicaRecord>, reported_keys: &mut HashSet<String>) {
+        let me = self.instance.to_string();
+        let mine = self.state.signer().key_fingerprint();
+        let count = records.len() + usize::from(!records.iter().any(|r| r.instance_id == me));
+        self.state.set_replicas(count);
+        for record in &records {
+            if record.instance_id != me
+                && record.lease_key_fingerprint != mine
+                && reported_keys.insert(record.instance_id.clone())
+            {
+                error!(
+                    replica = %record.instance_id,
+                    listen = %record.listen,
+                    started_at = %record.started_at,
+                    "another replica on this consumer signs lease ids with a different --lease-key-file: settles of its leases here (and of ours there) answer 404. Give every replica the same key file"
+                );
+            }
+        }
+        if let Ok(mut seen) = self.replicas.lock() {
+            *seen = records;
+        }
+    }
+
+    /// The consumer's settings as the server now has them: a change made outside the
+    /// gateways (`nats consumer edit`) takes effect for new leases, and a lowered ack_wait
+    /// ends live leases at the server's new deadline.
+    fn follow_settings(&self, ack_wait: Duration, max_ack_pending: usize) {
+        // Compared as the state keeps it, in whole milliseconds.
+        let ack_wait =
+            Duration::from_millis(u64::try_from(ack_wait.as_millis()).unwrap_or(u64::MAX));
+        let old_ack_wait = self.state.ack_wait();
+        let old_max = self.state.max_ack_pending();
+        if ack_wait == old_ack_wait && max_ack_pending == old_max {
+            return;
+        }
+        if ack_wait.is_zero() {
+            return;
+        }
+        let shortened = if ack_wait < old_ack_wait {
+            self.state.shorten_leases(old_ack_wait - ack_wait)
+        } else {
+            0
+        };
+        self.state.apply_settings(ack_wait, max_ack_pending);
+        warn!(
+            ack_wait = %humantime::format_duration(ack_wait),
+            was = %humantime::format_duration(old_ack_wait),
+            max_ack_pending,
+            max_ack_pending_was = old_max,
+            leases_shortened = shortened,
+            "the consumer's settings were changed on the server; new leases follow them, and live leases end no later than the server now redelivers"
+        );
+        self.state.freed_capacity();
+    }
+
+    /// Leave the replicas: others stop counting this one at once.
+    pub(super) async fn withdraw(&self) {
+        if let Ok(bound) = self.bound()
+            && let Some(shared) = &bound.shared
+            && let Err(err) = shared.withdraw(self.instance).await
+        {
+            debug!(error = %format!("{err:#}"), "could not withdraw the heartbeat; it expires by itself");
+        }
+    }
+}
+
+/// Group `ids` (positions into them) by the replica that issued each; `None`: this one, or
+/// no genuine id at all (answered here, 404, without forwarding).
+pub(super) fn by_owner(
+    signed: &[Option<SignedLease>],
+    me: InstanceId,
+) -> (Vec<usize>, HashMap<InstanceId, Vec<usize>>) {
+    let mut here = Vec::new();
+    let mut elsewhere: HashMap<InstanceId, Vec<usize>> = HashMap::new();
+    for (at, lease) in signed.iter().enumerate() {
+        match lease {
+            Some(lease) if lease.owner != me => elsewhere.entry(lease.owner).or_default().push(at),
+            _ => here.push(at),
+        }
+    }
+    (here, elsewhere)
+}
+
+fn request_kind(command: &AckCommand) -> &'static str {
+    match command {
+        AckCommand::Ack => "ack",
+        AckCommand::Nak { .. } => "nak",
+        AckCommand::Term { .. } => "term",
+        AckCommand::InProgress => "in_progress",
+    }
+}
+
+fn forwarded(command: &AckCommand, ids: &[&str]) -> ForwardedSettle {
+    let (delay_ms, reason) = match command {
+        AckCommand::Nak { delay } => (
+            delay.map(|delay| u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)),
+            None,
+        ),
+        AckCommand::Term { reason } => (None, reason.clone()),
+        AckCommand::Ack | AckCommand::InProgress => (None, None),
+    };
+    ForwardedSettle {
+        kind: request_kind(command).to_owned(),
+        delay_ms,
+        reason,
+        ids: ids.iter().map(|id| (*id).to_owned()).collect(),
+    }
+}
+
+fn command_of(request: &ForwardedSettle) -> Option<AckCommand> {
+    match request.kind.as_str() {
+        "ack" => Some(AckCommand::Ack),
+        "nak" => Some(AckCommand::Nak {
+            delay: request.delay_ms.map(Duration::from_millis),
+        }),
+        "term" => Some(AckCommand::Term {
+            reason: request.reason.clone(),
+        }),
+        "in_progress" => Some(AckCommand::InProgress),
+        _ => None,
+    }
+}
+
+fn settle_kind(name: &str) -> Option<SettleKind> {
+    match name {
+        "ack" => Some(SettleKind::Ack),
+        "nak" => Some(SettleKind::Nak),
+        "term" => Some(SettleKind::Term),
+        _ => None,
+    }
+}
+
+fn to_remote(result: Settled) -> RemoteResult {
+    match result {
+        Ok(expires_at) => RemoteResult::Ok {
+            expires_at_unix_ms: expires_at
+                .map(|at| i64::try_from(at.unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX)),
+        },
+        Err(Error::AlreadySettled { settled }) => RemoteResult::AlreadySettled {
+            settled: settled.as_str().to_owned(),
+        },
+        Err(Error::LeaseGone) => RemoteResult::Gone,
+        Err(Error::UnknownLease) => RemoteResult::Unknown,
+        Err(Error::TimedOut) => RemoteResult::Timeout,
+        Err(other) => RemoteResult::Unavailable {
+            detail: other.to_string(),
+        },
+    }
+}
+
+fn from_remote(result: RemoteResult) -> Settled {
+    match result {
+        RemoteResult::Ok { expires_at_unix_ms } => Ok(expires_at_unix_ms.and_then(|ms| {
+            OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000).ok()
+        })),
+        RemoteResult::AlreadySettled { settled } => match settle_kind(&settled) {
+            Some(settled) => Err(Error::AlreadySettled { settled }),
+            None => Err(Error::Unavailable(format!(
+                "the owning replica answered an unknown settle kind {settled:?}"
+            ))),
+        },
+        RemoteResult::Gone => Err(Error::LeaseGone),
+        RemoteResult::Unknown => Err(Error::UnknownLease),
+        RemoteResult::Timeout => Err(Error::TimedOut),
+        RemoteResult::Unavailable { detail } => Err(Error::Unavailable(detail)),
+    }
+}
+
+fn outcome_of(result: &Settled) -> SettleOutcome {
+    match result {
+        Ok(_) => SettleOutcome::Ok,
+        Err(err) => super::settle_outcome(err),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_answer_crosses_the_wire_unchanged() {
+        let at = OffsetDateTime::from_unix_timestamp(1_800_000_000).expect("valid time");
+        let answers: Vec<Settled> = vec![
+            Ok(None),
+            Ok(Some(at)),
+            Err(Error::AlreadySettled {
+                settled: SettleKind::Nak,
+            }),
+            Err(Error::LeaseGone),
+            Err(Error::UnknownLease),
+            Err(Error::TimedOut),
+            Err(Error::Unavailable("NATS is down".into())),
+        ];
+        for answer in answers {
+            let wire = serde_json::to_vec(&to_remote(answer.clone())).expect("encodes");
+            let back = from_remote(serde_json::from_slice(&wire).expect("decodes"));
+            assert_eq!(format!("{back:?}"), format!("{answer:?}"));
+        }
+    }
+
+    #[test]
+    fn commands_cross_the_wire_unchanged() {
+        for command in [
+            AckCommand::Ack,
+            AckCommand::Nak { delay: None },
+            AckCommand::Nak {
+                delay: Some(Duration::from_millis(1500)),
+            },
+            AckCommand::Term { reason: None },
+            AckCommand::Term {
+                reason: Some("bad payload".into()),
+            },
+            AckCommand::InProgress,
+        ] {
+            let request = forwarded(&command, &["id"]);
+            let wire = serde_json::to_vec(&request).expect("encodes");
+            let back = command_of(&serde_json::from_slice(&wire).expect("decodes"));
+            assert_eq!(format!("{back:?}"), format!("{:?}", Some(command)));
+        }
+    }
+
+    #[test]
+    fn ids_are_grouped_by_the_replica_that_issued_them() {
+        use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates};
+        let lease = |owner| {
+            Some(SignedLease {
+                owner: InstanceId(owner),
+                lease: LeaseCoordinates {
+                    epoch: 1,
+                    key: DeliveryKey {
+                        stream_sequence: 1,
+                        delivered: 1,
+                    },
+                    consumer_sequence: 1,
+                    published_unix_nanos: 0,
+                },
+            })
+        };
+        let (here, elsewhere) = by_owner(
+            &[lease(1), lease(2), None, lease(3), lease(2)],
+            InstanceId(1),
+        );
+        assert_eq!(here, vec![0, 2]);
+        assert_eq!(elsewhere[&InstanceId(2)], vec![1, 4]);
+        assert_eq!(elsewhere[&InstanceId(3)], vec![3]);
+    }
+}

@@ -1,0 +1,134 @@
+//! Settles forwarded between replicas over NATS request/reply: only the replica that issued
+//! a lease knows whether it is still live (nak'd, expired, superseded), and the server
+//! accepts stale acks, so a replica that gets a settle for another's lease sends it to the
+//! owner's subject ([`super::replicas::Subjects::settle`]) and answers what the owner
+//! answered. The wire form is JSON; the signed lease ids travel as they came, and the owner
+//! verifies them again.
+//!
+//! May import: `domain`. Nothing of the gateway above the boundary.
+
+use std::time::Duration;
+
+use async_nats::{Client, RequestErrorKind, Subscriber};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// A settle (or extension) of one owner's leases.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct ForwardedSettle {
+    /// `ack`, `nak`, `term` or `in_progress`.
+    pub(crate) kind: String,
+    /// A nak's delay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) delay_ms: Option<u64>,
+    /// A term's reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) reason: Option<String>,
+    pub(crate) ids: Vec<String>,
+}
+
+/// The owner's answer for one id, in the order of the request's ids.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub(crate) enum RemoteResult {
+    /// Confirmed by the server; an extension says until when (Unix milliseconds).
+    Ok {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expires_at_unix_ms: Option<i64>,
+    },
+    /// Settled before with `settled` (ack, nak or term).
+    AlreadySettled {
+        settled: String,
+    },
+    Gone,
+    Unknown,
+    Timeout,
+    Unavailable {
+        detail: String,
+    },
+}
+
+/// The owner's whole answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct ForwardedResults {
+    pub(crate) results: Vec<RemoteResult>,
+}
+
+/// Why a forwarded settle got no answer from its owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ForwardError {
+    /// Nobody listens on the owner's subject: the replica is gone.
+    OwnerGone,
+    /// The owner did not answer in time (stalled, or its server slow).
+    TimedOut,
+    /// Not connected, or an answer that makes no sense.
+    Unavailable(String),
+}
+
+/// Send `settle` to the owner listening on `subject` and wait up to `timeout` for its
+/// answer: one result per id.
+pub(crate) async fn forward(
+    client: &Client,
+    subject: String,
+    settle: &ForwardedSettle,
+    timeout: Duration,
+) -> Result<Vec<RemoteResult>, ForwardError> {
+    if !super::is_connected(client) {
+        return Err(ForwardError::Unavailable(
+            "the connection to NATS is down; retrying".into(),
+        ));
+    }
+    let payload = serde_json::to_vec(settle)
+        .map_err(|err| ForwardError::Unavailable(format!("encoding a forwarded settle: {err}")))?;
+    let request = async_nats::Request::new()
+        .payload(Bytes::from(payload))
+        .timeout(Some(timeout));
+    let answer = client
+        .send_request(subject, request)
+        .await
+        .map_err(|err| match err.kind() {
+            RequestErrorKind::NoResponders => ForwardError::OwnerGone,
+            RequestErrorKind::TimedOut => ForwardError::TimedOut,
+            _ => ForwardError::Unavailable(format!("forwarding the settle failed: {err}")),
+        })?;
+    let results: ForwardedResults = serde_json::from_slice(&answer.payload).map_err(|err| {
+        ForwardError::Unavailable(format!(
+            "the owning replica answered something unreadable: {err}"
+        ))
+    })?;
+    if results.results.len() != settle.ids.len() {
+        return Err(ForwardError::Unavailable(format!(
+            "the owning replica answered {} results for {} ids",
+            results.results.len(),
+            settle.ids.len()
+        )));
+    }
+    Ok(results.results)
+}
+
+/// Listen for settles forwarded to this replica. async-nats renews the subscription after
+/// every reconnect.
+pub(crate) async fn listen(client: &Client, subject: String) -> anyhow::Result<Subscriber> {
+    client
+        .subscribe(subject.clone())
+        .await
+        .map_err(|err| anyhow::anyhow!("subscribing to {subject}: {err}"))
+}
+
+/// Answer a forwarded settle.
+pub(crate) async fn answer(
+    client: &Client,
+    reply: async_nats::Subject,
+    results: Vec<RemoteResult>,
+) {
+    let payload = match serde_json::to_vec(&ForwardedResults { results }) {
+        Ok(payload) => payload,
+        Err(err) => {
+            tracing::error!(error = %err, "could not encode the answer to a forwarded settle");
+            return;
+        }
+    };
+    if let Err(err) = client.publish(reply, payload.into()).await {
+        tracing::warn!(error = %err, "could not answer a forwarded settle; its replica answers 504");
+    }
+}
