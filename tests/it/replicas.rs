@@ -463,3 +463,75 @@ async fn a_change_made_outside_the_gateways_is_followed_within_seconds() {
     assert_eq!(gateway.ack(&fresh.id).await, 204);
     drop(server);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_share_max_waiting_among_2100_long_polls() {
+    const POLLS_PER_REPLICA: usize = 700;
+    const WAIT_MS: u64 = 5000;
+    const MESSAGES: usize = 100;
+    let (_server, js, replicas, _key) = three(Setup::consumer("crowd")).await;
+    assert_eq!(
+        js.consumer_info(STREAM, "crowd").await.config.max_waiting,
+        512,
+        "the server's default"
+    );
+    let mut polls = tokio::task::JoinSet::new();
+    for gateway in &replicas {
+        for _ in 0..POLLS_PER_REPLICA {
+            let client = gateway.client().clone();
+            polls.spawn(async move {
+                let sent = Instant::now();
+                let reply = client
+                    .fetch_reply(Some(&json!({ "batch": 1, "wait_ms": WAIT_MS })))
+                    .await;
+                (reply, sent.elapsed())
+            });
+        }
+    }
+    // Published while every poll waits.
+    wait_until("the polls are all waiting", Duration::from_secs(30), || {
+        let replicas = &replicas;
+        async move {
+            let mut waiting = 0.0;
+            for gateway in replicas {
+                waiting += Scrape::of(gateway)
+                    .await
+                    .get("ruststream_fetches_in_progress");
+            }
+            waiting >= (3 * POLLS_PER_REPLICA) as f64
+        }
+    })
+    .await;
+    // Together the replicas keep at most half the consumer's max_waiting open: the server
+    // never turns a pull away ("Exceeded MaxWaiting") and other clients keep room.
+    let waiting_at_server = js.consumer_info(STREAM, "crowd").await.num_waiting;
+    assert!(
+        (1..=256).contains(&waiting_at_server),
+        "pull requests waiting at the server: {waiting_at_server}"
+    );
+    js.publish_many("orders.1", MESSAGES, "m").await;
+
+    let mut leased = std::collections::HashMap::new();
+    let mut answers = 0;
+    while let Some(joined) = polls.join_next().await {
+        let (reply, took) = joined.expect("a poll task");
+        answers += 1;
+        assert_eq!(reply.status, 200, "{}", reply.text);
+        let messages = reply.messages();
+        if messages.is_empty() {
+            assert!(
+                took >= Duration::from_millis(WAIT_MS),
+                "an empty answer before its wait_ms: {took:?}"
+            );
+        }
+        for message in messages {
+            *leased.entry(message.stream_sequence).or_insert(0) += 1;
+        }
+    }
+    assert_eq!(answers, 3 * POLLS_PER_REPLICA);
+    assert_eq!(leased.len(), MESSAGES, "every message leased");
+    assert!(
+        leased.values().all(|count| *count == 1),
+        "each message leased exactly once: {leased:?}"
+    );
+}
