@@ -25,9 +25,16 @@
 //!   server or gateway fault, the dead-letter stream holds exactly the termed ids, once each,
 //!   with the reasons the ledger recorded; with the gateway killed, it still holds every id
 //!   termed with a 2xx (the advisory stream keeps what the killed gateway had not copied).
+//! - **non-sticky replicas**: three gateways on the consumer, every request to a random one
+//!   and every settle deliberately at another replica than the fetch, through a replica
+//!   kill -9 and restart, a rolling restart (SIGTERM, start again) of the other two, a
+//!   replica paused 3 s and a nats-server kill -9 (or, on the cluster, the consumer leader's
+//!   node killed): lost = 0, and a settle of a live lease whose owner is alive (not killed or
+//!   stopped since the fetch) is never refused (404/410).
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,7 +45,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::client::{batch_results, http_builder};
 use crate::support::cluster::Cluster;
-use crate::support::{Action, Client, FetchRequest, Reply, Setup};
+use crate::support::{Action, Client, FetchRequest, GatewayProcess, Reply, Setup};
 
 const STREAM: &str = "LEDGER";
 const CONSUMER: &str = "ledger";
@@ -87,6 +94,73 @@ struct Ledger {
     seen: HashMap<String, Vec<u64>>,
     /// `(id, delivered)` of deliveries after the id's ack or term got 2xx.
     duplicates: Vec<(String, u64)>,
+    /// Settles refused (404/410) although sent well before the lease's expiry to a live
+    /// owner (not killed or stopped since the fetch, no nats-server killed meanwhile).
+    refused_live: Vec<String>,
+}
+
+/// The replicas a run talks to: one in the sticky runs, three in the non-sticky ones, where
+/// each fetch goes to a random replica and each settle to another one than the fetch.
+struct Fleet {
+    clients: Vec<Client>,
+    /// Bumped when a replica is killed or has stopped (its leases may be refused from then
+    /// on), and for all of them when a nats-server is killed (a new lease epoch may follow).
+    generations: Vec<AtomicU64>,
+}
+
+impl Fleet {
+    fn new(bases: &[String]) -> Arc<Self> {
+        Arc::new(Self {
+            clients: bases.iter().map(|base| client(base)).collect(),
+            generations: bases.iter().map(|_| AtomicU64::new(0)).collect(),
+        })
+    }
+
+    /// A random replica for a fetch.
+    fn pick(&self) -> usize {
+        rand::random_range(0..self.clients.len())
+    }
+
+    /// The client for a settle of `lease`: another replica than the one that issued it,
+    /// when there are several.
+    fn settler(&self, lease: &Lease) -> &Client {
+        let count = self.clients.len();
+        if count == 1 {
+            return &self.clients[0];
+        }
+        let other = (lease.owner + rand::random_range(1..count)) % count;
+        &self.clients[other]
+    }
+
+    fn generation(&self, replica: usize) -> u64 {
+        self.generations[replica].load(Ordering::SeqCst)
+    }
+
+    fn bump(&self, replica: usize) {
+        self.generations[replica].fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn bump_all(&self) {
+        for replica in 0..self.generations.len() {
+            self.bump(replica);
+        }
+    }
+
+    /// A settle of `lease` answered `status`, just now: a 404 or 410 answered while the lease
+    /// was still live (the owner decided before its expiry) by an owner alive since the
+    /// fetch breaks the contract.
+    fn check_refusal(&self, ledger: &SharedLedger, lease: &Lease, status: u16) {
+        let answered_at = time::OffsetDateTime::now_utc();
+        let live = lease
+            .expires_at
+            .is_some_and(|expires_at| answered_at < expires_at);
+        if matches!(status, 404 | 410) && live && self.generation(lease.owner) == lease.generation {
+            lock(ledger).refused_live.push(format!(
+                "{} (delivery {}, issued by replica {}): {status}",
+                lease.ledger_id, lease.delivered, lease.owner
+            ));
+        }
+    }
 }
 
 type SharedLedger = Arc<Mutex<Ledger>>;
@@ -103,6 +177,10 @@ struct Lease {
     id: String,
     ledger_id: String,
     delivered: u64,
+    /// The replica that issued it, and that replica's generation then.
+    owner: usize,
+    generation: u64,
+    expires_at: Option<time::OffsetDateTime>,
 }
 
 fn record_delivery(ledger: &SharedLedger, message: &Value) -> Option<Lease> {
@@ -110,6 +188,11 @@ fn record_delivery(ledger: &SharedLedger, message: &Value) -> Option<Lease> {
         id: message["id"].as_str()?.to_owned(),
         ledger_id: message["data"].as_str()?.to_owned(),
         delivered: message["delivered"].as_u64()?,
+        owner: 0,
+        generation: 0,
+        expires_at: message["lease_expires_at"].as_str().and_then(|at| {
+            time::OffsetDateTime::parse(at, &time::format_description::well_known::Rfc3339).ok()
+        }),
     };
     let mut ledger = lock(ledger);
     ledger.deliveries += 1;
@@ -207,16 +290,39 @@ fn record_fetched(ledger: &SharedLedger, reply: &Reply) -> Vec<Lease> {
         .collect()
 }
 
+/// [`record_fetched`] of a fetch at replica `owner` (in its `generation`).
+fn record_fetched_at(
+    ledger: &SharedLedger,
+    reply: &Reply,
+    owner: usize,
+    generation: u64,
+) -> Vec<Lease> {
+    record_fetched(ledger, reply)
+        .into_iter()
+        .map(|lease| Lease {
+            owner,
+            generation,
+            ..lease
+        })
+        .collect()
+}
+
 /// Send an ack (single) and record the answer; retry a 504 (the lease stays valid).
-async fn ack(client: &Client, ledger: &SharedLedger, lease: &Lease) {
-    ack_after(client, ledger, lease, false).await;
+async fn ack(fleet: &Fleet, ledger: &SharedLedger, lease: &Lease) {
+    ack_after(fleet, ledger, lease, false).await;
 }
 
 /// `unanswered`: an earlier attempt of this ack got no definite answer (504, or a batch that
 /// failed), so it may have landed at the server however the retries end.
-async fn ack_after(client: &Client, ledger: &SharedLedger, lease: &Lease, mut unanswered: bool) {
+async fn ack_after(fleet: &Fleet, ledger: &SharedLedger, lease: &Lease, mut unanswered: bool) {
     for _ in 0..3 {
-        let answer = client.try_settle(&lease.id, Action::Ack, None, None).await;
+        let answer = fleet
+            .settler(lease)
+            .try_settle(&lease.id, Action::Ack, None, None)
+            .await;
+        if let Ok(reply) = &answer {
+            fleet.check_refusal(ledger, lease, reply.status);
+        }
         match answer.as_ref().map(|reply| reply.status) {
             Ok(204) => {
                 confirm(ledger, lease, Outcome::Acked);
@@ -248,12 +354,14 @@ async fn ack_after(client: &Client, ledger: &SharedLedger, lease: &Lease, mut un
     }
 }
 
-async fn batch_ack(client: &Client, ledger: &SharedLedger, leases: &[Lease]) {
+async fn batch_ack(fleet: &Fleet, ledger: &SharedLedger, leases: &[Lease]) {
     if leases.is_empty() {
         return;
     }
     let ids: Vec<&str> = leases.iter().map(|lease| lease.id.as_str()).collect();
-    let answer = client
+    // Not at the replica of the first lease (the others may be anywhere).
+    let answer = fleet
+        .settler(&leases[0])
         .try_post("/messages/ack", Some(&json!({ "ids": ids })), None)
         .await;
     let results = match &answer {
@@ -286,28 +394,32 @@ async fn batch_ack(client: &Client, ledger: &SharedLedger, leases: &[Lease]) {
         );
     }
     for lease in leases {
+        if let Some(status) = by_id.get(lease.id.as_str()) {
+            fleet.check_refusal(ledger, lease, *status);
+        }
         match by_id.get(lease.id.as_str()) {
             Some(204) => confirm(ledger, lease, Outcome::Acked),
             Some(404 | 409 | 410) => {}
             // 504 in a batch: retry it alone.
-            Some(_) => ack_after(client, ledger, lease, true).await,
+            Some(_) => ack_after(fleet, ledger, lease, true).await,
             None => {
                 unexpected(
                     ledger,
                     format!("batch ack: no result for {}", lease.ledger_id),
                 );
-                ack_after(client, ledger, lease, true).await;
+                ack_after(fleet, ledger, lease, true).await;
             }
         }
     }
 }
 
-async fn term(client: &Client, ledger: &SharedLedger, lease: &Lease) {
+async fn term(fleet: &Fleet, ledger: &SharedLedger, lease: &Lease) {
     let reason = format!("ledger: {} rejected on purpose", lease.ledger_id);
     lock(ledger)
         .term_reasons
         .insert(lease.ledger_id.clone(), reason.clone());
-    let answer = client
+    let answer = fleet
+        .settler(lease)
         .try_settle(
             &lease.id,
             Action::Term,
@@ -316,6 +428,9 @@ async fn term(client: &Client, ledger: &SharedLedger, lease: &Lease) {
         )
         .await;
     let status = answer.as_ref().map(|reply| reply.status).ok();
+    if let Some(status) = status {
+        fleet.check_refusal(ledger, lease, status);
+    }
     if status == Some(204) {
         confirm(ledger, lease, Outcome::Termed);
     } else {
@@ -331,10 +446,11 @@ async fn term(client: &Client, ledger: &SharedLedger, lease: &Lease) {
     }
 }
 
-async fn worker(base: String, ledger: SharedLedger, stop: CancellationToken) {
-    let client = client(&base);
+async fn worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationToken) {
     while !stop.is_cancelled() {
-        let answer = client
+        let owner = fleet.pick();
+        let generation = fleet.generation(owner);
+        let answer = fleet.clients[owner]
             .try_fetch(&FetchRequest::new(5, 500).utf8(), None)
             .await;
         let reply = match answer {
@@ -346,14 +462,15 @@ async fn worker(base: String, ledger: SharedLedger, stop: CancellationToken) {
                 continue;
             }
         };
-        let leases = record_fetched(&ledger, &reply);
+        let leases = record_fetched_at(&ledger, &reply, owner, generation);
         let mut batch = Vec::new();
         for lease in leases {
             match behaviour(&lease) {
-                Behaviour::Ack => ack(&client, &ledger, &lease).await,
+                Behaviour::Ack => ack(&fleet, &ledger, &lease).await,
                 Behaviour::BatchAck => batch.push(lease),
                 Behaviour::NakWithDelay => {
-                    let answer = client
+                    let answer = fleet
+                        .settler(&lease)
                         .try_settle(
                             &lease.id,
                             Action::Nak,
@@ -364,6 +481,9 @@ async fn worker(base: String, ledger: SharedLedger, stop: CancellationToken) {
                     // A nak settles nothing for good: the message comes back either way, but
                     // anything but 204 (or a lease that just expired) breaks the contract.
                     let status = answer.as_ref().map(|reply| reply.status).ok();
+                    if let Some(status) = status {
+                        fleet.check_refusal(&ledger, &lease, status);
+                    }
                     if !matches!(status, Some(204 | 410)) {
                         unexpected(
                             &ledger,
@@ -371,11 +491,11 @@ async fn worker(base: String, ledger: SharedLedger, stop: CancellationToken) {
                         );
                     }
                 }
-                Behaviour::Term => term(&client, &ledger, &lease).await,
+                Behaviour::Term => term(&fleet, &ledger, &lease).await,
                 Behaviour::Abandon => {}
             }
         }
-        batch_ack(&client, &ledger, &batch).await;
+        batch_ack(&fleet, &ledger, &batch).await;
     }
 }
 
@@ -449,6 +569,21 @@ impl Fault {
         });
         Self { name, recovered }
     }
+
+    /// [`Fault::healed`] of a server fault: until the consumer answers again (a cluster
+    /// elects a new leader, which may redeliver early or have lost deliveries: a new lease
+    /// epoch), the failover may void leases issued meanwhile, which is not the replicas'
+    /// doing; so the fleet's generations move on again once it has recovered.
+    fn healed_then(name: &'static str, base: &str, fleet: &Arc<Fleet>) -> Self {
+        let probe = Self::healed(name, base);
+        let fleet = fleet.clone();
+        let recovered = tokio::spawn(async move {
+            let took = probe.recovered.await.ok().flatten();
+            fleet.bump_all();
+            took
+        });
+        Self { name, recovered }
+    }
 }
 
 /// What a run ended with.
@@ -475,6 +610,7 @@ struct Report {
     termed_not_dead_lettered: usize,
     duplicates: Vec<(String, u64)>,
     redeliveries: u64,
+    refused_live: Vec<String>,
     recoveries: Vec<(&'static str, Option<Duration>)>,
     took: Duration,
 }
@@ -494,7 +630,7 @@ impl Report {
                 .join("; ")
         };
         format!(
-            "| {:<28} | {:>3} | {:>5} ({:>2} unconfirmed) | {:>6} | {:>3} ({} differ) | {:>4} | {:>10} | {:>12} | {:>9} | {} | {:.0}s |",
+            "| {:<28} | {:>3} | {:>5} ({:>2} unconfirmed) | {:>6} | {:>3} ({} differ) | {:>4} | {:>10} | {:>12} | {:>9} | {:>4} | {} | {:.0}s |",
             self.scenario,
             K,
             self.acked + self.acked_unconfirmed + self.hung_up,
@@ -506,13 +642,14 @@ impl Report {
             self.duplicates.len(),
             self.redeliveries,
             self.unexpected.len(),
+            self.refused_live.len(),
             recoveries,
             self.took.as_secs_f64()
         )
     }
 }
 
-const HEADER: &str = "| scenario                     |   K | acked (of which unconfirmed) | termed | dead-lettered | lost | duplicates | redeliveries | off-contract answers | recovery after fault | run |\n|---|---|---|---|---|---|---|---|---|---|---|";
+const HEADER: &str = "| scenario                     |   K | acked (of which unconfirmed) | termed | dead-lettered | lost | duplicates | redeliveries | off-contract answers | live leases refused | recovery after fault | run |\n|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// Print past the test harness' capture, so CI logs show the table.
 fn print_table(title: &str, reports: &[Report]) {
@@ -623,6 +760,10 @@ enum Scenario {
     KillGateway,
     VanishingClients,
     ClusterFaults,
+    /// Three replicas, no stickiness, replica and server faults (`true`: on the cluster).
+    NonSticky {
+        cluster: bool,
+    },
 }
 
 impl Scenario {
@@ -633,36 +774,59 @@ impl Scenario {
             Self::KillGateway => "gateway kill -9",
             Self::VanishingClients => "clients vanish mid-fetch/ack",
             Self::ClusterFaults => "3-node cluster: leader/pause",
+            Self::NonSticky { cluster: false } => "3 replicas, non-sticky",
+            Self::NonSticky { cluster: true } => "3 replicas, non-sticky, R3",
+        }
+    }
+
+    fn nodes(&self) -> usize {
+        match self {
+            Self::ClusterFaults | Self::NonSticky { cluster: true } => 3,
+            _ => 1,
+        }
+    }
+
+    fn gateways(&self) -> usize {
+        match self {
+            Self::NonSticky { .. } => 3,
+            _ => 1,
         }
     }
 }
 
 async fn run(scenario: Scenario) -> Report {
     let started = Instant::now();
-    let replicas = if matches!(scenario, Scenario::ClusterFaults) {
-        3
-    } else {
-        1
-    };
+    let replicas = scenario.nodes();
     let mut cluster = Cluster::start(replicas).await;
     let urls = cluster.urls();
     let js = create_streams(&urls, replicas).await;
     let ids = publish_all(&js).await;
-    let mut gateway = Setup::consumer(CONSUMER)
+    let mut key = tempfile::NamedTempFile::new().expect("lease key file");
+    key.write_all(b"the ledger's replicas share this lease key: 0123456789")
+        .expect("write the lease key");
+    // Longer than a lease lives: a replica being rolled answers every settle of its leases
+    // until they are settled or expired, and only then exits.
+    let grace = if scenario.gateways() > 1 { "3s" } else { "1s" };
+    let setup = Setup::consumer(CONSUMER)
         .stream(STREAM)
         .ack_wait(ACK_WAIT)
         .settle_timeout("2s")
-        .shutdown_grace("1s")
+        .shutdown_grace(grace)
         .dead_letter_subject(DLQ_SUBJECT)
-        .process(&urls)
-        .await;
-    let base = gateway.base();
+        .lease_key_file(key.path());
+    let mut gateways: Vec<GatewayProcess> = Vec::new();
+    for _ in 0..scenario.gateways() {
+        gateways.push(setup.process(&urls).await);
+    }
+    let bases: Vec<String> = gateways.iter().map(|gateway| gateway.base()).collect();
+    let base = bases[0].clone();
+    let fleet = Fleet::new(&bases);
     let ledger: SharedLedger = Arc::default();
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
     for _ in 0..W {
         tasks.push(tokio::spawn(worker(
-            base.clone(),
+            fleet.clone(),
             ledger.clone(),
             stop.clone(),
         )));
@@ -701,10 +865,10 @@ async fn run(scenario: Scenario) -> Report {
         }
         Scenario::KillGateway => {
             wait_for_settled(30).await;
-            gateway.kill9();
+            gateways[0].kill9();
             // Measured from the restart of the process, its start-up included.
             let probe = Fault::healed("restart", &base);
-            gateway.restart().await;
+            gateways[0].restart().await;
             faults.push(probe);
         }
         Scenario::ClusterFaults => {
@@ -712,10 +876,11 @@ async fn run(scenario: Scenario) -> Report {
             let leader = consumer_leader(&js)
                 .await
                 .expect("the consumer has a leader");
+            fleet.bump_all();
             cluster.node(&leader).kill();
             tokio::time::sleep(Duration::from_secs(1)).await;
             cluster.node(&leader).restart().await;
-            faults.push(Fault::healed("leader kill", &base));
+            faults.push(Fault::healed_then("leader kill", &base, &fleet));
             wait_for_settled(45).await;
             // Pause a node for 3 s: a hung server, sockets open, nothing answered.
             let paused = cluster
@@ -723,10 +888,63 @@ async fn run(scenario: Scenario) -> Report {
                 .iter()
                 .position(|(name, _)| *name != leader)
                 .expect("another node");
+            fleet.bump_all();
             cluster.nodes[paused].1.pause();
             tokio::time::sleep(Duration::from_secs(3)).await;
             cluster.nodes[paused].1.resume();
-            faults.push(Fault::healed("pause 3s", &base));
+            faults.push(Fault::healed_then("pause 3s", &base, &fleet));
+        }
+        Scenario::NonSticky {
+            cluster: on_cluster,
+        } => {
+            // A replica killed -9 and started again.
+            wait_for_settled(15).await;
+            fleet.bump(0);
+            gateways[0].kill9();
+            let probe = Fault::healed("replica kill", &bases[0]);
+            gateways[0].restart().await;
+            faults.push(probe);
+            // A rolling restart of the other two, one at a time.
+            wait_for_settled(30).await;
+            for replica in [1, 2] {
+                let status = gateways[replica].terminate(Duration::from_secs(15)).await;
+                assert!(
+                    status.success(),
+                    "replica {replica} stopped badly: {}",
+                    gateways[replica].log()
+                );
+                fleet.bump(replica);
+                gateways[replica].restart().await;
+            }
+            faults.push(Fault::healed("rolling restart", &bases[2]));
+            // A replica stalled for 3 s: settles of its leases elsewhere wait (504).
+            wait_for_settled(50).await;
+            gateways[1].pause();
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            // A settle it takes up after the stall finds a lease that expired meanwhile
+            // (410, rightly): its leases from before are not counted as live.
+            fleet.bump(1);
+            gateways[1].resume();
+            faults.push(Fault::healed("replica pause 3s", &bases[1]));
+            // The server (or the consumer leader's node) killed -9 and started again.
+            wait_for_settled(65).await;
+            let node = if on_cluster {
+                let leader = consumer_leader(&js)
+                    .await
+                    .expect("the consumer has a leader");
+                cluster
+                    .nodes
+                    .iter()
+                    .position(|(name, _)| *name == leader)
+                    .expect("the leader is a node")
+            } else {
+                0
+            };
+            fleet.bump_all();
+            cluster.nodes[node].1.kill();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            cluster.nodes[node].1.restart().await;
+            faults.push(Fault::healed_then("server kill", &bases[0], &fleet));
         }
     }
 
@@ -850,6 +1068,9 @@ async fn run(scenario: Scenario) -> Report {
                         id: String::new(),
                         ledger_id: id.clone(),
                         delivered: *delivered,
+                        owner: 0,
+                        generation: 0,
+                        expires_at: None,
                     };
                     format!("{delivered}:{:?}", behaviour(&lease))
                 })
@@ -866,15 +1087,21 @@ async fn run(scenario: Scenario) -> Report {
                 .map(|info| format!("{info:?}")),
             None => None,
         };
+        let warnings: Vec<String> = gateways
+            .iter()
+            .flat_map(|gateway| {
+                gateway
+                    .log()
+                    .lines()
+                    .filter(|line| line.contains("WARN") || line.contains("ERROR"))
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
         eprintln!(
             "{}: server backlog (num_pending, num_ack_pending) {backlog:?}; consumer {info:?}; gateway log (warnings):\n{}",
             scenario.name(),
-            gateway
-                .log()
-                .lines()
-                .filter(|line| line.contains("WARN") || line.contains("ERROR"))
-                .collect::<Vec<_>>()
-                .join("\n")
+            warnings.join("\n")
         );
     }
     Report {
@@ -891,6 +1118,7 @@ async fn run(scenario: Scenario) -> Report {
         termed_not_dead_lettered,
         duplicates: ledger.duplicates.clone(),
         redeliveries: ledger.redeliveries,
+        refused_live: ledger.refused_live.clone(),
         recoveries,
         took: started.elapsed(),
     }
@@ -933,6 +1161,14 @@ fn check(report: &Report, faulty: bool, duplicates_allowed: bool) -> Vec<String>
             report.scenario,
             report.lost.len(),
             &report.lost[..report.lost.len().min(10)]
+        ));
+    }
+    if !report.refused_live.is_empty() {
+        failures.push(format!(
+            "{}: {} settles of live leases at live owners refused: {:?}",
+            report.scenario,
+            report.refused_live.len(),
+            &report.refused_live[..report.refused_live.len().min(10)]
         ));
     }
     if report.terms_without_reason > 0 {
@@ -994,10 +1230,34 @@ async fn ledger_single_node_faults() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_cluster_faults() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let report = run(Scenario::ClusterFaults).await;
-    let failures = check(&report, true, true);
+    let mut reports = Vec::new();
+    let mut failures = Vec::new();
+    for scenario in [
+        Scenario::ClusterFaults,
+        Scenario::NonSticky { cluster: true },
+    ] {
+        let report = run(scenario).await;
+        failures.extend(check(&report, true, true));
+        reports.push(report);
+    }
     print_table(
         "3-node cluster, stream R3 (sync_interval: always)",
+        &reports,
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Three replicas behind no sticky balancer: every settle at another replica than the
+/// fetch, through replica and server faults.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_non_sticky_replicas() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Replicas are killed: their memory of confirmed settles dies with them, so duplicates
+    // are reported, not failed (as for the single gateway killed).
+    let report = run(Scenario::NonSticky { cluster: false }).await;
+    let failures = check(&report, true, true);
+    print_table(
+        "3 gateway replicas, non-sticky, single nats-server (sync_interval: always)",
         &[report],
     );
     assert!(failures.is_empty(), "{failures:#?}");
