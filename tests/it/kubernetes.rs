@@ -5,8 +5,9 @@
 //! (and the gateway answers them there, tokens or not); ports agree between the args, the
 //! container, the probes and the Service; the termination grace period outlasts the preStop
 //! wait and the shutdown; the pods run as the Dockerfile's USER, locked down; three replicas
-//! under a disruption budget that selects them; every Secret mounted is defined and holds the
-//! file the flags point to. (No cluster on the build machines: this checks what the YAML
+//! under a disruption budget that selects them, behind a Service with no session affinity
+//! (any replica settles any lease); every Secret mounted is defined and holds the file the
+//! flags point to. (No cluster on the build machines: this checks what the YAML
 //! means, not that an API server accepts it.)
 
 use std::collections::BTreeSet;
@@ -528,6 +529,41 @@ fn three_replicas_under_a_disruption_budget_that_selects_them() {
     assert!(
         keeps_two_of_three,
         "voluntary disruptions take one replica at a time, and may take one: {spec:?}"
+    );
+}
+
+/// Any replica settles any lease (a settle of another replica's lease is forwarded to it),
+/// so the Service spreads every request over the ready replicas: no `sessionAffinity`, which
+/// would pin each client to one replica and undo the spread.
+#[test]
+fn the_service_spreads_requests_over_every_replica() {
+    let service = the(&applied(), "Service");
+    let spec = &service["spec"];
+    assert!(
+        matches!(spec["sessionAffinity"].as_str(), None | Some("None")),
+        "the Service has no session affinity: {:?}",
+        spec["sessionAffinity"]
+    );
+    assert!(
+        spec["sessionAffinityConfig"].is_badvalue(),
+        "no sessionAffinityConfig: {:?}",
+        spec["sessionAffinityConfig"]
+    );
+    // Neither does anything else here pin clients to a replica.
+    for object in everything() {
+        let kind = object["kind"].as_str().unwrap_or_default().to_owned();
+        assert!(
+            object["spec"]["sessionAffinity"].is_badvalue(),
+            "{kind}: no session affinity"
+        );
+    }
+    // Every replica runs the same consumer, key and internal prefix: the pod template is
+    // theirs alike, and it names the shared lease key (checked with the Secrets below).
+    let config = Pod::of_the_deployment().config();
+    assert!(!config.ephemeral, "the replicas share a durable consumer");
+    assert!(
+        config.lease_key_file.is_some(),
+        "the replicas share one --lease-key-file"
     );
 }
 
