@@ -138,25 +138,34 @@ impl Gateway {
         }
     }
 
-    /// The answer another replica gave first to this fetch's key, if any. A shared stream
-    /// that cannot be read costs the retry-safety across replicas only, not the fetch.
+    /// The answer another replica gave first to this fetch's key, while a lease of it is
+    /// live there (as for a key this replica remembers). One this replica gave is not
+    /// looked at: its own memory of the key, which let this fetch go first, knows better. A
+    /// shared stream that cannot be read costs the retry-safety across replicas only, not
+    /// the fetch.
     async fn shared_answer(&self, idempotency: &Idempotency) -> Option<SharedAnswer> {
         let bound = self.bound().ok()?;
         let shared = bound.shared.as_ref()?;
-        match shared.remembered_answer(&idempotency.scope.digest()).await {
-            Ok(Some((fingerprint, body))) => {
-                Some(if fingerprint == idempotency.fingerprint.to_hex() {
-                    SharedAnswer::Same(body)
-                } else {
-                    SharedAnswer::Other
-                })
-            }
-            Ok(None) => None,
+        let remembered = match shared.remembered_answer(&idempotency.scope.digest()).await {
+            Ok(Some(remembered)) => remembered,
+            Ok(None) => return None,
             Err(err) => {
                 warn!(error = %format!("{err:#}"), "cannot read the answers replicas share; this keyed fetch is retry-safe at this replica only");
-                None
+                return None;
             }
+        };
+        if remembered.owner == self.instance.to_string()
+            || !self.any_live_elsewhere(&remembered.body).await
+        {
+            return None;
         }
+        Some(
+            if remembered.fingerprint == idempotency.fingerprint.to_hex() {
+                SharedAnswer::Same(remembered.body)
+            } else {
+                SharedAnswer::Other
+            },
+        )
     }
 
     /// Share a keyed fetch's answer with the other replicas for as long as its leases can
@@ -171,6 +180,7 @@ impl Gateway {
         if let Err(err) = shared
             .remember_answer(
                 &idempotency.scope.digest(),
+                self.instance,
                 &idempotency.fingerprint.to_hex(),
                 body,
                 self.state.ack_wait(),

@@ -30,6 +30,9 @@ const HEARTBEAT_TTL: Duration = Duration::from_secs(4);
 /// A forwarded settle waits for the owner's answer this much beyond `--settle-timeout`, so
 /// that an owner's own answer at its timeout (504, or a late confirmation) wins the race.
 const FORWARD_GRACE: Duration = Duration::from_millis(250);
+/// The kind of a forwarded request that only asks which leases are live (a keyed fetch
+/// retried at another replica replays its first answer only while one is).
+const LIVE: &str = "live";
 
 /// What a settle of one lease came to, at whichever replica did it: `Some(expiry)` for an
 /// extension.
@@ -107,29 +110,56 @@ impl Gateway {
         command: &AckCommand,
     ) -> Vec<Settled> {
         let all = |err: Error| ids.iter().map(|_| Err(err.clone())).collect::<Vec<_>>();
-        let results = match self.client.get() {
-            None => all(Error::Unavailable(
-                "not connected to NATS yet; retrying".into(),
-            )),
-            Some(client) => {
-                let request = forwarded(command, ids);
-                let timeout = self.config.settle_timeout + FORWARD_GRACE;
-                let subject = self.subjects.settle(owner);
-                match forward::forward(client, subject, &request, timeout).await {
-                    Ok(results) => results.into_iter().map(from_remote).collect(),
-                    // Nobody listens for the owner: it is gone, and so are its leases (the
-                    // server redelivers their messages after ack_wait).
-                    Err(ForwardError::OwnerGone) => all(Error::LeaseGone),
-                    Err(ForwardError::TimedOut) => all(Error::TimedOut),
-                    Err(ForwardError::Unavailable(detail)) => all(Error::Unavailable(detail)),
-                }
-            }
+        let results = match self.forward_request(owner, forwarded(command, ids)).await {
+            Ok(results) => results.into_iter().map(from_remote).collect(),
+            // Nobody listens for the owner: it is gone, and so are its leases (the server
+            // redelivers their messages after ack_wait).
+            Err(ForwardError::OwnerGone) => all(Error::LeaseGone),
+            Err(ForwardError::TimedOut) => all(Error::TimedOut),
+            Err(ForwardError::Unavailable(detail)) => all(Error::Unavailable(detail)),
         };
         for result in &results {
             self.state.metrics.settle_forwarded(outcome_of(result));
         }
         debug!(%owner, count = ids.len(), kind = request_kind(command), "forwarded settles to the replica that issued the leases");
         results
+    }
+
+    /// Whether any lease of a fetch answer another replica gave is still live there (asked
+    /// of its owner, which alone knows; a gone owner's leases are gone).
+    pub(super) async fn any_live_elsewhere(&self, body: &[u8]) -> bool {
+        #[derive(serde::Deserialize)]
+        struct Answer {
+            messages: Vec<Message>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Message {
+            id: String,
+        }
+        let Ok(answer) = serde_json::from_slice::<Answer>(body) else {
+            return false;
+        };
+        let ids: Vec<String> = answer.messages.into_iter().map(|m| m.id).collect();
+        let Some(owner) = ids
+            .first()
+            .and_then(|id| self.state.signer().decode(id))
+            .map(|signed| signed.owner)
+        else {
+            return false;
+        };
+        let question = ForwardedSettle {
+            kind: LIVE.to_owned(),
+            delay_ms: None,
+            reason: None,
+            ids,
+        };
+        self.forward_request(owner, question)
+            .await
+            .is_ok_and(|results| {
+                results
+                    .iter()
+                    .any(|result| matches!(result, RemoteResult::Ok { .. }))
+            })
     }
 
     /// Answer the settles other replicas forward to this one until `stop` (which comes
@@ -178,6 +208,21 @@ impl Gateway {
         }
     }
 
+    /// Send `request` to `owner` and wait (bounded) for its answer.
+    async fn forward_request(
+        &self,
+        owner: InstanceId,
+        request: ForwardedSettle,
+    ) -> Result<Vec<RemoteResult>, ForwardError> {
+        let Some(client) = self.client.get() else {
+            return Err(ForwardError::Unavailable(
+                "not connected to NATS yet; retrying".into(),
+            ));
+        };
+        let timeout = self.config.settle_timeout + FORWARD_GRACE;
+        forward::forward(client, self.subjects.settle(owner), &request, timeout).await
+    }
+
     /// Do what another replica forwarded, as if a client had asked here.
     async fn settle_forwarded(&self, payload: &[u8]) -> Vec<RemoteResult> {
         let request: ForwardedSettle = match serde_json::from_slice(payload) {
@@ -188,6 +233,26 @@ impl Gateway {
             }
         };
         let ids: Vec<&str> = request.ids.iter().map(String::as_str).collect();
+        if request.kind == LIVE {
+            // Only a question: nothing is settled or counted.
+            let now = tokio::time::Instant::now();
+            return ids
+                .iter()
+                .map(|id| {
+                    let live = self.own_lease(id).is_some_and(|signed| {
+                        signed.lease.epoch == self.state.epoch()
+                            && self.state.leases().is_live(signed.lease.key, now)
+                    });
+                    if live {
+                        RemoteResult::Ok {
+                            expires_at_unix_ms: None,
+                        }
+                    } else {
+                        RemoteResult::Gone
+                    }
+                })
+                .collect();
+        }
         let results: Vec<Settled> = match command_of(&request) {
             None => ids.iter().map(|_| Err(Error::UnknownLease)).collect(),
             Some(AckCommand::InProgress) => {

@@ -16,7 +16,8 @@ use serde::{Deserialize, Serialize};
 /// A settle (or extension) of one owner's leases.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct ForwardedSettle {
-    /// `ack`, `nak`, `term` or `in_progress`.
+    /// `ack`, `nak`, `term` or `in_progress`; or `live`, which only asks which of the
+    /// leases are live (answered `ok` or `gone`, nothing settled).
     pub(crate) kind: String,
     /// A nak's delay.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -73,6 +73,17 @@ pub(crate) struct ReplicaRecord {
 
 /// Header carrying a remembered fetch answer's request fingerprint.
 const FINGERPRINT_HEADER: &str = "Ruststream-Fingerprint";
+/// Header naming the replica that gave a remembered fetch answer (and issued its leases).
+const OWNER_HEADER: &str = "Ruststream-Owner";
+
+/// A keyed fetch's first answer, as another replica remembered it.
+pub(crate) struct RememberedAnswer {
+    /// The request's fingerprint (hex).
+    pub(crate) fingerprint: String,
+    /// The replica that gave it, as its instance id prints.
+    pub(crate) owner: String,
+    pub(crate) body: Bytes,
+}
 /// The stream never holds more than this: heartbeats are tiny, answers are bounded by TTLs.
 const MAX_BYTES: i64 = 256 * 1024 * 1024;
 /// nats-server refuses longer stream names.
@@ -211,19 +222,21 @@ impl Shared {
             .context("timed out listing the replicas")?
     }
 
-    /// The answer first given to a keyed fetch, by any replica: its request fingerprint (hex)
-    /// and body.
+    /// The answer first given to a keyed fetch, by any replica.
     pub(crate) async fn remembered_answer(
         &self,
         digest: &str,
-    ) -> anyhow::Result<Option<(String, Bytes)>> {
+    ) -> anyhow::Result<Option<RememberedAnswer>> {
         let subject = self.subjects.idempotency(digest);
         let found = tokio::time::timeout(API_TIMEOUT, self.last(&subject))
             .await
             .context("timed out reading a remembered answer")??;
         Ok(found.and_then(|message| {
-            let fingerprint = message.headers.get(FINGERPRINT_HEADER)?.as_str().to_owned();
-            Some((fingerprint, message.payload))
+            Some(RememberedAnswer {
+                fingerprint: message.headers.get(FINGERPRINT_HEADER)?.as_str().to_owned(),
+                owner: message.headers.get(OWNER_HEADER)?.as_str().to_owned(),
+                body: message.payload,
+            })
         }))
     }
 
@@ -231,12 +244,14 @@ impl Shared {
     pub(crate) async fn remember_answer(
         &self,
         digest: &str,
+        owner: InstanceId,
         fingerprint: &str,
         body: Bytes,
         ttl: Duration,
     ) -> anyhow::Result<()> {
         let mut headers = HeaderMap::new();
         headers.insert(FINGERPRINT_HEADER, fingerprint);
+        headers.insert(OWNER_HEADER, owner.to_string().as_str());
         self.put(&self.subjects.idempotency(digest), headers, body, ttl)
             .await
     }

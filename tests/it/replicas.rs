@@ -315,6 +315,23 @@ async fn an_idempotency_key_retried_at_another_replica_gets_the_first_answer() {
         2,
         "no replica leased anything more"
     );
+
+    // Once every lease of the first answer ended, the key is free at every replica.
+    for id in &first_ids {
+        assert_eq!(c.ack(id).await, 204);
+    }
+    let fresh = b.fetch_keyed("order-run-7", &request).await;
+    assert_eq!(fresh.status, 200, "{}", fresh.text);
+    assert!(fresh.headers.get("idempotent-replayed").is_none());
+    let fresh_ids: Vec<String> = fresh.messages().into_iter().map(|m| m.id).collect();
+    assert_eq!(fresh_ids.len(), 2);
+    assert!(fresh_ids.iter().all(|id| !first_ids.contains(id)));
+    let again = c.fetch_keyed("order-run-7", &request).await;
+    assert_eq!(
+        again.messages().into_iter().map(|m| m.id).collect::<Vec<_>>(),
+        fresh_ids,
+        "the new answer is the one replayed now"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
