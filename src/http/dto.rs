@@ -84,7 +84,7 @@ pub(crate) struct FetchBody {
 /// One leased message.
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(example = json!({
-    "id": "AQAAAAAAAAABAAAAAAAAAAEAAAAAAAAAARh5p2wr2Z0A6eTgM0Uq3Zt1mCkV9g6kqw",
+    "id": "Al8MKp5B07fIAAAAAQAAAAAAAAABAAAAAAAAAAEAAAAAAAAAARjYLSCjdiMgmjxR4HstTxjG4Ct9laHzTg",
     "subject": "orders.created",
     "data": "hello",
     "encoding": "utf8",
@@ -213,7 +213,7 @@ pub(crate) struct TermBody {
 /// `POST /messages/ack` body.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-#[schema(example = json!({"ids": ["AQAAAAAAAAAB…", "AQAAAAAAAAAC…"]}))]
+#[schema(example = json!({"ids": ["Al8MKp5B07fI…", "Al8MKp5B07fC…"]}))]
 pub(crate) struct BatchAckBody {
     /// Lease ids (1..=1000).
     #[schema(min_items = 1, max_items = 1000)]
@@ -223,7 +223,7 @@ pub(crate) struct BatchAckBody {
 /// `POST /messages/nak` body.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-#[schema(example = json!({"ids": ["AQAAAAAAAAAB…"], "delay_ms": 5000}))]
+#[schema(example = json!({"ids": ["Al8MKp5B07fI…"], "delay_ms": 5000}))]
 pub(crate) struct BatchNakBody {
     /// Lease ids (1..=1000).
     #[schema(min_items = 1, max_items = 1000)]
@@ -237,7 +237,7 @@ pub(crate) struct BatchNakBody {
 /// `POST /messages/term` body.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-#[schema(example = json!({"ids": ["AQAAAAAAAAAB…"], "reason": "invalid order"}))]
+#[schema(example = json!({"ids": ["Al8MKp5B07fI…"], "reason": "invalid order"}))]
 pub(crate) struct BatchTermBody {
     /// Lease ids (1..=1000).
     #[schema(min_items = 1, max_items = 1000)]
@@ -260,7 +260,7 @@ pub(crate) struct BatchResult {
 /// Batch settle answer, in request order.
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(example = json!({"results": [
-    {"id": "AQAAAAAAAAAB…", "status": 204, "detail": null},
+    {"id": "Al8MKp5B07fI…", "status": 204, "detail": null},
     {"id": "bogus", "status": 404, "detail": "no lease with this id was issued by this gateway"}
 ]}))]
 pub(crate) struct BatchResponse {

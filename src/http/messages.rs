@@ -28,7 +28,7 @@ const MAX_IDS: usize = 1000;
 #[into_params(names("id"), parameter_in = Path)]
 pub(crate) struct LeaseIdPath(
     /// Lease id from `POST /fetch`.
-    #[param(example = "AQAAAAAAAAABAAAAAAAAAAEAAAAAAAAAARh5p2wr2Z0A6eTgM0Uq3Zt1mCkV9g6kqw")]
+    #[param(example = "Al8MKp5B07fIAAAAAQAAAAAAAAABAAAAAAAAAAEAAAAAAAAAARjYLSCjdiMgmjxR4HstTxjG4Ct9laHzTg")]
     String,
 );
 

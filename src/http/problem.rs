@@ -24,7 +24,7 @@ const INTERNAL_SUBJECT_MARKERS: [&str; 4] = ["$JS.", "$SYS.", "_INBOX.", "$KV."]
     "title": "Lease gone",
     "status": 410,
     "detail": "the lease is no longer valid: it expired or the message was delivered again",
-    "instance": "/messages/AQAAAAAAAAAB/ack"
+    "instance": "/messages/Al8MKp5B07fI/ack"
 }))]
 pub(crate) struct Problem {
     /// A URI naming the kind of problem; stable, usable for dispatching in clients.
