@@ -28,7 +28,9 @@ const MAX_IDS: usize = 1000;
 #[into_params(names("id"), parameter_in = Path)]
 pub(crate) struct LeaseIdPath(
     /// Lease id from `POST /fetch`.
-    #[param(example = "Al8MKp5B07fIAAAAAQAAAAAAAAABAAAAAAAAAAEAAAAAAAAAARjYLSCjdiMgmjxR4HstTxjG4Ct9laHzTg")]
+    #[param(
+        example = "Al8MKp5B07fIAAAAAQAAAAAAAAABAAAAAAAAAAEAAAAAAAAAARjYLSCjdiMgmjxR4HstTxjG4Ct9laHzTg"
+    )]
     String,
 );
 

@@ -328,7 +328,11 @@ async fn an_idempotency_key_retried_at_another_replica_gets_the_first_answer() {
     assert!(fresh_ids.iter().all(|id| !first_ids.contains(id)));
     let again = c.fetch_keyed("order-run-7", &request).await;
     assert_eq!(
-        again.messages().into_iter().map(|m| m.id).collect::<Vec<_>>(),
+        again
+            .messages()
+            .into_iter()
+            .map(|m| m.id)
+            .collect::<Vec<_>>(),
         fresh_ids,
         "the new answer is the one replayed now"
     );
