@@ -33,20 +33,11 @@ pub(crate) const CONSUMER: &str = "ruststream-dead-letters";
 /// (or to the same after a restart): short, so a crashed gateway's advisories come back
 /// soon. A copy that takes longer keeps its advisory with in-progress acks.
 const ACK_WAIT: Duration = Duration::from_secs(10);
-/// nats-server refuses longer stream names.
-const MAX_NAME_LEN: usize = 255;
 
 /// The advisory stream of `stream`/`consumer`: `RUSTSTREAM_ADVISORIES_<stream>_<consumer>`,
 /// or, where that is longer than NATS allows, the prefix and a hash of both names.
 pub(crate) fn stream_name(stream: &str, consumer: &str) -> String {
-    let name = format!("RUSTSTREAM_ADVISORIES_{stream}_{consumer}");
-    if name.len() <= MAX_NAME_LEN {
-        return name;
-    }
-    format!(
-        "RUSTSTREAM_ADVISORIES_{}",
-        super::names_digest(stream, consumer)
-    )
+    super::gateway_stream_name("RUSTSTREAM_ADVISORIES", stream, consumer)
 }
 
 /// Why the advisory stream or its consumer could not be set up.

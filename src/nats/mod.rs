@@ -34,10 +34,15 @@ pub(crate) use connect::{ConnectionEvent, connect, is_connected};
 /// path, retried).
 const API_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A short hash of a stream and consumer name, for the name of a stream the gateway makes
-/// where the names in full would be longer than NATS allows.
-fn names_digest(stream: &str, consumer: &str) -> String {
+/// The name of a stream the gateway makes for `stream`/`consumer`: `<kind>_<stream>_<consumer>`,
+/// or, where that is longer than NATS allows (255), `<kind>_` and a hash of both names.
+fn gateway_stream_name(kind: &str, stream: &str, consumer: &str) -> String {
     use sha2::{Digest as _, Sha256};
+    let name = format!("{kind}_{stream}_{consumer}");
+    if name.len() <= 255 {
+        return name;
+    }
     let digest = Sha256::digest(format!("{stream}\n{consumer}").as_bytes());
-    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{kind}_{hex}")
 }

@@ -86,20 +86,11 @@ pub(crate) struct RememberedAnswer {
 }
 /// The stream never holds more than this: heartbeats are tiny, answers are bounded by TTLs.
 const MAX_BYTES: i64 = 256 * 1024 * 1024;
-/// nats-server refuses longer stream names.
-const MAX_NAME_LEN: usize = 255;
 
 /// The shared stream of `stream`/`consumer`: `RUSTSTREAM_SHARED_<stream>_<consumer>`, or,
 /// where that is longer than NATS allows, the prefix and a hash of both names.
 pub(crate) fn stream_name(stream: &str, consumer: &str) -> String {
-    let name = format!("RUSTSTREAM_SHARED_{stream}_{consumer}");
-    if name.len() <= MAX_NAME_LEN {
-        return name;
-    }
-    format!(
-        "RUSTSTREAM_SHARED_{}",
-        super::names_digest(stream, consumer)
-    )
+    super::gateway_stream_name("RUSTSTREAM_SHARED", stream, consumer)
 }
 
 /// The shared stream of one consumer, as bound.
