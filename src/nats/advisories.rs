@@ -365,7 +365,7 @@ mod tests {
         );
         let long = "c".repeat(250);
         let name = stream_name("ORDERS", &long);
-        assert!(name.len() <= MAX_NAME_LEN, "{name}");
+        assert!(name.len() <= 255, "{name}");
         assert!(name.starts_with("RUSTSTREAM_ADVISORIES_"), "{name}");
         assert_ne!(name, stream_name("ORDERS2", &long));
     }
