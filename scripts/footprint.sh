@@ -17,7 +17,7 @@ guard_leftovers footprint
 # 10 000 sockets on each side (the client here, the gateway it starts): the usual soft limit
 # of 1024 open files is far too low.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
-if (($(ulimit -n) < 20500)); then
+if (($(ulimit -n) < 10200)); then
     log "warning: ulimit -n is $(ulimit -n); 10 000 polls need about 10 100 descriptors per process"
 fi
 

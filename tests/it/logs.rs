@@ -84,7 +84,10 @@ async fn successful_requests_write_no_line_at_the_default_level() {
     );
     gateway.terminate(Duration::from_secs(15)).await;
     let log = gateway.log();
-    assert!(log.contains("listening"), "start-up is still logged:\n{log}");
+    assert!(
+        log.contains("listening"),
+        "start-up is still logged:\n{log}"
+    );
     assert!(log.contains("stopped"), "shutdown is still logged:\n{log}");
 }
 
