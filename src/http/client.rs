@@ -16,6 +16,7 @@ use std::task::{Context, Poll, ready};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
+use super::body::BodyRules;
 use crate::gateway::Caller;
 
 /// Share `stream` between hyper (the first half) and the requests it carries (the second).
@@ -106,7 +107,17 @@ impl AsyncWrite for WatchedStream {
     }
 }
 
-/// The client connection a request came on; handlers take it from the request's extensions.
+/// What the serve loop knows of the connection a request came on, given to the handlers as
+/// one request extension (each extension costs an allocation per request).
+#[derive(Clone)]
+pub(crate) struct Connection {
+    /// The client, to notice it hanging up.
+    pub(crate) client: Client,
+    /// The limits on the request's body.
+    pub(crate) body: BodyRules,
+}
+
+/// The client connection a request came on.
 #[derive(Clone)]
 pub(crate) struct Client {
     stream: Arc<TcpStream>,

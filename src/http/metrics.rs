@@ -1,5 +1,6 @@
-//! `GET /metrics` (the Prometheus text format) and the middleware that counts every HTTP
-//! request by method, matched route template and status.
+//! `GET /metrics` (the Prometheus text format) and the guard middleware: authentication
+//! ([`super::auth::admit`]), then a count of every HTTP request by method, matched route
+//! template and status.
 //!
 //! May import: as the rest of `http`.
 
