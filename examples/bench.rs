@@ -129,6 +129,11 @@ struct Args {
     #[arg(long = "gateway-flag", allow_hyphen_values = true)]
     gateway_flags: Vec<String>,
 
+    /// Environment variables for every gateway run, `KEY=VALUE` (e.g. `RUST_LOG=warn`,
+    /// `TOKIO_WORKER_THREADS=1`).
+    #[arg(long = "gateway-env", value_parser = parse_env)]
+    gateway_env: Vec<(String, String)>,
+
     /// Keep the gateway logs (and print where they are) instead of deleting them.
     #[arg(long)]
     keep_logs: bool,
@@ -144,6 +149,12 @@ struct Args {
     /// `wait_ms` of each long poll of `--footprint`.
     #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1_000..=30_000))]
     poll_wait_ms: u64,
+}
+
+fn parse_env(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(key, value)| (key.to_string(), value.to_string()))
+        .ok_or_else(|| format!("{text:?} is not KEY=VALUE"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -749,6 +760,7 @@ impl GatewayChild {
         nats_url: &str,
         consumer: &str,
         extra: &[String],
+        env: &[(String, String)],
         log: PathBuf,
         http: &reqwest::Client,
     ) -> anyhow::Result<Self> {
@@ -765,7 +777,10 @@ impl GatewayChild {
             listen.clone(),
         ];
         flags.extend(extra.iter().cloned());
-        let mut process = ChildProcess::new("the gateway", binary, flags, log);
+        let mut process = env.iter().fold(
+            ChildProcess::new("the gateway", binary, flags, log),
+            |process, (key, value)| process.env(key, value),
+        );
         process.spawn().map_err(|err| anyhow!(err))?;
         let pid = process
             .pid()
@@ -852,8 +867,16 @@ async fn drain_gateway(
 ) -> anyhow::Result<Outcome> {
     let http = http_client()?;
     let log = logs.join(format!("{consumer}.log"));
-    let gateway =
-        GatewayChild::start(binary, nats_url, consumer, &args.gateway_flags, log, &http).await?;
+    let gateway = GatewayChild::start(
+        binary,
+        nats_url,
+        consumer,
+        &args.gateway_flags,
+        &args.gateway_env,
+        log,
+        &http,
+    )
+    .await?;
     let (lines_before, bytes_before) = gateway.log_size();
 
     let stream_len = args.messages.max(args.latency_samples) * 2;
@@ -1323,6 +1346,7 @@ async fn footprint(args: &Args) -> anyhow::Result<()> {
         &server.url(),
         "footprint",
         &flags,
+        &args.gateway_env,
         logs.path().join("gateway.log"),
         &probe,
     )
