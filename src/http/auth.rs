@@ -17,10 +17,8 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use axum::extract::{MatchedPath, Request, State};
+use axum::extract::{MatchedPath, Request};
 use axum::http::header;
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
 use subtle::{ConditionallySelectable, ConstantTimeEq};
 
@@ -554,27 +552,19 @@ impl Auth {
     }
 }
 
-/// Middleware: refuse (401/403) before the handler or the body is touched; hand the
-/// authenticated caller to the handler as a [`Principal`] extension.
-pub(crate) async fn authenticate(
-    State(auth): State<Auth>,
-    mut request: Request,
-    next: Next,
-) -> Response {
-    let presented = auth.presented(&request);
-    let checked = match presented {
-        Ok(presented) => auth.check_presented(presented).await,
-        Err(err) => Err(err),
-    };
-    match checked {
-        Ok(principal) => {
-            if let Some(principal) = principal {
-                request.extensions_mut().insert(principal);
-            }
-            next.run(request).await
-        }
-        Err(err) => err.into_response(),
+/// For the router's middleware: refuse (401/403) before the handler or the body is touched;
+/// hand the authenticated caller to the handler as a [`Principal`] extension.
+pub(crate) async fn admit(auth: &Auth, request: &mut Request) -> Result<(), Error> {
+    let presented = auth.presented(request)?;
+    if presented.is_none() {
+        return Ok(());
     }
+    // Boxed: a check may wait for a JWT key set, and that state, unboxed, would be part of
+    // every request's future for the request's whole life (an idle long poll's too).
+    if let Some(principal) = Box::pin(auth.check_presented(presented)).await? {
+        request.extensions_mut().insert(principal);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

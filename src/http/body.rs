@@ -18,13 +18,15 @@ pub(crate) const BODY_LIMIT: usize = crate::config::DEFAULT_MAX_BODY_BYTES as us
 /// answer. Past this, or with a larger Content-Length, the connection is cut at once.
 const DRAIN_LIMIT: usize = 16 * 1024 * 1024;
 
-/// How long a body may take to arrive, set per request by the serve loop (absent: no limit).
+/// The limits on a request body, set per connection by the serve loop (absent: at most
+/// [`BODY_LIMIT`] bytes, no time limit).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct BodyReadTimeout(pub std::time::Duration);
-
-/// Most bytes a request body may have, set per request by the serve loop (absent: [`BODY_LIMIT`]).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct BodyLimit(pub usize);
+pub(crate) struct BodyRules {
+    /// How long a body may take to arrive.
+    pub(crate) read_timeout: std::time::Duration,
+    /// Most bytes a request body may have (413 beyond).
+    pub(crate) limit: usize,
+}
 
 /// A JSON request body, `T::default()` when empty.
 pub(crate) struct JsonBody<T>(pub T);
@@ -37,10 +39,11 @@ where
     type Rejection = Error;
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
-        let limit = req
+        let rules = req
             .extensions()
-            .get::<BodyLimit>()
-            .map_or(BODY_LIMIT, |BodyLimit(limit)| *limit);
+            .get::<super::client::Connection>()
+            .map(|connection| connection.body);
+        let limit = rules.map_or(BODY_LIMIT, |rules| rules.limit);
         let too_large = || Error::PayloadTooLarge { limit };
         let declared = req
             .headers()
@@ -50,10 +53,9 @@ where
         if declared.is_some_and(|length| length > DRAIN_LIMIT.max(limit)) {
             return Err(too_large());
         }
-        let timeout = req.extensions().get::<BodyReadTimeout>().copied();
         let read = read_limited(req.into_body(), limit);
-        let bytes = match timeout {
-            Some(BodyReadTimeout(timeout)) => tokio::time::timeout(timeout, read)
+        let bytes = match rules.map(|rules| rules.read_timeout) {
+            Some(timeout) => tokio::time::timeout(timeout, read)
                 .await
                 .map_err(|_| Error::BodyTimeout { timeout })??,
             None => read.await?,

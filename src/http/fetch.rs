@@ -6,13 +6,15 @@ use std::time::Duration;
 
 use axum::Extension;
 use axum::body::Body;
-use axum::extract::{ConnectInfo, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::extract::FromRequestParts;
+use axum::extract::State;
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 
 use super::body::JsonBody;
-use super::client::Client;
+use super::client::Connection;
 use super::dto::{Encoding, FetchBody, FetchResponse, MessageDto};
 use super::responses::{BodyRefusals, FetchRefusals, Guarded};
 use crate::config::Config;
@@ -56,9 +58,9 @@ pub(crate) const DEFAULT_WAIT_MS: u64 = 5_000;
 )]
 pub(crate) async fn fetch(
     State(gateway): State<Gateway>,
-    client: Option<Extension<ConnectInfo<Client>>>,
+    connection: Option<Extension<Connection>>,
     principal: Option<Extension<Principal>>,
-    headers: HeaderMap,
+    headers: FetchHeaders,
     JsonBody(body): JsonBody<FetchBody>,
 ) -> Result<Response, Error> {
     let encoding = body.encoding.unwrap_or_default();
@@ -79,7 +81,7 @@ pub(crate) async fn fetch(
         .as_ref()
         .and_then(|Extension(principal)| principal.idempotency_credential());
     let idempotency = idempotency(&headers, credential.as_deref(), &demand, encoding)?;
-    let client = client.map(|Extension(ConnectInfo(client))| client);
+    let client = connection.map(|Extension(connection)| connection.client);
     let fetched = gateway
         .fetch(demand, idempotency, client.as_ref(), |leased| {
             render(leased, encoding)
@@ -94,24 +96,44 @@ pub(crate) async fn fetch(
     Ok(response)
 }
 
+/// The request headers a fetch reads, taken alone: a copy of the whole header map would be
+/// held by a long poll for its whole wait.
+pub(crate) struct FetchHeaders {
+    idempotency_key: Option<HeaderValue>,
+    authorization: Option<HeaderValue>,
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for FetchHeaders {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let idempotency_key = parts.headers.get(IDEMPOTENCY_KEY).cloned();
+        // Read only to scope an Idempotency-Key.
+        let authorization = idempotency_key
+            .as_ref()
+            .and_then(|_| parts.headers.get(header::AUTHORIZATION).cloned());
+        Ok(Self {
+            idempotency_key,
+            authorization,
+        })
+    }
+}
+
 /// The fetch's `Idempotency-Key`, scoped by the caller — a JWT's subject (`credential`) or
 /// else the `Authorization` header — with what it asks.
 fn idempotency(
-    headers: &HeaderMap,
+    headers: &FetchHeaders,
     credential: Option<&[u8]>,
     demand: &Demand,
     encoding: Encoding,
 ) -> Result<Option<Idempotency>, Error> {
-    let Some(key) = headers.get(IDEMPOTENCY_KEY) else {
+    let Some(key) = &headers.idempotency_key else {
         return Ok(None);
     };
     let key = idempotency::validate_key(key.as_bytes())
         .map_err(|detail| Error::invalid("Idempotency-Key", detail))?;
-    let credential = credential.or_else(|| {
-        headers
-            .get(header::AUTHORIZATION)
-            .map(HeaderValue::as_bytes)
-    });
+    let credential =
+        credential.or_else(|| headers.authorization.as_ref().map(HeaderValue::as_bytes));
     let scope = Scope::new(key, credential);
     let fingerprint = Fingerprint::of(&format!(
         "batch={};wait={:?};max_bytes={:?};encoding={encoding:?}",

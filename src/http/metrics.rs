@@ -1,8 +1,10 @@
-//! `GET /metrics` (the Prometheus text format) and the middleware that counts every HTTP
-//! request by method, matched route template and status.
+//! `GET /metrics` (the Prometheus text format) and the guard middleware: authentication
+//! ([`super::auth::admit`]), then a count of every HTTP request by method, matched route
+//! template and status.
 //!
 //! May import: as the rest of `http`.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::{MatchedPath, Request, State};
@@ -10,6 +12,7 @@ use axum::http::header::CONTENT_TYPE;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
+use super::auth::Auth;
 use super::responses::Guarded;
 use crate::gateway::Gateway;
 use crate::metrics::{CONTENT_TYPE as METRICS_CONTENT_TYPE, UNMATCHED_ROUTE};
@@ -38,22 +41,34 @@ pub(crate) async fn metrics(State(gateway): State<Gateway>) -> impl IntoResponse
     )
 }
 
-/// Count the request under its route template (`/messages/{id}/ack`), never its raw path:
-/// one series per lease id would grow without bound.
-pub(crate) async fn track(
-    State(gateway): State<Gateway>,
-    request: Request,
+/// Authenticate, then serve, and count the request under its route template
+/// (`/messages/{id}/ack`), never its raw path: one series per lease id would grow without
+/// bound. Refusals (401/403) are counted under their route too. One middleware for both: each
+/// layer costs every request a boxed future and a clone of the service below it.
+pub(crate) async fn guard(
+    State(guard): State<Guard>,
+    mut request: Request,
     next: Next,
 ) -> Response {
     let started = Instant::now();
     let method = request.method().clone();
     let route = request.extensions().get::<MatchedPath>().cloned();
-    let response = next.run(request).await;
-    gateway.metrics().http_request(
+    let response = match super::auth::admit(&guard.auth, &mut request).await {
+        Ok(()) => next.run(request).await,
+        Err(refused) => refused.into_response(),
+    };
+    guard.gateway.metrics().http_request(
         &method,
         route.as_ref().map_or(UNMATCHED_ROUTE, MatchedPath::as_str),
         response.status(),
         started.elapsed(),
     );
     response
+}
+
+/// What [`guard`] needs: the metrics and the token sources.
+#[derive(Clone)]
+pub(crate) struct Guard {
+    pub(crate) gateway: Arc<Gateway>,
+    pub(crate) auth: Auth,
 }

@@ -20,17 +20,15 @@ pub(crate) mod responses;
 pub(crate) mod serve;
 pub(crate) mod tls;
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::extract::MatchedPath;
-use axum::http::{HeaderName, Request, Response};
+use axum::extract::{FromRef, MatchedPath, State};
+use axum::http::{HeaderName, HeaderValue, Request, Response};
 use axum::response::IntoResponse;
 use tower_http::catch_panic::CatchPanicLayer;
-use tower_http::request_id::{
-    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
-};
-use tower_http::trace::{DefaultOnFailure, TraceLayer};
+use tracing::Instrument as _;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -62,7 +60,7 @@ struct ApiDoc;
 
 /// Routes with their OpenAPI description; the spec is assembled from the same handlers
 /// that serve, so the two cannot drift.
-fn api() -> OpenApiRouter<Gateway> {
+fn api() -> OpenApiRouter<Shared> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(fetch::fetch))
         .routes(routes!(messages::ack))
@@ -192,40 +190,78 @@ pub(crate) fn admin_router(gateway: Gateway, auth: Auth) -> Router {
     with_layers(routes, gateway, auth)
 }
 
-/// The middleware stack every listener shares: request ids, the access log, problem+json
-/// for panics and misses, the metrics, and authentication.
-fn with_layers(routes: Router<Gateway>, gateway: Gateway, auth: Auth) -> Router {
-    let request_id = HeaderName::from_static("x-request-id");
+/// The router's state: the gateway behind one `Arc`, so that handing it to a handler costs
+/// one reference count, not one per field of [`Gateway`].
+type Shared = Arc<Gateway>;
+
+impl FromRef<Shared> for Gateway {
+    fn from_ref(shared: &Shared) -> Self {
+        Gateway::clone(shared)
+    }
+}
+
+/// The middleware stack every listener shares, in two layers around the panic catcher: the
+/// outer [`edge`] (oversized heads, request ids, the debug access log, problem instances),
+/// the inner [`metrics::guard`] (authentication, then the metrics). Each layer costs every
+/// request a boxed future and a clone of the service below it, so they are few.
+fn with_layers(routes: Router<Shared>, gateway: Gateway, auth: Auth) -> Router {
+    let gateway = Arc::new(gateway);
+    let guard = metrics::Guard {
+        gateway: gateway.clone(),
+        auth,
+    };
     routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::middleware::from_fn_with_state(
-            auth,
-            crate::http::auth::authenticate,
-        ))
         // Outside authentication, so refusals (401/403) are counted under their route too.
-        .layer(axum::middleware::from_fn_with_state(
-            gateway.clone(),
-            metrics::track,
-        ))
+        .layer(axum::middleware::from_fn_with_state(guard, metrics::guard))
         .with_state(gateway)
         .layer(CatchPanicLayer::custom(problem::panic_response))
-        .layer(axum::middleware::from_fn(problem::with_instance))
-        .layer(PropagateRequestIdLayer::new(request_id.clone()))
-        .layer(
-            TraceLayer::new_for_http()
-                .make_span_with(request_span)
-                .on_response(finish_request_span)
-                // 5xx answers here are expected states (503 while NATS is away, 504 on a slow
-                // confirmation) that the gateway logs where it knows why; not errors of the layer.
-                .on_failure(DefaultOnFailure::new().level(tracing::Level::DEBUG)),
-        )
-        .layer(SetRequestIdLayer::new(
-            request_id,
+        .layer(axum::middleware::from_fn_with_state(
             SequentialRequestId::new(),
+            edge,
         ))
-        .layer(axum::middleware::from_fn(drop_unusable_request_id))
-        .layer(axum::middleware::from_fn(refuse_oversized_head))
+}
+
+const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// The outermost middleware: oversized heads answer 414/431 at once; the request gets its
+/// `x-request-id` (the client's when usable, else one made up), which the answer repeats;
+/// at debug the request is a span closed by one `request finished` event; a problem answer
+/// names the request path as its `instance`.
+async fn edge(
+    State(ids): State<SequentialRequestId>,
+    mut request: Request<axum::body::Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if let Some(refusal) = oversized_head(&request) {
+        return refusal.into_response();
+    }
+    let request_id = match usable_request_id(request.headers_mut()) {
+        Some(id) => id,
+        None => {
+            let id = ids.make();
+            request.headers_mut().insert(X_REQUEST_ID, id.clone());
+            id
+        }
+    };
+    // Cloning the URI shares its bytes; the path is needed only for a problem answer.
+    let uri = request.uri().clone();
+    let span = request_span(&request);
+    let response = if span.is_disabled() {
+        next.run(request).await
+    } else {
+        let started = Instant::now();
+        let response = next.run(request).instrument(span.clone()).await;
+        finish_request_span(&response, started.elapsed(), &span);
+        response
+    };
+    let mut response = problem::name_instance(response, uri.path());
+    response
+        .headers_mut()
+        .entry(X_REQUEST_ID)
+        .or_insert(request_id);
+    response
 }
 
 /// Longest request URI the gateway takes: a lease id path is under 200 bytes.
@@ -233,22 +269,18 @@ const MAX_URI_BYTES: usize = 8 * 1024;
 /// Largest header section (names and values) the gateway takes.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
 
-/// Oversized request heads answer problem+json 414 or 431 here, well below the limits at
-/// which hyper itself answers them with an empty body (64 KiB URIs, a ~400 KiB head). The
-/// URI is not echoed as the problem's `instance`.
-async fn refuse_oversized_head(
-    request: Request<axum::body::Body>,
-    next: axum::middleware::Next,
-) -> axum::response::Response {
+/// Oversized request heads answer problem+json 414 or 431, well below the limits at which
+/// hyper itself answers them with an empty body (64 KiB URIs, a ~400 KiB head). The URI is
+/// not echoed as the problem's `instance`.
+fn oversized_head<B>(request: &Request<B>) -> Option<Error> {
     let uri_bytes = request
         .uri()
         .path_and_query()
         .map_or(0, |target| target.as_str().len());
     if uri_bytes > MAX_URI_BYTES {
-        return Error::UriTooLong {
+        return Some(Error::UriTooLong {
             limit: MAX_URI_BYTES,
-        }
-        .into_response();
+        });
     }
     let head_bytes: usize = request
         .headers()
@@ -256,53 +288,57 @@ async fn refuse_oversized_head(
         .map(|(name, value)| name.as_str().len() + value.len() + 4)
         .sum();
     if head_bytes > MAX_HEAD_BYTES {
-        return Error::HeadersTooLarge {
+        return Some(Error::HeadersTooLarge {
             limit: MAX_HEAD_BYTES,
-        }
-        .into_response();
+        });
     }
-    next.run(request).await
+    None
 }
 
 /// Longest `x-request-id` taken from a client; longer (or not visible ASCII) is replaced by
 /// one of ours, since it is echoed in the answer and written to every log line.
 const MAX_REQUEST_ID: usize = 128;
 
-/// A client's `x-request-id` is kept only when it is 1 to 128 visible ASCII characters;
-/// otherwise it is dropped here and the next layer makes one up.
-async fn drop_unusable_request_id(
-    mut request: Request<axum::body::Body>,
-    next: axum::middleware::Next,
-) -> axum::response::Response {
-    let usable = |value: &axum::http::HeaderValue| {
+/// The client's `x-request-id` when there is exactly one and it is 1 to 128 visible ASCII
+/// characters. An unusable one is dropped from the request (the caller puts one of ours in
+/// its place).
+fn usable_request_id(headers: &mut axum::http::HeaderMap) -> Option<HeaderValue> {
+    let usable = |value: &HeaderValue| {
         let bytes = value.as_bytes();
         !bytes.is_empty()
             && bytes.len() <= MAX_REQUEST_ID
             && bytes.iter().all(|byte| byte.is_ascii_graphic())
     };
-    let headers = request.headers_mut();
-    let all_usable = {
-        let mut values = headers.get_all("x-request-id").iter();
-        let first = values.next();
-        first.is_some_and(usable) && values.next().is_none()
-    };
-    if !all_usable {
-        headers.remove("x-request-id");
+    let mut values = headers.get_all(X_REQUEST_ID).iter();
+    let (first, second) = (values.next(), values.next());
+    match (first, second) {
+        (None, _) => None,
+        (Some(value), None) if usable(value) => Some(value.clone()),
+        _ => {
+            headers.remove(X_REQUEST_ID);
+            None
+        }
     }
-    next.run(request).await
 }
 
 /// One span per request: method, route (the matched template, as in the metrics), request id;
 /// status and latency are recorded when the answer leaves. Headers are never recorded (they
 /// may carry credentials), nor the query string; the raw path only when no route matched.
+///
+/// At debug, as is the line that closes it: a line per request at the default level cost
+/// more CPU than the request itself under load, and the metrics already count every request
+/// by route and status. Off, the span costs nothing but this level check.
 fn request_span<B>(request: &Request<B>) -> tracing::Span {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return tracing::Span::none();
+    }
     let request_id = request
         .headers()
-        .get("x-request-id")
+        .get(X_REQUEST_ID)
         .and_then(|id| id.to_str().ok())
         .unwrap_or_default();
     let route = request.extensions().get::<MatchedPath>();
-    let span = tracing::info_span!(
+    let span = tracing::debug_span!(
         "request",
         method = %request.method(),
         route = route.map_or(metrics_names::UNMATCHED_ROUTE, MatchedPath::as_str),
@@ -319,40 +355,41 @@ fn request_span<B>(request: &Request<B>) -> tracing::Span {
     span
 }
 
-/// The access log: status and latency go into the request's span, and one info event in
-/// that span shows the whole of it.
+/// The access log (at debug): status and latency go into the request's span, and one event
+/// in that span shows the whole of it.
 fn finish_request_span<B>(response: &Response<B>, latency: Duration, span: &tracing::Span) {
     span.record("status", response.status().as_u16());
     span.record(
         "latency_us",
         u64::try_from(latency.as_micros()).unwrap_or(u64::MAX),
     );
-    tracing::info!(parent: span, "request finished");
+    tracing::debug!(parent: span, "request finished");
 }
 
 /// Request ids for requests that bring none: a per-process random prefix and a counter.
 /// A UUID per request would cost a `getrandom` system call on every request.
 #[derive(Clone)]
 struct SequentialRequestId {
-    prefix: std::sync::Arc<str>,
-    next: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    prefix: Arc<str>,
+    next: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl SequentialRequestId {
     fn new() -> Self {
         Self {
             prefix: format!("{:08x}", rand::random::<u32>()).into(),
-            next: std::sync::Arc::default(),
+            next: Arc::default(),
         }
     }
-}
 
-impl MakeRequestId for SequentialRequestId {
-    fn make_request_id<B>(&mut self, _request: &Request<B>) -> Option<RequestId> {
+    fn make(&self) -> HeaderValue {
+        use std::io::Write as _;
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        axum::http::HeaderValue::from_str(&format!("{}-{n}", self.prefix))
-            .ok()
-            .map(RequestId::new)
+        // Written into a small buffer: hex and decimal digits are always a valid value.
+        let mut id = Vec::with_capacity(self.prefix.len() + 21);
+        let _ = write!(id, "{}-{n}", self.prefix);
+        HeaderValue::from_maybe_shared(bytes::Bytes::from(id))
+            .unwrap_or_else(|_| HeaderValue::from_static("-"))
     }
 }
 

@@ -3,9 +3,7 @@
 //! May import: as the rest of `http`.
 
 use axum::body::Body;
-use axum::extract::Request;
 use axum::http::{HeaderValue, StatusCode, header};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -196,7 +194,7 @@ impl IntoResponse for Error {
             // The rest of the body may still be on its way: do not read it as a next request.
             headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
-        // For `with_instance`, which knows the request; the handler that failed does not.
+        // For `name_instance`, which knows the request; the handler that failed does not.
         response.extensions_mut().insert(problem);
         response
     }
@@ -231,13 +229,16 @@ pub(crate) fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> 
     response
 }
 
-/// Middleware: names the request path as the `instance` of every problem answered.
-pub(crate) async fn with_instance(request: Request, next: Next) -> Response {
-    let path = request.uri().path().to_owned();
-    let (mut parts, body) = next.run(request).await.into_parts();
+/// Names the request's `path` as the `instance` of a problem answer (the router's outermost
+/// middleware calls this on every answer; others pass through untouched).
+pub(crate) fn name_instance(response: Response, path: &str) -> Response {
+    if response.extensions().get::<Problem>().is_none() {
+        return response;
+    }
+    let (mut parts, body) = response.into_parts();
     match parts.extensions.remove::<Problem>() {
         Some(mut problem) => {
-            problem.instance = Some(path);
+            problem.instance = Some(path.to_owned());
             parts.headers.remove(header::CONTENT_LENGTH);
             let body = serde_json::to_vec(&problem).unwrap_or_default();
             Response::from_parts(parts, Body::from(body))
@@ -249,9 +250,11 @@ pub(crate) async fn with_instance(request: Request, next: Next) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::extract::Request;
+    use axum::middleware::Next;
 
     /// A panic becomes a problem+json 500 that does not repeat the panic's message; behind
-    /// `with_instance` (as in the router) it names the request path.
+    /// `name_instance` (as in the router) it names the request path.
     #[tokio::test]
     async fn a_panicking_handler_answers_a_problem_500_without_internals() {
         use tower_service::Service as _;
@@ -267,7 +270,12 @@ mod tests {
             .layer(tower_http::catch_panic::CatchPanicLayer::custom(
                 panic_response,
             ))
-            .layer(axum::middleware::from_fn(with_instance));
+            .layer(axum::middleware::from_fn(
+                |request: Request, next: Next| async move {
+                    let path = request.uri().path().to_owned();
+                    name_instance(next.run(request).await, &path)
+                },
+            ));
         let request = Request::builder()
             .uri("/boom")
             .body(Body::empty())

@@ -17,7 +17,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -28,8 +27,8 @@ use tokio_util::task::TaskTracker;
 use tower_service::Service as _;
 use tracing::{debug, error};
 
-use super::body::{BodyLimit, BodyReadTimeout};
-use super::client::watch as watch_connection;
+use super::body::BodyRules;
+use super::client::{Connection, watch as watch_connection};
 use super::tls::{MaybeTls, Tls};
 
 /// Connection-level limits.
@@ -87,12 +86,15 @@ pub(crate) async fn serve(
         let _ = stream.set_nodelay(true);
         let (io, client) = watch_connection(stream);
         let app = app.clone();
-        let body_read_timeout = BodyReadTimeout(limits.body_read_timeout);
-        let body_limit = BodyLimit(limits.max_body_bytes);
+        let connection = Connection {
+            client,
+            body: BodyRules {
+                read_timeout: limits.body_read_timeout,
+                limit: limits.max_body_bytes,
+            },
+        };
         let service = hyper::service::service_fn(move |mut request: hyper::Request<Incoming>| {
-            request.extensions_mut().insert(ConnectInfo(client.clone()));
-            request.extensions_mut().insert(body_read_timeout);
-            request.extensions_mut().insert(body_limit);
+            request.extensions_mut().insert(connection.clone());
             let mut app = app.clone();
             async move { app.call(request).await }
         });
@@ -104,17 +106,21 @@ pub(crate) async fn serve(
             let _slot = slot;
             let io = match tls {
                 None => MaybeTls::Plain(io),
-                Some(tls) => match tokio::time::timeout(handshake_timeout, tls.accept(io)).await {
-                    Ok(Ok(stream)) => MaybeTls::Tls(Box::new(stream)),
-                    Ok(Err(err)) => {
-                        debug!(error = %err, "TLS handshake failed");
-                        return;
+                // Boxed: its state is large, and unboxed it would be part of every
+                // connection's task, TLS or not, for the connection's whole life.
+                Some(tls) => {
+                    match tokio::time::timeout(handshake_timeout, Box::pin(tls.accept(io))).await {
+                        Ok(Ok(stream)) => MaybeTls::Tls(Box::new(stream)),
+                        Ok(Err(err)) => {
+                            debug!(error = %err, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            debug!("TLS handshake too slow; connection closed");
+                            return;
+                        }
                     }
-                    Err(_) => {
-                        debug!("TLS handshake too slow; connection closed");
-                        return;
-                    }
-                },
+                }
             };
             let io = FirstByteDeadline::new(io, handshake_timeout);
             let connection = builder.serve_connection(TokioIo::new(io), service);

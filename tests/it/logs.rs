@@ -1,6 +1,7 @@
-//! Logs and request ids: `x-request-id` is accepted and returned (or made up); the binary's
-//! `--log-format json` output has one span per request (route template, status, latency),
-//! settle events with the lease id and sequences, and no secret.
+//! Logs and request ids: `x-request-id` is accepted and returned (or made up); at debug the
+//! binary's `--log-format json` output has one span per request (route template, status,
+//! latency) and settle events with the lease id and sequences; at the default level a
+//! successful request writes no line; and no level logs a secret.
 
 use std::time::Duration;
 
@@ -51,6 +52,45 @@ async fn request_ids_are_returned_as_given_or_made_up() {
     );
 }
 
+/// At the default level a successful fetch and settle write nothing: the metrics are the
+/// per-request record (a line per request cost more CPU than the request under load).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn successful_requests_write_no_line_at_the_default_level() {
+    let server = NatsServer::start().await;
+    let js = Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    js.publish("orders.quiet", "hello").await;
+    // RUST_LOG unset: the binary's own default.
+    let mut gateway = Setup::consumer("quiet-default")
+        .rust_log("")
+        .process(&server.url())
+        .await;
+    let written = gateway.log().len();
+    let leased = gateway.fetch_n(1, 2000).await;
+    assert_eq!(leased.len(), 1);
+    assert_eq!(gateway.ack(&leased[0].id).await, 204);
+    let status = gateway
+        .http
+        .get(gateway.url("/healthz"))
+        .send()
+        .await
+        .expect("GET /healthz")
+        .status();
+    assert_eq!(status, 200);
+    let during = gateway.log()[written..].to_owned();
+    assert!(
+        during.is_empty(),
+        "a fetch, a settle and a probe wrote to the default log:\n{during}"
+    );
+    gateway.terminate(Duration::from_secs(15)).await;
+    let log = gateway.log();
+    assert!(
+        log.contains("listening"),
+        "start-up is still logged:\n{log}"
+    );
+    assert!(log.contains("stopped"), "shutdown is still logged:\n{log}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
     const TOKEN: &str = "s3cret-bearer-token";
@@ -61,9 +101,10 @@ async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
     let sequence = js.publish("orders.logged", "hello").await;
     // Credentials in the URL: the server has no auth and ignores them; they must not be logged.
     let url = format!("nats://logger:{URL_PASSWORD}@127.0.0.1:{}", server.port());
-    // The default level (info): settle events must show there.
+    // The access log and settle events are at debug, for this crate only.
     let mut gateway = Setup::consumer("logged")
         .flag("--log-format", "json")
+        .rust_log("info,ruststream_nats=debug")
         .process(&url)
         .await;
     let http = gateway.http.clone();
