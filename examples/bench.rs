@@ -171,6 +171,9 @@ enum Kind {
     Batch,
     Single,
     Latency,
+    /// Two replicas sharing a lease key: every fetch at one, every batch ack at the other
+    /// (so every settle is forwarded to the replica that issued the lease).
+    Forwarded,
 }
 
 /// One timed run.
@@ -187,6 +190,7 @@ impl Run {
             Kind::Batch => format!("batch x{}", self.clients),
             Kind::Single => format!("single x{}", self.clients),
             Kind::Latency => "latency".into(),
+            Kind::Forwarded => format!("fwd x{}", self.clients),
         }
     }
 }
@@ -248,7 +252,7 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
             clients: 1,
         });
     }
-    for kind in [Kind::Batch, Kind::Single] {
+    for kind in [Kind::Batch, Kind::Single, Kind::Forwarded] {
         if wanted(kind) {
             runs.extend(args.clients.iter().map(|&clients| Run { kind, clients }));
         }
@@ -867,16 +871,44 @@ async fn drain_gateway(
 ) -> anyhow::Result<Outcome> {
     let http = http_client()?;
     let log = logs.join(format!("{consumer}.log"));
+    let mut flags = args.gateway_flags.clone();
+    if run.kind == Kind::Forwarded {
+        // Replicas must share the key that signs lease ids.
+        let key = logs.join(format!("{consumer}.key"));
+        std::fs::write(
+            &key,
+            "bench replicas share this lease key: 0123456789abcdef",
+        )
+        .context("writing the lease key")?;
+        flags.extend(["--lease-key-file".to_string(), key.display().to_string()]);
+    }
     let gateway = GatewayChild::start(
         binary,
         nats_url,
         consumer,
-        &args.gateway_flags,
+        &flags,
         &args.gateway_env,
         log,
         &http,
     )
     .await?;
+    // The replica the batch acks go to, which forwards them to `gateway`.
+    let settler = if run.kind == Kind::Forwarded {
+        let log = logs.join(format!("{consumer}-settler.log"));
+        let settler = GatewayChild::start(
+            binary,
+            nats_url,
+            consumer,
+            &flags,
+            &args.gateway_env,
+            log,
+            &http,
+        )
+        .await?;
+        Some(settler)
+    } else {
+        None
+    };
     let (lines_before, bytes_before) = gateway.log_size();
 
     let stream_len = args.messages.max(args.latency_samples) * 2;
@@ -890,11 +922,15 @@ async fn drain_gateway(
     // Base64 with padding, the gateway's default encoding.
     let data_len = (args.payload_bytes as usize).div_ceil(3) * 4;
     let base = gateway.base.clone();
+    let settle_base = settler
+        .as_ref()
+        .map_or_else(|| base.clone(), |settler| settler.base.clone());
     run_loops(run.clients, |_| {
         gateway_loop(
             run.kind,
             http.clone(),
             base.clone(),
+            settle_base.clone(),
             tally.clone(),
             requests.clone(),
             batch,
@@ -930,20 +966,25 @@ async fn drain_gateway(
     let stream = js.get_stream(STREAM).await.context("getting the stream")?;
     verify_consumer(&stream, consumer).await?;
     gateway.stop().await?;
+    if let Some(settler) = settler {
+        settler.stop().await?;
+    }
     Ok(outcome)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn gateway_loop(
     kind: Kind,
     http: reqwest::Client,
     base: String,
+    settle_base: String,
     tally: Arc<Tally>,
     requests: Arc<AtomicU64>,
     batch: u32,
     data_len: usize,
 ) -> anyhow::Result<()> {
     let fetch_url = format!("{base}/fetch");
-    let batch_ack_url = format!("{base}/messages/ack");
+    let batch_ack_url = format!("{settle_base}/messages/ack");
     let fetch_body = json!({ "batch": batch, "wait_ms": FETCH_WAIT.as_millis() });
     let mut sequences = Vec::with_capacity(batch as usize);
     while !tally.is_done() {
@@ -983,7 +1024,7 @@ async fn gateway_loop(
 
         let acks_started = Instant::now();
         match kind {
-            Kind::Batch => {
+            Kind::Batch | Kind::Forwarded => {
                 let ids: Vec<&str> = reply.messages.iter().map(|m| m.id.as_str()).collect();
                 let response = http
                     .post(&batch_ack_url)
@@ -1274,6 +1315,18 @@ fn print_report(args: &Args, version: &str, runs: &[Run], outcomes: &[Outcome]) 
             "| gateway CPU per message, batch path (1 client) | {} µs | |",
             show(per_round(&|r| cpu_per_message(r, batch(1))), 1)
         );
+    }
+    let forwarded = |clients| Run {
+        kind: Kind::Forwarded,
+        clients,
+    };
+    for clients in args.clients.iter().copied() {
+        if runs.contains(&forwarded(clients)) {
+            println!(
+                "| gateway batch, **every settle at another replica**, {clients} client(s) ÷ native | {} | ≥ 0.6 |",
+                show(per_round(&|r| ratio(r, forwarded(clients))), 2)
+            );
+        }
     }
     if runs.contains(&latency) {
         println!(
