@@ -69,6 +69,9 @@ pub(crate) struct Gateway {
     /// True while other replicas are live and, all together, hold max_ack_pending
     /// deliveries: a fetch here would get nothing from the server.
     consumer_full: watch::Receiver<bool>,
+    /// Whether this replica listens for settles other replicas forward: until it does, a
+    /// lease it issued could not be settled elsewhere, so it is not ready.
+    forwarding: Arc<AtomicBool>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -179,6 +182,7 @@ impl Gateway {
             subjects,
             replicas: Arc::default(),
             consumer_full,
+            forwarding: Arc::default(),
         };
         tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
         tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
@@ -217,7 +221,13 @@ impl Gateway {
                 Error::Unavailable("not connected to NATS".into())
             }
             other => other,
-        })
+        })?;
+        if !self.forwarding.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable(
+                "not yet listening for settles forwarded by other replicas".into(),
+            ));
+        }
+        Ok(())
     }
 
     pub(crate) fn leases_in_flight(&self) -> usize {

@@ -30,6 +30,8 @@ const HEARTBEAT_TTL: Duration = Duration::from_secs(4);
 /// A forwarded settle waits for the owner's answer this much beyond `--settle-timeout`, so
 /// that an owner's own answer at its timeout (504, or a late confirmation) wins the race.
 const FORWARD_GRACE: Duration = Duration::from_millis(250);
+/// How long a forward that found no owner waits before asking once more.
+const NO_RESPONDERS_RETRY: Duration = Duration::from_millis(250);
 /// The kind of a forwarded request that only asks which leases are live (a keyed fetch
 /// retried at another replica replays its first answer only while one is).
 const LIVE: &str = "live";
@@ -178,7 +180,23 @@ impl Gateway {
         let subject = self.subjects.settle(self.instance);
         let mut requests = loop {
             match forward::listen(&client, subject.clone()).await {
-                Ok(requests) => break requests,
+                Ok(requests) => {
+                    // Ready only once the server has the subscription: a lease issued after
+                    // that can be settled at any replica.
+                    if tokio::time::timeout(Duration::from_secs(5), client.flush())
+                        .await
+                        .is_ok_and(|flushed| flushed.is_ok())
+                    {
+                        self.forwarding
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                        break requests;
+                    }
+                    warn!("cannot confirm the subscription for forwarded settles yet");
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                }
                 Err(err) => {
                     warn!(error = %format!("{err:#}"), "cannot listen for forwarded settles yet");
                     tokio::select! {
@@ -220,7 +238,16 @@ impl Gateway {
             ));
         };
         let timeout = self.config.settle_timeout + FORWARD_GRACE;
-        forward::forward(client, self.subjects.settle(owner), &request, timeout).await
+        let subject = self.subjects.settle(owner);
+        match forward::forward(client, subject.clone(), &request, timeout).await {
+            // In a cluster a subscription reaches the other servers a moment after it is
+            // made: ask once more before calling the owner gone (still well within 3 s).
+            Err(ForwardError::OwnerGone) => {
+                tokio::time::sleep(NO_RESPONDERS_RETRY).await;
+                forward::forward(client, subject, &request, timeout).await
+            }
+            other => other,
+        }
     }
 
     /// Do what another replica forwarded, as if a client had asked here.
