@@ -28,7 +28,8 @@ pub(crate) async fn healthz() -> Json<HealthDto> {
     })
 }
 
-/// Readiness: connected to NATS and bound to the consumer.
+/// Readiness: connected to NATS, bound to the consumer, and listening for the settles other
+/// replicas forward to this one.
 #[utoipa::path(
     get,
     path = "/readyz",
