@@ -870,7 +870,6 @@ async fn drain_gateway(
     logs: &Path,
 ) -> anyhow::Result<Outcome> {
     let http = http_client()?;
-    let log = logs.join(format!("{consumer}.log"));
     let mut flags = args.gateway_flags.clone();
     if run.kind == Kind::Forwarded {
         // Replicas must share the key that signs lease ids.
@@ -882,30 +881,21 @@ async fn drain_gateway(
         .context("writing the lease key")?;
         flags.extend(["--lease-key-file".to_string(), key.display().to_string()]);
     }
-    let gateway = GatewayChild::start(
-        binary,
-        nats_url,
-        consumer,
-        &flags,
-        &args.gateway_env,
-        log,
-        &http,
-    )
-    .await?;
-    // The replica the batch acks go to, which forwards them to `gateway`.
-    let settler = if run.kind == Kind::Forwarded {
-        let log = logs.join(format!("{consumer}-settler.log"));
-        let settler = GatewayChild::start(
+    let start = |log: &str| {
+        GatewayChild::start(
             binary,
             nats_url,
             consumer,
             &flags,
             &args.gateway_env,
-            log,
+            logs.join(log),
             &http,
         )
-        .await?;
-        Some(settler)
+    };
+    let gateway = start(&format!("{consumer}.log")).await?;
+    // The replica the batch acks go to, which forwards them to `gateway`.
+    let settler = if run.kind == Kind::Forwarded {
+        Some(start(&format!("{consumer}-settler.log")).await?)
     } else {
         None
     };

@@ -288,8 +288,7 @@ impl Gateway {
             .iter()
             .map(|id| (id.as_str(), self.state.signer().decode(id)))
             .collect();
-        let signed: Vec<Option<SignedLease>> = leases.iter().map(|(_, signed)| *signed).collect();
-        let (here, elsewhere) = replicas::by_owner(&signed, self.instance);
+        let (here, elsewhere) = replicas::by_owner(&leases, self.instance);
         if elsewhere.is_empty() {
             return self.settle_many_here(&leases, command).await;
         }

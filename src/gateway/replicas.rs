@@ -168,14 +168,14 @@ impl Gateway {
     /// after the shutdown grace: a replica being rolled keeps settling its leases).
     pub(super) async fn serve_forwarded(self, stop: CancellationToken) {
         use futures::StreamExt as _;
-        let client = loop {
-            if let Some(client) = self.client.get() {
-                break client.clone();
-            }
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep(Duration::from_millis(50)) => {}
-            }
+        // The client is made with the first binding and then kept (it reconnects by itself).
+        let mut bindings = self.bound.clone();
+        let client = tokio::select! {
+            () = stop.cancelled() => return,
+            bound = bindings.wait_for(Option::is_some) => match bound.ok().and_then(|bound| bound.clone()) {
+                Some(bound) => bound.client.clone(),
+                None => return,
+            },
         };
         let subject = self.subjects.settle(self.instance);
         let mut requests = loop {
@@ -447,12 +447,12 @@ impl Gateway {
 /// Group `ids` (positions into them) by the replica that issued each; `None`: this one, or
 /// no genuine id at all (answered here, 404, without forwarding).
 pub(super) fn by_owner(
-    signed: &[Option<SignedLease>],
+    leases: &[(&str, Option<SignedLease>)],
     me: InstanceId,
 ) -> (Vec<usize>, HashMap<InstanceId, Vec<usize>>) {
     let mut here = Vec::new();
     let mut elsewhere: HashMap<InstanceId, Vec<usize>> = HashMap::new();
-    for (at, lease) in signed.iter().enumerate() {
+    for (at, (_, lease)) in leases.iter().enumerate() {
         match lease {
             Some(lease) if lease.owner != me => elsewhere.entry(lease.owner).or_default().push(at),
             _ => here.push(at),
@@ -617,7 +617,13 @@ mod tests {
             })
         };
         let (here, elsewhere) = by_owner(
-            &[lease(1), lease(2), None, lease(3), lease(2)],
+            &[
+                ("a", lease(1)),
+                ("b", lease(2)),
+                ("c", None),
+                ("d", lease(3)),
+                ("e", lease(2)),
+            ],
             InstanceId(1),
         );
         assert_eq!(here, vec![0, 2]);

@@ -141,11 +141,10 @@ impl Shared {
             || !current.allow_direct
             || current.max_messages_per_subject != 1
         {
-            let updated = tokio::time::timeout(API_TIMEOUT, js.update_stream(wanted))
+            tokio::time::timeout(API_TIMEOUT, js.update_stream(wanted))
                 .await
                 .context("timed out updating the shared stream")?
                 .with_context(|| format!("updating the shared stream {name}"))?;
-            drop(updated);
             stream = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
                 .await
                 .context("timed out reading the shared stream")?

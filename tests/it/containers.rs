@@ -572,6 +572,21 @@ fn compose_runs_three_replicas_with_one_lease_key_behind_a_balancer() {
 
 /// The Dockerfile's instructions of its last stage (the runtime image), continuation lines
 /// joined: `(INSTRUCTION, arguments)`.
+/// The `ENV key=value` pairs of a Dockerfile stage.
+pub(crate) fn image_env(stage: &[(String, String)]) -> Vec<(String, String)> {
+    stage
+        .iter()
+        .filter(|(instruction, _)| instruction == "ENV")
+        .filter_map(|(_, arguments)| {
+            let (key, value) = arguments.split_once('=')?;
+            Some((
+                key.trim().to_owned(),
+                value.trim().trim_matches('"').to_owned(),
+            ))
+        })
+        .collect()
+}
+
 pub(crate) fn runtime_stage() -> Vec<(String, String)> {
     let mut instructions: Vec<(String, String)> = Vec::new();
     let mut current = String::new();
@@ -636,17 +651,7 @@ fn dockerfile_runs_as_non_root_with_a_healthcheck_on_healthz() {
         .unwrap_or_else(|| panic!("the HEALTHCHECK names a URL: {check:?}"));
     assert!(url.ends_with("/healthz"), "HEALTHCHECK on /healthz: {url}");
 
-    let env: Vec<(String, String)> = stage
-        .iter()
-        .filter(|(instruction, _)| instruction == "ENV")
-        .filter_map(|(_, arguments)| {
-            let (key, value) = arguments.split_once('=')?;
-            Some((
-                key.trim().to_owned(),
-                value.trim().trim_matches('"').to_owned(),
-            ))
-        })
-        .collect();
+    let env = image_env(&stage);
     let entrypoint = stage
         .iter()
         .find(|(instruction, _)| instruction == "ENTRYPOINT")

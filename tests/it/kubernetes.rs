@@ -18,7 +18,7 @@ use clap::Parser;
 use ruststream_nats::Config;
 use yaml_rust2::{Yaml, YamlLoader};
 
-use crate::containers::{gateway_arguments, read, runtime_stage};
+use crate::containers::{gateway_arguments, image_env, read, runtime_stage};
 use crate::support::nats::free_port;
 use crate::support::{Client, Setup};
 
@@ -149,17 +149,7 @@ impl Pod {
             self.container["command"].is_badvalue(),
             "the container keeps the image's ENTRYPOINT (the gateway): no `command`"
         );
-        let image_env: Vec<(String, String)> = runtime_stage()
-            .into_iter()
-            .filter(|(instruction, _)| instruction == "ENV")
-            .filter_map(|(_, arguments)| {
-                let (key, value) = arguments.split_once('=')?;
-                Some((
-                    key.trim().to_owned(),
-                    value.trim().trim_matches('"').to_owned(),
-                ))
-            })
-            .collect();
+        let image_env = image_env(&runtime_stage());
         let own = self.env();
         let mut env: Vec<(String, String)> = image_env
             .into_iter()
