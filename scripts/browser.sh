@@ -113,20 +113,11 @@ if [[ "$(cat "$BROWSER_DIR/node_modules/.stamp" 2>/dev/null)" != "$stamp" ]]; th
 fi
 
 step "build the gateway"
-# The binary the integration tests use, as scripts/ecosystem.sh takes it.
-GATEWAY_BIN="$(cargo test --no-run --quiet --test it --message-format=json-render-diagnostics | python3 -c '
-import json, sys
-for line in sys.stdin:
-    message = json.loads(line)
-    if message.get("reason") == "compiler-artifact" and "bin" in message["target"]["kind"] \
-            and message["target"]["name"] == "ruststream-nats":
-        print(message["executable"])
-')"
-[[ -x "$GATEWAY_BIN" ]] || die "no gateway binary (cargo said: '$GATEWAY_BIN')"
+# The binary the integration tests use (see lib.sh).
+GATEWAY_BIN="$(test_gateway_binary)"
 
 step "start nats-server and the gateway"
 NATS_BIN="$("$ROOT/scripts/nats-server.sh")"
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 NATS_PORT="$(free_port)"
 "$NATS_BIN" -js -a 127.0.0.1 -p "$NATS_PORT" -sd "$WORK" -l "$WORK/nats-server.log" </dev/null &
 NATS_PID=$!

@@ -147,21 +147,11 @@ redocly_lint() {
 check "redocly lint" redocly_lint
 
 step "build the gateway"
-# The binary the integration tests use (built with their features: after scripts/test.sh's
-# cargo test this is a no-op, where a plain `cargo build` would rebuild the dependencies).
-GATEWAY_BIN="$(cargo test --no-run --quiet --test it --message-format=json-render-diagnostics | python3 -c '
-import json, sys
-for line in sys.stdin:
-    message = json.loads(line)
-    if message.get("reason") == "compiler-artifact" and "bin" in message["target"]["kind"] \
-            and message["target"]["name"] == "ruststream-nats":
-        print(message["executable"])
-')"
-[[ -x "$GATEWAY_BIN" ]] || die "no gateway binary (cargo said: '$GATEWAY_BIN')"
+# The binary the integration tests use (see lib.sh).
+GATEWAY_BIN="$(test_gateway_binary)"
 
 step "start nats-server and the gateway"
 NATS_BIN="$("$ROOT/scripts/nats-server.sh")"
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 # Answers 0 once GET $1 answers 200.
 answers_200() {
     python3 - "$1" <<'PY'

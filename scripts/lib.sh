@@ -15,6 +15,26 @@ SCRIPT_NAME="$(basename "$0")"
 log() { printf '%s: %s\n' "$SCRIPT_NAME" "$*" >&2; }
 die() { log "$*"; exit 1; }
 
+# The gateway binary the integration tests use (built with their features: after
+# scripts/test.sh's cargo test this is a no-op, where a plain `cargo build` would rebuild the
+# dependencies). Prints its path.
+test_gateway_binary() {
+    local binary
+    binary="$(cargo test --no-run --quiet --test it --message-format=json-render-diagnostics | python3 -c '
+import json, sys
+for line in sys.stdin:
+    message = json.loads(line)
+    if message.get("reason") == "compiler-artifact" and "bin" in message["target"]["kind"] \
+            and message["target"]["name"] == "ruststream-nats":
+        print(message["executable"])
+')"
+    [[ -x "$binary" ]] || die "no gateway binary (cargo said: '$binary')"
+    printf '%s\n' "$binary"
+}
+
+# A TCP port free on 127.0.0.1 now.
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
 need_cargo() {
     command -v cargo >/dev/null 2>&1 || die "cargo not found: install the Rust toolchain (rustup) first"
 }
