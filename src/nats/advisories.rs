@@ -13,7 +13,6 @@ use std::time::Duration;
 use async_nats::Client;
 use async_nats::jetstream::{self, AckKind, consumer, stream};
 use futures::StreamExt as _;
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -260,7 +259,7 @@ where
             }
         }
     };
-    let slots = Arc::new(Semaphore::new(CONCURRENCY));
+    let handlers = dead_letter::Handlers::new(stop);
     loop {
         let next = tokio::select! {
             () = stop.cancelled() => return Err(()),
@@ -286,20 +285,13 @@ where
                 }
             },
         };
-        let Ok(slot) = slots.clone().acquire_owned().await else {
+        let (js, target, metrics) = (js.clone(), target.clone(), metrics.clone());
+        // Stopped unacked, the advisory comes back after ACK_WAIT (to another replica, or to
+        // this gateway's successor).
+        let copy = async move { handle(&js, &target, message, metrics.as_ref()).await };
+        if !handlers.spawn(copy).await {
             return Err(());
-        };
-        let (js, target, metrics, stop) =
-            (js.clone(), target.clone(), metrics.clone(), stop.clone());
-        tokio::spawn(async move {
-            let _slot = slot;
-            tokio::select! {
-                // Unacked, the advisory comes back after ACK_WAIT (to another replica, or to
-                // this gateway's successor).
-                () = stop.cancelled() => {}
-                () = handle(&js, &target, message, metrics.as_ref()) => {}
-            }
-        });
+        }
     }
 }
 

@@ -56,6 +56,39 @@ pub(crate) const REASON_TERMINATED: &str = "terminated";
 
 /// How many advisories are handled at once; more wait (the subscription buffers them).
 pub(crate) const CONCURRENCY: usize = 16;
+/// Advisories being handled: at most [`CONCURRENCY`] at once, each on its own task, each
+/// given up at `stop`.
+pub(crate) struct Handlers {
+    slots: Arc<Semaphore>,
+    stop: CancellationToken,
+}
+
+impl Handlers {
+    pub(crate) fn new(stop: &CancellationToken) -> Self {
+        Self {
+            slots: Arc::new(Semaphore::new(CONCURRENCY)),
+            stop: stop.clone(),
+        }
+    }
+
+    /// Wait for a free slot, then run `work` on a task of its own until it ends or `stop`.
+    /// `false` when no slot can be had any more.
+    pub(crate) async fn spawn(&self, work: impl Future<Output = ()> + Send + 'static) -> bool {
+        let Ok(slot) = self.slots.clone().acquire_owned().await else {
+            return false;
+        };
+        let stop = self.stop.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            tokio::select! {
+                () = stop.cancelled() => {}
+                () = work => {}
+            }
+        });
+        true
+    }
+}
+
 /// Each NATS call of one attempt is bounded by this.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Retries of a failed attempt (NATS away, dead-letter stream leaderless) stop after this,
@@ -146,7 +179,7 @@ where
     warn!(subject = %target.subject, "dead-lettering from a live subscription: advisories published while no gateway listens are missed");
     let js = jetstream::new(client);
     let target = Arc::new(target);
-    let slots = Arc::new(Semaphore::new(CONCURRENCY));
+    let handlers = Handlers::new(&stop);
     loop {
         let message = tokio::select! {
             () = stop.cancelled() => return,
@@ -162,18 +195,13 @@ where
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return;
+        let (js, target, metrics) = (js.clone(), target.clone(), metrics.clone());
+        let copy = async move {
+            let _ = dead_letter(&js, &target, &advisory, &cause, metrics.as_ref()).await;
         };
-        let (js, target, metrics, stop) =
-            (js.clone(), target.clone(), metrics.clone(), stop.clone());
-        tokio::spawn(async move {
-            let _slot = slot;
-            tokio::select! {
-                () = stop.cancelled() => {}
-                _ = dead_letter(&js, &target, &advisory, &cause, metrics.as_ref()) => {}
-            }
-        });
+        if !handlers.spawn(copy).await {
+            return;
+        }
     }
 }
 
