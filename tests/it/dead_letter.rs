@@ -315,9 +315,7 @@ async fn stream_count(js: &Js, name: &str) -> Option<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn terms_answered_204_are_dead_lettered_exactly_once_although_the_gateway_is_killed_right_after()
  {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.create_stream(DLQ, &["DLQ.>"]).await;
     let sequences = js.publish_many("orders.crash", 10, "termed").await;
     let mut gateway = Setup::consumer("crash")
@@ -436,9 +434,7 @@ async fn a_term_on_a_work_queue_stream_copies_the_message_before_the_stream_dele
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn advisories_published_while_no_gateway_runs_are_dead_lettered_after_the_restart() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.create_stream(DLQ, &["DLQ.>"]).await;
     let termed = js.publish("orders.offline", "termed offline").await;
     let exhausted = js.publish("orders.offline", "nakked offline").await;

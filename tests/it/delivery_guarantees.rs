@@ -11,8 +11,7 @@ use futures::StreamExt as _;
 use time::OffsetDateTime;
 
 use crate::support::{
-    Action, Gateway, Msg, NatsServer, STREAM, Scrape, Setup, assert_stays, server_ack_pending,
-    wait_for,
+    Action, Gateway, Msg, STREAM, Scrape, Setup, assert_stays, server_ack_pending, wait_for,
 };
 
 /// The delivery count token of a v1 ack subject
@@ -248,9 +247,7 @@ async fn all_come_back(gateway: &Gateway, sequences: &HashSet<u64>, within: Dura
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_stop_naks_the_leases_still_out_so_they_come_back_at_once() {
-    let server = NatsServer::start().await;
-    let js = crate::support::Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.publish_many("orders.1", 3, "m").await;
     let mut first = Setup::consumer("stopping")
         .ack_wait("60s")
@@ -281,9 +278,7 @@ async fn a_graceful_stop_naks_the_leases_still_out_so_they_come_back_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crashed_gateway_leaves_nothing_waiting_longer_than_ack_wait() {
     const ACK_WAIT: Duration = Duration::from_secs(3);
-    let server = NatsServer::start().await;
-    let js = crate::support::Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.publish_many("orders.1", 3, "m").await;
     let setup = Setup::consumer("crashing").ack_wait("3s");
     let mut crashed = setup.process(&server.url()).await;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::support::nats::free_port;
-use crate::support::{GatewayProcess, Js, NatsServer, STREAM, Setup, wait_until};
+use crate::support::{GatewayProcess, Setup, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_ids_are_returned_as_given_or_made_up() {
@@ -56,9 +56,7 @@ async fn request_ids_are_returned_as_given_or_made_up() {
 /// per-request record (a line per request cost more CPU than the request under load).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn successful_requests_write_no_line_at_the_default_level() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.publish("orders.quiet", "hello").await;
     // RUST_LOG unset: the binary's own default.
     let mut gateway = Setup::consumer("quiet-default")
@@ -95,9 +93,7 @@ async fn successful_requests_write_no_line_at_the_default_level() {
 async fn json_logs_carry_request_spans_and_settle_events_without_secrets() {
     const TOKEN: &str = "s3cret-bearer-token";
     const URL_PASSWORD: &str = "s3cret-url-password";
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     let sequence = js.publish("orders.logged", "hello").await;
     // Credentials in the URL: the server has no auth and ignores them; they must not be logged.
     let url = format!("nats://logger:{URL_PASSWORD}@127.0.0.1:{}", server.port());
@@ -277,9 +273,7 @@ async fn unusable_request_ids_are_replaced() {
 /// out at shutdown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_logs_say_what_happened_plainly_and_once() {
-    let mut server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (mut server, js) = crate::support::server_with_stream().await;
     js.publish("orders.1", "held through the shutdown").await;
     let mut gateway = Setup::consumer("operator")
         .ack_wait("60s")

@@ -19,18 +19,10 @@ fn shared_key() -> tempfile::NamedTempFile {
     key
 }
 
-/// A nats-server with the stream, and a client of it.
-async fn server_with_stream() -> (NatsServer, Js) {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
-    (server, js)
-}
-
 /// A nats-server with the stream and three in-process replicas of `setup` (given the shared
 /// key), each ready and seeing the other two.
 async fn three(setup: Setup) -> (NatsServer, Js, [Gateway; 3], tempfile::NamedTempFile) {
-    let (server, js) = server_with_stream().await;
+    let (server, js) = crate::support::server_with_stream().await;
     let key = shared_key();
     let setup = setup.lease_key_file(key.path());
     let a = setup.ready(&server.url()).await;
@@ -189,7 +181,7 @@ async fn a_superseded_lease_is_refused_at_every_replica_and_nothing_stale_reache
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_killed_answers_410_a_stalled_one_504_and_a_rolled_one_keeps_settling() {
-    let (server, js) = server_with_stream().await;
+    let (server, js) = crate::support::server_with_stream().await;
     let key = shared_key();
     let setup = Setup::consumer("owners")
         .lease_key_file(key.path())
@@ -344,7 +336,7 @@ async fn an_idempotency_key_retried_at_another_replica_gets_the_first_answer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_with_another_lease_key_is_named_in_its_log_and_in_get_consumer() {
-    let (server, _js) = server_with_stream().await;
+    let (server, _js) = crate::support::server_with_stream().await;
     let key = shared_key();
     let first = Setup::consumer("two-keys")
         .lease_key_file(key.path())
@@ -389,7 +381,7 @@ async fn a_replica_with_another_lease_key_is_named_in_its_log_and_in_get_consume
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_may_not_change_the_settings_of_a_consumer_others_use() {
-    let (server, js) = server_with_stream().await;
+    let (server, js) = crate::support::server_with_stream().await;
     let key = shared_key();
     let running = Setup::consumer("guarded")
         .lease_key_file(key.path())

@@ -12,9 +12,7 @@ use crate::support::{Action, Js, NatsServer, STREAM, Setup, wait_until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_durable_consumer_is_created_with_explicit_settings_only() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     // Watch the JetStream API requests the gateway sends to create its consumer.
     let mut api = js
         .client
@@ -107,9 +105,7 @@ async fn filter_subject_and_max_deliver_are_sent_when_given() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliver_policy_new_skips_messages_published_before() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.publish_many("orders.old", 3, "old").await;
     let gateway = Setup::consumer("only-new")
         .deliver_policy("new")
@@ -128,9 +124,7 @@ async fn deliver_policy_new_skips_messages_published_before() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn existing_consumer_is_bound_and_its_mutable_fields_updated() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.publish_many("orders.eu.1", 3, "m").await;
     js.create_consumer(
         STREAM,
@@ -172,9 +166,7 @@ async fn existing_consumer_is_bound_and_its_mutable_fields_updated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn differing_deliver_policy_refuses_to_start_naming_the_field() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.create_consumer(
         STREAM,
         consumer::pull::Config {
@@ -359,9 +351,7 @@ async fn ephemeral_consumer_has_no_durable_name_and_goes_away_after_the_gateway(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn last_and_last_per_subject_policies_start_where_they_say() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.publish("orders.a", "a1").await;
     let a2 = js.publish("orders.a", "a2").await;
     let b1 = js.publish("orders.b", "b1").await;
@@ -398,9 +388,7 @@ async fn last_and_last_per_subject_policies_start_where_they_say() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn by_start_time_policy_applies_and_survives_a_restart() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.publish_many("orders.before", 2, "before").await;
     // A start time strictly between the two groups, with sub-second precision.
     let start = time::OffsetDateTime::now_utc() + time::Duration::milliseconds(5);

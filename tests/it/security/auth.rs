@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::support::client::{Reply, http_client, http_client_with_token};
-use crate::support::{Client, GatewayProcess, Js, NatsServer, STREAM, Setup, wait_for};
+use crate::support::{Client, GatewayProcess, NatsServer, Setup, wait_for};
 
 const TOKENS: &str = "\
 # workers
@@ -50,9 +50,7 @@ fn assert_challenge(reply: &Reply, status: u16, expect: &str) {
 
 #[tokio::test]
 async fn tokens_and_scopes_guard_every_endpoint_but_health_and_docs() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     let file = tokens_file(TOKENS);
     let path = file.path().to_str().expect("utf8 path");
     let gateway = Setup::consumer("auth")
@@ -221,9 +219,7 @@ async fn bad_token_sources_refuse_to_start_without_echoing_tokens() {
 
 #[tokio::test]
 async fn each_token_has_its_own_cap_on_waiting_fetches() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, _js) = crate::support::server_with_stream().await;
     let file = tokens_file("token-a fetch\ntoken-b fetch\nadmin-token admin\n");
     let path = file.path().to_str().expect("utf8 path");
     let gateway = Setup::consumer("capped")
@@ -312,9 +308,7 @@ async fn an_empty_inline_token_source_refuses_to_start() {
 async fn tokens_and_the_lease_key_never_reach_the_log() {
     const TOKEN: &str = "logged-never-token-5c1e";
     const KEY: &str = "logged-never-lease-key-0123456789abcdef0123456789";
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.publish("orders.1", "x").await;
     let tokens = tokens_file(&format!("{TOKEN} *\n"));
     let mut key = tempfile::NamedTempFile::new().expect("temp key file");

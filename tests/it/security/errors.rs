@@ -8,7 +8,7 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::client::{Reply, http_client, http_client_with_token};
-use crate::support::{Action, Js, NatsServer, STREAM, Setup, sleep_past};
+use crate::support::{Action, Setup, sleep_past};
 
 const FETCH_TOKEN: &str = "sweep-fetch-token-0d7e";
 const ALL_TOKEN: &str = "sweep-all-token-91fa";
@@ -32,9 +32,7 @@ const FORBIDDEN: [&str; 12] = [
 
 #[tokio::test]
 async fn no_error_answer_reveals_internals_or_secrets() {
-    let mut server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (mut server, js) = crate::support::server_with_stream().await;
     let mut tokens = tempfile::NamedTempFile::new().expect("temp");
     writeln!(tokens, "{FETCH_TOKEN} fetch\n{ALL_TOKEN} *").expect("write");
     let mut key = tempfile::NamedTempFile::new().expect("temp");

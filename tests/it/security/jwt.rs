@@ -18,7 +18,7 @@ use rsa::pkcs1::{EncodeRsaPrivateKey as _, EncodeRsaPublicKey as _};
 use serde_json::{Value, json};
 
 use crate::support::client::{Reply, http_client_with_token};
-use crate::support::{Client, Js, NatsServer, STREAM, Setup};
+use crate::support::{Client, NatsServer, Setup};
 
 const ISSUER: &str = "https://idp.example.test/realms/ops";
 const AUDIENCE: &str = "ruststream-gateway";
@@ -228,9 +228,7 @@ async fn jwts_are_verified_and_scoped_beside_static_tokens() {
     let p256 = Signer::p256("ec-1");
     let ed = Signer::ed25519("ed-1");
     let jwks = JwksServer::start(vec![rsa.jwk.clone(), p256.jwk.clone(), ed.jwk.clone()]).await;
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     let gateway = jwt_setup("jwt", &jwks.url).ready(&server.url()).await;
     assert_eq!(jwks.reads(), 1, "read once at start");
     js.publish("orders.jwt", "one").await;
@@ -356,9 +354,7 @@ async fn jwts_are_verified_and_scoped_beside_static_tokens() {
 async fn a_rotated_key_is_fetched_but_unknown_key_ids_are_bounded() {
     let first = Signer::ed25519("2024-key");
     let jwks = JwksServer::start(vec![first.jwk.clone()]).await;
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, _js) = crate::support::server_with_stream().await;
     let gateway = jwt_setup("rotation", &jwks.url).ready(&server.url()).await;
     assert_eq!(jwks.reads(), 1);
     let worker = claims("svc-billing", "ruststream:fetch");
@@ -392,9 +388,7 @@ async fn a_rotated_key_is_fetched_but_unknown_key_ids_are_bounded() {
 async fn an_idempotency_key_belongs_to_the_subject_not_the_token_string() {
     let signer = Signer::ed25519("ed-1");
     let jwks = JwksServer::start(vec![signer.jwk.clone()]).await;
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     let gateway = jwt_setup("idem", &jwks.url).ready(&server.url()).await;
     js.publish("orders.idem", "one").await;
     js.publish("orders.idem", "two").await;
@@ -442,9 +436,7 @@ async fn the_subject_reaches_the_log_and_the_token_never_does() {
     let signer = Signer::ed25519("ed-1");
     let file = tempfile::NamedTempFile::new().expect("temp file");
     std::fs::write(file.path(), signer.jwks_json()).expect("write the JWKS");
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, _js) = crate::support::server_with_stream().await;
     let setup = Setup::consumer("jwt-log")
         .flag("--auth-jwks-file", file.path().to_str().expect("utf8"))
         .flag("--auth-jwt-audience", AUDIENCE)

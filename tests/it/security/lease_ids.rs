@@ -7,7 +7,7 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use serde_json::json;
 
-use crate::support::{Action, Js, NatsServer, STREAM, Setup};
+use crate::support::{Action, NatsServer, Setup};
 
 fn key_file(text: &str) -> tempfile::NamedTempFile {
     let mut file = tempfile::NamedTempFile::new().expect("temp file");
@@ -80,9 +80,7 @@ fn urlencode(id: &str) -> String {
 
 #[tokio::test]
 async fn a_restart_with_the_same_key_file_knows_its_predecessors_ids() {
-    let server = NatsServer::start().await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     js.publish("orders.restart", "one").await;
     let key = key_file(&format!("{}\n", "5e".repeat(32)));
     let other_key = key_file(&"ab".repeat(32));

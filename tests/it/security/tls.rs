@@ -75,9 +75,7 @@ fn https_base(plain: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_speaks_h2_and_http11_by_alpn_and_serves_the_lease_flow() {
     let pki = make_pki();
-    let server = crate::support::NatsServer::start().await;
-    let js = crate::support::Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, js) = crate::support::server_with_stream().await;
     let gateway = tls_setup("https", &pki).starting(&server.url()).await;
     let base = https_base(&gateway.url(""));
     let h2 = https_client(client_config(&pki, &[b"h2", b"http/1.1"], false));
@@ -148,9 +146,7 @@ async fn plaintext_speaks_h2_with_prior_knowledge_beside_http11() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mtls_refuses_a_client_without_a_certificate() {
     let pki = make_pki();
-    let server = crate::support::NatsServer::start().await;
-    let js = crate::support::Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, _js) = crate::support::server_with_stream().await;
     let gateway = tls_setup("mtls", &pki)
         .flag("--tls-client-ca", pki.ca.clone())
         .starting(&server.url())
@@ -209,9 +205,7 @@ async fn unreadable_tls_files_refuse_to_start_naming_the_path() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rotated_certificate_is_used_without_dropping_connections() {
     let pki = make_pki();
-    let server = crate::support::NatsServer::start().await;
-    let js = crate::support::Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, _js) = crate::support::server_with_stream().await;
     let gateway = tls_setup("rotate", &pki).starting(&server.url()).await;
     let address = gateway.url("").trim_start_matches("http://").to_owned();
     // The next certificate comes from another CA; the client trusts both.
@@ -351,9 +345,7 @@ async fn an_http2_stream_reset_withdraws_a_waiting_fetch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_leaving_a_waiting_fetch_over_tls_withdraws_it() {
     let pki = make_pki();
-    let server = crate::support::NatsServer::start().await;
-    let js = crate::support::Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
+    let (server, _js) = crate::support::server_with_stream().await;
     let gateway = tls_setup("tls-hangup", &pki).starting(&server.url()).await;
     let address = gateway.url("").trim_start_matches("http://").to_owned();
     let connector =

@@ -119,6 +119,14 @@ pub async fn sleep_past(at: OffsetDateTime, margin: Duration) {
     tokio::time::sleep(left + margin).await;
 }
 
+/// A fresh nats-server with the `ORDERS` stream (`orders.>`), and a JetStream client on it.
+pub async fn server_with_stream() -> (NatsServer, Js) {
+    let server = NatsServer::start().await;
+    let js = Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    (server, js)
+}
+
 /// The server's num_ack_pending for the gateway's consumer.
 pub async fn server_ack_pending(js: &Js, gateway: &Gateway) -> usize {
     js.consumer_info(&gateway.stream, &gateway.consumer)

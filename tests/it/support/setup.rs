@@ -152,9 +152,7 @@ impl Setup {
     /// A nats-server with the `ORDERS` stream (`orders.>`), a JetStream client on it, and a
     /// ready in-process gateway.
     pub async fn start(&self) -> (NatsServer, Js, Gateway) {
-        let server = NatsServer::start().await;
-        let js = Js::connect(&server.url()).await;
-        js.create_stream(STREAM, &["orders.>"]).await;
+        let (server, js) = super::server_with_stream().await;
         let gateway = self.ready(&server.url()).await;
         (server, js, gateway)
     }
