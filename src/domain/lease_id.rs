@@ -146,6 +146,8 @@ const ID_LEN: usize = BODY_LEN + TAG_LEN;
 pub(crate) struct LeaseSigner {
     mac: HmacSha256,
     owner: InstanceId,
+    /// See [`LeaseSigner::key_fingerprint`].
+    fingerprint: String,
 }
 
 impl LeaseSigner {
@@ -165,7 +167,15 @@ impl LeaseSigner {
         mac.update(&[0]);
         mac.update(consumer.as_bytes());
         mac.update(&[0]);
-        Self { mac, owner }
+        let mut signer = Self {
+            mac,
+            owner,
+            fingerprint: String::new(),
+        };
+        // Distinct from any id body: those start with the version byte and are BODY_LEN long.
+        let tag = signer.tag(b"ruststream-nats lease key fingerprint");
+        signer.fingerprint = tag[..8].iter().map(|byte| format!("{byte:02x}")).collect();
+        signer
     }
 
     /// The instance whose ids this signer issues.
@@ -176,10 +186,8 @@ impl LeaseSigner {
     /// A short digest of the key (and the stream and consumer): replicas compare theirs to
     /// find one signing with another key, whose ids they could not verify. Reveals nothing
     /// of the key.
-    pub(crate) fn key_fingerprint(&self) -> String {
-        // Distinct from any id body: those start with the version byte and are BODY_LEN long.
-        let tag = self.tag(b"ruststream-nats lease key fingerprint");
-        tag[..8].iter().map(|byte| format!("{byte:02x}")).collect()
+    pub(crate) fn key_fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     pub(crate) fn encode(&self, lease: &LeaseCoordinates) -> String {

@@ -102,7 +102,8 @@ impl Gateway {
                 Begin::First(claim) => claim,
             };
             // A retry reaching this replica after the first went to another one.
-            match self.shared_answer(&idempotency).await {
+            let digest = idempotency.scope.digest();
+            match self.shared_answer(&idempotency, &digest).await {
                 Some(SharedAnswer::Same(body)) => {
                     return Ok(Fetched {
                         body,
@@ -128,7 +129,7 @@ impl Gateway {
             // its retry gets these leases instead of stranding them until they expire.
             claim.answer(body.clone(), keys);
             if count > 0 {
-                self.share_answer(&idempotency, body.clone()).await;
+                self.share_answer(&idempotency, &digest, body.clone()).await;
             }
             self.state.metrics.fetch_served(started.elapsed(), count);
             return Ok(Fetched {
@@ -143,10 +144,10 @@ impl Gateway {
     /// looked at: its own memory of the key, which let this fetch go first, knows better. A
     /// shared stream that cannot be read costs the retry-safety across replicas only, not
     /// the fetch.
-    async fn shared_answer(&self, idempotency: &Idempotency) -> Option<SharedAnswer> {
+    async fn shared_answer(&self, idempotency: &Idempotency, digest: &str) -> Option<SharedAnswer> {
         let bound = self.bound().ok()?;
         let shared = bound.shared.as_ref()?;
-        let remembered = match shared.remembered_answer(&idempotency.scope.digest()).await {
+        let remembered = match shared.remembered_answer(digest).await {
             Ok(Some(remembered)) => remembered,
             Ok(None) => return None,
             Err(err) => {
@@ -170,7 +171,7 @@ impl Gateway {
 
     /// Share a keyed fetch's answer with the other replicas for as long as its leases can
     /// live, before the client sees it: a retry anywhere gets it.
-    async fn share_answer(&self, idempotency: &Idempotency, body: Bytes) {
+    async fn share_answer(&self, idempotency: &Idempotency, digest: &str, body: Bytes) {
         let Ok(bound) = self.bound() else {
             return;
         };
@@ -179,7 +180,7 @@ impl Gateway {
         };
         if let Err(err) = shared
             .remember_answer(
-                &idempotency.scope.digest(),
+                digest,
                 self.instance,
                 &idempotency.fingerprint.to_hex(),
                 body,

@@ -98,7 +98,7 @@ impl Gateway {
             instance_id: self.instance.to_string(),
             started_at: self.started_at,
             leases_in_flight: self.leases_in_flight(),
-            lease_key_fingerprint: self.state.signer().key_fingerprint(),
+            lease_key_fingerprint: self.state.signer().key_fingerprint().to_owned(),
             listen: self.config.listen.to_string(),
         }
     }
@@ -410,10 +410,7 @@ impl Gateway {
             Duration::from_millis(u64::try_from(ack_wait.as_millis()).unwrap_or(u64::MAX));
         let old_ack_wait = self.state.ack_wait();
         let old_max = self.state.max_ack_pending();
-        if ack_wait == old_ack_wait && max_ack_pending == old_max {
-            return;
-        }
-        if ack_wait.is_zero() {
+        if ack_wait.is_zero() || (ack_wait == old_ack_wait && max_ack_pending == old_max) {
             return;
         }
         let shortened = if ack_wait < old_ack_wait {
