@@ -10,7 +10,7 @@ use time::OffsetDateTime;
 
 use crate::support::{
     Action, Deadline, Gateway, Msg, STREAM, Scrape, Setup, assert_stays, rfc3339,
-    server_ack_pending, sleep_past, wait_for,
+    server_ack_pending, sleep_past, wait_for, wait_until,
 };
 
 /// Fetch until the message with `stream_sequence` comes back with a higher delivery count.
@@ -610,6 +610,17 @@ async fn a_settle_refused_during_an_outage_succeeds_after_the_reconnect() {
         .await;
     let sequence = js.publish("orders.1", "held through the outage").await;
     let lease = gateway.fetch_n(1, 1000).await.remove(0);
+    // A delivery the killed server had not yet written down is made again after the
+    // restart, which rightly voids the lease (410): the outage under test starts after it.
+    wait_until(
+        "the server has written the delivery to its store",
+        Duration::from_secs(5),
+        || {
+            let state = server.persisted_consumer_state(STREAM, "outage-settle");
+            async move { state.is_some_and(|(_, delivered)| delivered >= sequence) }
+        },
+    )
+    .await;
 
     server.kill();
     gateway.wait_unready().await;
