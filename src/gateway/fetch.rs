@@ -72,6 +72,20 @@ impl Gateway {
                 replayed: false,
             });
         };
+        // Boxed: unboxed, its state would be part of every fetch's future, which each long
+        // poll holds for its whole wait, keyed or not.
+        Box::pin(self.fetch_keyed(demand, idempotency, caller, render, started)).await
+    }
+
+    /// [`Gateway::fetch`] with an `Idempotency-Key`.
+    async fn fetch_keyed<C: Caller>(
+        &self,
+        demand: Demand,
+        idempotency: Idempotency,
+        caller: Option<&C>,
+        render: impl Fn(Vec<Leased>) -> Result<Bytes, Error>,
+        started: Instant,
+    ) -> Result<Fetched, Error> {
         loop {
             let claim = match self.begin_idempotent(&idempotency.scope, idempotency.fingerprint) {
                 Begin::Replay(body) => {

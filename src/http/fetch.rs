@@ -2,6 +2,7 @@
 //!
 //! May import: as the rest of `http`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Extension;
@@ -57,7 +58,7 @@ pub(crate) const DEFAULT_WAIT_MS: u64 = 5_000;
     )
 )]
 pub(crate) async fn fetch(
-    State(gateway): State<Gateway>,
+    State(gateway): State<Arc<Gateway>>,
     connection: Option<Extension<Connection>>,
     principal: Option<Extension<Principal>>,
     headers: FetchHeaders,

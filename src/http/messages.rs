@@ -2,6 +2,7 @@
 //!
 //! May import: as the rest of `http`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
@@ -62,7 +63,7 @@ const MAX_REASON_CHARS: usize = 1024;
     )
 )]
 pub(crate) async fn ack(
-    State(gateway): State<Gateway>,
+    State(gateway): State<Arc<Gateway>>,
     LeaseIdPath(id): LeaseIdPath,
 ) -> Result<StatusCode, Error> {
     settle(&gateway, &id, AckCommand::Ack).await
@@ -82,7 +83,7 @@ pub(crate) async fn ack(
     )
 )]
 pub(crate) async fn nak(
-    State(gateway): State<Gateway>,
+    State(gateway): State<Arc<Gateway>>,
     LeaseIdPath(id): LeaseIdPath,
     JsonBody(body): JsonBody<NakBody>,
 ) -> Result<StatusCode, Error> {
@@ -107,7 +108,7 @@ pub(crate) async fn nak(
     )
 )]
 pub(crate) async fn term(
-    State(gateway): State<Gateway>,
+    State(gateway): State<Arc<Gateway>>,
     LeaseIdPath(id): LeaseIdPath,
     JsonBody(body): JsonBody<TermBody>,
 ) -> Result<StatusCode, Error> {
@@ -127,7 +128,7 @@ pub(crate) async fn term(
     )
 )]
 pub(crate) async fn in_progress(
-    State(gateway): State<Gateway>,
+    State(gateway): State<Arc<Gateway>>,
     LeaseIdPath(id): LeaseIdPath,
 ) -> Result<Json<ExtendResponse>, Error> {
     let expires_at = gateway.extend(&id).await?;
@@ -149,7 +150,7 @@ pub(crate) async fn in_progress(
     )
 )]
 pub(crate) async fn ack_many(
-    State(gateway): State<Gateway>,
+    State(gateway): State<Arc<Gateway>>,
     JsonBody(body): JsonBody<BatchAckBody>,
 ) -> Result<Json<BatchResponse>, Error> {
     settle_many(&gateway, body.ids, AckCommand::Ack).await
@@ -168,7 +169,7 @@ pub(crate) async fn ack_many(
     )
 )]
 pub(crate) async fn nak_many(
-    State(gateway): State<Gateway>,
+    State(gateway): State<Arc<Gateway>>,
     JsonBody(body): JsonBody<BatchNakBody>,
 ) -> Result<Json<BatchResponse>, Error> {
     settle_many(&gateway, body.ids, nak_command(body.delay_ms)?).await
@@ -187,7 +188,7 @@ pub(crate) async fn nak_many(
     )
 )]
 pub(crate) async fn term_many(
-    State(gateway): State<Gateway>,
+    State(gateway): State<Arc<Gateway>>,
     JsonBody(body): JsonBody<BatchTermBody>,
 ) -> Result<Json<BatchResponse>, Error> {
     settle_many(&gateway, body.ids, term_command(body.reason)?).await

@@ -1,6 +1,6 @@
-//! `GET /metrics` (the Prometheus text format) and the guard middleware: authentication
-//! ([`super::auth::admit`]), then a count of every HTTP request by method, matched route
-//! template and status.
+//! `GET /metrics` (the Prometheus text format) and the guard the edge middleware runs every
+//! request through: authentication ([`super::auth::admit`]), then a count of every HTTP
+//! request by method, matched route template and status.
 //!
 //! May import: as the rest of `http`.
 
@@ -34,7 +34,7 @@ use crate::metrics::{CONTENT_TYPE as METRICS_CONTENT_TYPE, UNMATCHED_ROUTE};
         Guarded,
     )
 )]
-pub(crate) async fn metrics(State(gateway): State<Gateway>) -> impl IntoResponse {
+pub(crate) async fn metrics(State(gateway): State<Arc<Gateway>>) -> impl IntoResponse {
     (
         [(CONTENT_TYPE, METRICS_CONTENT_TYPE)],
         gateway.render_metrics(),
@@ -43,13 +43,10 @@ pub(crate) async fn metrics(State(gateway): State<Gateway>) -> impl IntoResponse
 
 /// Authenticate, then serve, and count the request under its route template
 /// (`/messages/{id}/ack`), never its raw path: one series per lease id would grow without
-/// bound. Refusals (401/403) are counted under their route too. One middleware for both: each
-/// layer costs every request a boxed future and a clone of the service below it.
-pub(crate) async fn guard(
-    State(guard): State<Guard>,
-    mut request: Request,
-    next: Next,
-) -> Response {
+/// bound. Refusals (401/403) are counted under their route too. Run by the one middleware
+/// ([`super::edge`]): each layer costs every request a boxed future and a clone of the service
+/// below it.
+pub(crate) async fn guard(guard: &Guard, mut request: Request, next: Next) -> Response {
     let started = Instant::now();
     let method = request.method().clone();
     let route = request.extensions().get::<MatchedPath>().cloned();

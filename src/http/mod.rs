@@ -200,37 +200,44 @@ impl FromRef<Shared> for Gateway {
     }
 }
 
-/// The middleware stack every listener shares, in two layers around the panic catcher: the
-/// outer [`edge`] (oversized heads, request ids, the debug access log, problem instances),
-/// the inner [`metrics::guard`] (authentication, then the metrics). Each layer costs every
-/// request a boxed future and a clone of the service below it, so they are few.
+/// The middleware stack every listener shares: one middleware, [`edge`] (oversized heads,
+/// request ids, the debug access log, authentication and the metrics in
+/// [`metrics::guard`], problem instances), around the panic catcher. Each layer costs every
+/// request a boxed future (an idle long poll holds it for its whole wait) and a clone of the
+/// service below it, so there is one.
 fn with_layers(routes: Router<Shared>, gateway: Gateway, auth: Auth) -> Router {
     let gateway = Arc::new(gateway);
-    let guard = metrics::Guard {
-        gateway: gateway.clone(),
-        auth,
+    let edge_state = Edge {
+        ids: SequentialRequestId::new(),
+        guard: metrics::Guard {
+            gateway: gateway.clone(),
+            auth,
+        },
     };
     routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        // Outside authentication, so refusals (401/403) are counted under their route too.
-        .layer(axum::middleware::from_fn_with_state(guard, metrics::guard))
         .with_state(gateway)
+        // Inside the metrics: a handler that panicked is counted (500) under its route.
         .layer(CatchPanicLayer::custom(problem::panic_response))
-        .layer(axum::middleware::from_fn_with_state(
-            SequentialRequestId::new(),
-            edge,
-        ))
+        .layer(axum::middleware::from_fn_with_state(edge_state, edge))
+}
+
+/// What [`edge`] needs.
+#[derive(Clone)]
+struct Edge {
+    ids: SequentialRequestId,
+    guard: metrics::Guard,
 }
 
 const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
-/// The outermost middleware: oversized heads answer 414/431 at once; the request gets its
+/// The middleware: oversized heads answer 414/431 at once; the request gets its
 /// `x-request-id` (the client's when usable, else one made up), which the answer repeats;
-/// at debug the request is a span closed by one `request finished` event; a problem answer
-/// names the request path as its `instance`.
+/// at debug the request is a span closed by one `request finished` event; the guard
+/// authenticates and counts it; a problem answer names the request path as its `instance`.
 async fn edge(
-    State(ids): State<SequentialRequestId>,
+    State(edge): State<Edge>,
     mut request: Request<axum::body::Body>,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
@@ -240,7 +247,7 @@ async fn edge(
     let request_id = match usable_request_id(request.headers_mut()) {
         Some(id) => id,
         None => {
-            let id = ids.make();
+            let id = edge.ids.make();
             request.headers_mut().insert(X_REQUEST_ID, id.clone());
             id
         }
@@ -249,10 +256,12 @@ async fn edge(
     let uri = request.uri().clone();
     let span = request_span(&request);
     let response = if span.is_disabled() {
-        next.run(request).await
+        metrics::guard(&edge.guard, request, next).await
     } else {
         let started = Instant::now();
-        let response = next.run(request).instrument(span.clone()).await;
+        let response = metrics::guard(&edge.guard, request, next)
+            .instrument(span.clone())
+            .await;
         finish_request_span(&response, started.elapsed(), &span);
         response
     };

@@ -2,7 +2,7 @@
 //!
 //! May import: as the rest of `http`.
 
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 
 use axum::Json;
 use axum::extract::State;
@@ -40,7 +40,7 @@ pub(crate) async fn healthz() -> Json<HealthDto> {
         NatsRefusals,
     )
 )]
-pub(crate) async fn readyz(State(gateway): State<Gateway>) -> Result<Json<HealthDto>, Error> {
+pub(crate) async fn readyz(State(gateway): State<Arc<Gateway>>) -> Result<Json<HealthDto>, Error> {
     // The detail is generic (callers are unauthenticated): the log says where NATS is.
     gateway.readiness()?;
     Ok(Json(HealthDto {
@@ -59,7 +59,9 @@ pub(crate) async fn readyz(State(gateway): State<Gateway>) -> Result<Json<Health
         Guarded, NatsRefusals,
     )
 )]
-pub(crate) async fn consumer(State(gateway): State<Gateway>) -> Result<Json<ConsumerDto>, Error> {
+pub(crate) async fn consumer(
+    State(gateway): State<Arc<Gateway>>,
+) -> Result<Json<ConsumerDto>, Error> {
     let status = gateway.status().await?;
     let info = status.info;
     let config = info.config;

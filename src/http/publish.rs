@@ -3,6 +3,7 @@
 //! May import: as the rest of `http`.
 
 use std::str::FromStr;
+use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::State;
@@ -30,7 +31,7 @@ use crate::gateway::Gateway;
     )
 )]
 pub(crate) async fn publish(
-    State(gateway): State<Gateway>,
+    State(gateway): State<Arc<Gateway>>,
     JsonBody(body): JsonBody<PublishBody>,
 ) -> Result<(StatusCode, Json<PublishResponse>), Error> {
     validate_publish_subject(&body.subject)

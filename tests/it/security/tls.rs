@@ -143,6 +143,40 @@ async fn plaintext_speaks_h2_with_prior_knowledge_beside_http11() {
     assert_eq!(reply.status, 200, "HTTP/1.1 on the same port");
 }
 
+/// The gateway tells HTTP/2 from HTTP/1.1 by peeking at a connection's first bytes: a
+/// preface that arrives in pieces still speaks HTTP/2 (the server answers with its SETTINGS
+/// frame, not an HTTP/1.1 400).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_preface_sent_in_pieces_still_speaks_h2() {
+    let (_server, _js, gateway) = Setup::consumer("h2c-split").start().await;
+    let address = gateway.url("").trim_start_matches("http://").to_owned();
+    let mut stream = tokio::net::TcpStream::connect(&address)
+        .await
+        .expect("connect");
+    stream.set_nodelay(true).expect("nodelay");
+    stream.write_all(b"PR").await.expect("first piece");
+    // The pieces must reach the gateway apart: that is the case under test.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    stream
+        .write_all(b"I * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .expect("rest of the preface");
+    // An empty SETTINGS frame: length 0, type 4, no flags, stream 0.
+    stream
+        .write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0])
+        .await
+        .expect("SETTINGS");
+    let mut frame_head = [0u8; 9];
+    tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut frame_head))
+        .await
+        .expect("an answer in time")
+        .expect("a frame header");
+    assert_eq!(
+        frame_head[3], 4,
+        "the first frame is the server's SETTINGS: {frame_head:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mtls_refuses_a_client_without_a_certificate() {
     let pki = make_pki();
