@@ -8,11 +8,12 @@
 //!
 //! May import: the rest of `domain` only.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::SequenceMap;
 use super::settle::AckCommand;
 
 /// How a message ended for good.
@@ -49,7 +50,7 @@ impl Final {
 /// Final outcomes by stream sequence, each kept for `retention`, at most `max` of them.
 #[derive(Debug)]
 pub(crate) struct Finals {
-    by_sequence: HashMap<u64, Final>,
+    by_sequence: SequenceMap<u64, Final>,
     recorded: VecDeque<(Instant, u64)>,
     retention: Duration,
     max: usize,
@@ -58,7 +59,7 @@ pub(crate) struct Finals {
 impl Finals {
     pub(crate) fn new(retention: Duration, max: usize) -> Self {
         Self {
-            by_sequence: HashMap::new(),
+            by_sequence: SequenceMap::default(),
             recorded: VecDeque::new(),
             retention,
             max,

@@ -6,12 +6,13 @@
 //!
 //! May import: the rest of `domain` only.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::SequenceMap;
 pub(crate) use super::lease_id::DeliveryKey;
 use super::settle::SettleKind;
 
@@ -61,16 +62,16 @@ pub(crate) enum SettleStart {
 /// awaits, so an async mutex would only add cost (the mini-redis reasoning).
 #[derive(Debug)]
 pub(crate) struct LeaseTable {
-    records: HashMap<DeliveryKey, Record>,
+    records: SequenceMap<DeliveryKey, Record>,
     /// Newest delivery count seen per stream sequence: anything older is superseded.
-    newest: HashMap<u64, u64>,
+    newest: SequenceMap<u64, u64>,
     /// Live leases by expiry, earliest first.
     expiries: BTreeSet<(Instant, DeliveryKey)>,
     /// Leases no longer live, in the order they stopped being live, to be forgotten.
     retired: VecDeque<(Instant, DeliveryKey)>,
     /// Messages nak'd with a delay, by stream sequence: until redelivered the server still
     /// counts them against max_ack_pending, so the gateway must too.
-    parked: HashMap<u64, Instant>,
+    parked: SequenceMap<u64, Instant>,
     parked_until: BTreeSet<(Instant, u64)>,
     retention: Duration,
     max_retired: usize,
@@ -82,11 +83,11 @@ impl LeaseTable {
     /// `retention`: how long the outcome of a settled or expired lease is remembered.
     pub(crate) fn new(retention: Duration, max_retired: usize) -> Self {
         Self {
-            records: HashMap::new(),
-            newest: HashMap::new(),
+            records: SequenceMap::default(),
+            newest: SequenceMap::default(),
             expiries: BTreeSet::new(),
             retired: VecDeque::new(),
-            parked: HashMap::new(),
+            parked: SequenceMap::default(),
             parked_until: BTreeSet::new(),
             retention,
             max_retired,

@@ -120,7 +120,7 @@ async fn read_pull(
     batch: usize,
     epoch: u32,
     mut subscriber: async_nats::Subscriber,
-    jetstream: async_nats::jetstream::Context,
+    mut jetstream: async_nats::jetstream::Context,
     inbound: mpsc::UnboundedSender<PullEvent>,
 ) {
     let mut delivered = 0;
@@ -138,7 +138,9 @@ async fn read_pull(
             ),
             None => {
                 delivered += 1;
-                let forward = match delivery(&jetstream, epoch, message, received_at) {
+                let (parsed, lent_back) = delivery(jetstream, epoch, message, received_at);
+                jetstream = lent_back;
+                let forward = match parsed {
                     Ok(delivery) => PullEvent::Delivery { pull_id, delivery },
                     Err(reply) => PullEvent::Unusable { pull_id, reply },
                 };
@@ -157,40 +159,78 @@ async fn read_pull(
     }
 }
 
-/// A delivery from a JetStream message, or `None` (logged) for anything else.
+/// A delivery from a JetStream message, or `None` (logged) for anything else; and the
+/// JetStream context, lent to the message for its parsing and given back: `info()` is a
+/// method of a JetStream message, which owns a context, and a clone of one per message cost
+/// several allocations (its prefix, the client's channels).
 fn delivery(
-    jetstream: &async_nats::jetstream::Context,
+    jetstream: async_nats::jetstream::Context,
     epoch: u32,
     message: async_nats::Message,
     received_at: Instant,
-) -> Result<Delivery, Option<Subject>> {
+) -> (
+    Result<Delivery, Option<Subject>>,
+    async_nats::jetstream::Context,
+) {
     let message = async_nats::jetstream::Message {
         message,
-        context: jetstream.clone(),
+        context: jetstream,
     };
-    let info = match message.info() {
-        Ok(info) => info,
+    let parsed = match message.info() {
+        Ok(info) => Ok(FromReply {
+            coordinates: LeaseCoordinates {
+                epoch,
+                key: DeliveryKey {
+                    stream_sequence: info.stream_sequence,
+                    delivered: u64::try_from(info.delivered).unwrap_or(1),
+                },
+                consumer_sequence: info.consumer_sequence,
+                published_unix_nanos: i64::try_from(info.published.unix_timestamp_nanos())
+                    .unwrap_or(0),
+            },
+            stream: info.stream.to_owned(),
+            consumer: info.consumer.to_owned(),
+            pending: info.pending,
+            published_at: info.published,
+        }),
         Err(err) => {
             warn!(error = %err, subject = %message.subject, "a message that is not a JetStream delivery; nak'ing it");
-            return Err(message.message.reply);
+            Err(())
         }
     };
-    let coordinates = LeaseCoordinates {
-        // The binding the pull was made under: a delivery of an earlier one is never leased.
-        epoch,
-        key: DeliveryKey {
-            stream_sequence: info.stream_sequence,
-            delivered: u64::try_from(info.delivered).unwrap_or(1),
-        },
-        consumer_sequence: info.consumer_sequence,
-        published_unix_nanos: i64::try_from(info.published.unix_timestamp_nanos()).unwrap_or(0),
+    let async_nats::jetstream::Message {
+        message,
+        context: jetstream,
+    } = message;
+    let Ok(from_reply) = parsed else {
+        return (Err(message.reply), jetstream);
     };
-    let stream = info.stream.to_owned();
-    let consumer = info.consumer.to_owned();
-    let pending = info.pending;
-    let published_at = info.published;
+    (Ok(delivery_of(message, from_reply, received_at)), jetstream)
+}
+
+/// What a JetStream delivery's reply subject says of it.
+struct FromReply {
+    coordinates: LeaseCoordinates,
+    stream: String,
+    consumer: String,
+    pending: u64,
+    published_at: time::OffsetDateTime,
+}
+
+/// The [`Delivery`] of a JetStream message, given what its reply subject says.
+fn delivery_of(
+    message: async_nats::Message,
+    from_reply: FromReply,
+    received_at: Instant,
+) -> Delivery {
+    let FromReply {
+        coordinates,
+        stream,
+        consumer,
+        pending,
+        published_at,
+    } = from_reply;
     let reply: Arc<str> = Arc::from(message.reply.as_deref().unwrap_or_default());
-    let message = message.message;
     let (headers, unparsed) = take_unparsed(message.headers);
     if unparsed != Unparsed::default() {
         info!(
@@ -201,7 +241,7 @@ fn delivery(
             "a message whose subject or headers are not what NATS clients parse; leased with their exact bytes"
         );
     }
-    Ok(Delivery {
+    Delivery {
         coordinates,
         reply,
         subject: message.subject,
@@ -213,7 +253,7 @@ fn delivery(
         pending,
         published_at,
         received_at,
-    })
+    }
 }
 
 /// Split off the reserved headers the NATS client (patched: `vendor/async-nats/PATCHED.md`)
