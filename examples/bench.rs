@@ -27,6 +27,10 @@
 //!   message, the 100 of a fetch at once (each must answer 204).
 //! - **latency**: one loop of `POST /fetch {"batch":1}` then `POST /messages/{id}/ack`, one
 //!   request at a time, messages waiting: the p99 of each.
+//! - **floor, C clients**: the batch loop, plus one `GET /healthz` per message made as the
+//!   single settles are (the 100 of a fetch at once). Its CPU per message less the batch
+//!   run's is what the HTTP stack alone (hyper, axum, the middleware, the kernel's sockets)
+//!   costs per request: the floor under a single settle's CPU.
 //!
 //! Each gateway run starts the binary (`--gateway-bin`, default `target/release/ruststream-nats`)
 //! as a child with default flags but the NATS URL, stream, consumer and listen address, its
@@ -174,6 +178,9 @@ enum Kind {
     /// Two replicas sharing a lease key: every fetch at one, every batch ack at the other
     /// (so every settle is forwarded to the replica that issued the lease).
     Forwarded,
+    /// The batch loop plus a bare `GET /healthz` per message, made as single settles are:
+    /// what the HTTP stack alone costs per request.
+    Floor,
 }
 
 /// One timed run.
@@ -191,6 +198,7 @@ impl Run {
             Kind::Single => format!("single x{}", self.clients),
             Kind::Latency => "latency".into(),
             Kind::Forwarded => format!("fwd x{}", self.clients),
+            Kind::Floor => format!("floor x{}", self.clients),
         }
     }
 }
@@ -252,7 +260,7 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
             clients: 1,
         });
     }
-    for kind in [Kind::Batch, Kind::Single, Kind::Forwarded] {
+    for kind in [Kind::Batch, Kind::Single, Kind::Forwarded, Kind::Floor] {
         if wanted(kind) {
             runs.extend(args.clients.iter().map(|&clients| Run { kind, clients }));
         }
@@ -975,6 +983,7 @@ async fn gateway_loop(
 ) -> anyhow::Result<()> {
     let fetch_url = format!("{base}/fetch");
     let batch_ack_url = format!("{settle_base}/messages/ack");
+    let healthz_url = format!("{base}/healthz");
     let fetch_body = json!({ "batch": batch, "wait_ms": FETCH_WAIT.as_millis() });
     let mut sequences = Vec::with_capacity(batch as usize);
     while !tally.is_done() {
@@ -1012,9 +1021,29 @@ async fn gateway_loop(
             sequences.push(message.stream_sequence);
         }
 
+        if kind == Kind::Floor {
+            let probes = reply.messages.iter().map(|_| {
+                let request = http.get(&healthz_url).send();
+                async move {
+                    let response = request.await.context("GET /healthz")?;
+                    ensure!(
+                        response.status() == reqwest::StatusCode::OK,
+                        "GET /healthz answered {}",
+                        response.status()
+                    );
+                    // Read to the end, as a settle's answer is.
+                    response.bytes().await.context("GET /healthz body")?;
+                    Ok(())
+                }
+            });
+            for result in join_all(probes).await {
+                result?;
+            }
+            requests.fetch_add(reply.messages.len() as u64, Ordering::Relaxed);
+        }
         let acks_started = Instant::now();
         match kind {
-            Kind::Batch | Kind::Forwarded => {
+            Kind::Batch | Kind::Forwarded | Kind::Floor => {
                 let ids: Vec<&str> = reply.messages.iter().map(|m| m.id.as_str()).collect();
                 let response = http
                     .post(&batch_ack_url)
@@ -1292,6 +1321,21 @@ fn print_report(args: &Args, version: &str, runs: &[Run], outcomes: &[Outcome]) 
         println!(
             "| gateway CPU per HTTP single settle ({most} clients) | {} µs | ≤ 15 µs |",
             show(per_round(&|r| cpu_per_message(r, single(most))), 1)
+        );
+    }
+    let floor = |clients| Run {
+        kind: Kind::Floor,
+        clients,
+    };
+    if runs.contains(&floor(most)) && runs.contains(&batch(most)) {
+        println!(
+            "| HTTP floor: gateway CPU per bare `GET /healthz` made as single settles are ({most} clients; floor run less batch run) | {} µs | |",
+            show(
+                per_round(&|r| Some(
+                    cpu_per_message(r, floor(most))? - cpu_per_message(r, batch(most))?
+                )),
+                1
+            )
         );
     }
     if runs.contains(&batch(most)) {

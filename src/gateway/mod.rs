@@ -53,7 +53,8 @@ pub(crate) struct Gateway {
     client: Arc<OnceLock<Client>>,
     commands: mpsc::Sender<Command>,
     bound: watch::Receiver<Option<Arc<Bound>>>,
-    /// Whether the NATS connection is up (from its events), for waiting fetches.
+    /// Whether the NATS connection is up (from its events) and the binding checked since
+    /// the last reconnect; waiting fetches watch it.
     nats_up: watch::Receiver<bool>,
     accepting: Arc<AtomicBool>,
     next_fetch: Arc<AtomicU64>,
@@ -201,9 +202,10 @@ impl Gateway {
         })
     }
 
+    /// The binding, once connected and checked since the last reconnect.
     fn connected(&self) -> Result<Arc<Bound>, Error> {
         let bound = self.bound()?;
-        if !bound.is_connected() {
+        if !bound.is_connected() || !*self.nats_up.borrow() {
             return Err(Error::Unavailable(
                 "the connection to NATS is down; retrying".into(),
             ));

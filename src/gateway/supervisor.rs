@@ -108,7 +108,6 @@ pub(super) async fn supervise(
                 _ => {}
             }
         }
-        background.connected.send_replace(true);
         let binder = nats::bind::Binder {
             instance: state.signer().owner(),
             ephemeral_name: &ephemeral_name,
@@ -158,6 +157,10 @@ pub(super) async fn supervise(
             bound_tx.send_replace(Some(Arc::new(bound)));
             published = true;
         }
+        // Usable only now that the binding is checked against what the server kept: a
+        // settle sent between the reconnect and this check could name a delivery the server
+        // forgot (504 where the lease is void, 410).
+        background.connected.send_replace(true);
         // Stay bound until the connection comes back after a drop, or a rebind is asked for.
         loop {
             tokio::select! {

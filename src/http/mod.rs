@@ -207,13 +207,14 @@ impl FromRef<Shared> for Gateway {
 /// service below it, so there is one.
 fn with_layers(routes: Router<Shared>, gateway: Gateway, auth: Auth) -> Router {
     let gateway = Arc::new(gateway);
-    let edge_state = Edge {
+    // Behind one `Arc`: the middleware clones its state for every request.
+    let edge_state = Arc::new(Edge {
         ids: SequentialRequestId::new(),
         guard: metrics::Guard {
             gateway: gateway.clone(),
             auth,
         },
-    };
+    });
     routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -224,7 +225,6 @@ fn with_layers(routes: Router<Shared>, gateway: Gateway, auth: Auth) -> Router {
 }
 
 /// What [`edge`] needs.
-#[derive(Clone)]
 struct Edge {
     ids: SequentialRequestId,
     guard: metrics::Guard,
@@ -237,7 +237,7 @@ const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// at debug the request is a span closed by one `request finished` event; the guard
 /// authenticates and counts it; a problem answer names the request path as its `instance`.
 async fn edge(
-    State(edge): State<Edge>,
+    State(edge): State<Arc<Edge>>,
     mut request: Request<axum::body::Body>,
     next: axum::middleware::Next,
 ) -> axum::response::Response {

@@ -23,8 +23,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulConnection;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
-use tokio_util::sync::CancellationToken;
+use tokio::sync::{Semaphore, watch};
 use tokio_util::task::TaskTracker;
 use tower_service::Service as _;
 use tracing::{debug, error};
@@ -58,7 +57,9 @@ pub(crate) async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let stop = CancellationToken::new();
+    // A watch rather than a cancellation token: every wake-up of every connection's task
+    // polls it, and a token's check takes a mutex all connections share.
+    let (stopping, stop) = watch::channel(());
     let connections = TaskTracker::new();
     let mut http1 = http1::Builder::new();
     http1
@@ -100,7 +101,7 @@ pub(crate) async fn serve(
             read_timeout: limits.body_read_timeout,
             limit: limits.max_body_bytes,
         };
-        let stop = stop.clone();
+        let mut stop = stop.clone();
         let speakers = speakers.clone();
         let tls = tls.clone();
         let handshake_timeout = limits.header_read_timeout;
@@ -112,7 +113,7 @@ pub(crate) async fn serve(
                     let told = tokio::select! {
                         told = tokio::time::timeout(handshake_timeout, plain_protocol(&stream)) => told,
                         // Nothing sent yet, so nothing to finish: close at once.
-                        () = stop.cancelled() => return,
+                        _ = stop.changed() => return,
                     };
                     match told {
                         Ok(Ok(protocol)) => Some(protocol),
@@ -160,28 +161,28 @@ pub(crate) async fn serve(
             let io = TokioIo::new(FirstByteDeadline::new(io, handshake_timeout));
             match protocol {
                 Some(Protocol::Http1) => {
-                    drive(speakers.http1.serve_connection(io, service), &stop).await;
+                    drive(speakers.http1.serve_connection(io, service), &mut stop).await;
                 }
                 // Boxed: HTTP/2's connection state is large, and unboxed it would be part of
                 // every connection's task (an idle long poll's too), HTTP/1.1 or not.
                 Some(Protocol::Http2) => {
-                    Box::pin(drive(speakers.http2.serve_connection(io, service), &stop)).await;
+                    Box::pin(drive(speakers.http2.serve_connection(io, service), &mut stop)).await;
                 }
                 None => {
-                    Box::pin(drive(speakers.either.serve_connection(io, service), &stop)).await;
+                    Box::pin(drive(speakers.either.serve_connection(io, service), &mut stop)).await;
                 }
             }
         });
     }
     drop(listener);
-    stop.cancel();
+    let _ = stopping.send(());
     connections.close();
     connections.wait().await;
 }
 
-/// Serve `connection` to its end; once `stop` is cancelled, let it finish the request in
-/// flight and close.
-async fn drive<C>(connection: C, stop: &CancellationToken)
+/// Serve `connection` to its end; once `stop` changes, let it finish the request in flight
+/// and close.
+async fn drive<C>(connection: C, stop: &mut watch::Receiver<()>)
 where
     C: GracefulConnection,
     C::Error: std::fmt::Display,
@@ -193,7 +194,7 @@ where
                 debug!(error = %err, "connection ended with an error");
             }
         }
-        () = stop.cancelled() => {
+        _ = stop.changed() => {
             connection.as_mut().graceful_shutdown();
             if let Err(err) = connection.await {
                 debug!(error = %err, "connection ended with an error");
