@@ -548,6 +548,7 @@ impl Tally {
             fetches: self.fetches.load(Ordering::Relaxed),
             fetch_p99_ms: percentile(&mut state.fetch_micros, 0.99),
             ack_p99_ms: percentile(&mut state.ack_micros, 0.99),
+            native_cpu_seconds: None,
             gateway: cpu.map(|cpu_seconds| GatewayFigures {
                 cpu_seconds,
                 requests: 0,
@@ -653,6 +654,8 @@ async fn drain_native(
         kind: Kind::Native,
         clients: 1,
     };
+    // Nothing else runs in this process meanwhile: its CPU is the native client's.
+    let cpu_before = cpu_seconds(std::process::id());
     native_loop(
         client.clone(),
         consumer,
@@ -662,7 +665,11 @@ async fn drain_native(
         args.native_ack,
     )
     .await?;
-    let outcome = tally.finish(run)?;
+    let cpu_after = cpu_seconds(std::process::id());
+    let mut outcome = tally.finish(run)?;
+    outcome.native_cpu_seconds = cpu_before
+        .zip(cpu_after)
+        .map(|(before, after)| after - before);
     verify_consumer(&stream, consumer_name).await?;
     Ok(outcome)
 }
@@ -1127,6 +1134,9 @@ struct Outcome {
     fetches: u64,
     fetch_p99_ms: f64,
     ack_p99_ms: f64,
+    /// The native run's CPU (user + system) over its drain: the benchmark process, which
+    /// runs nothing else meanwhile.
+    native_cpu_seconds: Option<f64>,
     gateway: Option<GatewayFigures>,
 }
 
@@ -1281,6 +1291,14 @@ fn print_report(args: &Args, version: &str, runs: &[Run], outcomes: &[Outcome]) 
         println!(
             "| native async-nats, 1 client, fetch {} + {} confirmed acks | {rate:.0} msg/s | |",
             args.batch, args.batch
+        );
+    }
+    if let Some(micros) = per_round(&|r| {
+        let outcome = find(r, native)?;
+        Some(outcome.native_cpu_seconds? * 1e6 / outcome.messages as f64)
+    }) {
+        println!(
+            "| native async-nats client's own CPU per message (fetch + confirmed ack; the same NATS work the gateway does per message) | {micros:.1} µs | |"
         );
     }
     if runs.contains(&batch(most)) {

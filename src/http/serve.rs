@@ -1,5 +1,5 @@
-//! The accept loop: HTTP/1.1 and HTTP/2 on one port (h2c with prior knowledge, or h2 by
-//! ALPN over TLS), a header-read timeout (slowloris; the TLS handshake has the same bound),
+//! The accept loop: HTTP/1.1 and HTTP/2 on one port (h2c with prior knowledge, told by
+//! peeking at the first bytes, or h2 by ALPN over TLS), a header-read timeout (slowloris; the TLS handshake has the same bound),
 //! a cap on open connections, the hang-up watch of [`super::client`], graceful shutdown.
 //!
 //! A waiting fetch notices its client leaving through the socket watch (HTTP/1.1), or —
