@@ -178,6 +178,38 @@ async fn shutdown_with_no_leases_out_completes_promptly() {
     stops_within(&mut gateway, started, Duration::from_secs(5)).await;
 }
 
+/// A connection that was opened but has sent nothing yet (the gateway is still telling
+/// HTTP/1.1 from HTTP/2 by its first bytes) does not hold the stop up until the 10 s
+/// header-read timeout: it is closed at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_does_not_wait_for_a_connection_that_sent_nothing() {
+    let (_server, _js, mut gateway) = Setup::consumer("rv-silent-stop")
+        .shutdown_grace("30s")
+        .start()
+        .await;
+    let address = gateway.url("").trim_start_matches("http://").to_owned();
+    let mut silent = tokio::net::TcpStream::connect(&address)
+        .await
+        .expect("connect");
+    // A request answered on a connection opened after it: connections are accepted in
+    // order, so the silent one was accepted (and is being peeked at) before the stop.
+    assert_eq!(gateway.leases_in_flight().await, 0);
+    let started = Instant::now();
+    gateway.trigger_shutdown();
+    stops_within(&mut gateway, started, Duration::from_secs(5)).await;
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(
+        Duration::from_secs(5),
+        tokio::io::AsyncReadExt::read(&mut silent, &mut byte),
+    )
+    .await
+    .expect("closed in time");
+    assert!(
+        matches!(read, Ok(0) | Err(_)),
+        "the silent connection was closed: {read:?}"
+    );
+}
+
 /// The same promise once the last lease out is settled during the grace period: the wait
 /// ends with that settle, not at the 30 s grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
