@@ -223,22 +223,29 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-fn gateway_binary(args: &Args) -> PathBuf {
-    args.gateway_bin.clone().unwrap_or_else(|| {
+/// The gateway binary to run (`--gateway-bin`, else this crate's release build), which must
+/// exist.
+fn gateway_binary(args: &Args) -> anyhow::Result<PathBuf> {
+    let binary = args.gateway_bin.clone().unwrap_or_else(|| {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("target/release/ruststream-nats")
-    })
+    });
+    ensure!(
+        binary.is_file(),
+        "no gateway binary at {} (cargo build --release, or --gateway-bin)",
+        binary.display()
+    );
+    Ok(binary)
+}
+
+/// A nats-server of its own for the command, and its version.
+async fn start_nats_server() -> anyhow::Result<(nats::NatsServer, String)> {
+    let version = server_version(&nats::nats_server_binary())?;
+    Ok((nats::NatsServer::start().await, version))
 }
 
 async fn bench(args: &Args) -> anyhow::Result<()> {
-    let binary = nats::nats_server_binary();
-    let version = server_version(&binary)?;
-    let server = nats::NatsServer::start().await;
-    let gateway_bin = gateway_binary(args);
-    ensure!(
-        gateway_bin.is_file(),
-        "no gateway binary at {} (cargo build --release, or --gateway-bin)",
-        gateway_bin.display()
-    );
+    let (server, version) = start_nats_server().await?;
+    let gateway_bin = gateway_binary(args)?;
     eprintln!(
         "bench: {version} at {}; gateway {}",
         server.url(),
@@ -1414,15 +1421,8 @@ fn print_report(args: &Args, version: &str, runs: &[Run], outcomes: &[Outcome]) 
 // ---------------------------------------------------------------------------------------------
 
 async fn footprint(args: &Args) -> anyhow::Result<()> {
-    let binary = nats::nats_server_binary();
-    let version = server_version(&binary)?;
-    let server = nats::NatsServer::start().await;
-    let gateway_bin = gateway_binary(args);
-    ensure!(
-        gateway_bin.is_file(),
-        "no gateway binary at {} (cargo build --release, or --gateway-bin)",
-        gateway_bin.display()
-    );
+    let (server, version) = start_nats_server().await?;
+    let gateway_bin = gateway_binary(args)?;
     let client = async_nats::connect(server.url())
         .await
         .with_context(|| format!("connecting to {}", server.url()))?;

@@ -64,7 +64,6 @@ pub(crate) async fn guard(guard: &Guard, mut request: Request, next: Next) -> Re
 }
 
 /// What [`guard`] needs: the metrics and the token sources.
-#[derive(Clone)]
 pub(crate) struct Guard {
     pub(crate) gateway: Arc<Gateway>,
     pub(crate) auth: Auth,

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::extract::{FromRef, MatchedPath, State};
+use axum::extract::{MatchedPath, State};
 use axum::http::{HeaderName, HeaderValue, Request, Response};
 use axum::response::IntoResponse;
 use tower_http::catch_panic::CatchPanicLayer;
@@ -193,12 +193,6 @@ pub(crate) fn admin_router(gateway: Gateway, auth: Auth) -> Router {
 /// The router's state: the gateway behind one `Arc`, so that handing it to a handler costs
 /// one reference count, not one per field of [`Gateway`].
 type Shared = Arc<Gateway>;
-
-impl FromRef<Shared> for Gateway {
-    fn from_ref(shared: &Shared) -> Self {
-        Gateway::clone(shared)
-    }
-}
 
 /// The middleware stack every listener shares: one middleware, [`edge`] (oversized heads,
 /// request ids, the debug access log, authentication and the metrics in
@@ -377,17 +371,16 @@ fn finish_request_span<B>(response: &Response<B>, latency: Duration, span: &trac
 
 /// Request ids for requests that bring none: a per-process random prefix and a counter.
 /// A UUID per request would cost a `getrandom` system call on every request.
-#[derive(Clone)]
 struct SequentialRequestId {
-    prefix: Arc<str>,
-    next: Arc<std::sync::atomic::AtomicU64>,
+    prefix: String,
+    next: std::sync::atomic::AtomicU64,
 }
 
 impl SequentialRequestId {
     fn new() -> Self {
         Self {
-            prefix: format!("{:08x}", rand::random::<u32>()).into(),
-            next: Arc::default(),
+            prefix: format!("{:08x}", rand::random::<u32>()),
+            next: std::sync::atomic::AtomicU64::new(0),
         }
     }
 

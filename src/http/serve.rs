@@ -1,6 +1,7 @@
 //! The accept loop: HTTP/1.1 and HTTP/2 on one port (h2c with prior knowledge, told by
-//! peeking at the first bytes, or h2 by ALPN over TLS), a header-read timeout (slowloris; the TLS handshake has the same bound),
-//! a cap on open connections, the hang-up watch of [`super::client`], graceful shutdown.
+//! peeking at the first bytes, or h2 by ALPN over TLS), a header-read timeout (slowloris;
+//! the TLS handshake has the same bound), a cap on open connections, the hang-up watch of
+//! [`super::client`], graceful shutdown.
 //!
 //! A waiting fetch notices its client leaving through the socket watch (HTTP/1.1), or —
 //! over HTTP/2, where one connection carries many requests — because hyper drops the
@@ -107,25 +108,23 @@ pub(crate) async fn serve(
         let handshake_timeout = limits.header_read_timeout;
         connections.spawn(async move {
             let _slot = slot;
-            let protocol = match tls {
+            // A plain connection is told by peeking before hyper reads anything; a TLS one by
+            // ALPN once the handshake is done.
+            let peeked = match tls {
                 Some(_) => None,
                 None => {
                     let told = tokio::select! {
-                        told = tokio::time::timeout(handshake_timeout, plain_protocol(&stream)) => told,
+                        told = in_time(
+                            handshake_timeout,
+                            plain_protocol(&stream),
+                            "connection ended before its first request",
+                            "no request within the header-read timeout; connection closed",
+                        ) => told,
                         // Nothing sent yet, so nothing to finish: close at once.
                         _ = stop.changed() => return,
                     };
-                    match told {
-                        Ok(Ok(protocol)) => Some(protocol),
-                        Ok(Err(err)) => {
-                            debug!(error = %err, "connection ended before its first request");
-                            return;
-                        }
-                        Err(_) => {
-                            debug!("no request within the header-read timeout; connection closed");
-                            return;
-                        }
-                    }
+                    let Some(protocol) = told else { return };
+                    Some(protocol)
                 }
             };
             let (io, client) = watch_connection(stream);
@@ -136,29 +135,30 @@ pub(crate) async fn serve(
                     let mut app = app.clone();
                     async move { app.call(request).await }
                 });
+            let tls_accepted = tls.is_some();
             let (io, protocol) = match tls {
-                None => (MaybeTls::Plain(io), protocol),
-                // Boxed: its state is large, and unboxed it would be part of every
-                // connection's task, TLS or not, for the connection's whole life.
+                None => (MaybeTls::Plain(io), peeked),
                 Some(tls) => {
-                    match tokio::time::timeout(handshake_timeout, Box::pin(tls.accept(io))).await {
-                        Ok(Ok(stream)) => {
-                            let protocol = (stream.get_ref().1.alpn_protocol() == Some(&b"h2"[..]))
-                                .then_some(Protocol::Http2);
-                            (MaybeTls::Tls(Box::new(stream)), protocol)
-                        }
-                        Ok(Err(err)) => {
-                            debug!(error = %err, "TLS handshake failed");
-                            return;
-                        }
-                        Err(_) => {
-                            debug!("TLS handshake too slow; connection closed");
-                            return;
-                        }
-                    }
+                    // Boxed: its state is large, and unboxed it would be part of every
+                    // connection's task, TLS or not, for the connection's whole life.
+                    let handshake = in_time(
+                        handshake_timeout,
+                        Box::pin(tls.accept(io)),
+                        "TLS handshake failed",
+                        "TLS handshake too slow; connection closed",
+                    );
+                    let Some(stream) = handshake.await else {
+                        return;
+                    };
+                    let protocol = (stream.get_ref().1.alpn_protocol() == Some(&b"h2"[..]))
+                        .then_some(Protocol::Http2);
+                    (MaybeTls::Tls(Box::new(stream)), protocol)
                 }
             };
-            let io = TokioIo::new(FirstByteDeadline::new(io, handshake_timeout));
+            // A plain connection's first bytes were already waited for (peeked) under this
+            // bound; a TLS one's come only now.
+            let first_bytes_within = tls_accepted.then_some(handshake_timeout);
+            let io = TokioIo::new(FirstByteDeadline::new(io, first_bytes_within));
             match protocol {
                 Some(Protocol::Http1) => {
                     drive(speakers.http1.serve_connection(io, service), &mut stop).await;
@@ -166,10 +166,18 @@ pub(crate) async fn serve(
                 // Boxed: HTTP/2's connection state is large, and unboxed it would be part of
                 // every connection's task (an idle long poll's too), HTTP/1.1 or not.
                 Some(Protocol::Http2) => {
-                    Box::pin(drive(speakers.http2.serve_connection(io, service), &mut stop)).await;
+                    Box::pin(drive(
+                        speakers.http2.serve_connection(io, service),
+                        &mut stop,
+                    ))
+                    .await;
                 }
                 None => {
-                    Box::pin(drive(speakers.either.serve_connection(io, service), &mut stop)).await;
+                    Box::pin(drive(
+                        speakers.either.serve_connection(io, service),
+                        &mut stop,
+                    ))
+                    .await;
                 }
             }
         });
@@ -178,6 +186,27 @@ pub(crate) async fn serve(
     let _ = stopping.send(());
     connections.close();
     connections.wait().await;
+}
+
+/// `step`'s result when it succeeds within `timeout`; otherwise `None`, logged at debug as
+/// `failed` (with the error) or `too_slow`.
+async fn in_time<T, E: std::fmt::Display>(
+    timeout: Duration,
+    step: impl Future<Output = Result<T, E>>,
+    failed: &str,
+    too_slow: &str,
+) -> Option<T> {
+    match tokio::time::timeout(timeout, step).await {
+        Ok(Ok(value)) => Some(value),
+        Ok(Err(err)) => {
+            debug!(error = %err, "{failed}");
+            None
+        }
+        Err(_) => {
+            debug!("{too_slow}");
+            None
+        }
+    }
 }
 
 /// Serve `connection` to its end; once `stop` changes, let it finish the request in flight
@@ -246,19 +275,21 @@ async fn plain_protocol(stream: &tokio::net::TcpStream) -> io::Result<Protocol> 
     }
 }
 
-/// A connection that sends nothing within the header-read timeout is closed: hyper's own
-/// header-read timeout starts only once it knows the protocol (HTTP/1.1 or HTTP/2), and
-/// telling them apart waits for the first bytes.
+/// A TLS connection that sends nothing within the header-read timeout of its handshake is
+/// closed: hyper's own header-read timeout starts only once it knows the protocol, and
+/// without ALPN `h2` telling HTTP/1.1 from HTTP/2 waits for the first bytes. (A plain
+/// connection's first bytes are awaited, under the same bound, by the protocol peek.)
 struct FirstByteDeadline<IO> {
     io: IO,
     deadline: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<IO> FirstByteDeadline<IO> {
-    fn new(io: IO, timeout: Duration) -> Self {
+    /// `None`: no deadline (nothing but a pass-through, and no timer).
+    fn new(io: IO, timeout: Option<Duration>) -> Self {
         Self {
             io,
-            deadline: Some(Box::pin(tokio::time::sleep(timeout))),
+            deadline: timeout.map(|timeout| Box::pin(tokio::time::sleep(timeout))),
         }
     }
 }
