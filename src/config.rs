@@ -207,10 +207,16 @@ pub struct Config {
     pub lease_key_file: Option<PathBuf>,
 
     /// Subject prefix of what replicas on one consumer exchange (forwarded settles,
-    /// heartbeats, keyed fetch answers): `<prefix>.<stream>.<consumer>.…`. Only gateways
-    /// may publish under it.
+    /// heartbeats, keyed fetch answers): `<prefix>.<stream>.<consumer>.…`. Every message
+    /// there is sealed with the lease key; others are dropped and counted.
     #[arg(long, env = "RUSTSTREAM_INTERNAL_PREFIX", default_value = "_RUSTSTREAM", value_parser = parse_subject_prefix)]
     pub internal_prefix: String,
+
+    /// Believe unsealed messages under --internal-prefix too: those of replicas of a release
+    /// before seals, for the length of a rolling upgrade. Anyone allowed to publish under the
+    /// prefix can then forge heartbeats, keyed answers and forwarded settles.
+    #[arg(long, env = "RUSTSTREAM_ACCEPT_UNSIGNED_REPLICAS")]
+    pub accept_unsigned_replicas: bool,
 
     /// Most messages one fetch may ask for (`batch`).
     #[arg(long, env = "RUSTSTREAM_MAX_BATCH", default_value_t = 1000,

@@ -82,6 +82,16 @@ pub(crate) const SETTLES_FORWARDED: &str = "ruststream_settles_forwarded_total";
 pub(crate) const FORWARDED_SETTLES_RECEIVED: &str = "ruststream_forwarded_settles_received_total";
 /// Live replicas on the consumer, this one included, as their heartbeats say (gauge).
 pub(crate) const REPLICAS: &str = "ruststream_replicas";
+/// Messages under the internal prefix dropped because their seal did not verify (forged,
+/// replayed, another lease key, or unsealed), by `kind` (counter).
+pub(crate) const INTERNAL_MESSAGES_REJECTED: &str = "ruststream_internal_messages_rejected_total";
+/// The `kind` labels of [`INTERNAL_MESSAGES_REJECTED`], each listed from the start.
+const INTERNAL_MESSAGE_KINDS: [&str; 4] = [
+    "heartbeat",
+    "keyed_answer",
+    "forwarded_settle",
+    "forwarded_answer",
+];
 /// Always 1, labelled with the gateway's `version` (gauge).
 pub(crate) const BUILD_INFO: &str = "ruststream_build_info";
 
@@ -228,6 +238,7 @@ pub(crate) struct Metrics {
     settles_forwarded: Vec<IntCounter>,
     forwarded_settles_received: Vec<IntCounter>,
     replicas: IntGauge,
+    internal_messages_rejected: IntCounterVec,
 }
 
 impl Default for Metrics {
@@ -295,6 +306,14 @@ impl Metrics {
             "Settles (per lease) other replicas forwarded to this one, by result",
             &["result"],
         ));
+        let internal_messages_rejected = reg.counter_vec(
+            INTERNAL_MESSAGES_REJECTED,
+            "Messages under the internal prefix dropped because their seal did not verify (forged, replayed, another lease key, or unsealed), by kind",
+            &["kind"],
+        );
+        for kind in INTERNAL_MESSAGE_KINDS {
+            internal_messages_rejected.with_label_values(&[kind]);
+        }
         let ack_wait = prometheus::Gauge::with_opts(Opts::new(
             ACK_WAIT,
             "The consumer's effective ack_wait in seconds",
@@ -390,6 +409,7 @@ impl Metrics {
                 REPLICAS,
                 "Live replicas on the consumer, this one included, as their heartbeats say",
             ),
+            internal_messages_rejected,
             registry,
         }
     }
@@ -417,6 +437,11 @@ impl Metrics {
     /// A settle of one lease forwarded here by another replica came to `outcome`.
     pub(crate) fn forwarded_settle_received(&self, outcome: SettleOutcome) {
         self.forwarded_settles_received[outcome as usize].inc();
+    }
+
+    /// The counter of rejected internal messages, for whoever opens them.
+    pub(crate) fn internal_messages_rejected(&self) -> IntCounterVec {
+        self.internal_messages_rejected.clone()
     }
 
     /// How many replicas are live, this one included.

@@ -111,6 +111,16 @@ impl InstanceId {
     }
 }
 
+impl InstanceId {
+    /// An instance id as [`Display`](std::fmt::Display) prints it (16 hex digits).
+    pub(crate) fn parse(text: &str) -> Option<Self> {
+        if text.len() != 16 {
+            return None;
+        }
+        u64::from_str_radix(text, 16).ok().map(Self)
+    }
+}
+
 impl std::fmt::Display for InstanceId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:016x}", self.0)
@@ -152,6 +162,7 @@ pub(crate) struct LeaseSigner {
 
 impl LeaseSigner {
     /// A signer with a fresh random key: ids die with the process.
+    #[cfg(test)]
     pub(crate) fn random(stream: &str, consumer: &str, owner: InstanceId) -> Self {
         let key: [u8; 32] = rand::random();
         Self::with_key(&key, stream, consumer, owner)

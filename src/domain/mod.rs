@@ -9,6 +9,7 @@ pub(crate) mod finals;
 pub(crate) mod idempotency;
 pub(crate) mod lease_id;
 pub(crate) mod leases;
+pub(crate) mod seal;
 pub(crate) mod settle;
 pub(crate) mod subject;
 

@@ -161,7 +161,9 @@ impl Gateway {
     async fn shared_answer(&self, idempotency: &Idempotency, digest: &str) -> Option<SharedAnswer> {
         let bound = self.bound().ok()?;
         let shared = bound.shared.as_ref()?;
-        let remembered = match shared.remembered_answer(digest).await {
+        // An answer lives in the shared stream for ack_wait; older, it is a replay.
+        let max_age = self.state.ack_wait() + Duration::from_secs(10);
+        let remembered = match shared.remembered_answer(digest, max_age).await {
             Ok(Some(remembered)) => remembered,
             Ok(None) => return None,
             Err(err) => {

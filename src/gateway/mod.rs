@@ -33,6 +33,7 @@ use crate::domain::lease_id::{
     DeliveryKey, InstanceId, LeaseCoordinates, LeaseKey, LeaseSigner, SignedLease,
 };
 use crate::domain::leases::{Refusal, SettleStart};
+use crate::domain::seal::Sealer;
 use crate::domain::settle::{AckCommand, SettleKind};
 use crate::domain::{subject, wall_clock};
 use crate::error::Error;
@@ -41,6 +42,7 @@ use crate::nats::dead_letter::Outcome;
 use crate::nats::publish::PublishFailure;
 use crate::nats::replicas::{ReplicaRecord, Subjects};
 use crate::nats::settle::{self as nats_settle, ConfirmError};
+use crate::nats::trust::Trust;
 use crate::nats::{self, Bound, Client};
 use crate::state::LeaseState;
 use supervisor::{Background, supervise};
@@ -73,6 +75,8 @@ pub(crate) struct Gateway {
     /// Whether this replica listens for settles other replicas forward: until it does, a
     /// lease it issued could not be settled elsewhere, so it is not ready.
     forwarding: Arc<AtomicBool>,
+    /// The seal on what this replica sends other replicas, and what it believes of theirs.
+    trust: Arc<Trust>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -108,16 +112,21 @@ impl Gateway {
         lease_key: Option<LeaseKey>,
     ) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
         let instance = InstanceId::random();
-        let signer = match &lease_key {
-            Some(key) => {
-                LeaseSigner::with_key(key.bytes(), &config.stream, &config.consumer, instance)
-            }
-            None => LeaseSigner::random(&config.stream, &config.consumer, instance),
+        // Without a key file nothing is shared: lease ids and seals die with the process.
+        let key = match &lease_key {
+            Some(key) => key.bytes().to_vec(),
+            None => rand::random::<[u8; 32]>().to_vec(),
         };
+        let signer = LeaseSigner::with_key(&key, &config.stream, &config.consumer, instance);
         let state = Arc::new(LeaseState::new(
             signer,
             config.ack_wait,
             config.max_ack_pending as usize,
+        ));
+        let trust = Arc::new(Trust::new(
+            Sealer::new(&key, instance),
+            config.accept_unsigned_replicas,
+            state.metrics.internal_messages_rejected(),
         ));
         let client = Arc::new(OnceLock::new());
         let config = Arc::new(config);
@@ -142,6 +151,7 @@ impl Gateway {
         tokio::spawn({
             let config = config.clone();
             let state = state.clone();
+            let trust = trust.clone();
             let commands = commands_tx.clone();
             let stop = stop.clone();
             let client = client.clone();
@@ -151,6 +161,7 @@ impl Gateway {
                     state: state.clone(),
                     client,
                     connected: connected_tx,
+                    trust,
                 };
                 tokio::select! {
                     result = supervise(&config, &state, bound_tx, commands, background) => {
@@ -184,6 +195,7 @@ impl Gateway {
             replicas: Arc::default(),
             consumer_full,
             forwarding: Arc::default(),
+            trust,
         };
         tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
         tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));

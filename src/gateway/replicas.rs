@@ -30,6 +30,8 @@ const HEARTBEAT_TTL: Duration = Duration::from_secs(4);
 /// A forwarded settle waits for the owner's answer this much beyond `--settle-timeout`, so
 /// that an owner's own answer at its timeout (504, or a late confirmation) wins the race.
 const FORWARD_GRACE: Duration = Duration::from_millis(250);
+/// How often a forwarded settle still waiting looks whether its owner's heartbeat lapsed.
+const OWNER_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How long a forward that found no owner waits before asking once more.
 const NO_RESPONDERS_RETRY: Duration = Duration::from_millis(250);
 /// The kind of a forwarded request that only asks which leases are live (a keyed fetch
@@ -217,11 +219,14 @@ impl Gateway {
             let Some(reply) = message.reply.clone() else {
                 continue;
             };
+            if !forward::believe(&self.trust, &message) {
+                continue;
+            }
             let gateway = self.clone();
             let client = client.clone();
             tokio::spawn(async move {
                 let results = gateway.settle_forwarded(&message.payload).await;
-                forward::answer(&client, reply, results).await;
+                forward::answer(&client, &gateway.trust, reply, results).await;
             });
         }
     }
@@ -237,17 +242,65 @@ impl Gateway {
                 "not connected to NATS yet; retrying".into(),
             ));
         };
-        let timeout = self.config.settle_timeout + FORWARD_GRACE;
-        let subject = self.subjects.settle(owner);
-        match forward::forward(client, subject.clone(), &request, timeout).await {
-            // In a cluster a subscription reaches the other servers a moment after it is
-            // made: ask once more before calling the owner gone (still well within 3 s).
-            Err(ForwardError::OwnerGone) => {
-                tokio::time::sleep(NO_RESPONDERS_RETRY).await;
-                forward::forward(client, subject, &request, timeout).await
-            }
-            other => other,
+        // Anyone may listen on the owner's subject (a monitoring tap), so "no responders"
+        // cannot be the only sign of a dead owner: one whose heartbeat lapsed is gone.
+        if !self.owner_beats(owner).await {
+            return Err(ForwardError::OwnerGone);
         }
+        let timeout = self.config.settle_timeout + FORWARD_GRACE;
+        let to = (owner, self.subjects.settle(owner));
+        let asked = async {
+            match forward::forward(client, &self.trust, to.clone(), &request, timeout).await {
+                // In a cluster a subscription reaches the other servers a moment after it
+                // is made: ask once more before calling the owner gone (well within 3 s).
+                Err(ForwardError::OwnerGone) => {
+                    tokio::time::sleep(NO_RESPONDERS_RETRY).await;
+                    forward::forward(client, &self.trust, to, &request, timeout).await
+                }
+                other => other,
+            }
+        };
+        // An owner that dies while this waits takes its leases with it: its heartbeat
+        // lapsing ends the wait, 410, rather than a 504 for a lease that no longer exists.
+        let owner_lapsed = async {
+            loop {
+                tokio::time::sleep(OWNER_CHECK_EVERY).await;
+                if self.owner_heartbeat(owner).await == Some(false) {
+                    return;
+                }
+            }
+        };
+        tokio::select! {
+            answer = asked => answer,
+            () = owner_lapsed => Err(ForwardError::OwnerGone),
+        }
+    }
+
+    /// Whether `owner` has a heartbeat in the shared stream now; `None` when that cannot
+    /// be known (no shared stream, or it cannot be read).
+    async fn owner_heartbeat(&self, owner: InstanceId) -> Option<bool> {
+        let bound = self.bound().ok()?;
+        let shared = bound.shared.as_ref()?;
+        match shared.heartbeat_of(owner).await {
+            Ok(found) => Some(found.is_some()),
+            Err(err) => {
+                debug!(error = %format!("{err:#}"), "cannot read the owner's heartbeat");
+                None
+            }
+        }
+    }
+
+    /// Whether `owner` is a live replica, as its heartbeat says: seen in the last round of
+    /// heartbeats, or (it may have started since) read from the shared stream now. Without
+    /// a shared stream nothing is known, and the owner is taken to be live.
+    async fn owner_beats(&self, owner: InstanceId) -> bool {
+        let owner_id = owner.to_string();
+        let seen = self
+            .replicas
+            .lock()
+            .is_ok_and(|seen| seen.iter().any(|record| record.instance_id == owner_id));
+        // Not known either way (the stream cannot be read): the owner's subject decides.
+        seen || self.owner_heartbeat(owner).await != Some(false)
     }
 
     /// Do what another replica forwarded, as if a client had asked here.

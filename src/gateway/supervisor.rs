@@ -17,6 +17,7 @@ use crate::config::Config;
 use crate::dispatch::Command;
 use crate::domain::subject;
 use crate::metrics::Metrics;
+use crate::nats::trust::Trust;
 use crate::nats::{self, BindError, Bound, Client, ConnectionEvent};
 use crate::state::LeaseState;
 
@@ -38,6 +39,8 @@ pub(super) struct Background {
     pub(super) client: Arc<OnceLock<Client>>,
     /// Whether the connection is up, as its events tell: waiting fetches give up on a loss.
     pub(super) connected: watch::Sender<bool>,
+    /// Seals what the binding's shared stream holds.
+    pub(super) trust: Arc<Trust>,
 }
 
 /// Keep the gateway bound: connect, bind, and rebind after reconnects or when asked.
@@ -112,6 +115,7 @@ pub(super) async fn supervise(
             instance: state.signer().owner(),
             ephemeral_name: &ephemeral_name,
             first: identity_seen.is_none(),
+            trust: &background.trust,
         };
         let bound = match nats::bind(config, &client, &binder).await {
             Ok(bound) => bound,

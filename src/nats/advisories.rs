@@ -33,10 +33,30 @@ pub(crate) const CONSUMER: &str = "ruststream-dead-letters";
 /// soon. A copy that takes longer keeps its advisory with in-progress acks.
 const ACK_WAIT: Duration = Duration::from_secs(10);
 
-/// The advisory stream of `stream`/`consumer`: `RUSTSTREAM_ADVISORIES_<stream>_<consumer>`,
-/// or, where that is longer than NATS allows, the prefix and a hash of both names.
+/// The advisory stream of `stream`/`consumer`: see [`super::gateway_stream_name`].
 pub(crate) fn stream_name(stream: &str, consumer: &str) -> String {
     super::gateway_stream_name("RUSTSTREAM_ADVISORIES", stream, consumer)
+}
+
+/// The name an earlier release gave it, still used where a stream of that name captures
+/// exactly these advisories (and so is this pair's, not another's whose names run together).
+async fn existing_legacy_name(
+    js: &jetstream::Context,
+    target: &Target,
+    subjects: &[String],
+) -> Option<String> {
+    let name = super::legacy_gateway_stream_name(
+        "RUSTSTREAM_ADVISORIES",
+        &target.stream,
+        &target.consumer,
+    );
+    let existing = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
+        .await
+        .ok()?
+        .ok()?;
+    let mut theirs = existing.cached_info().config.subjects.clone();
+    theirs.sort();
+    (theirs == subjects).then_some(name)
 }
 
 /// Why the advisory stream or its consumer could not be set up.
@@ -108,9 +128,12 @@ async fn ensure(
     target: &Target,
 ) -> Result<consumer::PullConsumer, SetupError> {
     use anyhow::Context as _;
-    let name = stream_name(&target.stream, &target.consumer);
     let mut subjects = dead_letter::advisory_subjects(target).to_vec();
     subjects.sort();
+    let name = match existing_legacy_name(js, target, &subjects).await {
+        Some(legacy) => legacy,
+        None => stream_name(&target.stream, &target.consumer),
+    };
     // As many replicas as the stream whose advisories it holds: as available as that one.
     let source = tokio::time::timeout(API_TIMEOUT, js.get_stream(&target.stream))
         .await
@@ -351,9 +374,8 @@ mod tests {
 
     #[test]
     fn the_stream_is_named_after_stream_and_consumer() {
-        assert_eq!(
-            stream_name("ORDERS", "billing"),
-            "RUSTSTREAM_ADVISORIES_ORDERS_billing"
+        assert!(
+            stream_name("ORDERS", "billing").starts_with("RUSTSTREAM_ADVISORIES_ORDERS_billing_")
         );
         let long = "c".repeat(250);
         let name = stream_name("ORDERS", &long);

@@ -76,6 +76,8 @@ pub(crate) struct Binder<'a> {
     /// consumer other live replicas use refuses to start. Later (a rebind after a
     /// reconnect), it takes the consumer's settings as they are.
     pub(crate) first: bool,
+    /// The seal on what replicas share.
+    pub(crate) trust: &'a std::sync::Arc<super::trust::Trust>,
 }
 
 /// Find the stream, create or bind the consumer, and reconcile its mutable settings —
@@ -98,8 +100,15 @@ pub(crate) async fn bind(
         let subjects = Subjects::new(&config.internal_prefix, &config.stream, &config.consumer);
         let replicas = stream.cached_info().config.num_replicas;
         let shared = async {
-            let shared =
-                Shared::ensure(&js, subjects, &config.stream, &config.consumer, replicas).await?;
+            let shared = Shared::ensure(
+                &js,
+                subjects,
+                &config.stream,
+                &config.consumer,
+                replicas,
+                binder.trust.clone(),
+            )
+            .await?;
             let others: Vec<ReplicaRecord> = shared
                 .replicas()
                 .await?

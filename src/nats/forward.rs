@@ -3,15 +3,24 @@
 //! accepts stale acks, so a replica that gets a settle for another's lease sends it to the
 //! owner's subject ([`super::replicas::Subjects::settle`]) and answers what the owner
 //! answered. The wire form is JSON; the signed lease ids travel as they came, and the owner
-//! verifies them again.
+//! verifies them again. Requests and answers are sealed ([`super::trust`]): a forged answer
+//! is dropped (the settle answers 503, never a forged outcome), and so is a forged request.
 //!
 //! May import: `domain`. Nothing of the gateway above the boundary.
 
 use std::time::Duration;
 
-use async_nats::{Client, RequestErrorKind, Subscriber};
+use async_nats::{Client, HeaderMap, RequestErrorKind, Subscriber};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
+
+use crate::domain::lease_id::InstanceId;
+use crate::domain::seal::Kind;
+
+use super::trust::Trust;
+
+/// A forwarded settle sealed longer ago than this is a replay (or a clock far off).
+const MAX_AGE: Duration = Duration::from_secs(10);
 
 /// A settle (or extension) of one owner's leases.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -66,11 +75,12 @@ pub(crate) enum ForwardError {
     Unavailable(String),
 }
 
-/// Send `settle` to the owner listening on `subject` and wait up to `timeout` for its
+/// Send `settle` to `owner`, listening on `subject`, and wait up to `timeout` for its
 /// answer: one result per id.
 pub(crate) async fn forward(
     client: &Client,
-    subject: String,
+    trust: &Trust,
+    (owner, subject): (InstanceId, String),
     settle: &ForwardedSettle,
     timeout: Duration,
 ) -> Result<Vec<RemoteResult>, ForwardError> {
@@ -81,8 +91,11 @@ pub(crate) async fn forward(
     }
     let payload = serde_json::to_vec(settle)
         .map_err(|err| ForwardError::Unavailable(format!("encoding a forwarded settle: {err}")))?;
+    let mut headers = HeaderMap::new();
+    trust.seal(Kind::ForwardedSettle, &subject, &[&payload], &mut headers);
     let request = async_nats::Request::new()
         .payload(Bytes::from(payload))
+        .headers(headers)
         .timeout(Some(timeout));
     let answer = client
         .send_request(subject, request)
@@ -92,6 +105,18 @@ pub(crate) async fn forward(
             RequestErrorKind::TimedOut => ForwardError::TimedOut,
             _ => ForwardError::Unavailable(format!("forwarding the settle failed: {err}")),
         })?;
+    if !trust.believe(
+        Kind::ForwardedAnswer,
+        answer.subject.as_str(),
+        &[&answer.payload],
+        answer.headers.as_ref(),
+        MAX_AGE,
+        Some(owner),
+    ) {
+        return Err(ForwardError::Unavailable(
+            "the answer to a forwarded settle was not sealed by the replica that issued the lease; retrying is safe".into(),
+        ));
+    }
     let results: ForwardedResults = serde_json::from_slice(&answer.payload).map_err(|err| {
         ForwardError::Unavailable(format!(
             "the owning replica answered something unreadable: {err}"
@@ -116,9 +141,22 @@ pub(crate) async fn listen(client: &Client, subject: String) -> anyhow::Result<S
         .map_err(|err| anyhow::anyhow!("subscribing to {subject}: {err}"))
 }
 
+/// Whether to act on a forwarded settle that came on `message`: sealed by a replica.
+pub(crate) fn believe(trust: &Trust, message: &async_nats::Message) -> bool {
+    trust.believe(
+        Kind::ForwardedSettle,
+        message.subject.as_str(),
+        &[&message.payload],
+        message.headers.as_ref(),
+        MAX_AGE,
+        None,
+    )
+}
+
 /// Answer a forwarded settle.
 pub(crate) async fn answer(
     client: &Client,
+    trust: &Trust,
     reply: async_nats::Subject,
     results: Vec<RemoteResult>,
 ) {
@@ -129,7 +167,17 @@ pub(crate) async fn answer(
             return;
         }
     };
-    if let Err(err) = client.publish(reply, payload.into()).await {
+    let mut headers = HeaderMap::new();
+    trust.seal(
+        Kind::ForwardedAnswer,
+        reply.as_str(),
+        &[&payload],
+        &mut headers,
+    );
+    if let Err(err) = client
+        .publish_with_headers(reply, headers, payload.into())
+        .await
+    {
         tracing::warn!(error = %err, "could not answer a forwarded settle; its replica answers 504");
     }
 }

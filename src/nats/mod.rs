@@ -11,6 +11,7 @@
 //! - [`advisories`]: the stream capturing those advisories, drained by a durable consumer.
 //! - [`replicas`]: what replicas on one consumer share: heartbeats, keyed fetch answers.
 //! - [`forward`]: settles forwarded to the replica that issued the lease.
+//! - [`trust`]: seals on all of that, and which messages under the prefix to believe.
 //!
 //! May import: `config`, `domain`, `metrics`. Never `state`, `dispatch`, `gateway` or `http`.
 
@@ -23,6 +24,7 @@ pub(crate) mod publish;
 pub(crate) mod pull;
 pub(crate) mod replicas;
 pub(crate) mod settle;
+pub(crate) mod trust;
 
 use std::time::Duration;
 
@@ -34,15 +36,61 @@ pub(crate) use connect::{ConnectionEvent, connect, is_connected};
 /// path, retried).
 const API_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The name of a stream the gateway makes for `stream`/`consumer`: `<kind>_<stream>_<consumer>`,
-/// or, where that is longer than NATS allows (255), `<kind>_` and a hash of both names.
+/// The name of a stream the gateway makes for `stream`/`consumer`:
+/// `<kind>_<stream>_<consumer>_<hash>`, the hash (64 bits of SHA-256 over both names, apart)
+/// telling `X_Y`/`c` from `X`/`Y_c`; where that is longer than NATS allows (255), `<kind>_`
+/// and a longer hash alone.
 fn gateway_stream_name(kind: &str, stream: &str, consumer: &str) -> String {
-    use sha2::{Digest as _, Sha256};
+    let digest = names_digest(stream, consumer);
+    let name = format!("{kind}_{stream}_{consumer}_{}", &digest[..16]);
+    if name.len() <= 255 {
+        return name;
+    }
+    format!("{kind}_{digest}")
+}
+
+/// The name releases before [`gateway_stream_name`] gave: ambiguous (`X_Y`/`c` and `X`/`Y_c`
+/// both map to `<kind>_X_Y_c`), so it is only used where a stream of that name already
+/// captures the pair's own subjects.
+fn legacy_gateway_stream_name(kind: &str, stream: &str, consumer: &str) -> String {
     let name = format!("{kind}_{stream}_{consumer}");
     if name.len() <= 255 {
         return name;
     }
+    format!("{kind}_{}", names_digest(stream, consumer))
+}
+
+/// 128 bits of SHA-256 over a stream and a consumer name, as hex.
+fn names_digest(stream: &str, consumer: &str) -> String {
+    use sha2::{Digest as _, Sha256};
     let digest = Sha256::digest(format!("{stream}\n{consumer}").as_bytes());
-    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-    format!("{kind}_{hex}")
+    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_run_together_get_streams_of_their_own() {
+        let one = gateway_stream_name("RUSTSTREAM_SHARED", "X_Y", "c");
+        let two = gateway_stream_name("RUSTSTREAM_SHARED", "X", "Y_c");
+        assert_ne!(one, two);
+        assert!(one.starts_with("RUSTSTREAM_SHARED_X_Y_c_"), "{one}");
+        assert_eq!(
+            legacy_gateway_stream_name("RUSTSTREAM_SHARED", "X_Y", "c"),
+            legacy_gateway_stream_name("RUSTSTREAM_SHARED", "X", "Y_c")
+        );
+    }
+
+    #[test]
+    fn long_names_fit_the_limit() {
+        let long = "s".repeat(200);
+        let name = gateway_stream_name("RUSTSTREAM_ADVISORIES", &long, &long);
+        assert!(name.len() <= 255, "{name}");
+        assert_ne!(
+            name,
+            gateway_stream_name("RUSTSTREAM_ADVISORIES", &long, "other")
+        );
+    }
 }

@@ -4,10 +4,12 @@
 //! keeps the last heartbeat of every live replica (`….replica.<instance>`, gone a few seconds
 //! after the replica stops beating) and the first answers of keyed fetches
 //! (`….idempotency.<digest>`), each with a per-message TTL. No membership protocol of our own:
-//! a replica is live while its heartbeat is in the stream.
+//! a replica is live while its heartbeat is in the stream. Every record is sealed with the
+//! lease key ([`super::trust`]) and opened before it is believed.
 //!
 //! May import: `config`, `domain`. Nothing of the gateway above the boundary.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -19,8 +21,14 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 
 use crate::domain::lease_id::InstanceId;
+use crate::domain::seal::Kind;
 
 use super::API_TIMEOUT;
+use super::trust::Trust;
+
+/// A heartbeat sealed longer ago than this is a replay: replicas beat every second, and the
+/// stream drops a heartbeat 4 s after it was written.
+const HEARTBEAT_MAX_AGE: Duration = Duration::from_secs(10);
 
 /// The subjects of one consumer's replicas, under the internal prefix.
 #[derive(Debug, Clone)]
@@ -41,7 +49,7 @@ impl Subjects {
         format!("{}.settle.{owner}", self.base)
     }
 
-    fn replica(&self, instance: InstanceId) -> String {
+    pub(crate) fn replica(&self, instance: InstanceId) -> String {
         format!("{}.replica.{instance}", self.base)
     }
 
@@ -55,6 +63,14 @@ impl Subjects {
 
     fn captured(&self) -> Vec<String> {
         vec![self.replicas(), format!("{}.idempotency.*", self.base)]
+    }
+
+    /// Whether a subject a stream captures is one of this consumer's (an earlier release's
+    /// shared stream captured fewer of them, never others).
+    fn owns(&self, captured: &str) -> bool {
+        captured
+            .strip_prefix(self.base.as_str())
+            .is_some_and(|rest| rest.starts_with('.'))
     }
 }
 
@@ -87,10 +103,16 @@ pub(crate) struct RememberedAnswer {
 /// The stream never holds more than this: heartbeats are tiny, answers are bounded by TTLs.
 const MAX_BYTES: i64 = 256 * 1024 * 1024;
 
-/// The shared stream of `stream`/`consumer`: `RUSTSTREAM_SHARED_<stream>_<consumer>`, or,
-/// where that is longer than NATS allows, the prefix and a hash of both names.
+/// The shared stream of `stream`/`consumer`: see [`super::gateway_stream_name`].
 pub(crate) fn stream_name(stream: &str, consumer: &str) -> String {
     super::gateway_stream_name("RUSTSTREAM_SHARED", stream, consumer)
+}
+
+/// The name releases before [`stream_name`] gave the shared stream, which `X_Y`/`c` and
+/// `X`/`Y_c` shared: still used where it holds this pair's subjects, so that replicas of
+/// both releases meet during a rolling upgrade.
+fn legacy_stream_name(stream: &str, consumer: &str) -> String {
+    super::legacy_gateway_stream_name("RUSTSTREAM_SHARED", stream, consumer)
 }
 
 /// The shared stream of one consumer, as bound.
@@ -99,6 +121,7 @@ pub(crate) struct Shared {
     js: jetstream::Context,
     stream: stream::Stream,
     subjects: Subjects,
+    trust: Arc<Trust>,
 }
 
 impl Shared {
@@ -110,8 +133,12 @@ impl Shared {
         stream: &str,
         consumer: &str,
         replicas: usize,
+        trust: Arc<Trust>,
     ) -> anyhow::Result<Self> {
-        let name = stream_name(stream, consumer);
+        let name = match Self::legacy(js, &subjects, stream, consumer).await? {
+            Some(legacy) => legacy,
+            None => stream_name(stream, consumer),
+        };
         let wanted = stream::Config {
             name: name.clone(),
             description: Some(format!(
@@ -136,6 +163,18 @@ impl Shared {
             .with_context(|| format!("setting up the shared stream {name}"))?;
         let mut stream = found;
         let current = stream.cached_info().config.clone();
+        if !current
+            .subjects
+            .iter()
+            .all(|subject| subjects.owns(subject))
+        {
+            // Not ours to rewrite: whoever made it would lose what its replicas share.
+            anyhow::bail!(
+                "stream {name} exists capturing {:?}, not this consumer's replica subjects {:?}; leaving it as it is",
+                current.subjects,
+                wanted.subjects
+            );
+        }
         if current.subjects != wanted.subjects
             || !current.allow_message_ttl
             || !current.allow_direct
@@ -154,7 +193,48 @@ impl Shared {
             js: js.clone(),
             stream,
             subjects,
+            trust,
         })
+    }
+
+    /// The legacy name of the shared stream, where a stream of that name captures this
+    /// consumer's replica subjects (made by an earlier release); `None` where there is no
+    /// such stream, or it belongs to another pair whose names run together the same way.
+    async fn legacy(
+        js: &jetstream::Context,
+        subjects: &Subjects,
+        stream: &str,
+        consumer: &str,
+    ) -> anyhow::Result<Option<String>> {
+        let name = legacy_stream_name(stream, consumer);
+        let found = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
+            .await
+            .context("timed out looking up the shared stream")?;
+        match found {
+            Ok(existing) => {
+                let captured = &existing.cached_info().config.subjects;
+                if captured.iter().all(|subject| subjects.owns(subject)) {
+                    return Ok(Some(name));
+                }
+                tracing::error!(
+                    stream = %name,
+                    captured = ?captured,
+                    "a stream with the shared stream's old name belongs to another stream and consumer whose names run together the same way; using {} instead",
+                    stream_name(stream, consumer)
+                );
+                Ok(None)
+            }
+            Err(err)
+                if matches!(
+                    err.kind(),
+                    jetstream::context::GetStreamErrorKind::JetStream(ref js)
+                        if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+                ) =>
+            {
+                Ok(None)
+            }
+            Err(err) => Err(anyhow::Error::new(err).context(format!("looking up stream {name}"))),
+        }
     }
 
     /// Say this replica is live for `ttl` more.
@@ -165,13 +245,11 @@ impl Shared {
         ttl: Duration,
     ) -> anyhow::Result<()> {
         let payload = serde_json::to_vec(record).context("encoding the heartbeat")?;
-        self.put(
-            &self.subjects.replica(instance),
-            HeaderMap::new(),
-            payload.into(),
-            ttl,
-        )
-        .await
+        let subject = self.subjects.replica(instance);
+        let mut headers = HeaderMap::new();
+        self.trust
+            .seal(Kind::Heartbeat, &subject, &[&payload], &mut headers);
+        self.put(&subject, headers, payload.into(), ttl).await
     }
 
     /// This replica stops: others stop counting it at once instead of after its TTL.
@@ -200,9 +278,8 @@ impl Shared {
                 let Some(message) = self.last(&subject).await? else {
                     continue; // its TTL ran out between the listing and the read
                 };
-                match serde_json::from_slice::<ReplicaRecord>(&message.payload) {
-                    Ok(record) => records.push(record),
-                    Err(err) => tracing::debug!(%subject, error = %err, "unreadable heartbeat"),
+                if let Some(record) = self.believed_heartbeat(&message) {
+                    records.push(record);
                 }
             }
             anyhow::Ok(records)
@@ -212,21 +289,72 @@ impl Shared {
             .context("timed out listing the replicas")?
     }
 
-    /// The answer first given to a keyed fetch, by any replica.
+    /// The live heartbeat of one replica, if it has one this replica believes.
+    pub(crate) async fn heartbeat_of(
+        &self,
+        instance: InstanceId,
+    ) -> anyhow::Result<Option<ReplicaRecord>> {
+        let subject = self.subjects.replica(instance);
+        let found = tokio::time::timeout(API_TIMEOUT, self.last(&subject))
+            .await
+            .context("timed out reading a heartbeat")??;
+        Ok(found.and_then(|message| self.believed_heartbeat(&message)))
+    }
+
+    /// A heartbeat read from the stream, if its seal holds and it names its own sender.
+    fn believed_heartbeat(
+        &self,
+        message: &jetstream::message::StreamMessage,
+    ) -> Option<ReplicaRecord> {
+        let subject = message.subject.as_str();
+        let record = match serde_json::from_slice::<ReplicaRecord>(&message.payload) {
+            Ok(record) => record,
+            Err(err) => {
+                tracing::debug!(%subject, error = %err, "unreadable heartbeat");
+                return None;
+            }
+        };
+        let claimed = InstanceId::parse(&record.instance_id)?;
+        self.trust
+            .believe(
+                Kind::Heartbeat,
+                subject,
+                &[&message.payload],
+                Some(&message.headers),
+                HEARTBEAT_MAX_AGE,
+                Some(claimed),
+            )
+            .then_some(record)
+    }
+
+    /// The answer first given to a keyed fetch, by any replica, if it was sealed at most
+    /// `max_age` ago.
     pub(crate) async fn remembered_answer(
         &self,
         digest: &str,
+        max_age: Duration,
     ) -> anyhow::Result<Option<RememberedAnswer>> {
         let subject = self.subjects.idempotency(digest);
         let found = tokio::time::timeout(API_TIMEOUT, self.last(&subject))
             .await
             .context("timed out reading a remembered answer")??;
         Ok(found.and_then(|message| {
-            Some(RememberedAnswer {
-                fingerprint: message.headers.get(FINGERPRINT_HEADER)?.as_str().to_owned(),
-                owner: message.headers.get(OWNER_HEADER)?.as_str().to_owned(),
-                body: message.payload,
-            })
+            let fingerprint = message.headers.get(FINGERPRINT_HEADER)?.as_str().to_owned();
+            let owner = message.headers.get(OWNER_HEADER)?.as_str().to_owned();
+            self.trust
+                .believe(
+                    Kind::KeyedAnswer,
+                    &subject,
+                    &[fingerprint.as_bytes(), owner.as_bytes(), &message.payload],
+                    Some(&message.headers),
+                    max_age,
+                    Some(InstanceId::parse(&owner)?),
+                )
+                .then_some(RememberedAnswer {
+                    fingerprint,
+                    owner,
+                    body: message.payload,
+                })
         }))
     }
 
@@ -239,11 +367,18 @@ impl Shared {
         body: Bytes,
         ttl: Duration,
     ) -> anyhow::Result<()> {
+        let subject = self.subjects.idempotency(digest);
+        let owner = owner.to_string();
         let mut headers = HeaderMap::new();
         headers.insert(FINGERPRINT_HEADER, fingerprint);
-        headers.insert(OWNER_HEADER, owner.to_string().as_str());
-        self.put(&self.subjects.idempotency(digest), headers, body, ttl)
-            .await
+        headers.insert(OWNER_HEADER, owner.as_str());
+        self.trust.seal(
+            Kind::KeyedAnswer,
+            &subject,
+            &[fingerprint.as_bytes(), owner.as_bytes(), &body],
+            &mut headers,
+        );
+        self.put(&subject, headers, body, ttl).await
     }
 
     async fn put(

@@ -308,8 +308,20 @@ async fn dead_letters(js: &Js) -> BTreeMap<u64, async_nats::jetstream::message::
 }
 
 async fn stream_count(js: &Js, name: &str) -> Option<u64> {
-    let mut stream = js.js.get_stream(name).await.ok()?;
+    let mut stream = js
+        .js
+        .get_stream(gateway_stream(js, name).await?)
+        .await
+        .ok()?;
     Some(stream.info().await.ok()?.state.messages)
+}
+
+/// The stream the gateway made whose name starts with `prefix` (its names end in a hash of
+/// the stream and consumer names).
+async fn gateway_stream(js: &Js, prefix: &str) -> Option<String> {
+    use futures::TryStreamExt as _;
+    let names: Vec<String> = js.js.stream_names().try_collect().await.ok()?;
+    names.into_iter().find(|name| name.starts_with(prefix))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -455,7 +467,7 @@ async fn advisories_published_while_no_gateway_runs_are_dead_lettered_after_the_
         .get_consumer("offline")
         .await
         .expect("the gateway's consumer");
-    let advisories = "RUSTSTREAM_ADVISORIES_ORDERS_offline";
+    let advisories = "RUSTSTREAM_ADVISORIES_ORDERS_offline_";
     let mut naks = 0;
     let deadline = crate::support::Deadline::after(
         "both advisories are in the advisory stream",

@@ -1,5 +1,6 @@
 //! Security: bearer tokens and scopes, JWTs, the lease-key file, request limits, NATS
-//! authentication and TLS, and error bodies that reveal nothing internal.
+//! authentication and TLS, error bodies that reveal nothing internal, and replica traffic
+//! that cannot be forged.
 
 mod auth;
 mod errors;
@@ -7,4 +8,5 @@ mod jwt;
 mod lease_ids;
 mod limits;
 mod nats_auth;
+mod replica_trust;
 mod tls;

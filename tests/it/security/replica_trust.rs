@@ -1,0 +1,336 @@
+//! What replicas tell each other cannot be forged by a NATS user who may publish (or only
+//! listen) under the internal prefix: forged heartbeats, keyed answers, forwarded settles and
+//! forwarded answers are dropped and counted; a passive subscriber does not keep a dead
+//! owner's leases "valid".
+
+use std::io::Write as _;
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use futures::{StreamExt as _, TryStreamExt as _};
+use serde_json::{Value, json};
+
+use crate::support::{Js, STREAM, Scrape, Setup, wait_for, wait_until};
+
+const PREFIX: &str = "_RUSTSTREAM";
+
+fn shared_key() -> tempfile::NamedTempFile {
+    let mut key = tempfile::NamedTempFile::new().expect("temp key file");
+    write!(key, "replicas share this lease key: 0123456789!").expect("write key");
+    key
+}
+
+fn rejected(scrape: &Scrape, kind: &str) -> f64 {
+    scrape.get(&format!(
+        r#"ruststream_internal_messages_rejected_total{{kind="{kind}"}}"#
+    ))
+}
+
+async fn replicas_listed(gateway: &crate::support::Client) -> usize {
+    gateway.consumer_view().await["replicas"]
+        .as_array()
+        .map_or(0, Vec::len)
+}
+
+/// The shared stream the gateway made for `consumer` (its name ends in a hash).
+async fn shared_stream(js: &Js, consumer: &str) -> async_nats::jetstream::stream::Stream {
+    let prefix = format!("RUSTSTREAM_SHARED_{STREAM}_{consumer}_");
+    let names: Vec<String> = js.js.stream_names().try_collect().await.expect("names");
+    let name = names
+        .into_iter()
+        .find(|name| name.starts_with(&prefix))
+        .expect("the shared stream");
+    js.js.get_stream(name).await.expect("shared stream")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_heartbeats_are_dropped_counted_and_logged_once() {
+    let (server, js) = crate::support::server_with_stream().await;
+    let key = shared_key();
+    let setup = Setup::consumer("forged-beats").lease_key_file(key.path());
+    let mut first = setup.process(&server.url()).await;
+    let before = Scrape::of(&first).await;
+    // 50 made-up replicas, one of them copying a genuine seal header onto other content.
+    let genuine = wait_for("the first's heartbeat", Duration::from_secs(5), || {
+        let js = &js;
+        async move {
+            let stream = shared_stream(js, "forged-beats").await;
+            let subject = format!("{PREFIX}.{STREAM}.forged-beats.replica.*");
+            let subjects: Vec<(String, usize)> = stream
+                .info_with_subjects(subject)
+                .await
+                .ok()?
+                .try_collect()
+                .await
+                .ok()?;
+            let (subject, _) = subjects.into_iter().next()?;
+            stream.direct_get_last_for_subject(subject).await.ok()
+        }
+    })
+    .await;
+    for n in 0..50u64 {
+        let instance = format!("{:016x}", 0xdead_0000 + n);
+        let record = json!({
+            "instance_id": instance,
+            "started_at": "2026-01-01T00:00:00Z",
+            "leases_in_flight": 0,
+            "lease_key_fingerprint": "0000000000000000",
+            "listen": "127.0.0.1:1",
+        });
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-TTL", "60s");
+        if n == 0 {
+            headers.insert(
+                "Ruststream-Seal",
+                genuine
+                    .headers
+                    .get("Ruststream-Seal")
+                    .expect("a genuine heartbeat is sealed")
+                    .as_str(),
+            );
+        }
+        js.js
+            .publish_with_headers(
+                format!("{PREFIX}.{STREAM}.forged-beats.replica.{instance}"),
+                headers,
+                serde_json::to_vec(&record).expect("json").into(),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+    }
+    wait_until(
+        "the forgeries are counted",
+        Duration::from_secs(5),
+        || async { rejected(&Scrape::of(&first).await, "heartbeat") >= 50.0 },
+    )
+    .await;
+    let after = Scrape::of(&first).await;
+    assert_eq!(after.get("ruststream_replicas"), 1.0);
+    assert_eq!(replicas_listed(&first).await, 1);
+    assert_eq!(rejected(&before, "heartbeat"), 0.0);
+    let log = first.log();
+    let logged = log
+        .lines()
+        .filter(|line| {
+            line.contains("ERROR")
+                && line.contains("heartbeat")
+                && line.contains("dropped a message under the internal prefix")
+        })
+        .count();
+    assert_eq!(logged, 1, "logged once, not per forgery:\n{log}");
+
+    // Alone with the made-up replicas, a gateway with other settings is not refused.
+    assert!(first.terminate(Duration::from_secs(15)).await.success());
+    let second = Setup::consumer("forged-beats")
+        .lease_key_file(key.path())
+        .ack_wait("45s")
+        .process(&server.url())
+        .await;
+    assert_eq!(second.readyz().await, 200, "{}", second.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_keyed_answer_is_not_replayed() {
+    let (server, js) = crate::support::server_with_stream().await;
+    let key = shared_key();
+    let setup = Setup::consumer("forged-answer").lease_key_file(key.path());
+    let a = setup.ready(&server.url()).await;
+    let b = setup.ready(&server.url()).await;
+    wait_until("B sees A", Duration::from_secs(10), || async {
+        replicas_listed(&b).await == 2
+    })
+    .await;
+    js.publish_many("orders.1", 4, "m").await;
+    let request = json!({ "batch": 1, "wait_ms": 1000 });
+    let first = a.fetch_keyed("run-1", &request).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let genuine_id = first.messages()[0].id.clone();
+
+    // Rewrite the stored answer: the genuine headers (seal included), forged content.
+    let stream = shared_stream(&js, "forged-answer").await;
+    let subjects: Vec<(String, usize)> = stream
+        .info_with_subjects(format!("{PREFIX}.{STREAM}.forged-answer.idempotency.*"))
+        .await
+        .expect("subjects")
+        .try_collect()
+        .await
+        .expect("subjects");
+    let (subject, _) = subjects.into_iter().next().expect("the stored answer");
+    let stored = stream
+        .direct_get_last_for_subject(&subject)
+        .await
+        .expect("stored answer");
+    let mut forged: Value = serde_json::from_slice(&stored.payload).expect("json");
+    forged["messages"][0]["subject"] = json!("orders.forged");
+    forged["messages"][0]["data"] = json!("Zm9yZ2Vk");
+    js.js
+        .publish_with_headers(
+            subject,
+            stored.headers.clone(),
+            serde_json::to_vec(&forged).expect("json").into(),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+
+    let retried = b.fetch_keyed("run-1", &request).await;
+    assert_eq!(retried.status, 200, "{}", retried.text);
+    assert!(
+        retried.headers.get("idempotent-replayed").is_none(),
+        "{}",
+        retried.text
+    );
+    assert!(!retried.text.contains("orders.forged"), "{}", retried.text);
+    assert!(
+        retried
+            .messages()
+            .iter()
+            .all(|message| message.id != genuine_id)
+    );
+    assert_eq!(rejected(&Scrape::of(&b).await, "keyed_answer"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_forwarded_settles_and_answers_change_nothing() {
+    let (server, js) = crate::support::server_with_stream().await;
+    let key = shared_key();
+    let setup = Setup::consumer("forged-forward")
+        .lease_key_file(key.path())
+        .settle_timeout("1s");
+    let mut owner = setup.process(&server.url()).await;
+    let other = setup.ready(&server.url()).await;
+    wait_until(
+        "the other sees the owner",
+        Duration::from_secs(10),
+        || async { replicas_listed(&other).await == 2 },
+    )
+    .await;
+    js.publish_many("orders.1", 2, "m").await;
+    let leased = owner.fetch_n(2, 1000).await;
+    assert_eq!(leased.len(), 2);
+    let owner_id = owner.consumer_view().await["instance_id"]
+        .as_str()
+        .expect("instance id")
+        .to_owned();
+    let settle_subject = format!("{PREFIX}.{STREAM}.forged-forward.settle.{owner_id}");
+
+    // A plain client asks the owner to ack a genuine lease id: no answer, nothing acked.
+    let forged = json!({ "kind": "ack", "ids": [leased[0].id] });
+    let asked = tokio::time::timeout(
+        Duration::from_secs(2),
+        js.client
+            .request(settle_subject.clone(), forged.to_string().into()),
+    )
+    .await;
+    assert!(
+        !matches!(asked, Ok(Ok(_))),
+        "the owner answered a forged settle"
+    );
+    assert_eq!(
+        js.consumer_info(STREAM, "forged-forward")
+            .await
+            .num_ack_pending,
+        2
+    );
+
+    // The owner stalls and a plain client answers "ok" for it: the settle is not 204.
+    let mut answers = js
+        .client
+        .subscribe(settle_subject)
+        .await
+        .expect("subscribe");
+    let client = js.client.clone();
+    let forger = tokio::spawn(async move {
+        while let Some(request) = answers.next().await {
+            if let Some(reply) = request.reply {
+                let _ = client
+                    .publish(reply, r#"{"results":[{"result":"ok"}]}"#.into())
+                    .await;
+            }
+        }
+    });
+    js.client.flush().await.expect("flush");
+    owner.pause();
+    let reply = other
+        .settle(&leased[1].id, crate::support::Action::Ack, None)
+        .await;
+    assert_ne!(
+        reply.status, 204,
+        "a forged answer was believed: {}",
+        reply.text
+    );
+    assert_eq!(reply.status, 503, "{}", reply.text);
+    assert_eq!(
+        js.consumer_info(STREAM, "forged-forward")
+            .await
+            .num_ack_pending,
+        2,
+        "nothing was acked"
+    );
+    forger.abort();
+    // The genuine forward waits for the owner, which acks once it runs again.
+    owner.resume();
+    let owner_scrape = Scrape::of(&owner).await;
+    assert!(rejected(&owner_scrape, "forwarded_settle") >= 1.0);
+    assert!(rejected(&Scrape::of(&other).await, "forwarded_answer") >= 1.0);
+    // The real ones still work.
+    assert_eq!(other.ack(&leased[0].id).await, 204);
+    assert_eq!(other.ack(&leased[1].id).await, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_owner_is_410_at_once_although_someone_listens_on_the_prefix() {
+    let (server, js) = crate::support::server_with_stream().await;
+    let key = shared_key();
+    let setup = Setup::consumer("tapped")
+        .lease_key_file(key.path())
+        .settle_timeout("10s");
+    let mut owner = setup.process(&server.url()).await;
+    let other = setup.ready(&server.url()).await;
+    wait_until(
+        "the other sees the owner",
+        Duration::from_secs(10),
+        || async { replicas_listed(&other).await == 2 },
+    )
+    .await;
+    // A monitoring tap: it hears every forwarded settle and answers none.
+    let _tap = js
+        .client
+        .subscribe(format!("{PREFIX}.>"))
+        .await
+        .expect("subscribe");
+    js.client.flush().await.expect("flush");
+    js.publish_many("orders.1", 2, "m").await;
+    let leased = owner.fetch_n(2, 1000).await;
+    assert_eq!(leased.len(), 2);
+
+    owner.kill9();
+    // Right after the kill its heartbeat still stands: the wait ends once it lapses.
+    let started = Instant::now();
+    let reply = other
+        .settle(&leased[0].id, crate::support::Action::Ack, None)
+        .await;
+    assert_eq!(reply.status, 410, "{}", reply.text);
+    assert!(
+        started.elapsed() < Duration::from_secs(7),
+        "{:?}",
+        started.elapsed()
+    );
+    // Once the heartbeat has lapsed: 410 at once.
+    wait_until(
+        "the owner's heartbeat lapsed",
+        Duration::from_secs(10),
+        || async { replicas_listed(&other).await == 1 },
+    )
+    .await;
+    let started = Instant::now();
+    assert_eq!(other.ack(&leased[1].id).await, 410);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+}
