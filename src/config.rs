@@ -22,7 +22,7 @@ pub(crate) const DEFAULT_MAX_BODY_BYTES: u32 = 262_144;
 #[command(name = "ruststream-nats", version, about, long_about = None)]
 pub struct Config {
     /// NATS server URL (comma-separated for several servers).
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", value_parser = parse_nats_urls)]
     pub nats_url: String,
 
     /// NATS credentials file (JWT + nkey seed).
@@ -463,12 +463,32 @@ fn redact_url_credentials(urls: &str) -> String {
 /// expired and the message would loop.
 pub(crate) const MIN_ACK_WAIT: Duration = Duration::from_secs(1);
 
+/// The longest duration the NATS server takes (a Go `time.Duration`: signed nanoseconds).
+pub(crate) const MAX_SERVER_DURATION: Duration = Duration::from_nanos(i64::MAX as u64);
+
 fn parse_ack_wait(value: &str) -> Result<Duration, String> {
     let duration = humantime::parse_duration(value).map_err(|err| err.to_string())?;
     if duration < MIN_ACK_WAIT {
         return Err("must be at least 1s".into());
     }
+    if duration > MAX_SERVER_DURATION {
+        return Err(format!(
+            "must be at most {} (the NATS server counts it in signed 64-bit nanoseconds)",
+            humantime::format_duration(Duration::from_secs(MAX_SERVER_DURATION.as_secs()))
+        ));
+    }
     Ok(duration)
+}
+
+/// `--nats-url`: one or more comma-separated URLs (empty entries between commas are skipped).
+fn parse_nats_urls(value: &str) -> Result<String, String> {
+    let urls: Vec<&str> = value.split(',').map(str::trim).collect();
+    if urls.iter().all(|url| url.is_empty()) {
+        return Err(
+            "names no NATS server: give at least one URL, e.g. nats://127.0.0.1:4222".into(),
+        );
+    }
+    Ok(value.to_owned())
 }
 
 fn parse_name(value: &str) -> Result<String, String> {

@@ -92,6 +92,7 @@ pub async fn run(
     };
     let (gateway, tasks, fatal_rx) = Gateway::start(config, lease_key);
     let app = http::router(gateway.clone(), auth.clone());
+    let reloadable_auth = auth.clone();
     let address = listener
         .local_addr()
         .context("reading the listen address")?;
@@ -144,9 +145,15 @@ pub async fn run(
             async move { stop.cancelled().await },
         ))
     });
-    if let (Some(tls), Some(files)) = (&tls, tls_files) {
-        tls.watch(files, admin_stop.clone());
+    if let (Some(tls), Some(files)) = (&tls, &tls_files) {
+        tls.watch(files.clone(), admin_stop.clone());
     }
+    tokio::spawn(reload_on_hangup(
+        gateway.config().clone(),
+        reloadable_auth,
+        tls.clone().zip(tls_files),
+        admin_stop.clone(),
+    ));
     http::serve::serve(listener, app, limits, tls, stop_serving).await;
     // Probes keep answering through the main listener's drain; they stop with it.
     admin_stop.cancel();
@@ -161,6 +168,43 @@ pub async fn run(
             info!("stopped");
             Ok(())
         }
+    }
+}
+
+/// On SIGHUP (a terminal closing, a supervisor's reload), read the files the gateway reads
+/// again — bearer tokens, the JWKS file, the TLS certificate — until `stop`; never stop.
+async fn reload_on_hangup(
+    config: Config,
+    auth: http::auth::Auth,
+    tls: Option<(http::tls::Tls, http::tls::TlsFiles)>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+            warn!(
+                "cannot listen for SIGHUP; the files are read at start (and TLS when it changes) only"
+            );
+            return;
+        };
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                received = hangups.recv() => if received.is_none() {
+                    return;
+                },
+            }
+            info!("SIGHUP: reading the token, JWKS and TLS files again");
+            auth.reload(&config).await;
+            if let Some((tls, files)) = &tls {
+                tls.reload(files);
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (config, auth, tls, stop);
     }
 }
 

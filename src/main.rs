@@ -1,5 +1,8 @@
-//! The `ruststream-nats` binary: flags → config → run, with SIGTERM/SIGINT as the shutdown.
+//! The `ruststream-nats` binary: flags → config → run, with SIGTERM/SIGINT as the shutdown
+//! (bounded: the process is gone within `--shutdown-grace` + 5 s, whatever NATS does) and
+//! SIGHUP as a reload of the files it reads, never a stop.
 
+use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
@@ -27,31 +30,65 @@ struct MallocConf(*const std::ffi::c_char);
 // SAFETY: it points to a string literal, immutable for the life of the process.
 unsafe impl Sync for MallocConf {}
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+/// How long past `--shutdown-grace` a stopping gateway may take before it exits regardless.
+const STOP_SLACK: Duration = Duration::from_secs(5);
+
+fn main() -> ExitCode {
     let config = Config::parse();
     if let Some(url) = &config.healthcheck {
         return match ruststream_nats::healthcheck::check(url, Duration::from_secs(3)) {
-            Ok(()) => std::process::ExitCode::SUCCESS,
+            Ok(()) => ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("unhealthy: {err}");
-                std::process::ExitCode::FAILURE
+                ExitCode::FAILURE
             }
         };
     }
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("error: cannot start the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = runtime.block_on(serve(config));
+    // Work still blocked in the runtime's threads (a connection attempt to an unreachable
+    // NATS server, a name lookup) must not keep a stopped gateway alive.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    code
+}
+
+async fn serve(config: Config) -> ExitCode {
+    // From the start, before anything is read: a HUP must never take the default action
+    // (terminate). The gateway's run loop handles it as a reload.
+    #[cfg(unix)]
+    let _hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
     init_tracing(config.log_format);
+    let grace = config.shutdown_grace;
     let listener = match tokio::net::TcpListener::bind(config.listen).await {
         Ok(listener) => listener,
         Err(err) => {
             eprintln!("error: cannot listen on {}: {err}", config.listen);
-            return std::process::ExitCode::FAILURE;
+            return ExitCode::FAILURE;
         }
     };
-    match ruststream_nats::run(config, listener, shutdown_signal()).await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+    let shutdown = async move {
+        shutdown_signal().await;
+        // The drain takes the grace; should anything hang past it, exit anyway.
+        let limit = grace.saturating_add(STOP_SLACK);
+        std::thread::spawn(move || {
+            std::thread::sleep(limit);
+            eprintln!(
+                "error: the gateway did not stop within --shutdown-grace + {STOP_SLACK:?}; exiting"
+            );
+            std::process::exit(1);
+        });
+    };
+    match ruststream_nats::run(config, listener, shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");
-            std::process::ExitCode::FAILURE
+            ExitCode::FAILURE
         }
     }
 }

@@ -12,7 +12,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::domain::delivery::{Delivery, Leased};
-use crate::domain::finals::{Final, Finals};
+use crate::domain::finals::{Final, Finals, MessageKey};
 use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
 use crate::domain::leases::LeaseTable;
 use crate::domain::settle::AckCommand;
@@ -50,7 +50,7 @@ pub(crate) struct LeaseState {
 impl LeaseState {
     pub(crate) fn new(signer: LeaseSigner, ack_wait: Duration, max_ack_pending: usize) -> Self {
         let state = Self {
-            finals: Mutex::new(Finals::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
+            finals: Mutex::new(Finals::new(LEASE_MEMORY_MAX)),
             leases: Mutex::new(LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
             signer,
             // A random first epoch: with a shared --lease-key-file, the ids of a previous
@@ -197,24 +197,19 @@ impl LeaseState {
         self.leases().note_delivery(coordinates.key, Instant::now())
     }
 
-    /// The server confirmed `command` for the message at `stream_sequence`: if it ends the
-    /// message (ack, term), remember it.
-    pub(crate) fn confirmed(&self, stream_sequence: u64, command: &AckCommand) {
+    /// The server confirmed `command` for `message`: if it ends the message (ack, term),
+    /// remember it.
+    pub(crate) fn confirmed(&self, message: MessageKey, command: &AckCommand) {
         if let Some(outcome) = Final::of(command) {
-            self.finals()
-                .record(stream_sequence, outcome, Instant::now());
+            self.finals().record(message, outcome);
         }
     }
 
-    /// How the message at `stream_sequence` ended through this gateway, if it did.
-    pub(crate) fn final_of(&self, stream_sequence: u64) -> Option<Final> {
-        self.finals().get(stream_sequence, Instant::now())
-    }
-
-    /// The consumer was recreated: its sequences start over, what ended before says
-    /// nothing about them.
-    pub(crate) fn forget_finals(&self) {
-        self.finals().clear();
+    /// How the message a delivery carries ended through this gateway, if it did: then it is
+    /// never leased again, whatever its delivery count says and whichever consumer (a
+    /// recreated one included) delivers it.
+    pub(crate) fn final_of(&self, coordinates: &LeaseCoordinates) -> Option<Final> {
+        self.finals().get(MessageKey::of(coordinates))
     }
 
     fn finals(&self) -> MutexGuard<'_, Finals> {

@@ -223,6 +223,24 @@ impl Dispatcher {
             }
         };
         let owner = self.book.count_delivery(pull_id, now);
+        // First of all: a message that ended through this gateway is settled again, never
+        // leased nor released, whatever its delivery count and whichever binding it came by
+        // (the server can lose a confirmed settle, and lose it again after the next crash).
+        if let Some(outcome) = self.state.final_of(&delivery.coordinates) {
+            if delivery.coordinates.epoch == self.state.epoch()
+                && self.state.note_delivery(&delivery.coordinates)
+            {
+                warn!(
+                    stream_sequence = delivery.coordinates.key.stream_sequence,
+                    delivered = delivery.coordinates.key.delivered,
+                    "the server delivered a message again with the same delivery count; every earlier lease is void"
+                );
+                self.state.new_epoch();
+                self.request_rebind();
+            }
+            self.settle_again(delivery, outcome);
+            return;
+        }
         if delivery.coordinates.epoch != self.state.epoch() {
             // From a consumer since recreated: only ever nak'd (by release_held).
             self.book.hold(delivery);
@@ -242,13 +260,6 @@ impl Dispatcher {
             self.state.new_epoch();
             self.request_rebind();
             self.book.hold(delivery);
-            return;
-        }
-        if let Some(outcome) = self
-            .state
-            .final_of(delivery.coordinates.key.stream_sequence)
-        {
-            self.settle_again(delivery, outcome);
             return;
         }
         self.book.place(owner, delivery);
@@ -368,7 +379,18 @@ impl Dispatcher {
         let finished = self
             .book
             .take_finished(now, self.shutting_down, self.state.epoch());
-        for fetch in finished {
+        for mut fetch in finished {
+            // A settle confirmed after its message was delivered again (and held or placed
+            // meanwhile) ends that delivery too: settled again, not leased.
+            fetch.got.retain(
+                |delivery| match self.state.final_of(&delivery.coordinates) {
+                    Some(outcome) => {
+                        self.settle_again(delivery.clone(), outcome);
+                        false
+                    }
+                    None => true,
+                },
+            );
             let leased = self.state.lease(fetch.got);
             if let Err(unanswered) = fetch.answer.send(leased) {
                 // The client went away in the meantime: take the leases back.

@@ -1,5 +1,5 @@
-//! Final outcomes the server confirmed: which messages (by stream sequence) were acked or
-//! terminated through this gateway, remembered for a while.
+//! Final outcomes the server confirmed: which messages were acked or terminated through this
+//! gateway, remembered while it lives (up to a bound).
 //!
 //! nats-server confirms an ack before its consumer state is on disk: killed and restarted,
 //! it delivers again messages whose ack (or term) it had confirmed. Only the gateway's own
@@ -9,11 +9,9 @@
 //! May import: the rest of `domain` only.
 
 use std::collections::VecDeque;
-use std::time::Duration;
-
-use tokio::time::Instant;
 
 use super::SequenceMap;
+use super::lease_id::LeaseCoordinates;
 use super::settle::AckCommand;
 
 /// How a message ended for good.
@@ -47,58 +45,59 @@ impl Final {
     }
 }
 
-/// Final outcomes by stream sequence, each kept for `retention`, at most `max` of them.
+/// A message as it stays across its deliveries, the consumers reading it and a stream
+/// deleted and made again: its stream sequence and the time it was published. A recreated
+/// consumer (or a server that recovered one as new) delivers the same message under the same
+/// key; a recreated stream reuses the sequence for another message, with another time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct MessageKey {
+    pub(crate) stream_sequence: u64,
+    pub(crate) published_unix_nanos: i64,
+}
+
+impl MessageKey {
+    pub(crate) fn of(coordinates: &LeaseCoordinates) -> Self {
+        Self {
+            stream_sequence: coordinates.key.stream_sequence,
+            published_unix_nanos: coordinates.published_unix_nanos,
+        }
+    }
+}
+
+/// Final outcomes by message, the oldest forgotten first once there are more than `max`.
+/// Not forgotten with time: a server may lose a settle it confirmed long ago (its consumer
+/// state is written behind), and may lose it more than once.
 #[derive(Debug)]
 pub(crate) struct Finals {
-    by_sequence: SequenceMap<u64, Final>,
-    recorded: VecDeque<(Instant, u64)>,
-    retention: Duration,
+    by_message: SequenceMap<MessageKey, Final>,
+    recorded: VecDeque<MessageKey>,
     max: usize,
 }
 
 impl Finals {
-    pub(crate) fn new(retention: Duration, max: usize) -> Self {
+    pub(crate) fn new(max: usize) -> Self {
         Self {
-            by_sequence: SequenceMap::default(),
+            by_message: SequenceMap::default(),
             recorded: VecDeque::new(),
-            retention,
             max,
         }
     }
 
-    /// The server confirmed `outcome` for `stream_sequence`.
-    pub(crate) fn record(&mut self, stream_sequence: u64, outcome: Final, now: Instant) {
-        self.forget_old(now);
-        if self.by_sequence.insert(stream_sequence, outcome).is_none() {
-            self.recorded.push_back((now, stream_sequence));
+    /// The server confirmed `outcome` for `message`.
+    pub(crate) fn record(&mut self, message: MessageKey, outcome: Final) {
+        if self.by_message.insert(message, outcome).is_none() {
+            self.recorded.push_back(message);
         }
         while self.recorded.len() > self.max {
-            if let Some((_, oldest)) = self.recorded.pop_front() {
-                self.by_sequence.remove(&oldest);
+            if let Some(oldest) = self.recorded.pop_front() {
+                self.by_message.remove(&oldest);
             }
         }
     }
 
-    /// How `stream_sequence` ended, if it did through this gateway within the retention.
-    pub(crate) fn get(&mut self, stream_sequence: u64, now: Instant) -> Option<Final> {
-        self.forget_old(now);
-        self.by_sequence.get(&stream_sequence).cloned()
-    }
-
-    /// The consumer was recreated: its sequences start over and name other deliveries.
-    pub(crate) fn clear(&mut self) {
-        self.by_sequence.clear();
-        self.recorded.clear();
-    }
-
-    fn forget_old(&mut self, now: Instant) {
-        while let Some((at, sequence)) = self.recorded.front().copied() {
-            if now.saturating_duration_since(at) < self.retention {
-                break;
-            }
-            self.recorded.pop_front();
-            self.by_sequence.remove(&sequence);
-        }
+    /// How `message` ended, if it did through this gateway.
+    pub(crate) fn get(&self, message: MessageKey) -> Option<Final> {
+        self.by_message.get(&message).cloned()
     }
 }
 
@@ -106,20 +105,26 @@ impl Finals {
 mod tests {
     use super::*;
 
+    fn message(stream_sequence: u64) -> MessageKey {
+        MessageKey {
+            stream_sequence,
+            published_unix_nanos: 1_000 + i64::try_from(stream_sequence).expect("small"),
+        }
+    }
+
     #[test]
-    fn remembers_acks_and_terms_with_their_reason_until_the_retention_ends() {
-        let now = Instant::now();
-        let mut finals = Finals::new(Duration::from_secs(60), 10);
-        finals.record(1, Final::Acked, now);
+    fn remembers_acks_and_terms_with_their_reason() {
+        let mut finals = Finals::new(10);
+        finals.record(message(1), Final::Acked);
         let term = Final::of(&AckCommand::Term {
             reason: Some("bad".into()),
         });
-        finals.record(2, term.clone().expect("a term is final"), now);
-        assert_eq!(finals.get(1, now), Some(Final::Acked));
-        assert_eq!(finals.get(2, now), term);
+        finals.record(message(2), term.clone().expect("a term is final"));
+        assert_eq!(finals.get(message(1)), Some(Final::Acked));
+        assert_eq!(finals.get(message(2)), term);
         assert_eq!(
             finals
-                .get(2, now)
+                .get(message(2))
                 .map(|f| f.command())
                 .map(|c| format!("{c:?}")),
             Some(format!(
@@ -129,26 +134,29 @@ mod tests {
                 }
             ))
         );
-        assert_eq!(finals.get(3, now), None);
-        assert_eq!(
-            finals.get(1, now + Duration::from_secs(60)),
-            None,
-            "forgotten"
-        );
+        assert_eq!(finals.get(message(3)), None);
+    }
+
+    #[test]
+    fn another_message_at_the_same_sequence_is_not_the_one_that_ended() {
+        let mut finals = Finals::new(10);
+        finals.record(message(1), Final::Acked);
+        let republished = MessageKey {
+            stream_sequence: 1,
+            published_unix_nanos: 99,
+        };
+        assert_eq!(finals.get(republished), None, "a stream made again");
     }
 
     #[test]
     fn naks_and_extensions_are_not_final_and_the_count_is_bounded() {
         assert_eq!(Final::of(&AckCommand::Nak { delay: None }), None);
         assert_eq!(Final::of(&AckCommand::InProgress), None);
-        let now = Instant::now();
-        let mut finals = Finals::new(Duration::from_secs(60), 2);
+        let mut finals = Finals::new(2);
         for sequence in 1..=3 {
-            finals.record(sequence, Final::Acked, now);
+            finals.record(message(sequence), Final::Acked);
         }
-        assert_eq!(finals.get(1, now), None, "the oldest went first");
-        assert_eq!(finals.get(3, now), Some(Final::Acked));
-        finals.clear();
-        assert_eq!(finals.get(3, now), None);
+        assert_eq!(finals.get(message(1)), None, "the oldest went first");
+        assert_eq!(finals.get(message(3)), Some(Final::Acked));
     }
 }

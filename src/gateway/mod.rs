@@ -28,6 +28,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::Config;
 use crate::dispatch::{Command, Dispatcher};
+use crate::domain::finals::MessageKey;
 use crate::domain::idempotency::IdempotencyCache;
 use crate::domain::lease_id::{
     DeliveryKey, InstanceId, LeaseCoordinates, LeaseKey, LeaseSigner, SignedLease,
@@ -376,8 +377,8 @@ impl Gateway {
                 return self.extend_by(id, signed, deadline).await.map(|_| ());
             }
         };
-        self.on_lease(id, signed, action, |key| async move {
-            let sent = self.settle_lease(key, kind, command, deadline).await?;
+        self.on_lease(id, signed, action, |lease| async move {
+            let sent = self.settle_lease(&lease, kind, command, deadline).await?;
             let outcome = match sent {
                 Sent::Confirmed => SettleOutcome::Ok,
                 Sent::Nothing => SettleOutcome::Repeated,
@@ -395,8 +396,8 @@ impl Gateway {
         signed: Option<SignedLease>,
         deadline: impl Future<Output = ()>,
     ) -> Result<OffsetDateTime, Error> {
-        self.on_lease(id, signed, SettleAction::InProgress, |key| async move {
-            let expires_at = self.extend_lease(key, deadline).await?;
+        self.on_lease(id, signed, SettleAction::InProgress, |lease| async move {
+            let expires_at = self.extend_lease(lease.key, deadline).await?;
             Ok((expires_at, SettleOutcome::Ok))
         })
         .await
@@ -411,7 +412,7 @@ impl Gateway {
         id: &str,
         signed: Option<SignedLease>,
         action: SettleAction,
-        act: impl FnOnce(DeliveryKey) -> F,
+        act: impl FnOnce(LeaseCoordinates) -> F,
     ) -> Result<T, Error>
     where
         F: Future<Output = Result<(T, SettleOutcome), Error>>,
@@ -428,7 +429,7 @@ impl Gateway {
                 return Err(err);
             }
         };
-        match act(lease.key).await {
+        match act(lease).await {
             Ok((value, outcome)) => {
                 self.report(action, id, Some(&lease), outcome);
                 Ok(value)
@@ -442,11 +443,12 @@ impl Gateway {
 
     async fn settle_lease(
         &self,
-        key: DeliveryKey,
+        lease: &LeaseCoordinates,
         kind: SettleKind,
         command: &AckCommand,
         deadline: impl Future<Output = ()>,
     ) -> Result<Sent, Error> {
+        let key = lease.key;
         let started = self.state.leases().begin_settle(key, kind, Instant::now());
         let reply = match started {
             Ok(SettleStart::AlreadyDone) => return Ok(Sent::Nothing),
@@ -475,7 +477,7 @@ impl Gateway {
             let mut leases = self.state.leases();
             leases.finish_settle(key, kind, confirmed.is_ok(), now);
             if confirmed.is_ok() {
-                self.state.confirmed(key.stream_sequence, command);
+                self.state.confirmed(MessageKey::of(lease), command);
             }
             if let (Ok(()), AckCommand::Nak { delay: Some(delay) }) = (&confirmed, command) {
                 leases.park(key.stream_sequence, now + *delay);

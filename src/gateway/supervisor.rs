@@ -143,13 +143,13 @@ pub(super) async fn supervise(
         let forgot_deliveries =
             bound.delivered_consumer_sequence < state.highest_consumer_sequence();
         state.apply_settings(bound.ack_wait, bound.max_ack_pending);
-        if identity_seen.as_ref() != Some(&identity) || forgot_deliveries {
+        let recreated = identity_seen.as_ref() != Some(&identity);
+        if recreated || forgot_deliveries {
             if identity_seen.is_some() {
-                if identity_seen.as_ref() != Some(&identity) {
-                    // A new consumer: its sequences name other deliveries.
-                    state.forget_finals();
-                }
-                warn!(consumer = %identity.0, forgot_deliveries, "the consumer was recreated or lost deliveries; every earlier lease is void");
+                // What ended through this gateway is kept: a recreated consumer (or one a
+                // restarted server recovered as new) delivers those messages again, and
+                // they are settled again, never leased.
+                warn!(consumer = %identity.0, recreated, forgot_deliveries, "the consumer was recreated or lost deliveries; every earlier lease is void");
                 state.new_epoch();
             }
             identity_seen = Some(identity);

@@ -7,13 +7,14 @@
 //! presented token is compared with every one of them in constant time, so neither timing nor
 //! memory tells which token (or which prefix) came close. A token that is none of them is
 //! checked as a JWT when a JWKS is configured. Tokens never reach a log or an error; a JWT's
-//! subject (`sub`) goes into the request's log line instead.
+//! subject (`sub`) goes into the request's log line instead. SIGHUP re-reads the token file
+//! ([`Auth::reload`]).
 //!
 //! May import: as the rest of `http`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -25,6 +26,7 @@ use subtle::{ConditionallySelectable, ConstantTimeEq};
 use super::jwt::Jwt;
 use crate::config::Config;
 use crate::error::Error;
+use tracing::{error, info};
 
 /// What a token may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -376,10 +378,37 @@ fn is_b64token(token: &str) -> bool {
             .all(|byte| byte.is_ascii_alphanumeric() || b"-._~+/".contains(&byte))
 }
 
+/// The tokens of --auth-tokens-file and --auth-tokens together; `None` when neither is given.
+fn load_tokens(config: &Config) -> anyhow::Result<Option<Tokens>> {
+    if config.auth_tokens_file.is_none() && config.auth_tokens.is_none() {
+        return Ok(None);
+    }
+    let mut entries = Vec::new();
+    if let Some(path) = &config.auth_tokens_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --auth-tokens-file {}", path.display()))?;
+        let tokens = Tokens::parse(&text, &path.display().to_string(), &['\n'])
+            .map_err(|why| anyhow::anyhow!("--auth-tokens-file {why}"))?;
+        entries.extend(tokens.entries);
+    }
+    if let Some(inline) = &config.auth_tokens {
+        let tokens = Tokens::parse(inline.expose(), "RUSTSTREAM_AUTH_TOKENS", &[';', '\n'])
+            .map_err(|why| anyhow::anyhow!("--auth-tokens {why}"))?;
+        entries.extend(tokens.entries);
+    }
+    if entries.is_empty() {
+        anyhow::bail!(
+            "authentication is configured but names no token: every request would be refused"
+        );
+    }
+    Ok(Some(Tokens { entries }))
+}
+
 /// Authentication settings for the HTTP layer.
 #[derive(Clone)]
 pub(crate) struct Auth {
-    tokens: Option<Arc<Tokens>>,
+    /// Swapped whole when SIGHUP re-reads the token file.
+    tokens: Option<Arc<RwLock<Arc<Tokens>>>>,
     jwt: Option<Arc<Jwt>>,
     /// The account of each JWT subject with a request in progress: entries whose last
     /// principal is gone are dropped as the map grows.
@@ -423,7 +452,7 @@ impl Auth {
 
     pub(crate) fn with_tokens(tokens: Tokens) -> Self {
         Self {
-            tokens: Some(Arc::new(tokens)),
+            tokens: Some(Arc::new(RwLock::new(Arc::new(tokens)))),
             ..Self::off()
         }
     }
@@ -435,30 +464,83 @@ impl Auth {
     /// Load the token sources and JWKS the configuration names; off when it names none.
     pub(crate) async fn from_config(config: &Config) -> anyhow::Result<Self> {
         let jwt = Jwt::from_config(config).await?;
-        if config.auth_tokens_file.is_none() && config.auth_tokens.is_none() {
-            return Ok(Self { jwt, ..Self::off() });
+        match load_tokens(config)? {
+            None => Ok(Self { jwt, ..Self::off() }),
+            Some(tokens) => Ok(Self {
+                jwt,
+                ..Self::with_tokens(tokens)
+            }),
         }
-        let mut entries = Vec::new();
-        if let Some(path) = &config.auth_tokens_file {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading --auth-tokens-file {}", path.display()))?;
-            let tokens = Tokens::parse(&text, &path.display().to_string(), &['\n'])
-                .map_err(|why| anyhow::anyhow!("--auth-tokens-file {why}"))?;
-            entries.extend(tokens.entries);
+    }
+
+    /// Read the files again (on SIGHUP): the token file and the JWKS file. A file that no
+    /// longer loads is an error logged, and what was read before stays in force.
+    pub(crate) async fn reload(&self, config: &Config) {
+        if let Some(current) = &self.tokens {
+            match load_tokens(config) {
+                Ok(Some(mut fresh)) => {
+                    let mut current = current.write().unwrap_or_else(PoisonError::into_inner);
+                    // A token kept keeps its account (its waiting fetches count on).
+                    for entry in &mut fresh.entries {
+                        if let Some(kept) = current
+                            .entries
+                            .iter()
+                            .find(|old| old.digest == entry.digest)
+                        {
+                            *entry = Arc::new(TokenEntry {
+                                digest: entry.digest,
+                                scopes: entry.scopes,
+                                account: kept.account.clone(),
+                            });
+                        }
+                    }
+                    let added = fresh
+                        .entries
+                        .iter()
+                        .filter(|new| !current.entries.iter().any(|old| old.digest == new.digest))
+                        .count();
+                    let removed = current
+                        .entries
+                        .iter()
+                        .filter(|old| !fresh.entries.iter().any(|new| new.digest == old.digest))
+                        .count();
+                    let rescoped = fresh
+                        .entries
+                        .iter()
+                        .filter(|new| {
+                            current
+                                .entries
+                                .iter()
+                                .any(|old| old.digest == new.digest && old.scopes != new.scopes)
+                        })
+                        .count();
+                    info!(
+                        tokens = fresh.entries.len(),
+                        added, removed, rescoped, "re-read the bearer tokens"
+                    );
+                    *current = Arc::new(fresh);
+                }
+                Ok(None) => {}
+                Err(err) => error!(
+                    error = %format!("{err:#}"),
+                    "cannot re-read the bearer tokens; the ones read before stay in force"
+                ),
+            }
         }
-        if let Some(inline) = &config.auth_tokens {
-            let tokens = Tokens::parse(inline.expose(), "RUSTSTREAM_AUTH_TOKENS", &[';', '\n'])
-                .map_err(|why| anyhow::anyhow!("--auth-tokens {why}"))?;
-            entries.extend(tokens.entries);
+        if let Some(jwt) = &self.jwt
+            && jwt.reload().await
+        {
+            info!("re-read the JWKS");
         }
-        if entries.is_empty() {
-            anyhow::bail!(
-                "authentication is configured but names no token: every request would be refused"
-            );
-        }
-        Ok(Self {
-            jwt,
-            ..Self::with_tokens(Tokens { entries })
+    }
+
+    /// The tokens in force now.
+    fn current_tokens(&self) -> Option<Arc<Tokens>> {
+        self.tokens.as_ref().map(|tokens| {
+            tokens
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
         })
     }
 
@@ -515,8 +597,7 @@ impl Auth {
     /// them), then a JWT.
     async fn authenticate(&self, presented: &str) -> Result<Principal, Error> {
         if let Some(entry) = self
-            .tokens
-            .as_ref()
+            .current_tokens()
             .and_then(|tokens| tokens.authenticate(presented))
         {
             return Ok(Principal {

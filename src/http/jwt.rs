@@ -35,8 +35,10 @@ const REFRESH_EVERY: Duration = Duration::from_secs(5 * 60);
 const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(30);
 /// Least time between two reads caused by tokens naming an unknown key id.
 pub(crate) const UNKNOWN_KID_INTERVAL: Duration = Duration::from_secs(30);
+/// The longest a request waits for the JWKS to be read again.
+const REQUEST_WAIT_MAX: Duration = Duration::from_secs(1);
 /// The whole of one JWKS fetch: connect, TLS, request and body.
-const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
+const FETCH_TIMEOUT: Duration = Duration::from_secs(3);
 /// Largest JWKS read: a set of a few keys is a few KiB.
 const MAX_JWKS_BYTES: usize = 1024 * 1024;
 /// Clock skew tolerated on `exp` and `nbf`, in seconds.
@@ -124,12 +126,10 @@ impl Jwt {
             info!(path = %path.display(), keys = keys.len(), "JWKS file read");
             jwt.keys_mut().file = keys;
         }
-        let mut healthy = true;
-        if let Some(url) = &jwt.url {
-            healthy = jwt.read_url(url).await;
-        }
+        // The URL is read in the background, the first time at once: a JWKS server that
+        // accepts and never answers must not hold the gateway's start (nor its readiness).
         let jwt = Arc::new(jwt);
-        tokio::spawn(refresh(Arc::downgrade(&jwt), healthy));
+        tokio::spawn(refresh(Arc::downgrade(&jwt)));
         Ok(Some(jwt))
     }
 
@@ -144,11 +144,8 @@ impl Jwt {
         }
         let kid = header.kid.as_deref();
         let mut candidates = self.candidates(kid, header.alg);
-        if candidates.is_empty()
-            && let Some(kid) = kid
-            && self.read_for_unknown_kid(kid, header.alg).await
-        {
-            candidates = self.candidates(Some(kid), header.alg);
+        if candidates.is_empty() && self.read_for_unknown_kid(kid, header.alg).await {
+            candidates = self.candidates(kid, header.alg);
         }
         if candidates.is_empty() {
             return Err(format!(
@@ -246,25 +243,30 @@ impl Jwt {
         self.keys.write().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Re-read the keys for a token naming a key id they lack, unless such a read happened
-    /// in the last [`UNKNOWN_KID_INTERVAL`]. True when the key is known now.
-    async fn read_for_unknown_kid(&self, kid: &str, algorithm: Algorithm) -> bool {
-        let mut last = self.unknown_kid_read.lock().await;
-        // A read that ran while this request waited for the lock may have brought the key.
-        if !self.candidates(Some(kid), algorithm).is_empty() {
-            return true;
-        }
-        if last.is_some_and(|at| at.elapsed() < UNKNOWN_KID_INTERVAL) {
-            return false;
-        }
-        *last = Some(Instant::now());
-        debug!("a token names a key id the JWKS lacks: reading it again");
-        self.reload().await;
-        !self.candidates(Some(kid), algorithm).is_empty()
+    /// Re-read the keys for a token naming a key id they lack (or, naming none, finding
+    /// no key at all), unless such a read happened in the last [`UNKNOWN_KID_INTERVAL`]; the
+    /// request waits for it [`REQUEST_WAIT_MAX`] at most. True when a key is known now.
+    async fn read_for_unknown_kid(&self, kid: Option<&str>, algorithm: Algorithm) -> bool {
+        let read = async {
+            let mut last = self.unknown_kid_read.lock().await;
+            // A read that ran while this request waited for the lock may have brought it.
+            if !self.candidates(kid, algorithm).is_empty() {
+                return;
+            }
+            if last.is_some_and(|at| at.elapsed() < UNKNOWN_KID_INTERVAL) {
+                return;
+            }
+            *last = Some(Instant::now());
+            debug!("a token names a key the JWKS lacks: reading it again");
+            self.reload().await;
+        };
+        // Given up after that: the background refresh goes on reading.
+        let _ = tokio::time::timeout(REQUEST_WAIT_MAX, read).await;
+        !self.candidates(kid, algorithm).is_empty()
     }
 
     /// Read every source again; a source that fails keeps its keys. True when all succeeded.
-    async fn reload(&self) -> bool {
+    pub(crate) async fn reload(&self) -> bool {
         let mut healthy = true;
         if let Some(path) = &self.file {
             match read_file(path) {
@@ -299,16 +301,27 @@ impl Jwt {
 
 /// Re-read the keys every [`REFRESH_EVERY`] (sooner after a failure) while the gateway
 /// that owns them lives.
-async fn refresh(jwt: Weak<Jwt>, mut healthy: bool) {
-    loop {
-        tokio::time::sleep(if healthy {
+async fn refresh(jwt: Weak<Jwt>) {
+    // The first read at once, under the lock of reads for unknown key ids: the first
+    // requests wait for it (a second at most) instead of reading again beside it.
+    let Some(first) = jwt.upgrade() else { return };
+    let mut wait = {
+        let _reading = first.unknown_kid_read.lock().await;
+        if first.reload().await {
             REFRESH_EVERY
         } else {
             RETRY_AFTER_FAILURE
-        })
-        .await;
+        }
+    };
+    drop(first);
+    loop {
+        tokio::time::sleep(wait).await;
         let Some(jwt) = jwt.upgrade() else { return };
-        healthy = jwt.reload().await;
+        wait = if jwt.reload().await {
+            REFRESH_EVERY
+        } else {
+            RETRY_AFTER_FAILURE
+        };
     }
 }
 
@@ -583,20 +596,20 @@ mod tests {
         };
         write(&["a"]);
         assert!(
-            jwt.read_for_unknown_kid("a", Algorithm::EdDSA).await,
+            jwt.read_for_unknown_kid(Some("a"), Algorithm::EdDSA).await,
             "read"
         );
         write(&["a", "b"]);
         assert!(
-            !jwt.read_for_unknown_kid("b", Algorithm::EdDSA).await,
+            !jwt.read_for_unknown_kid(Some("b"), Algorithm::EdDSA).await,
             "within the interval: no read"
         );
         tokio::time::advance(UNKNOWN_KID_INTERVAL).await;
         assert!(
-            jwt.read_for_unknown_kid("b", Algorithm::EdDSA).await,
+            jwt.read_for_unknown_kid(Some("b"), Algorithm::EdDSA).await,
             "read again"
         );
-        assert!(!jwt.read_for_unknown_kid("c", Algorithm::EdDSA).await);
+        assert!(!jwt.read_for_unknown_kid(Some("c"), Algorithm::EdDSA).await);
     }
 
     #[test]

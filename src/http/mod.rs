@@ -235,9 +235,6 @@ async fn edge(
     mut request: Request<axum::body::Body>,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    if let Some(refusal) = oversized_head(&request) {
-        return refusal.into_response();
-    }
     let request_id = match usable_request_id(request.headers_mut()) {
         Some(id) => id,
         None => {
@@ -246,6 +243,21 @@ async fn edge(
             id
         }
     };
+    if let Some(refusal) = refused_head(&request) {
+        // A URI too long is not echoed: the problem names the request by its id instead.
+        let instance = match refusal {
+            Error::UriTooLong { .. } => {
+                format!(
+                    "urn:ruststream:request:{}",
+                    request_id.to_str().unwrap_or("-")
+                )
+            }
+            _ => request.uri().path().to_owned(),
+        };
+        let mut response = problem::name_instance(refusal.into_response(), &instance);
+        response.headers_mut().insert(X_REQUEST_ID, request_id);
+        return response;
+    }
     // Cloning the URI shares its bytes; the path is needed only for a problem answer.
     let uri = request.uri().clone();
     let span = request_span(&request);
@@ -272,10 +284,18 @@ const MAX_URI_BYTES: usize = 8 * 1024;
 /// Largest header section (names and values) the gateway takes.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
 
-/// Oversized request heads answer problem+json 414 or 431, well below the limits at which
-/// hyper itself answers them with an empty body (64 KiB URIs, a ~400 KiB head). The URI is
-/// not echoed as the problem's `instance`.
-fn oversized_head<B>(request: &Request<B>) -> Option<Error> {
+/// Request heads refused before routing, as problem+json: oversized ones 414 or 431, well
+/// below the limits at which hyper itself answers them with an empty body (64 KiB URIs, a
+/// ~400 KiB head, more than [`serve::MAX_HEADERS`] headers); an HTTP/1.1 request without
+/// `Host` 400 (RFC 9112 §3.2).
+fn refused_head<B>(request: &Request<B>) -> Option<Error> {
+    if request.version() == axum::http::Version::HTTP_11
+        && !request.headers().contains_key(axum::http::header::HOST)
+    {
+        return Some(Error::Malformed {
+            detail: "an HTTP/1.1 request must carry a Host header (RFC 9112, section 3.2)".into(),
+        });
+    }
     let uri_bytes = request
         .uri()
         .path_and_query()

@@ -33,6 +33,11 @@ use super::body::BodyRules;
 use super::client::{Connection, watch as watch_connection};
 use super::tls::{MaybeTls, Tls};
 
+/// Most header lines a request may have (hyper's default is 100, and it refuses more with a
+/// bare 431): room for proxies and tracing headers; beyond it hyper still answers 431. Above
+/// 100, hyper parses into a buffer allocated per request of about 64 bytes a line.
+pub(crate) const MAX_HEADERS: usize = 256;
+
 /// Connection-level limits.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
@@ -65,11 +70,13 @@ pub(crate) async fn serve(
     let mut http1 = http1::Builder::new();
     http1
         .timer(TokioTimer::new())
+        .max_headers(MAX_HEADERS)
         .header_read_timeout(limits.header_read_timeout);
     let mut either = auto::Builder::new(TokioExecutor::new());
     either
         .http1()
         .timer(TokioTimer::new())
+        .max_headers(MAX_HEADERS)
         .header_read_timeout(limits.header_read_timeout);
     either.http2().timer(TokioTimer::new());
     let speakers = Arc::new(Speakers {

@@ -75,21 +75,28 @@ impl Tls {
                     continue;
                 }
                 seen = now;
-                match server_config(&files) {
-                    Ok(config) => {
-                        *tls.acceptor
-                            .write()
-                            .unwrap_or_else(|poisoned| poisoned.into_inner()) =
-                            TlsAcceptor::from(Arc::new(config));
-                        info!(cert = %files.cert.display(), "reloaded the TLS certificate");
-                    }
-                    Err(err) => warn!(
-                        error = %format!("{err:#}"),
-                        "the changed TLS files do not load; keeping the certificate in use"
-                    ),
-                }
+                tls.reload(&files);
             }
         });
+    }
+
+    /// Read the files again (when they change, and on SIGHUP); files that do not load are
+    /// logged and the certificate in use stays.
+    pub(crate) fn reload(&self, files: &TlsFiles) {
+        match server_config(files) {
+            Ok(config) => {
+                *self
+                    .acceptor
+                    .write()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner()) =
+                    TlsAcceptor::from(Arc::new(config));
+                info!(cert = %files.cert.display(), "reloaded the TLS certificate");
+            }
+            Err(err) => warn!(
+                error = %format!("{err:#}"),
+                "the TLS files do not load; keeping the certificate in use"
+            ),
+        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! What a delivery may and may not do, one test each: only the newest delivery settles (and a
 //! fenced settle never reaches NATS), no two valid leases of a message at once, no re-lease
-//! after a confirmed ack or term, and neither a graceful stop nor a crash of the gateway
-//! leaves a message waiting longer than ack_wait.
+//! after a confirmed ack or term (after server crashes and a recreated consumer too), and
+//! neither a graceful stop nor a crash of the gateway leaves a message waiting longer than
+//! ack_wait.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -12,6 +13,7 @@ use time::OffsetDateTime;
 
 use crate::support::{
     Action, Gateway, Msg, STREAM, Scrape, Setup, assert_stays, server_ack_pending, wait_for,
+    wait_until,
 };
 
 /// The delivery count token of a v1 ack subject
@@ -303,25 +305,78 @@ async fn a_crashed_gateway_leaves_nothing_waiting_longer_than_ack_wait() {
 }
 
 /// nats-server confirms an ack (or a term) before its consumer state is on disk: killed -9
-/// right after, it delivers those messages again. The gateway remembers what it settled and
-/// settles such a redelivery again itself — the ack as an ack, the term with its reason —
-/// so no client is handed a message whose ack or term it got a 2xx for.
+/// right after, it delivers those messages again — and, killed again after it came back, the
+/// settles it confirmed since. The gateway remembers what it settled and settles such a
+/// redelivery again itself — the ack as an ack, the term with its reason — so no client is
+/// handed a message whose ack or term it got a 2xx for, after one crash or two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_acked_or_termed_before_a_server_crash_are_never_leased_again() {
     let consumer = "finals";
-    // A short ack_wait: what the server forgot it redelivers once that passes.
+    // A short ack_wait: what the server forgot it redelivers once that passes. The server
+    // runs at its default sync_interval, as most deployments do.
     let (mut server, js, mut gateway) = Setup::consumer(consumer).ack_wait("2s").start().await;
-    const MESSAGES: usize = 40;
-    let again =
-        |kind: &str| format!("ruststream_redeliveries_settled_again_total{{kind=\"{kind}\"}}");
-    // Settle and kill at once, inside the server's write-behind window; the server itself
-    // says after the restart how much it forgot (if it wrote everything in time, try again).
-    let mut forgotten = 0_u64;
+    for round in 1..=2 {
+        let forgotten = settle_then_crash(&mut server, &js, &mut gateway, consumer).await;
+        let again =
+            |kind: &str| format!("ruststream_redeliveries_settled_again_total{{kind=\"{kind}\"}}");
+        let before = Scrape::of(&gateway).await;
+        // Fetches pull again: the forgotten settles come back, and not one reaches a client.
+        let fetched = gateway.fetch_n(CRASH_MESSAGES as u64, 4000).await;
+        assert!(
+            fetched.is_empty(),
+            "round {round}: a settled message was leased again: {fetched:?}"
+        );
+        let settled_again = wait_for(
+            "the server holds nothing pending",
+            Duration::from_secs(15),
+            || async {
+                let info = js.consumer_info(STREAM, consumer).await;
+                if info.num_ack_pending as u64 + info.num_pending > 0 {
+                    let fetched = gateway.fetch_n(CRASH_MESSAGES as u64, 200).await;
+                    assert!(
+                        fetched.is_empty(),
+                        "round {round}: leased again: {fetched:?}"
+                    );
+                    return None;
+                }
+                let after = Scrape::of(&gateway).await;
+                Some(
+                    after.get(&again("ack")) + after.get(&again("term"))
+                        - before.get(&again("ack"))
+                        - before.get(&again("term")),
+                )
+            },
+        )
+        .await;
+        assert_eq!(
+            settled_again, forgotten as f64,
+            "round {round}: each message the server forgot was settled again, once"
+        );
+    }
+    assert_stays(
+        "no settled message is leased again",
+        Duration::from_secs(2),
+        || async { gateway.fetch_n(10, 200).await.is_empty() },
+    )
+    .await;
+}
+
+const CRASH_MESSAGES: usize = 40;
+
+/// Lease, settle (a quarter by term) and kill the server at once, inside its write-behind
+/// window, then restart it; the server itself says how much it forgot (if it wrote
+/// everything in time, try again). Returns that count.
+async fn settle_then_crash(
+    server: &mut crate::support::NatsServer,
+    js: &crate::support::Js,
+    gateway: &mut Gateway,
+    consumer: &str,
+) -> u64 {
     for _ in 0..5 {
-        js.publish_many("orders.1", MESSAGES, "m").await;
-        let leased = gateway.fetch_n(MESSAGES as u64, 2000).await;
-        assert_eq!(leased.len(), MESSAGES);
-        let (terms, acks) = leased.split_at(MESSAGES / 4);
+        js.publish_many("orders.1", CRASH_MESSAGES, "m").await;
+        let leased = gateway.fetch_n(CRASH_MESSAGES as u64, 2000).await;
+        assert_eq!(leased.len(), CRASH_MESSAGES);
+        let (terms, acks) = leased.split_at(CRASH_MESSAGES / 4);
         let ack_ids: Vec<&str> = acks.iter().map(|m| m.id.as_str()).collect();
         let acked = gateway
             .settle_many_ok(Action::Ack, &serde_json::json!({ "ids": ack_ids }))
@@ -342,49 +397,74 @@ async fn messages_acked_or_termed_before_a_server_crash_are_never_leased_again()
         server.restart().await;
         gateway.wait_ready().await;
         let info = js.consumer_info(STREAM, consumer).await;
-        forgotten = info.num_ack_pending as u64 + info.num_pending;
+        let forgotten = info.num_ack_pending as u64 + info.num_pending;
         if forgotten > 0 {
-            break;
+            return forgotten;
         }
     }
-    assert!(
-        forgotten > 0,
-        "a kill inside the server's write-behind window in 5 tries"
-    );
+    panic!("no kill inside the server's write-behind window in 5 tries");
+}
 
+/// A consumer deleted and made again (or one a restarted server recovered as new) delivers
+/// from the start, every message with `delivered` 1: what was acked or termed through this
+/// gateway is settled again, never leased; a nak'd message is leased as it should be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_consumer_leases_only_what_did_not_end_here() {
+    let consumer = "finals-recreated";
+    let (_server, js, gateway) = Setup::consumer(consumer).start().await;
+    js.publish_many("orders.1", 6, "m").await;
+    let leased = gateway.fetch_n(6, 2000).await;
+    assert_eq!(leased.len(), 6);
+    for message in &leased[..2] {
+        assert_eq!(gateway.ack(&message.id).await, 204);
+    }
+    for message in &leased[2..4] {
+        assert_eq!(gateway.term(&message.id, Some("bad order")).await, 204);
+    }
+    for message in &leased[4..] {
+        assert_eq!(gateway.nak(&message.id, Some(60_000)).await, 204);
+    }
+    let nakd: HashSet<u64> = leased[4..].iter().map(|m| m.stream_sequence).collect();
     let before = Scrape::of(&gateway).await;
-    // Fetches pull again: the forgotten settles come back, and not one reaches a client.
-    let fetched = gateway.fetch_n(MESSAGES as u64, 4000).await;
-    assert!(
-        fetched.is_empty(),
-        "a settled message was leased again: {fetched:?}"
+    js.js
+        .get_stream(STREAM)
+        .await
+        .expect("stream")
+        .delete_consumer(consumer)
+        .await
+        .expect("delete the consumer");
+
+    let mut seen = HashSet::new();
+    let deadline = crate::support::Deadline::after(
+        "the nak'd messages from the recreated consumer",
+        Duration::from_secs(20),
     );
-    let settled_again = wait_for(
-        "the server holds nothing pending",
-        Duration::from_secs(15),
+    while seen != nakd {
+        for message in gateway.fetch_n(6, 500).await {
+            assert!(
+                nakd.contains(&message.stream_sequence),
+                "a message that ended here was leased again: {message:?}"
+            );
+            assert_eq!(message.delivered, 1, "from the new consumer");
+            seen.insert(message.stream_sequence);
+            assert_eq!(gateway.ack(&message.id).await, 204);
+        }
+        deadline.tick_seeing(format_args!("{seen:?}")).await;
+    }
+    let kind =
+        |kind: &str| format!("ruststream_redeliveries_settled_again_total{{kind=\"{kind}\"}}");
+    wait_until(
+        "the four are settled again",
+        Duration::from_secs(10),
         || async {
-            let info = js.consumer_info(STREAM, consumer).await;
-            if info.num_ack_pending as u64 + info.num_pending > 0 {
-                let _ = gateway.fetch_n(MESSAGES as u64, 200).await;
-                return None;
-            }
             let after = Scrape::of(&gateway).await;
-            Some(
-                after.get(&again("ack")) + after.get(&again("term"))
-                    - before.get(&again("ack"))
-                    - before.get(&again("term")),
-            )
+            after.get(&kind("ack")) - before.get(&kind("ack")) == 2.0
+                && after.get(&kind("term")) - before.get(&kind("term")) == 2.0
         },
     )
     .await;
-    assert_eq!(
-        settled_again, forgotten as f64,
-        "each message the server forgot was settled again, once"
-    );
-    assert_stays(
-        "no settled message is leased again",
-        Duration::from_secs(2),
-        || async { gateway.fetch_n(10, 200).await.is_empty() },
-    )
+    assert_stays("nothing else is leased", Duration::from_secs(2), || async {
+        gateway.fetch_n(10, 200).await.is_empty()
+    })
     .await;
 }

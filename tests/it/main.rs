@@ -27,5 +27,6 @@ mod robustness;
 mod security;
 mod settle;
 mod shutdown;
+mod signals;
 mod startup;
 mod support;

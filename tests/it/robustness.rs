@@ -149,6 +149,10 @@ async fn oversized_and_malformed_request_heads_are_refused() {
         "{answer:.300}"
     );
     assert!(!answer.contains(&"a".repeat(100)), "the URI is not echoed");
+    assert!(
+        answer.contains(r#""instance":"urn:ruststream:request:"#),
+        "the problem names the request by its id: {answer:.600}"
+    );
 
     let big_header = format!(
         "GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\nX-Big: {}\r\n\r\n",
@@ -160,6 +164,22 @@ async fn oversized_and_malformed_request_heads_are_refused() {
         answer.contains("urn:ruststream-nats:problem:headers-too-large"),
         "{answer:.300}"
     );
+
+    // 150 header lines (a proxy chain, tracing): served, not hyper's bare 431 past 100.
+    let many: String = (0..150).map(|n| format!("X-Hop-{n}: v\r\n")).collect();
+    let answer = exchange(
+        format!("GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\n{many}\r\n").into_bytes(),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:.300}");
+
+    // HTTP/1.1 without Host (RFC 9112 §3.2): 400, problem+json; HTTP/1.0 needs none.
+    let answer = exchange(b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n".to_vec()).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer:.300}");
+    assert!(answer.contains("application/problem+json"), "{answer:.300}");
+    assert!(answer.contains("Host"), "{answer:.300}");
+    let answer = exchange(b"GET /healthz HTTP/1.0\r\n\r\n".to_vec()).await;
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer:.300}");
 
     for malformed in [
         b"GARBAGE\r\n\r\n".to_vec(),

@@ -432,6 +432,9 @@ fn bad_names_subjects_and_ack_waits_refuse_to_start_naming_the_value() {
         ("--filter-subject", "orders..created", "empty tokens"),
         ("--filter-subject", "orders.>.x", "last token"),
         ("--stream-subjects", "bad subject", "whitespace"),
+        ("--ack-wait", "99999999999999999s", "at most"),
+        ("--nats-url", "", "names no NATS server"),
+        ("--nats-url", ",", "names no NATS server"),
     ] {
         let output = std::process::Command::new(env!("CARGO_BIN_EXE_ruststream-nats"))
             .args([flag, value])

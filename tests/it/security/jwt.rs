@@ -18,7 +18,7 @@ use rsa::pkcs1::{EncodeRsaPrivateKey as _, EncodeRsaPublicKey as _};
 use serde_json::{Value, json};
 
 use crate::support::client::{Reply, http_client_with_token};
-use crate::support::{Client, NatsServer, Setup};
+use crate::support::{Client, NatsServer, Setup, wait_until};
 
 const ISSUER: &str = "https://idp.example.test/realms/ops";
 const AUDIENCE: &str = "ruststream-gateway";
@@ -356,7 +356,11 @@ async fn a_rotated_key_is_fetched_but_unknown_key_ids_are_bounded() {
     let jwks = JwksServer::start(vec![first.jwk.clone()]).await;
     let (server, _js) = crate::support::server_with_stream().await;
     let gateway = jwt_setup("rotation", &jwks.url).ready(&server.url()).await;
-    assert_eq!(jwks.reads(), 1);
+    // Read in the background from the start, once.
+    wait_until("the JWKS is read", Duration::from_secs(5), || async {
+        jwks.reads() == 1
+    })
+    .await;
     let worker = claims("svc-billing", "ruststream:fetch");
     assert_eq!(fetch(&first.sign(&worker), &gateway, 0).await.status, 200);
 
@@ -492,4 +496,45 @@ impl Signer {
         })
         .expect("JWKS")
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jwks_url_that_never_answers_holds_neither_the_start_nor_a_request() {
+    // Accepts connections and never answers a byte.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!(
+        "http://{}/realms/ops/certs",
+        silent.local_addr().expect("addr")
+    );
+    let _held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            open.push(stream);
+        }
+    });
+    let (server, _js) = crate::support::server_with_stream().await;
+    let started = std::time::Instant::now();
+    let gateway = jwt_setup("silent-jwks", &url).ready(&server.url()).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "ready after {:?}",
+        started.elapsed()
+    );
+    let signer = Signer::ed25519("never-fetched");
+    let started = std::time::Instant::now();
+    let reply = fetch(
+        &signer.sign(&claims("svc-billing", "ruststream:fetch")),
+        &gateway,
+        0,
+    )
+    .await;
+    assert_invalid_token(&reply, "no key could be read");
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "held {:?}",
+        started.elapsed()
+    );
+    assert_eq!(fetch("static-worker", &gateway, 0).await.status, 200);
 }

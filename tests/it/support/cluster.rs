@@ -1,6 +1,7 @@
-//! nats-servers started from config files with `jetstream { sync_interval: always }` (every
-//! write fsync'd, so what the server confirmed survives SIGKILL): one node, or a cluster of
-//! nodes on loopback (routes on free ports, each with its own store and server name).
+//! nats-servers started from config files, with `jetstream { sync_interval: always }` (every
+//! write fsync'd, so what the server confirmed survives SIGKILL) or at the default (fsync
+//! every 2 minutes, as most deployments run): one node, or a cluster of nodes on loopback
+//! (routes on free ports, each with its own store and server name).
 //! Each node is a [`NatsServer`]: killed (-9), restarted on the same ports and store, paused.
 
 use tempfile::TempDir;
@@ -15,7 +16,8 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    pub async fn start(size: usize) -> Self {
+    /// `sync_always`: `sync_interval: always`; else the server's default.
+    pub async fn start(size: usize, sync_always: bool) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("nats-cluster-")
             .tempdir()
@@ -33,9 +35,14 @@ impl Cluster {
             let node_dir = dir.path().join(&name);
             std::fs::create_dir_all(&node_dir).expect("node dir");
             let store = node_dir.join("store");
+            let sync = if sync_always {
+                "  sync_interval: always\n"
+            } else {
+                ""
+            };
             let mut config = format!(
                 "server_name: {name}\nlisten: \"127.0.0.1:{}\"\n\
-                 jetstream {{\n  store_dir: \"{}\"\n  sync_interval: always\n}}\n",
+                 jetstream {{\n  store_dir: \"{}\"\n{sync}}}\n",
                 client_ports[i],
                 store.display()
             );

@@ -256,6 +256,16 @@ impl GatewayProcess {
         self.process.resume();
     }
 
+    /// SIGHUP: the gateway reads its files again.
+    pub fn sighup(&mut self) {
+        self.process.sighup();
+    }
+
+    /// Whether the process has exited (reaping it if so).
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.process.exited()
+    }
+
     /// SIGTERM without waiting: the graceful stop begins.
     pub fn sigterm(&mut self) {
         self.process.sigterm();

@@ -139,6 +139,14 @@ impl ChildProcess {
         self.paused = false;
     }
 
+    /// SIGHUP (a terminal closing, a supervisor's reload).
+    pub fn sighup(&mut self) {
+        let pid = self
+            .pid()
+            .unwrap_or_else(|| panic!("{} is not running", self.name));
+        self.signal("-HUP", pid);
+    }
+
     /// SIGTERM, without waiting for the exit.
     pub fn sigterm(&mut self) {
         let pid = self
