@@ -256,6 +256,7 @@ impl Gateway {
             return Err(Error::ShuttingDown);
         }
         self.connected()?;
+        self.known_to_replicas()?;
         let max_ack_pending = self.state.max_ack_pending();
         {
             let now = Instant::now();

@@ -76,6 +76,9 @@ pub(crate) struct Gateway {
     /// Whether this replica listens for settles other replicas forward: until it does, a
     /// lease it issued could not be settled elsewhere, so it is not ready.
     forwarding: Arc<AtomicBool>,
+    /// Whether this replica's heartbeat is in the shared stream (or there is none): until
+    /// it is, another replica could take its leases for a dead owner's, so it issues none.
+    announced: Arc<AtomicBool>,
     /// The seal on what this replica sends other replicas, and what it believes of theirs.
     trust: Arc<Trust>,
 }
@@ -196,6 +199,7 @@ impl Gateway {
             replicas: Arc::default(),
             consumer_full,
             forwarding: Arc::default(),
+            announced: Arc::default(),
             trust,
         };
         tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
@@ -237,9 +241,20 @@ impl Gateway {
             }
             other => other,
         })?;
+        self.known_to_replicas()
+    }
+
+    /// Whether the other replicas can tell this one's leases from a dead owner's: it
+    /// listens for the settles they forward and its heartbeat is in the shared stream.
+    fn known_to_replicas(&self) -> Result<(), Error> {
         if !self.forwarding.load(Ordering::Relaxed) {
             return Err(Error::Unavailable(
                 "not yet listening for settles forwarded by other replicas".into(),
+            ));
+        }
+        if !self.announced.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable(
+                "not yet announced to the other replicas".into(),
             ));
         }
         Ok(())

@@ -402,7 +402,11 @@ impl Gateway {
                     .announce(self.instance, &self.own_record(), HEARTBEAT_TTL)
                     .await
                 {
-                    Ok(()) => announce_failed = false,
+                    Ok(()) => {
+                        announce_failed = false;
+                        self.announced
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
                     Err(err) if !announce_failed => {
                         announce_failed = true;
                         warn!(error = %format!("{err:#}"), "cannot announce this replica to the others; retrying");
@@ -413,6 +417,10 @@ impl Gateway {
                     Ok(records) => self.saw_replicas(records, &mut reported_keys),
                     Err(err) => debug!(error = %format!("{err:#}"), "cannot list the replicas"),
                 }
+            } else {
+                // Alone (no shared stream, or an ephemeral consumer): nobody to announce to.
+                self.announced
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
             }
             match crate::nats::publish::consumer_info(&bound).await {
                 Ok(info) => {

@@ -401,8 +401,9 @@ pub(crate) struct ReplicaDto {
     pub(crate) leases_in_flight: usize,
     /// Its `--listen` address, as it was given.
     pub(crate) listen: String,
-    /// Whether it signs lease ids with this replica's key; `false`: settles between the two
-    /// answer 404 — give every replica the same `--lease-key-file`.
+    /// Whether it signs lease ids with this replica's key: always `true`, since a replica
+    /// with another key cannot seal its heartbeat for this one and is not listed (it is
+    /// logged as an error instead; give every replica the same `--lease-key-file`).
     pub(crate) lease_key_matches: bool,
     /// This entry is the replica that answered.
     pub(crate) this_replica: bool,

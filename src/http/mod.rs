@@ -43,7 +43,7 @@ use responses::ProblemResponses;
 #[openapi(
     info(
         title = "ruststream-nats",
-        description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.\n\nEvery error is an RFC 9457 `application/problem+json` object. Each operation lists the statuses it answers; besides those, a path not listed here answers 404, a listed path called with another method 405 (with `Allow`), a request URI over 8 KiB 414 and a header section over 64 KiB 431, all problem+json.",
+        description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.\n\nEvery error is an RFC 9457 `application/problem+json` object. Each operation lists the statuses it answers; besides those, a path not listed here answers 404, a listed path called with another method 405 (with `Allow`), a request URI over 8 KiB 414, a header section over 64 KiB 431, and an HTTP/1.1 request without `Host` 400, all problem+json.",
         license(name = "MIT OR Apache-2.0", identifier = "MIT OR Apache-2.0")
     ),
     // Relative: the API is where the document was served from (Swagger UI, generated

@@ -334,3 +334,58 @@ async fn a_dead_owner_is_410_at_once_although_someone_listens_on_the_prefix() {
         started.elapsed()
     );
 }
+
+/// During a rolling upgrade, replicas of a release before seals send unsealed messages:
+/// believed only with `--accept-unsigned-replicas`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsealed_heartbeats_count_only_with_accept_unsigned_replicas() {
+    let (server, js) = crate::support::server_with_stream().await;
+    let key = shared_key();
+    let strict = Setup::consumer("upgrade")
+        .lease_key_file(key.path())
+        .ready(&server.url())
+        .await;
+    let lenient = Setup::consumer("upgrade")
+        .lease_key_file(key.path())
+        .switch("--accept-unsigned-replicas")
+        .ready(&server.url())
+        .await;
+    wait_until("both see each other", Duration::from_secs(10), || async {
+        replicas_listed(&strict).await == 2 && replicas_listed(&lenient).await == 2
+    })
+    .await;
+    // An old replica's heartbeat: the same record, no seal.
+    let old = "00000000000000a1";
+    let record = json!({
+        "instance_id": old,
+        "started_at": "2026-01-01T00:00:00Z",
+        "leases_in_flight": 0,
+        "lease_key_fingerprint": "0000000000000000",
+        "listen": "127.0.0.1:1",
+    });
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-TTL", "30s");
+    js.js
+        .publish_with_headers(
+            format!("{PREFIX}.{STREAM}.upgrade.replica.{old}"),
+            headers,
+            serde_json::to_vec(&record).expect("json").into(),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    wait_until(
+        "the lenient one counts it",
+        Duration::from_secs(5),
+        || async { replicas_listed(&lenient).await == 3 },
+    )
+    .await;
+    wait_until(
+        "the strict one rejects it",
+        Duration::from_secs(5),
+        || async { rejected(&Scrape::of(&strict).await, "heartbeat") >= 1.0 },
+    )
+    .await;
+    assert_eq!(replicas_listed(&strict).await, 2);
+}
