@@ -389,3 +389,67 @@ async fn unsealed_heartbeats_count_only_with_accept_unsigned_replicas() {
     .await;
     assert_eq!(replicas_listed(&strict).await, 2);
 }
+
+/// `X_Y`/`c` and `X`/`Y_c` ran together into one shared stream name, and the second gateway
+/// rewrote the first's: now each pair has its own, and a stream of the old name holding
+/// another pair's subjects is left as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_whose_names_run_together_get_shared_streams_of_their_own() {
+    let server = crate::support::NatsServer::start().await;
+    let js = crate::support::Js::connect(&server.url()).await;
+    js.create_stream("X_Y", &["xy.>"]).await;
+    js.create_stream("X", &["x.>"]).await;
+    // What an earlier release made for X/Y_c, under the name X_Y/c runs into too.
+    js.create_stream(
+        "RUSTSTREAM_SHARED_X_Y_c",
+        &[&format!("{PREFIX}.X.Y_c.replica.*")],
+    )
+    .await;
+    let key = shared_key();
+    let first = Setup::consumer("c")
+        .stream("X_Y")
+        .lease_key_file(key.path())
+        .ready(&server.url())
+        .await;
+    let second = Setup::consumer("Y_c")
+        .stream("X")
+        .lease_key_file(key.path())
+        .ready(&server.url())
+        .await;
+    for gateway in [&first, &second] {
+        wait_until("each sees itself", Duration::from_secs(5), || async {
+            replicas_listed(gateway).await == 1
+        })
+        .await;
+    }
+    let legacy = js
+        .js
+        .get_stream("RUSTSTREAM_SHARED_X_Y_c")
+        .await
+        .expect("the old stream")
+        .cached_info()
+        .config
+        .subjects
+        .clone();
+    let names: Vec<String> = js.js.stream_names().try_collect().await.expect("names");
+    let shared: Vec<&String> = names
+        .iter()
+        .filter(|name| name.starts_with("RUSTSTREAM_SHARED_"))
+        .collect();
+    // The second pair's own (old-named) stream is its shared stream; the first made its own.
+    assert_eq!(
+        legacy,
+        vec![
+            format!("{PREFIX}.X.Y_c.replica.*"),
+            format!("{PREFIX}.X.Y_c.idempotency.*")
+        ],
+        "{shared:?}"
+    );
+    assert!(
+        shared
+            .iter()
+            .any(|name| name.starts_with("RUSTSTREAM_SHARED_X_Y_c_")),
+        "{shared:?}"
+    );
+    assert_eq!(shared.len(), 2, "{shared:?}");
+}
