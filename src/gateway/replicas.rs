@@ -607,7 +607,7 @@ fn from_remote(result: RemoteResult) -> Settled {
 fn outcome_of(result: &Settled) -> SettleOutcome {
     match result {
         Ok(_) => SettleOutcome::Ok,
-        Err(err) => super::settle_outcome(err),
+        Err(err) => super::settle::settle_outcome(err),
     }
 }
 

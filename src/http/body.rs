@@ -8,6 +8,7 @@ use axum::http::header;
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
 
+use super::client::Connection;
 use crate::error::Error;
 
 /// Most bytes a request body may have by default (a 1000-id batch settle needs about 70 KB);
@@ -17,16 +18,6 @@ pub(crate) const BODY_LIMIT: usize = crate::config::DEFAULT_MAX_BODY_BYTES as us
 /// closing a connection with unread data resets it, and the client may then never see the
 /// answer. Past this, or with a larger Content-Length, the connection is cut at once.
 const DRAIN_LIMIT: usize = 16 * 1024 * 1024;
-
-/// The limits on a request body, set per connection by the serve loop (absent: at most
-/// [`BODY_LIMIT`] bytes, no time limit).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct BodyRules {
-    /// How long a body may take to arrive.
-    pub(crate) read_timeout: std::time::Duration,
-    /// Most bytes a request body may have (413 beyond).
-    pub(crate) limit: usize,
-}
 
 /// A JSON request body, `T::default()` when empty.
 pub(crate) struct JsonBody<T>(pub T);
@@ -41,7 +32,7 @@ where
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
         let rules = req
             .extensions()
-            .get::<super::client::Connection>()
+            .get::<Connection>()
             .map(|connection| connection.body);
         let limit = rules.map_or(BODY_LIMIT, |rules| rules.limit);
         let too_large = || Error::PayloadTooLarge { limit };

@@ -16,7 +16,6 @@ use std::task::{Context, Poll, ready};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-use super::body::BodyRules;
 use crate::gateway::Caller;
 
 /// Share `stream` between hyper (the first half) and the requests it carries (the second).
@@ -105,6 +104,16 @@ impl AsyncWrite for WatchedStream {
             _ => Poll::Ready(Ok(())),
         }
     }
+}
+
+/// The limits on a request body, set per connection by the serve loop (absent: at most
+/// `body::BODY_LIMIT` bytes, no time limit).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BodyRules {
+    /// How long a body may take to arrive.
+    pub(crate) read_timeout: std::time::Duration,
+    /// Most bytes a request body may have (413 beyond).
+    pub(crate) limit: usize,
 }
 
 /// What the serve loop knows of the connection a request came on, given to the handlers as

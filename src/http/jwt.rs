@@ -26,7 +26,7 @@ use tokio_rustls::TlsConnector;
 use tokio_rustls::rustls;
 use tracing::{debug, info, warn};
 
-use super::auth::{Scope, Scopes};
+use super::scopes::{Scope, Scopes};
 use crate::config::Config;
 
 /// How often the keys are re-read.

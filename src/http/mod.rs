@@ -17,6 +17,7 @@ mod ops;
 pub(crate) mod problem;
 mod publish;
 pub(crate) mod responses;
+mod scopes;
 pub(crate) mod serve;
 pub(crate) mod tls;
 
@@ -128,7 +129,7 @@ fn optional_bodies_may_be_absent(spec: &mut utoipa::openapi::OpenApi) {
 /// The bearer scheme, and on each operation the scope it needs — from the same
 /// [`crate::http::auth::requirement`] the middleware enforces, so the two cannot disagree.
 fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
-    use crate::http::auth::{Requirement, requirement};
+    use crate::http::scopes::{Requirement, requirement};
     use utoipa::openapi::security::{
         HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
     };
@@ -435,8 +436,8 @@ mod tests {
         let paths = spec["paths"].as_object().expect("paths");
         for (path, item) in paths {
             for (method, operation) in item.as_object().expect("path item") {
-                let open =
-                    crate::http::auth::requirement(path) == crate::http::auth::Requirement::Open;
+                let open = crate::http::scopes::requirement(path)
+                    == crate::http::scopes::Requirement::Open;
                 let responses = &operation["responses"];
                 let guarded = responses.get("401").is_some() && responses.get("403").is_some();
                 assert_eq!(

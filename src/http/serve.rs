@@ -29,7 +29,7 @@ use tokio_util::task::TaskTracker;
 use tower_service::Service as _;
 use tracing::{debug, error};
 
-use super::body::BodyRules;
+use super::client::BodyRules;
 use super::client::{Connection, watch as watch_connection};
 use super::tls::{MaybeTls, Tls};
 
