@@ -227,16 +227,8 @@ impl Dispatcher {
         // leased nor released, whatever its delivery count and whichever binding it came by
         // (the server can lose a confirmed settle, and lose it again after the next crash).
         if let Some(outcome) = self.state.final_of(&delivery.coordinates) {
-            if delivery.coordinates.epoch == self.state.epoch()
-                && self.state.note_delivery(&delivery.coordinates)
-            {
-                warn!(
-                    stream_sequence = delivery.coordinates.key.stream_sequence,
-                    delivered = delivery.coordinates.key.delivered,
-                    "the server delivered a message again with the same delivery count; every earlier lease is void"
-                );
-                self.state.new_epoch();
-                self.request_rebind();
+            if delivery.coordinates.epoch == self.state.epoch() {
+                self.void_if_made_again(&delivery);
             }
             self.settle_again(delivery, outcome);
             return;
@@ -246,23 +238,31 @@ impl Dispatcher {
             self.book.hold(delivery);
             return;
         }
-        if self.state.note_delivery(&delivery.coordinates) {
-            // The server lost deliveries it had made (its consumer state was not on disk when
-            // it died) and makes them again with the same numbers, so ids issued before would
-            // name them too. The position the server reported at rebind does not always show
-            // it; this does. Void every earlier lease and rebind under a new epoch; this
-            // delivery, of the old one now, is released and comes back.
-            warn!(
-                stream_sequence = delivery.coordinates.key.stream_sequence,
-                delivered = delivery.coordinates.key.delivered,
-                "the server delivered a message again with the same delivery count; every earlier lease is void"
-            );
-            self.state.new_epoch();
-            self.request_rebind();
+        if self.void_if_made_again(&delivery) {
+            // This delivery, of the old epoch now, is released and comes back.
             self.book.hold(delivery);
             return;
         }
         self.book.place(owner, delivery);
+    }
+
+    /// Note `delivery`; `true` when the server made it before with the same numbers. Then
+    /// the server lost deliveries it had made (its consumer state was not on disk when it
+    /// died) and makes them again, so ids issued before would name them too (the position
+    /// the server reported at rebind does not always show it; this does): every earlier
+    /// lease is void, and the consumer is bound again under a new epoch.
+    fn void_if_made_again(&mut self, delivery: &Delivery) -> bool {
+        if !self.state.note_delivery(&delivery.coordinates) {
+            return false;
+        }
+        warn!(
+            stream_sequence = delivery.coordinates.key.stream_sequence,
+            delivered = delivery.coordinates.key.delivered,
+            "the server delivered a message again with the same delivery count; every earlier lease is void"
+        );
+        self.state.new_epoch();
+        self.request_rebind();
+        true
     }
 
     /// A message acked or terminated through this gateway came back: the server confirmed

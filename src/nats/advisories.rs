@@ -186,13 +186,7 @@ async fn ensure(
             }
             existing
         }
-        Err(err)
-            if matches!(
-                err.kind(),
-                jetstream::context::GetStreamErrorKind::JetStream(ref js)
-                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
-            ) =>
-        {
+        Err(err) if super::is_stream_not_found(&err) => {
             let created = tokio::time::timeout(API_TIMEOUT, js.create_stream(wanted))
                 .await
                 .context("timed out creating the advisory stream")?;

@@ -185,7 +185,7 @@ async fn get_or_create_stream(
         .map_err(|_| anyhow::anyhow!("timed out asking for stream {}", config.stream))?;
     match found {
         Ok(stream) => Ok(stream),
-        Err(err) if is_stream_not_found(&err) => {
+        Err(err) if super::is_stream_not_found(&err) => {
             if !config.create_stream {
                 return Err(BindError::Fatal(format!(
                     "stream {} does not exist on {} (create it, or pass --create-stream)",
@@ -217,14 +217,6 @@ async fn get_or_create_stream(
             anyhow::Error::new(err).context(format!("looking up stream {}", config.stream)),
         )),
     }
-}
-
-fn is_stream_not_found(err: &jetstream::context::GetStreamError) -> bool {
-    matches!(
-        err.kind(),
-        jetstream::context::GetStreamErrorKind::JetStream(js)
-            if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
-    )
 }
 
 /// The consumer config the flags describe. Only ack_wait, max_ack_pending and the deliver

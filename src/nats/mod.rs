@@ -36,6 +36,15 @@ pub(crate) use connect::{ConnectionEvent, connect, is_connected};
 /// path, retried).
 const API_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Whether looking up a stream failed because there is none of that name.
+fn is_stream_not_found(err: &async_nats::jetstream::context::GetStreamError) -> bool {
+    use async_nats::jetstream::{ErrorCode, context::GetStreamErrorKind};
+    matches!(
+        err.kind(),
+        GetStreamErrorKind::JetStream(js) if js.error_code() == ErrorCode::STREAM_NOT_FOUND
+    )
+}
+
 /// The name of a stream the gateway makes for `stream`/`consumer`:
 /// `<kind>_<stream>_<consumer>_<hash>`, the hash (64 bits of SHA-256 over both names, apart)
 /// telling `X_Y`/`c` from `X`/`Y_c`; where that is longer than NATS allows (255), `<kind>_`

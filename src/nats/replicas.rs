@@ -224,15 +224,7 @@ impl Shared {
                 );
                 Ok(None)
             }
-            Err(err)
-                if matches!(
-                    err.kind(),
-                    jetstream::context::GetStreamErrorKind::JetStream(ref js)
-                        if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
-                ) =>
-            {
-                Ok(None)
-            }
+            Err(err) if super::is_stream_not_found(&err) => Ok(None),
             Err(err) => Err(anyhow::Error::new(err).context(format!("looking up stream {name}"))),
         }
     }

@@ -43,6 +43,33 @@ async fn shared_stream(js: &Js, consumer: &str) -> async_nats::jetstream::stream
     js.js.get_stream(name).await.expect("shared stream")
 }
 
+/// Store a heartbeat claiming to be replica `instance` of `consumer`, as a plain NATS user
+/// can, with `seal` as its seal header if given.
+async fn store_heartbeat(js: &Js, consumer: &str, instance: &str, seal: Option<&str>) {
+    let record = json!({
+        "instance_id": instance,
+        "started_at": "2026-01-01T00:00:00Z",
+        "leases_in_flight": 0,
+        "lease_key_fingerprint": "0000000000000000",
+        "listen": "127.0.0.1:1",
+    });
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-TTL", "60s");
+    if let Some(seal) = seal {
+        headers.insert("Ruststream-Seal", seal);
+    }
+    js.js
+        .publish_with_headers(
+            format!("{PREFIX}.{STREAM}.{consumer}.replica.{instance}"),
+            headers,
+            serde_json::to_vec(&record).expect("json").into(),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_heartbeats_are_dropped_counted_and_logged_once() {
     let (server, js) = crate::support::server_with_stream().await;
@@ -68,37 +95,16 @@ async fn forged_heartbeats_are_dropped_counted_and_logged_once() {
         }
     })
     .await;
+    let genuine_seal = genuine
+        .headers
+        .get("Ruststream-Seal")
+        .expect("a genuine heartbeat is sealed")
+        .as_str()
+        .to_owned();
     for n in 0..50u64 {
         let instance = format!("{:016x}", 0xdead_0000 + n);
-        let record = json!({
-            "instance_id": instance,
-            "started_at": "2026-01-01T00:00:00Z",
-            "leases_in_flight": 0,
-            "lease_key_fingerprint": "0000000000000000",
-            "listen": "127.0.0.1:1",
-        });
-        let mut headers = HeaderMap::new();
-        headers.insert("Nats-TTL", "60s");
-        if n == 0 {
-            headers.insert(
-                "Ruststream-Seal",
-                genuine
-                    .headers
-                    .get("Ruststream-Seal")
-                    .expect("a genuine heartbeat is sealed")
-                    .as_str(),
-            );
-        }
-        js.js
-            .publish_with_headers(
-                format!("{PREFIX}.{STREAM}.forged-beats.replica.{instance}"),
-                headers,
-                serde_json::to_vec(&record).expect("json").into(),
-            )
-            .await
-            .expect("publish")
-            .await
-            .expect("stored");
+        let seal = (n == 0).then_some(genuine_seal.as_str());
+        store_heartbeat(&js, "forged-beats", &instance, seal).await;
     }
     wait_until(
         "the forgeries are counted",
@@ -193,14 +199,24 @@ async fn a_forged_keyed_answer_is_not_replayed() {
     assert_eq!(rejected(&Scrape::of(&b).await, "keyed_answer"), 1.0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn forged_forwarded_settles_and_answers_change_nothing() {
+/// An owner (a child process, so it can be paused and killed) and another replica in
+/// process on `consumer`, seeing each other, and two leases the owner issued.
+struct OwnerAndOther {
+    _server: crate::support::NatsServer,
+    js: Js,
+    owner: crate::support::GatewayProcess,
+    other: crate::support::Gateway,
+    leased: Vec<crate::support::Msg>,
+    _key: tempfile::NamedTempFile,
+}
+
+async fn owner_and_other(consumer: &str, settle_timeout: &str) -> OwnerAndOther {
     let (server, js) = crate::support::server_with_stream().await;
     let key = shared_key();
-    let setup = Setup::consumer("forged-forward")
+    let setup = Setup::consumer(consumer)
         .lease_key_file(key.path())
-        .settle_timeout("1s");
-    let mut owner = setup.process(&server.url()).await;
+        .settle_timeout(settle_timeout);
+    let owner = setup.process(&server.url()).await;
     let other = setup.ready(&server.url()).await;
     wait_until(
         "the other sees the owner",
@@ -211,7 +227,21 @@ async fn forged_forwarded_settles_and_answers_change_nothing() {
     js.publish_many("orders.1", 2, "m").await;
     let leased = owner.fetch_n(2, 1000).await;
     assert_eq!(leased.len(), 2);
-    let owner_id = owner.consumer_view().await["instance_id"]
+    OwnerAndOther {
+        _server: server,
+        js,
+        owner,
+        other,
+        leased,
+        _key: key,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_forwarded_settles_and_answers_change_nothing() {
+    let mut pair = owner_and_other("forged-forward", "1s").await;
+    let (js, other, leased) = (&pair.js, &pair.other, pair.leased.clone());
+    let owner_id = pair.owner.consumer_view().await["instance_id"]
         .as_str()
         .expect("instance id")
         .to_owned();
@@ -253,7 +283,7 @@ async fn forged_forwarded_settles_and_answers_change_nothing() {
         }
     });
     js.client.flush().await.expect("flush");
-    owner.pause();
+    pair.owner.pause();
     let reply = other
         .settle(&leased[1].id, crate::support::Action::Ack, None)
         .await;
@@ -272,10 +302,10 @@ async fn forged_forwarded_settles_and_answers_change_nothing() {
     );
     forger.abort();
     // The genuine forward waits for the owner, which acks once it runs again.
-    owner.resume();
-    let owner_scrape = Scrape::of(&owner).await;
+    pair.owner.resume();
+    let owner_scrape = Scrape::of(&pair.owner).await;
     assert!(rejected(&owner_scrape, "forwarded_settle") >= 1.0);
-    assert!(rejected(&Scrape::of(&other).await, "forwarded_answer") >= 1.0);
+    assert!(rejected(&Scrape::of(other).await, "forwarded_answer") >= 1.0);
     // The real ones still work.
     assert_eq!(other.ack(&leased[0].id).await, 204);
     assert_eq!(other.ack(&leased[1].id).await, 204);
@@ -283,19 +313,8 @@ async fn forged_forwarded_settles_and_answers_change_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_owner_is_410_at_once_although_someone_listens_on_the_prefix() {
-    let (server, js) = crate::support::server_with_stream().await;
-    let key = shared_key();
-    let setup = Setup::consumer("tapped")
-        .lease_key_file(key.path())
-        .settle_timeout("10s");
-    let mut owner = setup.process(&server.url()).await;
-    let other = setup.ready(&server.url()).await;
-    wait_until(
-        "the other sees the owner",
-        Duration::from_secs(10),
-        || async { replicas_listed(&other).await == 2 },
-    )
-    .await;
+    let mut pair = owner_and_other("tapped", "10s").await;
+    let (js, other, leased) = (&pair.js, &pair.other, pair.leased.clone());
     // A monitoring tap: it hears every forwarded settle and answers none.
     let _tap = js
         .client
@@ -303,11 +322,8 @@ async fn a_dead_owner_is_410_at_once_although_someone_listens_on_the_prefix() {
         .await
         .expect("subscribe");
     js.client.flush().await.expect("flush");
-    js.publish_many("orders.1", 2, "m").await;
-    let leased = owner.fetch_n(2, 1000).await;
-    assert_eq!(leased.len(), 2);
 
-    owner.kill9();
+    pair.owner.kill9();
     // Right after the kill its heartbeat still stands: the wait ends once it lapses.
     let started = Instant::now();
     let reply = other
@@ -323,7 +339,7 @@ async fn a_dead_owner_is_410_at_once_although_someone_listens_on_the_prefix() {
     wait_until(
         "the owner's heartbeat lapsed",
         Duration::from_secs(10),
-        || async { replicas_listed(&other).await == 1 },
+        || async { replicas_listed(other).await == 1 },
     )
     .await;
     let started = Instant::now();
@@ -355,26 +371,7 @@ async fn unsealed_heartbeats_count_only_with_accept_unsigned_replicas() {
     })
     .await;
     // An old replica's heartbeat: the same record, no seal.
-    let old = "00000000000000a1";
-    let record = json!({
-        "instance_id": old,
-        "started_at": "2026-01-01T00:00:00Z",
-        "leases_in_flight": 0,
-        "lease_key_fingerprint": "0000000000000000",
-        "listen": "127.0.0.1:1",
-    });
-    let mut headers = HeaderMap::new();
-    headers.insert("Nats-TTL", "30s");
-    js.js
-        .publish_with_headers(
-            format!("{PREFIX}.{STREAM}.upgrade.replica.{old}"),
-            headers,
-            serde_json::to_vec(&record).expect("json").into(),
-        )
-        .await
-        .expect("publish")
-        .await
-        .expect("stored");
+    store_heartbeat(&js, "upgrade", "00000000000000a1", None).await;
     wait_until(
         "the lenient one counts it",
         Duration::from_secs(5),
