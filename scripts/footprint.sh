@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Memory footprint (see the README): starts nats-server and the gateway's release binary,
+# Memory footprint (see docs/benchmark.md): starts nats-server and the gateway's release binary,
 # opens 10 000 idle long polls (wait_ms 20000, empty stream) with the test suite's kind of
 # HTTP client, and prints the gateway's VmRSS idle, at the peak while they wait, and after
 # they ended. It is the bench example in --footprint mode; arguments go to it

@@ -21,7 +21,7 @@ use crate::metrics::{CONTENT_TYPE as METRICS_CONTENT_TYPE, UNMATCHED_ROUTE};
 ///
 /// Leases in flight, granted, settled (by kind and result) and expired; redeliveries; fetch
 /// wait and latency histograms; empty and refused fetches; the NATS connection; the
-/// consumer's limits; HTTP requests by route and status. See the README for the list.
+/// consumer's limits; HTTP requests by route and status. See docs/metrics.md for the list.
 #[utoipa::path(
     get,
     path = "/metrics",

@@ -319,7 +319,7 @@ async fn invalid_fetch_requests_are_problems_naming_the_field() {
     let (_server, js, gateway) = Setup::consumer("validation").start().await;
     js.publish("orders.1", "keep me").await;
 
-    // Well-formed JSON with a wrong field is a 422 naming it (README: 400 only for non-JSON).
+    // Well-formed JSON with a wrong field is a 422 naming it (docs/api.md: 400 only for non-JSON).
     for (body, field) in [
         (json!({ "batch": 0 }), "batch"),
         (json!({ "batch": 1001 }), "batch"),

@@ -1229,7 +1229,7 @@ async fn run(scenario: Scenario) -> Report {
 /// be refused (reported in every run).
 fn check(report: &Report, faulty: bool, duplicates_allowed: bool, replicas: bool) -> Vec<String> {
     let mut failures = Vec::new();
-    // What the README's table shows for the runs without a server or gateway fault: every
+    // What docs/guarantees.md's ledger table shows for the runs without a server or gateway fault: every
     // answer as the contract says, no worker's settle left unanswered (unconfirmed acks
     // there are only those a vanishing client hung up on).
     if !faulty && !report.unexpected.is_empty() {

@@ -8,6 +8,7 @@ mod concurrency;
 mod containers;
 mod dead_letter;
 mod delivery_guarantees;
+mod doc_links;
 mod docs;
 mod fetch;
 mod idempotency;

@@ -1,7 +1,9 @@
 //! The README stays true: its ```console examples run, in order, in one bash session against
 //! a live gateway and nats-server, and each command must print what the README shows
 //! (`[..]` matches any text within a line, `...` on its own line any number of lines). The
-//! endpoint list of the spec and the flags of `--help` must each appear in the README too.
+//! endpoint list of the spec must appear in those examples, and the flags of `--help` in the
+//! table of docs/configuration.md, whose rows the README's short table copies. Console
+//! examples live in the README only: the docs pages hold none this test would not run.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -32,8 +34,18 @@ struct Example {
 }
 
 fn readme() -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    page("README.md")
+}
+
+/// A file of the repository, by its path from the root.
+fn page(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(name);
     std::fs::read_to_string(&path).unwrap_or_else(|err| panic!("read {}: {err}", path.display()))
+}
+
+/// The rows of a flags table: those that start with a flag.
+fn flag_rows(text: &str) -> impl Iterator<Item = &str> {
+    text.lines().filter(|line| line.starts_with("| `--"))
 }
 
 /// Every `$ ` command (with its `> ` continuation lines) in the README's console blocks.
@@ -242,14 +254,11 @@ fn calls(command: &str, path: &str) -> bool {
         })
 }
 
-/// The configuration table lists every flag with its environment variable.
+/// The configuration page's table lists every flag with its environment variable.
 #[test]
-fn readme_configuration_table_lists_every_flag() {
-    let readme = readme();
-    let rows: BTreeSet<&str> = readme
-        .lines()
-        .filter(|line| line.starts_with("| `--"))
-        .collect();
+fn configuration_page_lists_every_flag() {
+    let full = page("docs/configuration.md");
+    let rows: BTreeSet<&str> = flag_rows(&full).collect();
     let mut missing = Vec::new();
     for arg in Config::command().get_arguments() {
         let Some(long) = arg.get_long() else { continue };
@@ -270,6 +279,51 @@ fn readme_configuration_table_lists_every_flag() {
     }
     assert!(
         missing.is_empty(),
-        "README's configuration table lacks rows for: {missing:?}"
+        "docs/configuration.md's table lacks rows for: {missing:?}"
+    );
+}
+
+/// The README's most used flags are rows of the full table: flag, variable and default agree
+/// (the meaning may differ only in its links, which point elsewhere from the README).
+#[test]
+fn readme_flags_match_the_configuration_page() {
+    fn key(row: &str) -> Vec<&str> {
+        row.split(" | ").take(3).collect()
+    }
+    let full = page("docs/configuration.md");
+    let known: Vec<Vec<&str>> = flag_rows(&full).map(key).collect();
+    let readme = readme();
+    let rows: Vec<&str> = flag_rows(&readme).collect();
+    assert!(!rows.is_empty(), "README.md lists no flags");
+    let stray: Vec<&&str> = rows
+        .iter()
+        .filter(|row| !known.contains(&key(row)))
+        .collect();
+    assert!(
+        stray.is_empty(),
+        "README.md's flag rows disagree with docs/configuration.md (flag, env, default): {stray:?}"
+    );
+}
+
+/// Only the README's console examples run (above): a ```console block anywhere else in the
+/// documentation would show output nobody checks.
+#[test]
+fn console_examples_live_in_the_readme() {
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs");
+    let mut pages = vec!["CHANGELOG.md".to_owned()];
+    for entry in std::fs::read_dir(docs).expect("read docs/") {
+        let name = entry.expect("a docs/ entry").file_name();
+        let name = name.to_string_lossy();
+        if name.ends_with(".md") {
+            pages.push(format!("docs/{name}"));
+        }
+    }
+    let unrun: Vec<&String> = pages
+        .iter()
+        .filter(|name| page(name).lines().any(|line| line.trim() == "```console"))
+        .collect();
+    assert!(
+        unrun.is_empty(),
+        "console examples outside README.md are never run; move them into the README: {unrun:?}"
     );
 }

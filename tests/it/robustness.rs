@@ -112,8 +112,8 @@ async fn a_path_id_that_is_not_utf8_is_a_404_problem() {
 
 /// Oversized request heads are refused as problem+json (414 for the URI, 431 for the
 /// headers) without echoing them; what hyper refuses before the gateway sees a request (a
-/// malformed request line or header) is a bare 400 that closes the connection, as the
-/// README lists.
+/// malformed request line or header) is a bare 400 that closes the connection, as
+/// docs/security.md lists.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_and_malformed_request_heads_are_refused() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -129,7 +129,7 @@ impl Reply {
         );
     }
 
-    /// Assert the 422 of a required field left out: `field` names it, as the README says.
+    /// Assert the 422 of a required field left out: `field` names it, as docs/api.md says.
     #[track_caller]
     pub fn assert_missing(&self, field: &str) {
         let problem = self.assert_problem(422);
