@@ -209,7 +209,7 @@ impl Gateway {
     }
 
     /// Lease for this fetch, giving up when the caller hangs up mid-wait.
-    async fn lease_for<C: Caller>(
+    pub(super) async fn lease_for<C: Caller>(
         &self,
         demand: Demand,
         caller: Option<&C>,
@@ -333,7 +333,7 @@ impl Gateway {
 
     /// Take back leases whose client left before seeing them: the deliveries go to the
     /// next fetch (or are nak'd), as if never handed out.
-    async fn give_back(&self, leased: Vec<Leased>) {
+    pub(super) async fn give_back(&self, leased: Vec<Leased>) {
         let deliveries = self.state.give_back(leased);
         let _ = self.commands.send(Command::GiveBack(deliveries)).await;
     }

@@ -10,9 +10,11 @@
 mod fetch;
 mod replicas;
 mod settle;
+mod stream;
 mod supervisor;
 
 pub(crate) use fetch::{Caller, Idempotency};
+pub(crate) use stream::{LeaseStream, Step};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};

@@ -9,6 +9,7 @@ mod body;
 pub(crate) mod client;
 mod docs;
 pub(crate) mod dto;
+mod events;
 mod fetch;
 mod jwt;
 mod messages;
@@ -64,6 +65,7 @@ struct ApiDoc;
 fn api() -> OpenApiRouter<Shared> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(fetch::fetch))
+        .routes(routes!(events::events))
         .routes(routes!(messages::ack))
         .routes(routes!(messages::nak))
         .routes(routes!(messages::term))

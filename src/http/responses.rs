@@ -280,6 +280,8 @@ refusal_sets! {
     FetchRefusals = [TooManyLeases, Unavailable];
     /// An endpoint that needs the NATS server.
     NatsRefusals = [Unavailable];
+    /// An endpoint reading its query string: a parameter out of range or unknown.
+    QueryRefusals = [InvalidRequest];
     /// `POST /publish` beyond its body: an expectation header that did not hold, or no NATS.
     PublishRefusals = [PublishPrecondition, Unavailable];
 }

@@ -10,6 +10,7 @@ mod dead_letter;
 mod delivery_guarantees;
 mod doc_links;
 mod docs;
+mod events;
 mod fetch;
 mod idempotency;
 mod introspection;

@@ -1,0 +1,150 @@
+//! Leases for an open stream (Server-Sent Events): a client that keeps one response open is
+//! sent leases as they come, at most `max_in_flight` of them live at once. Each step leases
+//! what the stream's credit allows with one long-polled pull — the same path, fencing and
+//! limits as a fetch — and a lease counts in flight until it is settled (over any transport,
+//! at any replica: a settle elsewhere is forwarded here), expires or is superseded.
+//!
+//! May import: as the rest of `gateway`.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{Caller, Gateway};
+use crate::domain::delivery::{Demand, Leased};
+use crate::domain::lease_id::DeliveryKey;
+use crate::error::Error;
+
+/// The longest a stream waits for messages (or for credit) before it says it is alive: well
+/// inside the 15 s a client may expect between two lines.
+pub(crate) const QUIET_AT_MOST: Duration = Duration::from_secs(10);
+/// How long a stream waits before asking again while NATS is away or the consumer is full.
+const RETRY_EVERY: Duration = Duration::from_secs(1);
+
+/// What a stream sends next.
+pub(crate) enum Step {
+    /// One lease, to write to the client.
+    Lease(Box<Leased>),
+    /// Nothing for a while: a keep-alive line.
+    Quiet,
+    /// The gateway is stopping: the last thing the stream says.
+    ShuttingDown,
+    /// The client is gone.
+    Gone,
+}
+
+/// One open stream's leases: those written to it and still live, and those leased for it
+/// and not yet written (given back if the stream ends first).
+pub(crate) struct LeaseStream {
+    gateway: Gateway,
+    max_in_flight: usize,
+    written: Vec<(DeliveryKey, Instant)>,
+    unwritten: VecDeque<Leased>,
+}
+
+impl LeaseStream {
+    pub(crate) fn new(gateway: Gateway, max_in_flight: usize) -> Self {
+        Self {
+            gateway,
+            max_in_flight,
+            written: Vec::new(),
+            unwritten: VecDeque::new(),
+        }
+    }
+
+    /// The next thing to send; `caller` is the client, noticed when it hangs up mid-wait.
+    pub(crate) async fn next<C: Caller>(&mut self, caller: Option<&C>) -> Step {
+        loop {
+            if let Some(leased) = self.unwritten.pop_front() {
+                self.written
+                    .push((leased.delivery.coordinates.key, leased.expires_at));
+                return Step::Lease(Box::new(leased));
+            }
+            if !self.gateway.accepting.load(Ordering::Relaxed) {
+                return Step::ShuttingDown;
+            }
+            // Listening before looking: a settle landing in between still wakes the wait.
+            let state = self.gateway.state.clone();
+            let settled = state.settled();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            self.forget_ended();
+            let credit = self.max_in_flight.saturating_sub(self.written.len());
+            if credit == 0 {
+                let until = self
+                    .written
+                    .iter()
+                    .map(|(_, expires_at)| *expires_at)
+                    .min()
+                    .map_or(Instant::now(), |first| {
+                        first.min(Instant::now() + QUIET_AT_MOST)
+                    });
+                tokio::select! {
+                    () = settled => continue,
+                    () = tokio::time::sleep_until(until) => {
+                        self.forget_ended();
+                        if self.written.len() < self.max_in_flight {
+                            continue;
+                        }
+                        return Step::Quiet;
+                    }
+                    () = hung_up(caller) => return Step::Gone,
+                }
+            }
+            let demand = Demand {
+                batch: credit,
+                wait: QUIET_AT_MOST,
+                max_bytes: None,
+            };
+            return match self.gateway.lease_for(demand, caller).await {
+                Ok(leased) if leased.is_empty() => Step::Quiet,
+                Ok(leased) => {
+                    self.unwritten.extend(leased);
+                    continue;
+                }
+                Err(Error::ShuttingDown) => Step::ShuttingDown,
+                Err(Error::ClientGone) => Step::Gone,
+                // The consumer full, NATS away, this replica not yet announced: the stream
+                // stays open and asks again.
+                Err(Error::AtCapacity { retry_after, .. }) => {
+                    tokio::time::sleep(retry_after.clamp(RETRY_EVERY, QUIET_AT_MOST)).await;
+                    Step::Quiet
+                }
+                Err(_) => {
+                    tokio::time::sleep(RETRY_EVERY).await;
+                    Step::Quiet
+                }
+            };
+        }
+    }
+
+    /// Drop the written leases that are no longer live (settled, expired, superseded).
+    fn forget_ended(&mut self) {
+        let now = Instant::now();
+        let leases = self.gateway.state.leases();
+        self.written
+            .retain(|(key, expires_at)| *expires_at > now && leases.is_live(*key, now));
+    }
+}
+
+/// Resolves when `caller` hangs up; never without one.
+async fn hung_up<C: Caller>(caller: Option<&C>) {
+    match caller {
+        Some(caller) => caller.hung_up().await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Drop for LeaseStream {
+    /// Leases taken for the stream and never written go back, as a withdrawn fetch's do.
+    fn drop(&mut self) {
+        if self.unwritten.is_empty() {
+            return;
+        }
+        let unwritten: Vec<Leased> = self.unwritten.drain(..).collect();
+        let gateway = self.gateway.clone();
+        tokio::spawn(async move { gateway.give_back(unwritten).await });
+    }
+}

@@ -1,0 +1,199 @@
+//! `GET /events`: leases as Server-Sent Events. One response stays open; each lease is one
+//! `message` event (`id:` the lease id, `data:` one element of a fetch answer's `messages`),
+//! at most `max_in_flight` of them live at once; settles go through the usual routes, at any
+//! replica. A `: keep-alive` comment while nothing is sent, `event: shutdown` at the end.
+//!
+//! May import: as the rest of `http`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::Extension;
+use axum::extract::State;
+use axum::http::Uri;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::Stream;
+
+use super::client::{Client, Connection};
+use super::dto::{Encoding, MessageDto};
+use super::responses::{FetchRefusals, Guarded, QueryRefusals};
+use crate::error::Error;
+use crate::gateway::{Gateway, LeaseStream, Step};
+
+/// Leases live at once on one stream, unless the client asks otherwise.
+const DEFAULT_MAX_IN_FLIGHT: usize = 100;
+/// The most a client may ask for.
+const MAX_IN_FLIGHT: usize = 1000;
+
+/// What a stream asks for, from its query string.
+#[derive(Debug, PartialEq, Eq)]
+struct StreamQuery {
+    max_in_flight: usize,
+    encoding: Encoding,
+}
+
+impl StreamQuery {
+    /// `max_in_flight` (1 to 1000) and `encoding` (`base64`, `utf8`); anything else is a 422
+    /// naming it, so a typo is not silently ignored.
+    fn parse(query: Option<&str>) -> Result<Self, Error> {
+        let mut parsed = Self {
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            encoding: Encoding::default(),
+        };
+        for pair in query
+            .unwrap_or_default()
+            .split('&')
+            .filter(|p| !p.is_empty())
+        {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let value = percent_encoding::percent_decode_str(value).decode_utf8_lossy();
+            match name {
+                "max_in_flight" => {
+                    parsed.max_in_flight = value
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| (1..=MAX_IN_FLIGHT).contains(n))
+                        .ok_or_else(|| {
+                            Error::invalid(
+                                "max_in_flight",
+                                format!(
+                                    "max_in_flight: must be a whole number from 1 to {MAX_IN_FLIGHT}, got {value:?}"
+                                ),
+                            )
+                        })?;
+                }
+                "encoding" => {
+                    parsed.encoding = match value.as_ref() {
+                        "base64" => Encoding::Base64,
+                        "utf8" => Encoding::Utf8,
+                        other => {
+                            return Err(Error::invalid(
+                                "encoding",
+                                format!("encoding: must be base64 or utf8, got {other:?}"),
+                            ));
+                        }
+                    };
+                }
+                other => {
+                    let shown: String = other.chars().take(64).collect();
+                    return Err(Error::invalid(
+                        shown.as_str(),
+                        format!(
+                            "unknown query parameter {shown:?} (known: max_in_flight, encoding)"
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(parsed)
+    }
+}
+
+/// Stream leases as Server-Sent Events.
+///
+/// Each lease is one event: `event: message`, `id:` the lease id, `data:` one JSON object,
+/// exactly one element of a fetch answer's `messages`. At most `max_in_flight` leases of
+/// this stream are live at once (written, not yet settled over any route at any replica,
+/// expired or superseded); nothing more is sent until one ends. A `: keep-alive` comment
+/// comes at least every 15 s while nothing else does; `event: shutdown` ends the stream
+/// when the gateway stops. A client that goes away keeps the leases already written until
+/// their `lease_expires_at`; `Last-Event-ID` replays nothing.
+#[utoipa::path(
+    get,
+    path = "/events",
+    operation_id = "streamMessages",
+    tag = "leases",
+    params(
+        ("max_in_flight" = Option<u32>, Query, minimum = 1, maximum = 1000,
+            description = "Most leases of this stream live at once (default 100)"),
+        ("encoding" = Option<Encoding>, Query,
+            description = "How `data` is encoded, as in a fetch (default base64)"),
+    ),
+    responses(
+        (status = 200, description = "An endless `text/event-stream`: `message` events (data: one leased message, as in a fetch answer), `: keep-alive` comments, and a final `shutdown` event",
+            content_type = "text/event-stream", body = String),
+        Guarded, QueryRefusals, FetchRefusals,
+    )
+)]
+pub(crate) async fn events(
+    State(gateway): State<Arc<Gateway>>,
+    connection: Option<Extension<Connection>>,
+    uri: Uri,
+) -> Result<Response, Error> {
+    let query = StreamQuery::parse(uri.query())?;
+    // Refuse at once what would only make an endless stream of keep-alives.
+    gateway.readiness()?;
+    let client = connection.map(|Extension(connection)| connection.client);
+    let stream = events_of(
+        LeaseStream::new((*gateway).clone(), query.max_in_flight),
+        client,
+        query.encoding,
+    );
+    Ok(Sse::new(stream).into_response())
+}
+
+/// The events of `leases`, until the gateway stops or the client goes.
+fn events_of(
+    leases: LeaseStream,
+    client: Option<Client>,
+    encoding: Encoding,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send {
+    futures::stream::unfold(Some((leases, client)), move |state| async move {
+        let (mut leases, client) = state?;
+        let event = match leases.next(client.as_ref()).await {
+            Step::Lease(leased) => {
+                let id = leased.id.clone();
+                let message = MessageDto::new(*leased, encoding);
+                match serde_json::to_string(&message) {
+                    Ok(data) => Event::default().event("message").id(id).data(data),
+                    // Strings and maps only: cannot fail, and never ends the stream.
+                    Err(_) => Event::default().comment("unencodable message"),
+                }
+            }
+            Step::Quiet => Event::default().comment("keep-alive"),
+            Step::ShuttingDown => {
+                return Some((Ok(Event::default().event("shutdown").data("{}")), None));
+            }
+            Step::Gone => return None,
+        };
+        Some((Ok(event), Some((leases, client))))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_query_takes_max_in_flight_and_encoding_and_names_anything_else() {
+        assert_eq!(
+            StreamQuery::parse(None).expect("defaults"),
+            StreamQuery {
+                max_in_flight: 100,
+                encoding: Encoding::Base64
+            }
+        );
+        assert_eq!(
+            StreamQuery::parse(Some("max_in_flight=1000&encoding=utf8")).expect("valid"),
+            StreamQuery {
+                max_in_flight: 1000,
+                encoding: Encoding::Utf8
+            }
+        );
+        for (query, field) in [
+            ("max_in_flight=0", "max_in_flight"),
+            ("max_in_flight=1001", "max_in_flight"),
+            ("max_in_flight=ten", "max_in_flight"),
+            ("encoding=hex", "encoding"),
+            ("batch=5", "batch"),
+        ] {
+            match StreamQuery::parse(Some(query)) {
+                Err(Error::Invalid {
+                    field: Some(named), ..
+                }) => assert_eq!(named, field, "{query}"),
+                other => panic!("{query}: {other:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! `GET /events`: leases as Server-Sent Events — the event format, credit (`max_in_flight`)
+//! freed by a settle over HTTP, keep-alive comments, a client leaving mid-wait, the end at
+//! shutdown, and a bad query.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::support::client::http_client;
+use crate::support::{Client, Setup, wait_until};
+
+/// One event of a `text/event-stream`: its `event:`, `id:` and `data:` fields, or a comment.
+#[derive(Debug, Default, Clone)]
+struct SseEvent {
+    event: Option<String>,
+    id: Option<String>,
+    data: String,
+    comment: Option<String>,
+}
+
+/// An open stream, read event by event.
+struct EventStream {
+    response: reqwest::Response,
+    buffer: String,
+}
+
+impl EventStream {
+    async fn open(gateway: &Client, query: &str) -> Self {
+        let response = http_client()
+            .get(gateway.url(&format!("/events{query}")))
+            .send()
+            .await
+            .expect("GET /events");
+        assert_eq!(response.status(), 200);
+        assert_eq!(
+            response
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some("text/event-stream")
+        );
+        Self {
+            response,
+            buffer: String::new(),
+        }
+    }
+
+    /// The next event (or comment) within `within`; `None` when none came or the stream
+    /// ended.
+    async fn next(&mut self, within: Duration) -> Option<SseEvent> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if let Some(end) = self.buffer.find("\n\n") {
+                let block: String = self.buffer.drain(..end + 2).collect();
+                let mut event = SseEvent::default();
+                for line in block.lines() {
+                    if let Some(comment) = line.strip_prefix(':') {
+                        event.comment = Some(comment.trim().to_owned());
+                    } else if let Some((field, value)) = line.split_once(':') {
+                        let value = value.strip_prefix(' ').unwrap_or(value).to_owned();
+                        match field {
+                            "event" => event.event = Some(value),
+                            "id" => event.id = Some(value),
+                            "data" => event.data.push_str(&value),
+                            _ => {}
+                        }
+                    }
+                }
+                return Some(event);
+            }
+            let chunk = tokio::time::timeout_at(deadline, self.response.chunk())
+                .await
+                .ok()?
+                .expect("read the stream")?;
+            self.buffer
+                .push_str(std::str::from_utf8(&chunk).expect("UTF-8"));
+        }
+    }
+
+    /// The next `message` event within `within`, skipping comments.
+    async fn message(&mut self, within: Duration) -> Option<Value> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let event = self.next(left).await?;
+            if event.event.as_deref() == Some("message") {
+                let message: Value = serde_json::from_str(&event.data).expect("data is JSON");
+                assert_eq!(
+                    event.id.as_deref(),
+                    message["id"].as_str(),
+                    "id: is the lease id"
+                );
+                return Some(message);
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_flow_up_to_max_in_flight_and_a_settle_frees_credit() {
+    let (_server, js, gateway) = Setup::consumer("sse-credit").start().await;
+    js.publish_many("orders.1", 5, "streamed").await;
+    let mut stream = EventStream::open(&gateway, "?max_in_flight=2&encoding=utf8").await;
+    let first = stream
+        .message(Duration::from_secs(5))
+        .await
+        .expect("a first lease");
+    let second = stream
+        .message(Duration::from_secs(5))
+        .await
+        .expect("a second lease");
+    assert_eq!(first["data"], "streamed-0", "{first}");
+    assert_eq!(first["encoding"], "utf8");
+    assert_eq!(first["subject"], "orders.1");
+    assert!(first["lease_expires_at"].is_string());
+    assert_ne!(first["id"], second["id"]);
+    // Two live: nothing more is sent.
+    assert!(
+        stream.message(Duration::from_millis(800)).await.is_none(),
+        "a third lease beyond max_in_flight"
+    );
+    assert_eq!(gateway.leases_in_flight().await, 2);
+    // A settle over HTTP frees one slot: the next lease comes.
+    assert_eq!(gateway.ack(first["id"].as_str().expect("id")).await, 204);
+    let third = stream
+        .message(Duration::from_secs(5))
+        .await
+        .expect("a lease once credit is free");
+    assert_eq!(third["data"], "streamed-2");
+    assert!(stream.message(Duration::from_millis(500)).await.is_none());
+    // A nak frees one too (and the message comes back later).
+    assert_eq!(
+        gateway.nak(second["id"].as_str().expect("id"), None).await,
+        204
+    );
+    assert!(stream.message(Duration::from_secs(5)).await.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_stream_says_it_is_alive_and_ends_with_shutdown() {
+    let (_server, _js, mut gateway) = Setup::consumer("sse-idle").start().await;
+    let mut stream = EventStream::open(&gateway, "").await;
+    let quiet = stream
+        .next(Duration::from_secs(15))
+        .await
+        .expect("something within 15 s");
+    assert_eq!(quiet.comment.as_deref(), Some("keep-alive"), "{quiet:?}");
+    gateway.trigger_shutdown();
+    let last = loop {
+        let event = stream
+            .next(Duration::from_secs(10))
+            .await
+            .expect("the shutdown event");
+        if event.comment.is_none() {
+            break event;
+        }
+    };
+    assert_eq!(last.event.as_deref(), Some("shutdown"), "{last:?}");
+    assert!(
+        stream.next(Duration::from_secs(5)).await.is_none(),
+        "the stream ends"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_wait_strands_nothing() {
+    let (_server, js, gateway) = Setup::consumer("sse-leave").start().await;
+    let stream = EventStream::open(&gateway, "").await;
+    // The stream waits at the server; the client goes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(stream);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    js.publish("orders.1", "after the client left").await;
+    let fetched = gateway.fetch_n(1, 5000).await;
+    assert_eq!(
+        fetched.len(),
+        1,
+        "the message is not held for the gone stream"
+    );
+    wait_until(
+        "no lease is left to the gone stream",
+        Duration::from_secs(5),
+        || async { gateway.leases_in_flight().await == 1 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_query_is_a_422_naming_the_parameter() {
+    let (_server, _js, gateway) = Setup::consumer("sse-query").start().await;
+    for (query, field) in [
+        ("?max_in_flight=0", "max_in_flight"),
+        ("?max_in_flight=1001", "max_in_flight"),
+        ("?encoding=hex", "encoding"),
+        ("?batch=3", "batch"),
+    ] {
+        let reply = gateway.get(&format!("/events{query}")).await;
+        reply.assert_invalid(field);
+    }
+}
