@@ -11,6 +11,10 @@ pub(crate) enum Error {
     /// The request body is not JSON at all.
     #[error("{detail}")]
     Malformed { detail: String },
+    /// The request itself is not one this route takes (HTTP/1.1 without `Host`, `GET /ws`
+    /// without a WebSocket upgrade).
+    #[error("{detail}")]
+    BadRequest { detail: String },
     /// The JSON is well-formed but a field is wrong, missing, unknown or out of range.
     #[error("{detail}")]
     Invalid {

@@ -76,6 +76,11 @@ struct Subject {
 }
 
 impl Principal {
+    /// Whether the caller's scopes grant what `scope` guards.
+    pub(crate) fn allows(&self, scope: Scope) -> bool {
+        self.scopes.allows(scope)
+    }
+
     /// Count one more waiting fetch for this caller, unless it already has `limit`.
     pub(crate) fn begin_fetch(&self, limit: usize) -> Result<WaitingFetch, Error> {
         let before = self.account.waiting_fetches.fetch_add(1, Ordering::AcqRel);

@@ -28,15 +28,15 @@ const MAX_IN_FLIGHT: usize = 1000;
 
 /// What a stream asks for, from its query string.
 #[derive(Debug, PartialEq, Eq)]
-struct StreamQuery {
-    max_in_flight: usize,
-    encoding: Encoding,
+pub(super) struct StreamQuery {
+    pub(super) max_in_flight: usize,
+    pub(super) encoding: Encoding,
 }
 
 impl StreamQuery {
     /// `max_in_flight` (1 to 1000) and `encoding` (`base64`, `utf8`); anything else is a 422
     /// naming it, so a typo is not silently ignored.
-    fn parse(query: Option<&str>) -> Result<Self, Error> {
+    pub(super) fn parse(query: Option<&str>) -> Result<Self, Error> {
         let mut parsed = Self {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             encoding: Encoding::default(),

@@ -232,7 +232,7 @@ async fn settle_many(
     Ok(Json(BatchResponse { results }))
 }
 
-fn nak_command(delay_ms: Option<u64>) -> Result<AckCommand, Error> {
+pub(super) fn nak_command(delay_ms: Option<u64>) -> Result<AckCommand, Error> {
     match delay_ms {
         Some(ms) if ms > MAX_DELAY_MS => Err(Error::invalid(
             "delay_ms",
@@ -245,7 +245,7 @@ fn nak_command(delay_ms: Option<u64>) -> Result<AckCommand, Error> {
     }
 }
 
-fn term_command(reason: Option<String>) -> Result<AckCommand, Error> {
+pub(super) fn term_command(reason: Option<String>) -> Result<AckCommand, Error> {
     match reason {
         Some(reason) if reason.chars().count() > MAX_REASON_CHARS => Err(Error::invalid(
             "reason",

@@ -21,6 +21,7 @@ pub(crate) mod responses;
 mod scopes;
 pub(crate) mod serve;
 pub(crate) mod tls;
+mod ws;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,7 +46,7 @@ use responses::ProblemResponses;
 #[openapi(
     info(
         title = "ruststream-nats",
-        description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.\n\nEvery error is an RFC 9457 `application/problem+json` object. Each operation lists the statuses it answers; besides those, a path not listed here answers 404, a listed path called with another method 405 (with `Allow`), a request URI over 8 KiB 414, a header section over 64 KiB 431, and an HTTP/1.1 request without `Host` 400, all problem+json.",
+        description = "Lease NATS JetStream messages to HTTP clients: fetch a batch, then ack, nak, term or extend each lease.\n\nEvery error is an RFC 9457 `application/problem+json` object. Each operation lists the statuses it answers; besides those, a path not listed here answers 404, a listed path called with another method 405 (with `Allow`), a request URI over 8 KiB 414, a header section over 64 KiB 431, an HTTP/1.1 request without `Host` and a `GET /ws` without a WebSocket upgrade 400, all problem+json.",
         license(name = "MIT OR Apache-2.0", identifier = "MIT OR Apache-2.0")
     ),
     // Relative: the API is where the document was served from (Swagger UI, generated
@@ -66,6 +67,7 @@ fn api() -> OpenApiRouter<Shared> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(fetch::fetch))
         .routes(routes!(events::events))
+        .routes(routes!(ws::ws))
         .routes(routes!(messages::ack))
         .routes(routes!(messages::nak))
         .routes(routes!(messages::term))
@@ -295,7 +297,7 @@ fn refused_head<B>(request: &Request<B>) -> Option<Error> {
     if request.version() == axum::http::Version::HTTP_11
         && !request.headers().contains_key(axum::http::header::HOST)
     {
-        return Some(Error::Malformed {
+        return Some(Error::BadRequest {
             detail: "an HTTP/1.1 request must carry a Host header (RFC 9112, section 3.2)".into(),
         });
     }

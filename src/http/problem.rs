@@ -53,7 +53,7 @@ impl Error {
     /// The HTTP status for this error.
     pub(crate) fn status(&self) -> StatusCode {
         match self {
-            Self::Malformed { .. } => StatusCode::BAD_REQUEST,
+            Self::Malformed { .. } | Self::BadRequest { .. } => StatusCode::BAD_REQUEST,
             Self::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::UnknownLease | Self::NotFound(_) => StatusCode::NOT_FOUND,
@@ -79,6 +79,7 @@ impl Error {
     fn slug_and_title(&self) -> (&'static str, &'static str) {
         match self {
             Self::Malformed { .. } => ("malformed-json", "Malformed JSON"),
+            Self::BadRequest { .. } => ("bad-request", "Bad request"),
             Self::Invalid { .. } => ("invalid-request", "Invalid request"),
             Self::PayloadTooLarge { .. } => ("payload-too-large", "Request body too large"),
             Self::UnknownLease => ("lease-not-found", "Lease not found"),

@@ -8,7 +8,7 @@
 /// What a token may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Scope {
-    /// `POST /fetch`, `GET /events`.
+    /// `POST /fetch`, `GET /events`, `GET /ws`.
     Fetch,
     /// Every `POST /messages/…` settle and extension.
     Settle,
@@ -70,7 +70,7 @@ pub(crate) fn requirement(path: &str) -> Requirement {
         "/healthz" | "/readyz" | "/openapi.json" => Requirement::Open,
         "/docs" => Requirement::Open,
         _ if path.starts_with("/docs/") => Requirement::Open,
-        "/fetch" | "/events" => Requirement::Scope(Scope::Fetch),
+        "/fetch" | "/events" | "/ws" => Requirement::Scope(Scope::Fetch),
         "/messages" => Requirement::Scope(Scope::Settle),
         _ if path.starts_with("/messages/") => Requirement::Scope(Scope::Settle),
         "/publish" => Requirement::Scope(Scope::Publish),

@@ -168,20 +168,24 @@ pub(crate) async fn serve(
             let io = TokioIo::new(FirstByteDeadline::new(io, first_bytes_within));
             match protocol {
                 Some(Protocol::Http1) => {
-                    drive(speakers.http1.serve_connection(io, service), &mut stop).await;
+                    // With upgrades: GET /ws takes the connection over.
+                    let connection = speakers.http1.serve_connection(io, service).with_upgrades();
+                    drive(connection, |c| c.graceful_shutdown(), &mut stop).await;
                 }
                 // Boxed: HTTP/2's connection state is large, and unboxed it would be part of
                 // every connection's task (an idle long poll's too), HTTP/1.1 or not.
                 Some(Protocol::Http2) => {
                     Box::pin(drive(
                         speakers.http2.serve_connection(io, service),
+                        GracefulConnection::graceful_shutdown,
                         &mut stop,
                     ))
                     .await;
                 }
                 None => {
                     Box::pin(drive(
-                        speakers.either.serve_connection(io, service),
+                        speakers.either.serve_connection_with_upgrades(io, service),
+                        GracefulConnection::graceful_shutdown,
                         &mut stop,
                     ))
                     .await;
@@ -217,11 +221,15 @@ async fn in_time<T, E: std::fmt::Display>(
 }
 
 /// Serve `connection` to its end; once `stop` changes, let it finish the request in flight
-/// and close.
-async fn drive<C>(connection: C, stop: &mut watch::Receiver<()>)
-where
-    C: GracefulConnection,
-    C::Error: std::fmt::Display,
+/// (`drain` tells it to) and close. A connection a request upgraded (GET /ws) is no longer
+/// the serve loop's: it ends with its own task.
+async fn drive<C, E>(
+    connection: C,
+    drain: impl FnOnce(std::pin::Pin<&mut C>),
+    stop: &mut watch::Receiver<()>,
+) where
+    C: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
 {
     let mut connection = std::pin::pin!(connection);
     tokio::select! {
@@ -231,7 +239,7 @@ where
             }
         }
         _ = stop.changed() => {
-            connection.as_mut().graceful_shutdown();
+            drain(connection.as_mut());
             if let Err(err) = connection.await {
                 debug!(error = %err, "connection ended with an error");
             }

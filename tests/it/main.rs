@@ -32,3 +32,4 @@ mod shutdown;
 mod signals;
 mod startup;
 mod support;
+mod websocket;

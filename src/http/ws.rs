@@ -1,0 +1,351 @@
+//! `GET /ws`: leases over a WebSocket, settled in band. The gateway sends one text frame per
+//! lease (`{"type": "message", …}`) within the stream's credit, as `GET /events` does; the
+//! client sends settle operations (`{"op": "ack", "ids": […]}`) and gets one `settled`
+//! frame per operation once the server confirmed it, each id's status what the HTTP settle
+//! would answer. One task per direction: the leases are pulled by a task of their own, so
+//! a frame from the client never interrupts a pull waiting at the server.
+//!
+//! May import: as the rest of `http`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Extension;
+use axum::extract::State;
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_code};
+use axum::http::Uri;
+use axum::response::{IntoResponse, Response};
+use futures::{SinkExt as _, StreamExt as _};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::auth::Principal;
+use super::dto::{MessageDto, rfc3339};
+use super::events::StreamQuery;
+use super::messages::{nak_command, term_command};
+use super::responses::{FetchRefusals, Guarded, QueryRefusals};
+use super::scopes::Scope;
+use crate::domain::settle::AckCommand;
+use crate::error::Error;
+use crate::gateway::{Gateway, LeaseStream, Step};
+
+/// Most ids one operation may name, as a batch settle.
+const MAX_IDS: usize = 1000;
+/// The gateway pings this often.
+const PING_EVERY: Duration = Duration::from_secs(15);
+/// A client heard from (any frame, a pong included) less recently than this is gone.
+const SILENT_AT_MOST: Duration = Duration::from_secs(45);
+/// Frames waiting to be written: leases are bounded by the credit anyway, answers by the
+/// client's own operations.
+const OUTGOING: usize = 256;
+
+/// One operation a client sends.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Operation {
+    op: String,
+    ids: Vec<String>,
+    #[serde(default)]
+    delay_ms: Option<u64>,
+    #[serde(default)]
+    reason: Option<String>,
+    /// Echoed in the `settled` frame, whatever it is.
+    #[serde(default, rename = "ref")]
+    reference: Option<Value>,
+}
+
+/// Stream leases over a WebSocket and settle them in band.
+///
+/// After the upgrade (RFC 6455; text frames, one JSON object each) the gateway sends
+/// `{"type": "message", …every field of a fetched message…}` for each lease, at most
+/// `max_in_flight` live at once; `{"type": "settled", "op", "ref"?, "results": [{"id",
+/// "status", "detail"?, "lease_expires_at"?}]}` for each operation the client sends
+/// (`{"op": "ack"|"nak"|"term"|"in_progress", "ids": [1..=1000], "delay_ms"?, "reason"?,
+/// "ref"?}`), once the server confirmed, each status what the HTTP settle would answer;
+/// `{"type": "error", "status", "title", "detail", "field"?}` for a frame it cannot take;
+/// `{"type": "shutdown"}` before closing with 1001. A binary frame closes with 1003, a
+/// frame over `--max-body-bytes` with 1009; a ping every 15 s, and a client silent for 45 s
+/// is closed.
+#[utoipa::path(
+    get,
+    path = "/ws",
+    operation_id = "streamMessagesWebSocket",
+    tag = "leases",
+    params(
+        ("max_in_flight" = Option<u32>, Query, minimum = 1, maximum = 1000,
+            description = "Most leases of this stream live at once (default 100)"),
+        ("encoding" = Option<super::dto::Encoding>, Query,
+            description = "How `data` is encoded, as in a fetch (default base64)"),
+    ),
+    responses(
+        (status = 101, description = "Switching to the WebSocket protocol; the frames are described in the operation's text and in openapi/asyncapi.yaml"),
+        Guarded, QueryRefusals, FetchRefusals,
+    )
+)]
+pub(crate) async fn ws(
+    State(gateway): State<Arc<Gateway>>,
+    principal: Option<Extension<Principal>>,
+    uri: Uri,
+    upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Result<Response, Error> {
+    let query = StreamQuery::parse(uri.query())?;
+    let upgrade = upgrade.map_err(|rejection| Error::BadRequest {
+        detail: format!("GET /ws takes a WebSocket upgrade (RFC 6455): {rejection}"),
+    })?;
+    gateway.readiness()?;
+    let may_settle = principal.is_none_or(|Extension(principal)| principal.allows(Scope::Settle));
+    let max_frame = gateway.config().max_body_bytes as usize;
+    // Frames up to twice the limit are read, so that one just over it is closed with 1009
+    // (larger ones end the connection in the WebSocket library itself).
+    let read_limit = max_frame.saturating_mul(2);
+    Ok(upgrade
+        .max_message_size(read_limit)
+        .max_frame_size(read_limit)
+        .on_upgrade(move |socket| {
+            session(
+                gateway,
+                socket,
+                Session {
+                    query,
+                    may_settle,
+                    max_frame,
+                },
+            )
+        })
+        .into_response())
+}
+
+/// What one connection was opened with.
+struct Session {
+    query: StreamQuery,
+    /// The token has the `settle` scope (or auth is off).
+    may_settle: bool,
+    max_frame: usize,
+}
+
+/// Serve one WebSocket until either side ends it.
+async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
+    let (mut sink, mut source) = socket.split();
+    let (outgoing, mut to_write) = mpsc::channel::<Message>(OUTGOING);
+    let leases = tokio::spawn(send_leases(
+        LeaseStream::new((*gateway).clone(), session.query.max_in_flight),
+        session.query.encoding,
+        gateway.config().shutdown_grace,
+        outgoing.clone(),
+    ));
+    let mut ping = tokio::time::interval_at(Instant::now() + PING_EVERY, PING_EVERY);
+    let mut heard = Instant::now();
+    loop {
+        tokio::select! {
+            frame = to_write.recv() => {
+                let Some(frame) = frame else { break };
+                let closing = matches!(frame, Message::Close(_));
+                if sink.send(frame).await.is_err() || closing {
+                    break;
+                }
+            }
+            incoming = source.next() => {
+                heard = Instant::now();
+                match incoming {
+                    Some(Ok(Message::Text(text))) => {
+                        if text.len() > session.max_frame {
+                            let _ = sink.send(close(close_code::SIZE, "frame over --max-body-bytes")).await;
+                            break;
+                        }
+                        take_operation(&gateway, text.as_str(), session.may_settle, &outgoing);
+                    }
+                    Some(Ok(Message::Binary(_))) => {
+                        let _ = sink.send(close(close_code::UNSUPPORTED, "text frames only")).await;
+                        break;
+                    }
+                    Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
+                    // Pings are answered by the WebSocket library; a pong only says it is there.
+                    Some(Ok(_)) => {}
+                }
+            }
+            _ = ping.tick() => {
+                if heard.elapsed() > SILENT_AT_MOST {
+                    let _ = sink.send(close(close_code::AWAY, "no frame from the client for 45 s")).await;
+                    break;
+                }
+                if sink.send(Message::Ping(Vec::new().into())).await.is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    // Gone: what the lease task holds unwritten goes back, written leases stay valid.
+    leases.abort();
+}
+
+/// Send leases as frames until the stream stops; at shutdown a `shutdown` frame, then (after
+/// the grace, during which the client may still settle in band) a close with 1001.
+async fn send_leases(
+    mut leases: LeaseStream,
+    encoding: super::dto::Encoding,
+    grace: Duration,
+    outgoing: mpsc::Sender<Message>,
+) {
+    loop {
+        // A slot first: a lease taken from the stream is then written at once, never lost
+        // to an abort between the two.
+        let Ok(slot) = outgoing.reserve().await else {
+            return;
+        };
+        match leases.next::<super::client::Client>(None).await {
+            Step::Lease(leased) => {
+                let mut frame = serde_json::to_value(MessageDto::new(*leased, encoding))
+                    .unwrap_or_else(|_| json!({}));
+                if let Some(object) = frame.as_object_mut() {
+                    object.insert("type".into(), "message".into());
+                }
+                slot.send(text(&frame));
+            }
+            Step::Quiet => drop(slot),
+            Step::ShuttingDown => {
+                slot.send(text(&json!({ "type": "shutdown" })));
+                tokio::time::sleep(grace).await;
+                let _ = outgoing
+                    .send(close(close_code::AWAY, "the gateway is stopping"))
+                    .await;
+                return;
+            }
+            Step::Gone => return,
+        }
+    }
+}
+
+/// Parse a client's frame and start its operation; the answer is sent when it is done.
+fn take_operation(
+    gateway: &Arc<Gateway>,
+    frame: &str,
+    may_settle: bool,
+    outgoing: &mpsc::Sender<Message>,
+) {
+    let operation = match parse_operation(frame) {
+        Ok(operation) => operation,
+        Err(err) => {
+            let problem = err.problem();
+            let mut answer = json!({
+                "type": "error",
+                "status": problem.status,
+                "title": problem.title,
+                "detail": problem.detail,
+            });
+            if let Some(field) = problem.field {
+                answer["field"] = field.into();
+            }
+            let _ = outgoing.try_send(text(&answer));
+            return;
+        }
+    };
+    let (gateway, outgoing) = (gateway.clone(), outgoing.clone());
+    tokio::spawn(async move {
+        let answer = run_operation(&gateway, operation, may_settle).await;
+        let _ = outgoing.send(text(&answer)).await;
+    });
+}
+
+/// A frame as an operation, checked as the HTTP batch settle checks its body.
+fn parse_operation(frame: &str) -> Result<(Operation, Option<AckCommand>), Error> {
+    let operation: Operation = serde_json::from_str(frame).map_err(|err| {
+        if err.is_data() {
+            Error::Invalid {
+                field: None,
+                detail: format!("not an operation: {err}"),
+            }
+        } else {
+            Error::Malformed {
+                detail: format!("not a JSON object: {err}"),
+            }
+        }
+    })?;
+    if operation.ids.is_empty() || operation.ids.len() > MAX_IDS {
+        return Err(Error::invalid(
+            "ids",
+            format!(
+                "ids: must hold 1 to {MAX_IDS} lease ids, got {}",
+                operation.ids.len()
+            ),
+        ));
+    }
+    let command = match operation.op.as_str() {
+        "ack" => Some(AckCommand::Ack),
+        "nak" => Some(nak_command(operation.delay_ms)?),
+        "term" => Some(term_command(operation.reason.clone())?),
+        "in_progress" => None,
+        other => {
+            return Err(Error::invalid(
+                "op",
+                format!("op: must be ack, nak, term or in_progress, got {other:?}"),
+            ));
+        }
+    };
+    Ok((operation, command))
+}
+
+/// Settle (or extend) the operation's ids: the `settled` frame, once all are answered.
+async fn run_operation(
+    gateway: &Gateway,
+    (operation, command): (Operation, Option<AckCommand>),
+    may_settle: bool,
+) -> Value {
+    let results: Vec<Value> = if !may_settle {
+        let refusal = Error::Forbidden {
+            scope: Scope::Settle.as_str(),
+        };
+        operation
+            .ids
+            .iter()
+            .map(|id| result(id, Err(refusal.clone())))
+            .collect()
+    } else if let Some(command) = command {
+        let outcomes = gateway.settle_many(&operation.ids, &command).await;
+        operation
+            .ids
+            .iter()
+            .zip(outcomes)
+            .map(|(id, outcome)| result(id, outcome.map(|()| None)))
+            .collect()
+    } else {
+        let extensions = operation.ids.iter().map(|id| gateway.extend(id));
+        let outcomes = futures::future::join_all(extensions).await;
+        operation
+            .ids
+            .iter()
+            .zip(outcomes)
+            .map(|(id, outcome)| result(id, outcome.map(Some)))
+            .collect()
+    };
+    let mut answer = json!({ "type": "settled", "op": operation.op, "results": results });
+    if let Some(reference) = operation.reference {
+        answer["ref"] = reference;
+    }
+    answer
+}
+
+/// One id's result: what its HTTP settle would answer (204, or 200 with the new expiry).
+fn result(id: &str, outcome: Result<Option<time::OffsetDateTime>, Error>) -> Value {
+    match outcome {
+        Ok(None) => json!({ "id": id, "status": 204 }),
+        Ok(Some(expires_at)) => {
+            json!({ "id": id, "status": 200, "lease_expires_at": rfc3339(expires_at) })
+        }
+        Err(err) => {
+            json!({ "id": id, "status": err.status().as_u16(), "detail": err.public_detail() })
+        }
+    }
+}
+
+fn text(value: &Value) -> Message {
+    Message::Text(value.to_string().into())
+}
+
+fn close(code: u16, reason: &'static str) -> Message {
+    Message::Close(Some(CloseFrame {
+        code,
+        reason: reason.into(),
+    }))
+}

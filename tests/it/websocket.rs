@@ -1,0 +1,227 @@
+//! `GET /ws`: leases over a WebSocket, settled in band — message frames within the credit,
+//! `settled` frames with each id's HTTP status (also for a lease fetched over HTTP, and a
+//! fenced one), error frames for bad operations, 1003 for a binary frame, 1009 for one over
+//! `--max-body-bytes`, and the end at shutdown.
+
+use std::time::Duration;
+
+use futures::{SinkExt as _, StreamExt as _};
+use serde_json::{Value, json};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+
+use crate::support::{Client, Setup};
+
+type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+async fn open(gateway: &Client, query: &str) -> Socket {
+    let url = format!(
+        "{}/ws{query}",
+        gateway.base().replacen("http://", "ws://", 1)
+    );
+    let (socket, response) = tokio_tungstenite::connect_async(url)
+        .await
+        .expect("WebSocket handshake");
+    assert_eq!(response.status(), 101);
+    socket
+}
+
+/// The next text frame as JSON within `within` (pings and pongs skipped); `None` if none.
+async fn frame(socket: &mut Socket, within: Duration) -> Option<Value> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let next = tokio::time::timeout_at(deadline, socket.next())
+            .await
+            .ok()??;
+        match next.expect("a frame") {
+            Message::Text(text) => return Some(serde_json::from_str(&text).expect("JSON")),
+            Message::Close(close) => panic!("closed: {close:?}"),
+            _ => {}
+        }
+    }
+}
+
+/// The next frame of `kind` within `within`, skipping others.
+async fn frame_of(socket: &mut Socket, kind: &str, within: Duration) -> Option<Value> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let frame = frame(socket, left).await?;
+        if frame["type"] == kind {
+            return Some(frame);
+        }
+    }
+}
+
+async fn send(socket: &mut Socket, value: Value) {
+    socket
+        .send(Message::Text(value.to_string().into()))
+        .await
+        .expect("send");
+}
+
+/// The close code the gateway ends with, within `within`.
+async fn closed_with(socket: &mut Socket, within: Duration) -> Option<CloseCode> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, socket.next())
+            .await
+            .ok()??
+        {
+            Ok(Message::Close(close)) => return close.map(|close| close.code),
+            Ok(_) => {}
+            Err(_) => return None,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_flow_and_settle_in_band() {
+    let (_server, js, gateway) = Setup::consumer("ws-flow").ack_wait("30s").start().await;
+    js.publish_many("orders.1", 4, "ws").await;
+    let mut socket = open(&gateway, "?max_in_flight=2&encoding=utf8").await;
+    let first = frame_of(&mut socket, "message", Duration::from_secs(5))
+        .await
+        .expect("a lease");
+    let second = frame_of(&mut socket, "message", Duration::from_secs(5))
+        .await
+        .expect("a second lease");
+    assert_eq!(first["data"], "ws-0", "{first}");
+    assert_eq!(first["subject"], "orders.1");
+    assert!(
+        frame_of(&mut socket, "message", Duration::from_millis(800))
+            .await
+            .is_none(),
+        "nothing beyond max_in_flight"
+    );
+    // One ack op for the first, with a ref: answered once confirmed; credit comes back.
+    send(
+        &mut socket,
+        json!({ "op": "ack", "ids": [first["id"]], "ref": {"batch": 7} }),
+    )
+    .await;
+    let settled = frame_of(&mut socket, "settled", Duration::from_secs(5))
+        .await
+        .expect("settled");
+    assert_eq!(settled["op"], "ack");
+    assert_eq!(settled["ref"], json!({"batch": 7}));
+    assert_eq!(
+        settled["results"],
+        json!([{ "id": first["id"], "status": 204 }])
+    );
+    let third = frame_of(&mut socket, "message", Duration::from_secs(5))
+        .await
+        .expect("a lease once credit is free");
+    assert_eq!(third["data"], "ws-2");
+    // in_progress answers 200 with the new expiry; the same ack again 204; a nak after the
+    // ack 409; a made-up id 404 — each as its HTTP settle would.
+    send(
+        &mut socket,
+        json!({ "op": "in_progress", "ids": [second["id"]] }),
+    )
+    .await;
+    let extended = frame_of(&mut socket, "settled", Duration::from_secs(5))
+        .await
+        .expect("settled");
+    assert_eq!(extended["results"][0]["status"], 200, "{extended}");
+    assert!(extended["results"][0]["lease_expires_at"].is_string());
+    send(
+        &mut socket,
+        json!({ "op": "nak", "ids": [first["id"], "not-a-lease"], "delay_ms": 1000 }),
+    )
+    .await;
+    let refused = frame_of(&mut socket, "settled", Duration::from_secs(5))
+        .await
+        .expect("settled");
+    assert_eq!(refused["results"][0]["status"], 409, "{refused}");
+    assert_eq!(refused["results"][1]["status"], 404, "{refused}");
+    // A lease fetched over HTTP settles over the socket, and one from the socket over HTTP.
+    let fetched = gateway.fetch_n(1, 2000).await;
+    assert_eq!(fetched.len(), 1);
+    send(
+        &mut socket,
+        json!({ "op": "term", "ids": [fetched[0].id], "reason": "bad" }),
+    )
+    .await;
+    let termed = frame_of(&mut socket, "settled", Duration::from_secs(5))
+        .await
+        .expect("settled");
+    assert_eq!(termed["results"][0]["status"], 204, "{termed}");
+    assert_eq!(gateway.ack(third["id"].as_str().expect("id")).await, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_frames_get_error_frames_binary_1003_and_oversized_1009() {
+    let (_server, _js, gateway) = Setup::consumer("ws-bad")
+        .flag("--max-body-bytes", "1024")
+        .start()
+        .await;
+    let mut socket = open(&gateway, "").await;
+    for (bad, status, field) in [
+        ("not json", 400, None),
+        (r#"{"op":"ack","ids":[]}"#, 422, Some("ids")),
+        (r#"{"op":"shred","ids":["x"]}"#, 422, Some("op")),
+        (
+            r#"{"op":"nak","ids":["x"],"delay_ms":999999999999}"#,
+            422,
+            Some("delay_ms"),
+        ),
+        (r#"{"op":"ack","ids":["x"],"extra":1}"#, 422, None),
+    ] {
+        socket.send(Message::Text(bad.into())).await.expect("send");
+        let error = frame_of(&mut socket, "error", Duration::from_secs(5))
+            .await
+            .expect("an error frame");
+        assert_eq!(error["status"], status, "{bad}: {error}");
+        if let Some(field) = field {
+            assert_eq!(error["field"], field, "{bad}: {error}");
+        }
+        assert!(error["title"].is_string() && error["detail"].is_string());
+    }
+    // The connection stays open after those; a binary frame closes it with 1003.
+    socket
+        .send(Message::Binary(vec![1, 2, 3].into()))
+        .await
+        .expect("send");
+    assert_eq!(
+        closed_with(&mut socket, Duration::from_secs(5)).await,
+        Some(CloseCode::Unsupported)
+    );
+    let mut socket = open(&gateway, "").await;
+    let big = format!(r#"{{"op":"ack","ids":["{}"]}}"#, "a".repeat(1100));
+    socket.send(Message::Text(big.into())).await.expect("send");
+    assert_eq!(
+        closed_with(&mut socket, Duration::from_secs(5)).await,
+        Some(CloseCode::Size)
+    );
+    // Not an upgrade at all: a problem, not a stream.
+    gateway.get("/ws").await.assert_problem(400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_sends_a_shutdown_frame_then_closes_with_1001() {
+    let (_server, js, mut gateway) = Setup::consumer("ws-stop")
+        .shutdown_grace("1s")
+        .start()
+        .await;
+    js.publish_many("orders.1", 1, "ws").await;
+    let mut socket = open(&gateway, "").await;
+    let leased = frame_of(&mut socket, "message", Duration::from_secs(5))
+        .await
+        .expect("a lease");
+    gateway.trigger_shutdown();
+    frame_of(&mut socket, "shutdown", Duration::from_secs(10))
+        .await
+        .expect("the shutdown frame");
+    // During the grace a settle in band is still confirmed.
+    send(&mut socket, json!({ "op": "ack", "ids": [leased["id"]] })).await;
+    let settled = frame_of(&mut socket, "settled", Duration::from_secs(5))
+        .await
+        .expect("settled during the grace");
+    assert_eq!(settled["results"][0]["status"], 204, "{settled}");
+    assert_eq!(
+        closed_with(&mut socket, Duration::from_secs(5)).await,
+        Some(CloseCode::Away)
+    );
+}
