@@ -198,3 +198,58 @@ async fn a_bad_query_is_a_422_naming_the_parameter() {
         reply.assert_invalid(field);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_stream_resumes_after_a_nats_restart() {
+    let (mut server, js, gateway) = Setup::consumer("sse-restart").start().await;
+    let mut stream = EventStream::open(&gateway, "?encoding=utf8").await;
+    js.publish("orders.1", "before").await;
+    let before = stream
+        .message(Duration::from_secs(5))
+        .await
+        .expect("a lease before the restart");
+    assert_eq!(before["data"], "before");
+    server.kill();
+    server.restart().await;
+    let js = crate::support::Js::connect(&server.url()).await;
+    js.publish("orders.1", "after").await;
+    let after = stream
+        .message(Duration::from_secs(20))
+        .await
+        .expect("a lease on the same stream after the restart");
+    assert_eq!(after["data"], "after");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_lease_settles_at_another_replica_and_frees_credit_there() {
+    use std::io::Write as _;
+    let (server, js) = crate::support::server_with_stream().await;
+    let mut key = tempfile::NamedTempFile::new().expect("key file");
+    write!(key, "replicas share this lease key: 0123456789!").expect("write key");
+    let setup = Setup::consumer("sse-replicas").lease_key_file(key.path());
+    let streaming = setup.ready(&server.url()).await;
+    let other = setup.ready(&server.url()).await;
+    wait_until(
+        "the replicas see each other",
+        Duration::from_secs(10),
+        || async {
+            other.consumer_view().await["replicas"]
+                .as_array()
+                .map_or(0, Vec::len)
+                == 2
+        },
+    )
+    .await;
+    js.publish_many("orders.1", 2, "spread").await;
+    let mut stream = EventStream::open(&streaming, "?max_in_flight=1").await;
+    let first = stream
+        .message(Duration::from_secs(5))
+        .await
+        .expect("a lease");
+    assert!(stream.message(Duration::from_millis(500)).await.is_none());
+    assert_eq!(other.ack(first["id"].as_str().expect("id")).await, 204);
+    assert!(
+        stream.message(Duration::from_secs(5)).await.is_some(),
+        "the settle at the other replica freed the stream's slot"
+    );
+}
