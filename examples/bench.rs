@@ -181,6 +181,10 @@ enum Kind {
     /// The batch loop plus a bare `GET /healthz` per message, made as single settles are:
     /// what the HTTP stack alone costs per request.
     Floor,
+    /// One WebSocket (`GET /ws`, max_in_flight 1000), one `ack` operation per message.
+    WsEach,
+    /// One WebSocket, `ack` operations of 100 ids.
+    WsHundred,
 }
 
 /// One timed run.
@@ -199,6 +203,8 @@ impl Run {
             Kind::Latency => "latency".into(),
             Kind::Forwarded => format!("fwd x{}", self.clients),
             Kind::Floor => format!("floor x{}", self.clients),
+            Kind::WsEach => format!("ws-each x{}", self.clients),
+            Kind::WsHundred => format!("ws-100 x{}", self.clients),
         }
     }
 }
@@ -277,6 +283,11 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
             kind: Kind::Latency,
             clients: 1,
         });
+    }
+    for kind in [Kind::WsEach, Kind::WsHundred] {
+        if wanted(kind) {
+            runs.push(Run { kind, clients: 1 });
+        }
     }
     let needed = args.messages.max(args.latency_samples);
     prepare_stream(&js, needed * 2, &payload).await?;
@@ -937,19 +948,33 @@ async fn drain_gateway(
     let settle_base = settler
         .as_ref()
         .map_or_else(|| base.clone(), |settler| settler.base.clone());
-    run_loops(run.clients, |_| {
-        gateway_loop(
-            run.kind,
-            http.clone(),
-            base.clone(),
-            settle_base.clone(),
-            tally.clone(),
-            requests.clone(),
-            batch,
-            data_len,
-        )
-    })
-    .await?;
+    if matches!(run.kind, Kind::WsEach | Kind::WsHundred) {
+        let per_op = if run.kind == Kind::WsEach { 1 } else { 100 };
+        run_loops(run.clients, |_| {
+            websocket_loop(
+                base.clone(),
+                tally.clone(),
+                requests.clone(),
+                per_op,
+                data_len,
+            )
+        })
+        .await?;
+    } else {
+        run_loops(run.clients, |_| {
+            gateway_loop(
+                run.kind,
+                http.clone(),
+                base.clone(),
+                settle_base.clone(),
+                tally.clone(),
+                requests.clone(),
+                batch,
+                data_len,
+            )
+        })
+        .await?;
+    }
     let (lines_after, bytes_after) = gateway.log_size();
     let rss_kb = status_kb(gateway.pid, "VmHWM");
     let mut outcome = tally.finish(run)?;
@@ -976,8 +1001,27 @@ async fn drain_gateway(
         status.leases_in_flight
     );
     let stream = js.get_stream(STREAM).await.context("getting the stream")?;
-    verify_consumer(&stream, consumer).await?;
-    gateway.stop().await?;
+    if matches!(run.kind, Kind::WsEach | Kind::WsHundred) {
+        // A streaming client leaves with leases on their way (given back, nak'd) and the
+        // gateway holding what its last pull brought: the stop releases it all.
+        gateway.stop().await?;
+        let info = stream
+            .consumer_info(consumer)
+            .await
+            .with_context(|| format!("consumer info of {consumer}"))?;
+        if info.num_ack_pending > 0 {
+            // Not a failure of the drain (every message was acked once): what the stream's
+            // last pull brought after the client left, left to the server's ack_wait.
+            eprintln!(
+                "bench: {}: consumer {consumer} holds {} unacknowledged deliveries after the client left and the gateway stopped (redelivered after ack_wait)",
+                run.label(),
+                info.num_ack_pending
+            );
+        }
+    } else {
+        verify_consumer(&stream, consumer).await?;
+        gateway.stop().await?;
+    }
     if let Some(settler) = settler {
         settler.stop().await?;
     }
@@ -1120,9 +1164,153 @@ async fn gateway_loop(
                 }
                 requests.fetch_add(reply.messages.len() as u64, Ordering::Relaxed);
             }
-            Kind::Native => unreachable!("the native run has its own loop"),
+            Kind::Native | Kind::WsEach | Kind::WsHundred => {
+                unreachable!("the native and WebSocket runs have loops of their own")
+            }
         }
         tally.acked(&sequences, acks_started.elapsed())?;
+    }
+    Ok(())
+}
+
+/// Drain through `GET /ws`: leases arrive as frames (max_in_flight 1000), and are acked in
+/// band, `per_op` ids an operation (what is left is sent when no frame came for a moment);
+/// a message counts once its `settled` frame says 204.
+async fn websocket_loop(
+    base: String,
+    tally: Arc<Tally>,
+    operations: Arc<AtomicU64>,
+    per_op: usize,
+    data_len: usize,
+) -> anyhow::Result<()> {
+    use futures::SinkExt as _;
+    use tokio_tungstenite::tungstenite::Message as Frame;
+    let url = format!(
+        "{}/ws?max_in_flight=1000",
+        base.replacen("http://", "ws://", 1)
+    );
+    let (mut socket, _) = tokio_tungstenite::connect_async(url)
+        .await
+        .context("GET /ws")?;
+    let mut sequences: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+    let mut pending: Vec<String> = Vec::with_capacity(per_op);
+    let mut sent_at: std::collections::VecDeque<Instant> = std::collections::VecDeque::new();
+    while !tally.is_done() {
+        let frame = if pending.is_empty() {
+            tokio::time::timeout(Duration::from_secs(1), socket.next()).await
+        } else {
+            tokio::time::timeout(Duration::from_millis(2), socket.next()).await
+        };
+        let frame = match frame {
+            Ok(Some(frame)) => frame.context("reading a frame")?,
+            Ok(None) => bail!("the gateway closed the WebSocket"),
+            Err(_) => {
+                if !pending.is_empty() {
+                    let ids = std::mem::take(&mut pending);
+                    socket
+                        .send(Frame::Text(
+                            json!({ "op": "ack", "ids": ids }).to_string().into(),
+                        ))
+                        .await
+                        .context("sending an ack operation")?;
+                    operations.fetch_add(1, Ordering::Relaxed);
+                    sent_at.push_back(Instant::now());
+                } else {
+                    tally.check_stall()?;
+                }
+                continue;
+            }
+        };
+        let Frame::Text(text) = frame else { continue };
+        let value: serde_json::Value = serde_json::from_str(&text).context("a frame's JSON")?;
+        match value["type"].as_str() {
+            Some("message") => {
+                let id = value["id"].as_str().context("a lease id")?.to_owned();
+                let sequence = value["stream_sequence"]
+                    .as_u64()
+                    .context("stream_sequence")?;
+                let data = value["data"].as_str().unwrap_or_default();
+                ensure!(
+                    data.len() == data_len,
+                    "stream sequence {sequence} came with {} data characters, expected {data_len}",
+                    data.len()
+                );
+                tally.fetched(
+                    std::iter::once(value["delivered"].as_u64().unwrap_or(1)),
+                    Duration::ZERO,
+                );
+                sequences.insert(id.clone(), sequence);
+                pending.push(id);
+                if pending.len() >= per_op {
+                    let ids = std::mem::replace(&mut pending, Vec::with_capacity(per_op));
+                    socket
+                        .send(Frame::Text(
+                            json!({ "op": "ack", "ids": ids }).to_string().into(),
+                        ))
+                        .await
+                        .context("sending an ack operation")?;
+                    operations.fetch_add(1, Ordering::Relaxed);
+                    sent_at.push_back(Instant::now());
+                }
+            }
+            Some("settled") => {
+                let mut acked = Vec::new();
+                for result in value["results"].as_array().context("results")? {
+                    let id = result["id"].as_str().context("a result's id")?;
+                    ensure!(
+                        result["status"] == 204,
+                        "ack of {id} answered {}",
+                        result["status"]
+                    );
+                    acked.extend(sequences.remove(id));
+                }
+                let waited = sent_at
+                    .pop_front()
+                    .map_or(Duration::ZERO, |at| at.elapsed());
+                tally.acked(&acked, waited)?;
+            }
+            other => bail!("unexpected frame {other:?}: {text}"),
+        }
+    }
+    // Done: close, read what was already on its way (leases written to this client), and
+    // give back every lease not acked, over HTTP, so the consumer ends with nothing pending.
+    let _ = socket.send(Frame::Close(None)).await;
+    while let Ok(Some(Ok(frame))) =
+        tokio::time::timeout(Duration::from_secs(2), socket.next()).await
+    {
+        let Frame::Text(text) = frame else {
+            if matches!(frame, Frame::Close(_)) {
+                break;
+            }
+            continue;
+        };
+        let value: serde_json::Value = serde_json::from_str(&text).context("a frame's JSON")?;
+        match value["type"].as_str() {
+            Some("message") => {
+                if let (Some(id), Some(sequence)) =
+                    (value["id"].as_str(), value["stream_sequence"].as_u64())
+                {
+                    sequences.insert(id.to_owned(), sequence);
+                }
+            }
+            Some("settled") => {
+                for result in value["results"].as_array().into_iter().flatten() {
+                    if let Some(id) = result["id"].as_str() {
+                        sequences.remove(id);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let leftover: Vec<String> = sequences.into_keys().collect();
+    let http = http_client()?;
+    for ids in leftover.chunks(1000) {
+        http.post(format!("{base}/messages/nak"))
+            .json(&json!({ "ids": ids }))
+            .send()
+            .await
+            .context("POST /messages/nak of the leases left over")?;
     }
     Ok(())
 }
@@ -1319,6 +1507,30 @@ fn print_report(args: &Args, version: &str, runs: &[Run], outcomes: &[Outcome]) 
         println!(
             "| same, **one client** ÷ native | {} | ≥ 0.75 |",
             show(per_round(&|r| ratio(r, batch(1))), 2)
+        );
+    }
+    let ws_each = Run {
+        kind: Kind::WsEach,
+        clients: 1,
+    };
+    let ws_hundred = Run {
+        kind: Kind::WsHundred,
+        clients: 1,
+    };
+    if runs.contains(&ws_each) {
+        println!(
+            "| WebSocket, 1 client, max_in_flight 1000, one `ack` op per message ÷ native | {} | ≥ 0.8 |",
+            show(per_round(&|r| ratio(r, ws_each)), 2)
+        );
+        println!(
+            "| gateway CPU per message, WebSocket one-op-per-message path | {} µs | ≤ 8 µs |",
+            show(per_round(&|r| cpu_per_message(r, ws_each)), 1)
+        );
+    }
+    if runs.contains(&ws_hundred) {
+        println!(
+            "| WebSocket, 1 client, `ack` ops of 100 ids ÷ native | {} | ≥ 1.0 |",
+            show(per_round(&|r| ratio(r, ws_hundred)), 2)
         );
     }
     let singles: Vec<u32> = args

@@ -137,6 +137,14 @@ async fn hung_up<C: Caller>(caller: Option<&C>) {
     }
 }
 
+impl Gateway {
+    /// Leases taken for a stream whose client went before they were written: back to the
+    /// next fetch, as a withdrawn fetch's are.
+    pub(crate) async fn give_back_unwritten(&self, leased: Vec<Leased>) {
+        self.give_back(leased).await;
+    }
+}
+
 impl Drop for LeaseStream {
     /// Leases taken for the stream and never written go back, as a withdrawn fetch's do.
     fn drop(&mut self) {

@@ -27,6 +27,7 @@ use super::events::StreamQuery;
 use super::messages::{nak_command, term_command};
 use super::responses::{FetchRefusals, Guarded, QueryRefusals};
 use super::scopes::Scope;
+use crate::domain::delivery::Leased;
 use crate::domain::settle::AckCommand;
 use crate::error::Error;
 use crate::gateway::{Gateway, LeaseStream, Step};
@@ -40,6 +41,13 @@ const SILENT_AT_MOST: Duration = Duration::from_secs(45);
 /// Frames waiting to be written: leases are bounded by the credit anyway, answers by the
 /// client's own operations.
 const OUTGOING: usize = 256;
+
+/// What waits to be written to the client. A lease stays a lease until it is written, so
+/// that those still waiting when the client goes are given back, not stranded.
+enum Outgoing {
+    Lease(Box<Leased>),
+    Frame(Message),
+}
 
 /// One operation a client sends.
 #[derive(Debug, Deserialize)]
@@ -128,10 +136,10 @@ struct Session {
 /// Serve one WebSocket until either side ends it.
 async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
     let (mut sink, mut source) = socket.split();
-    let (outgoing, mut to_write) = mpsc::channel::<Message>(OUTGOING);
+    let (outgoing, mut to_write) = mpsc::channel::<Outgoing>(OUTGOING);
+    let encoding = session.query.encoding;
     let leases = tokio::spawn(send_leases(
         LeaseStream::new((*gateway).clone(), session.query.max_in_flight),
-        session.query.encoding,
         gateway.config().shutdown_grace,
         outgoing.clone(),
     ));
@@ -139,8 +147,12 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
     let mut heard = Instant::now();
     loop {
         tokio::select! {
-            frame = to_write.recv() => {
-                let Some(frame) = frame else { break };
+            next = to_write.recv() => {
+                let frame = match next {
+                    Some(Outgoing::Lease(leased)) => lease_frame(*leased, encoding),
+                    Some(Outgoing::Frame(frame)) => frame,
+                    None => break,
+                };
                 let closing = matches!(frame, Message::Close(_));
                 if sink.send(frame).await.is_err() || closing {
                     break;
@@ -176,18 +188,34 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
             }
         }
     }
-    // Gone: what the lease task holds unwritten goes back, written leases stay valid.
+    // Gone: what the lease task holds unwritten, and the leases still waiting here to be
+    // written, go back; written leases stay valid.
     leases.abort();
+    to_write.close();
+    let mut unwritten = Vec::new();
+    while let Ok(waiting) = to_write.try_recv() {
+        if let Outgoing::Lease(leased) = waiting {
+            unwritten.push(*leased);
+        }
+    }
+    if !unwritten.is_empty() {
+        gateway.give_back_unwritten(unwritten).await;
+    }
+}
+
+/// A lease as its frame: every field of a fetched message, and `"type": "message"`.
+fn lease_frame(leased: Leased, encoding: super::dto::Encoding) -> Message {
+    let mut frame =
+        serde_json::to_value(MessageDto::new(leased, encoding)).unwrap_or_else(|_| json!({}));
+    if let Some(object) = frame.as_object_mut() {
+        object.insert("type".into(), "message".into());
+    }
+    text(&frame)
 }
 
 /// Send leases as frames until the stream stops; at shutdown a `shutdown` frame, then (after
 /// the grace, during which the client may still settle in band) a close with 1001.
-async fn send_leases(
-    mut leases: LeaseStream,
-    encoding: super::dto::Encoding,
-    grace: Duration,
-    outgoing: mpsc::Sender<Message>,
-) {
+async fn send_leases(mut leases: LeaseStream, grace: Duration, outgoing: mpsc::Sender<Outgoing>) {
     loop {
         // A slot first: a lease taken from the stream is then written at once, never lost
         // to an abort between the two.
@@ -195,20 +223,16 @@ async fn send_leases(
             return;
         };
         match leases.next::<super::client::Client>(None).await {
-            Step::Lease(leased) => {
-                let mut frame = serde_json::to_value(MessageDto::new(*leased, encoding))
-                    .unwrap_or_else(|_| json!({}));
-                if let Some(object) = frame.as_object_mut() {
-                    object.insert("type".into(), "message".into());
-                }
-                slot.send(text(&frame));
-            }
+            Step::Lease(leased) => slot.send(Outgoing::Lease(leased)),
             Step::Quiet => drop(slot),
             Step::ShuttingDown => {
-                slot.send(text(&json!({ "type": "shutdown" })));
+                slot.send(Outgoing::Frame(text(&json!({ "type": "shutdown" }))));
                 tokio::time::sleep(grace).await;
                 let _ = outgoing
-                    .send(close(close_code::AWAY, "the gateway is stopping"))
+                    .send(Outgoing::Frame(close(
+                        close_code::AWAY,
+                        "the gateway is stopping",
+                    )))
                     .await;
                 return;
             }
@@ -222,7 +246,7 @@ fn take_operation(
     gateway: &Arc<Gateway>,
     frame: &str,
     may_settle: bool,
-    outgoing: &mpsc::Sender<Message>,
+    outgoing: &mpsc::Sender<Outgoing>,
 ) {
     let operation = match parse_operation(frame) {
         Ok(operation) => operation,
@@ -237,14 +261,14 @@ fn take_operation(
             if let Some(field) = problem.field {
                 answer["field"] = field.into();
             }
-            let _ = outgoing.try_send(text(&answer));
+            let _ = outgoing.try_send(Outgoing::Frame(text(&answer)));
             return;
         }
     };
     let (gateway, outgoing) = (gateway.clone(), outgoing.clone());
     tokio::spawn(async move {
         let answer = run_operation(&gateway, operation, may_settle).await;
-        let _ = outgoing.send(text(&answer)).await;
+        let _ = outgoing.send(Outgoing::Frame(text(&answer))).await;
     });
 }
 
