@@ -30,6 +30,8 @@ const HEARTBEAT_TTL: Duration = Duration::from_secs(4);
 /// A forwarded settle waits for the owner's answer this much beyond `--settle-timeout`, so
 /// that an owner's own answer at its timeout (504, or a late confirmation) wins the race.
 const FORWARD_GRACE: Duration = Duration::from_millis(250);
+/// How long a replica that cannot write its heartbeat waits before it serves without.
+const UNANNOUNCED_AT_MOST: Duration = Duration::from_secs(10);
 /// How often a forwarded settle still waiting looks whether its owner's heartbeat lapsed.
 const OWNER_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How long a forward that found no owner waits before asking once more.
@@ -384,6 +386,8 @@ impl Gateway {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut reported_keys: HashSet<String> = HashSet::new();
         let mut announce_failed = false;
+        // When announcing first failed, while it never succeeded.
+        let mut unannounced_since: Option<tokio::time::Instant> = None;
         let mut bindings = self.bound.clone();
         loop {
             tokio::select! {
@@ -412,6 +416,19 @@ impl Gateway {
                         warn!(error = %format!("{err:#}"), "cannot announce this replica to the others; retrying");
                     }
                     Err(_) => {}
+                }
+                // A stream it can read but never write to (a NATS user without publish
+                // rights on the prefix) must not keep the gateway from serving at all: after
+                // a while it serves unannounced, as a replica without a shared stream does.
+                if !self.announced.load(std::sync::atomic::Ordering::Relaxed) {
+                    let since = *unannounced_since.get_or_insert_with(tokio::time::Instant::now);
+                    if since.elapsed() >= UNANNOUNCED_AT_MOST {
+                        error!(
+                            "this replica could not announce itself for {UNANNOUNCED_AT_MOST:?}: serving without, and other replicas may answer 410 for its leases until it can"
+                        );
+                        self.announced
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
                 }
                 match shared.replicas().await {
                     Ok(records) => self.saw_replicas(records, &mut reported_keys),
