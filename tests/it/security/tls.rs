@@ -395,6 +395,20 @@ async fn a_client_leaving_a_waiting_fetch_over_tls_withdraws_it() {
         }
     };
     let mut stream = wait_for_tls(connect).await;
+    // Ready first: a fetch before then is refused (503) rather than left waiting.
+    let base = https_base(&gateway.url(""));
+    let probe = https_client(client_config(&pki, &[b"h2"], false));
+    wait_until("the gateway is ready", Duration::from_secs(20), || {
+        let (probe, base) = (&probe, &base);
+        async move {
+            probe
+                .get(format!("{base}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|reply| reply.status() == 200)
+        }
+    })
+    .await;
     let body = r#"{"batch":1,"wait_ms":20000}"#;
     stream
         .write_all(
