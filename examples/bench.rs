@@ -1173,6 +1173,27 @@ async fn gateway_loop(
     Ok(())
 }
 
+type WebSocket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// One in-band `ack` operation of `ids`, counted, its send time queued for its answer.
+async fn send_acks(
+    socket: &mut WebSocket,
+    ids: Vec<String>,
+    operations: &AtomicU64,
+    sent_at: &mut std::collections::VecDeque<Instant>,
+) -> anyhow::Result<()> {
+    use futures::SinkExt as _;
+    let frame = json!({ "op": "ack", "ids": ids }).to_string();
+    socket
+        .send(tokio_tungstenite::tungstenite::Message::Text(frame.into()))
+        .await
+        .context("sending an ack operation")?;
+    operations.fetch_add(1, Ordering::Relaxed);
+    sent_at.push_back(Instant::now());
+    Ok(())
+}
+
 /// Drain through `GET /ws`: leases arrive as frames (max_in_flight 1000), and are acked in
 /// band, `per_op` ids an operation (what is left is sent when no frame came for a moment);
 /// a message counts once its `settled` frame says 204.
@@ -1207,14 +1228,7 @@ async fn websocket_loop(
             Err(_) => {
                 if !pending.is_empty() {
                     let ids = std::mem::take(&mut pending);
-                    socket
-                        .send(Frame::Text(
-                            json!({ "op": "ack", "ids": ids }).to_string().into(),
-                        ))
-                        .await
-                        .context("sending an ack operation")?;
-                    operations.fetch_add(1, Ordering::Relaxed);
-                    sent_at.push_back(Instant::now());
+                    send_acks(&mut socket, ids, &operations, &mut sent_at).await?;
                 } else {
                     tally.check_stall()?;
                 }
@@ -1243,14 +1257,7 @@ async fn websocket_loop(
                 pending.push(id);
                 if pending.len() >= per_op {
                     let ids = std::mem::replace(&mut pending, Vec::with_capacity(per_op));
-                    socket
-                        .send(Frame::Text(
-                            json!({ "op": "ack", "ids": ids }).to_string().into(),
-                        ))
-                        .await
-                        .context("sending an ack operation")?;
-                    operations.fetch_add(1, Ordering::Relaxed);
-                    sent_at.push_back(Instant::now());
+                    send_acks(&mut socket, ids, &operations, &mut sent_at).await?;
                 }
             }
             Some("settled") => {

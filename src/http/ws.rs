@@ -2,8 +2,9 @@
 //! lease (`{"type": "message", …}`) within the stream's credit, as `GET /events` does; the
 //! client sends settle operations (`{"op": "ack", "ids": […]}`) and gets one `settled`
 //! frame per operation once the server confirmed it, each id's status what the HTTP settle
-//! would answer. One task per direction: the leases are pulled by a task of their own, so
-//! a frame from the client never interrupts a pull waiting at the server.
+//! would answer. The session's task reads and writes the socket; the leases are pulled by a
+//! task of their own, so a frame from the client never interrupts a pull waiting at the
+//! server.
 //!
 //! May import: as the rest of `http`.
 
@@ -203,14 +204,23 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
     }
 }
 
-/// A lease as its frame: every field of a fetched message, and `"type": "message"`.
+/// A lease's frame: `"type": "message"` and every field of a fetched message, serialized
+/// straight to text (no JSON tree per message).
+#[derive(serde::Serialize)]
+struct LeaseFrame {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    #[serde(flatten)]
+    message: MessageDto,
+}
+
 fn lease_frame(leased: Leased, encoding: super::dto::Encoding) -> Message {
-    let mut frame =
-        serde_json::to_value(MessageDto::new(leased, encoding)).unwrap_or_else(|_| json!({}));
-    if let Some(object) = frame.as_object_mut() {
-        object.insert("type".into(), "message".into());
-    }
-    text(&frame)
+    let frame = LeaseFrame {
+        kind: "message",
+        message: MessageDto::new(leased, encoding),
+    };
+    // Strings, numbers and maps only: cannot fail.
+    Message::Text(serde_json::to_string(&frame).unwrap_or_default().into())
 }
 
 /// Send leases as frames until the stream stops; at shutdown a `shutdown` frame, then (after

@@ -166,10 +166,19 @@ async fn an_idle_stream_says_it_is_alive_and_ends_with_shutdown() {
 async fn a_client_that_leaves_mid_wait_strands_nothing() {
     let (_server, js, gateway) = Setup::consumer("sse-leave").start().await;
     let stream = EventStream::open(&gateway, "").await;
-    // The stream waits at the server; the client goes.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The stream's pull waits at the server; the client goes.
+    wait_until(
+        "the stream's pull waits",
+        Duration::from_secs(5),
+        || async {
+            js.consumer_info(crate::support::STREAM, "sse-leave")
+                .await
+                .num_waiting
+                > 0
+        },
+    )
+    .await;
     drop(stream);
-    tokio::time::sleep(Duration::from_millis(300)).await;
     js.publish("orders.1", "after the client left").await;
     let fetched = gateway.fetch_n(1, 5000).await;
     assert_eq!(
