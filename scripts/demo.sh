@@ -98,7 +98,8 @@ cat >&2 <<EOF
   nats-server $("$NATS_BIN" --version | sed 's/^nats-server: //') with JetStream on $NATS_URL (pid $NATS_PID)
   store: $WORKDIR/jetstream   log: $WORKDIR/nats-server.log
 
-  Starting the gateway on $LISTEN (stream ORDERS, subjects orders.>, consumer billing).
+  Starting the gateway on $LISTEN (stream ORDERS, subjects orders.>, consumer billing;
+  and ORDERS/shipping from deploy/consumers/consumers.toml).
   In another terminal try:
 
     curl -s localhost:$HTTP_PORT/publish -d '{"subject":"orders.created","data":"hello"}'
@@ -111,5 +112,6 @@ EOF
 
 # Not exec: the EXIT trap must still run afterwards to stop nats-server and clean up.
 rc=0
-cargo run --quiet --release --bin ruststream-nats -- --create-stream "$@" || rc=$?
+cargo run --quiet --release --bin ruststream-nats -- --create-stream \
+    --consumers-file "$ROOT/deploy/consumers/consumers.toml" "$@" || rc=$?
 exit "$rc"

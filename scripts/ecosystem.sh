@@ -183,8 +183,16 @@ scrub=()
 while IFS= read -r name; do
     [[ "$name" == RUSTSTREAM_TEST_RUN ]] || scrub+=(-u "$name")
 done < <(compgen -e | grep -E '^(RUSTSTREAM|NATS)_' || true)
+# A named consumer beside the default one: the clients fetch it by name.
+cat >"$WORK/consumers.toml" <<'TOML'
+[[consumer]]
+stream = "ORDERS"
+name = "clients"
+filter_subject = "orders.named.>"
+TOML
 env "${scrub[@]}" RUST_LOG=warn "$GATEWAY_BIN" --nats-url "nats://127.0.0.1:$NATS_PORT" --listen "127.0.0.1:$HTTP_PORT" \
     --create-stream --stream ORDERS --stream-subjects 'orders.>' --consumer ecosystem \
+    --consumers-file "$WORK/consumers.toml" \
     --ack-wait 2s --auth-tokens "$TOKEN *" </dev/null >"$WORK/gateway.log" 2>&1 &
 GATEWAY_PID=$!
 deadline=$((SECONDS + 30))

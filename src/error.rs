@@ -51,6 +51,12 @@ pub(crate) enum Error {
     TimedOut,
     #[error("{0}")]
     NotFound(String),
+    /// The request names a consumer this gateway does not serve (or the server lacks).
+    #[error("{0}")]
+    ConsumerNotFound(String),
+    /// The consumer exists but cannot be served (push, or ack policy not explicit).
+    #[error("{0}")]
+    ConsumerUnsuitable(String),
     #[error("{0}")]
     MethodNotAllowed(String),
     /// No bearer token, or one that is not configured.

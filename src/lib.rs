@@ -90,7 +90,11 @@ pub async fn run(
         ),
         None => None,
     };
-    let (gateway, tasks, fatal_rx) = Gateway::start(config, lease_key);
+    let declared = match &config.consumers_file {
+        Some(path) => config::load_consumers_file(path).map_err(anyhow::Error::msg)?,
+        None => Vec::new(),
+    };
+    let (gateway, tasks, mut fatal_rx) = Gateway::start(config, lease_key, declared);
     let app = http::router(gateway.clone(), auth.clone());
     let reloadable_auth = auth.clone();
     let address = listener
@@ -109,7 +113,7 @@ pub async fn run(
                     gateway.begin_shutdown().await;
                     gateway.settle_grace(grace).await;
                 }
-                Ok(err) = fatal_rx => {
+                Some(err) = fatal_rx.recv() => {
                     if let Ok(mut slot) = fatal.lock() {
                         *slot = Some(err);
                     }

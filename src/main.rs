@@ -44,6 +44,13 @@ fn main() -> ExitCode {
             }
         };
     }
+    // A consumers file that does not parse is a usage error, as a bad flag is (exit 2).
+    if let Some(path) = &config.consumers_file
+        && let Err(why) = ruststream_nats::config::load_consumers_file(path)
+    {
+        eprintln!("error: {why}");
+        return ExitCode::from(2);
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(err) => {

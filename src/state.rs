@@ -48,7 +48,12 @@ pub(crate) struct LeaseState {
 }
 
 impl LeaseState {
-    pub(crate) fn new(signer: LeaseSigner, ack_wait: Duration, max_ack_pending: usize) -> Self {
+    pub(crate) fn new(
+        signer: LeaseSigner,
+        ack_wait: Duration,
+        max_ack_pending: usize,
+        metrics: Metrics,
+    ) -> Self {
         let state = Self {
             finals: Mutex::new(Finals::new(LEASE_MEMORY_MAX)),
             leases: Mutex::new(LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX)),
@@ -66,7 +71,7 @@ impl LeaseState {
             settled: Notify::new(),
             starved: AtomicBool::new(false),
             replicas: AtomicUsize::new(1),
-            metrics: Metrics::new(),
+            metrics,
         };
         state.apply_settings(ack_wait, max_ack_pending);
         state.metrics.replicas(1);

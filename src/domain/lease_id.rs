@@ -6,6 +6,11 @@
 //! cannot be forged without the key; any replica sharing the key can tell whose it is and
 //! forward its settle there, without a shared table.
 //!
+//! Version 3 also carries the stream and consumer names in the clear, so a gateway serving
+//! many consumers knows from the id alone which one to settle it on ([`named_in`]). The
+//! default consumer (`--stream`/`--consumer`) still issues version 2, which releases before
+//! named consumers read: in a fleet being rolled, an old replica can settle its leases.
+//!
 //! May import: the rest of `domain` only.
 
 use base64::Engine;
@@ -147,15 +152,27 @@ pub(crate) struct LeaseCoordinates {
 
 /// Version 2 added the issuing instance.
 const VERSION: u8 = 2;
+/// Version 3 added the stream and consumer names, after the coordinates.
+const VERSION_NAMED: u8 = 3;
 const BODY_LEN: usize = 1 + 8 + 4 + 8 * 4;
+/// The longest stream or consumer name a version 3 id carries (one length byte each);
+/// NATS allows 255 bytes for a stream.
+pub(crate) const MAX_NAME_LEN: usize = 255;
 /// 128 bits of tag: unguessable, and keeps ids short enough to paste into a curl line.
 const TAG_LEN: usize = 16;
 const ID_LEN: usize = BODY_LEN + TAG_LEN;
+/// The longest id: version 3 with the longest names, in unpadded base64.
+const MAX_ID_CHARS: usize = (4 * (ID_LEN + 2 + 2 * MAX_NAME_LEN)).div_ceil(3);
 
 /// Signs and verifies lease ids for one stream/consumer pair, issuing them as one instance.
 pub(crate) struct LeaseSigner {
     mac: HmacSha256,
     owner: InstanceId,
+    /// The length-prefixed names, as a version 3 id carries them after its coordinates
+    /// (`None` for names too long to carry).
+    names: Option<Vec<u8>>,
+    /// Whether the ids issued are version 3 (they name their consumer).
+    issue_named: bool,
     /// See [`LeaseSigner::key_fingerprint`].
     fingerprint: String,
 }
@@ -178,15 +195,35 @@ impl LeaseSigner {
         mac.update(&[0]);
         mac.update(consumer.as_bytes());
         mac.update(&[0]);
+        let names = match (u8::try_from(stream.len()), u8::try_from(consumer.len())) {
+            (Ok(stream_len), Ok(consumer_len)) => {
+                let mut names = Vec::with_capacity(2 + stream.len() + consumer.len());
+                names.push(stream_len);
+                names.extend_from_slice(stream.as_bytes());
+                names.push(consumer_len);
+                names.extend_from_slice(consumer.as_bytes());
+                Some(names)
+            }
+            _ => None,
+        };
         let mut signer = Self {
             mac,
             owner,
+            names,
+            issue_named: false,
             fingerprint: String::new(),
         };
         // Distinct from any id body: those start with the version byte and are BODY_LEN long.
         let tag = signer.tag(b"ruststream-nats lease key fingerprint");
         signer.fingerprint = tag[..8].iter().map(|byte| format!("{byte:02x}")).collect();
         signer
+    }
+
+    /// Issue version 3 ids, which name the stream and consumer in the clear; names longer
+    /// than [`MAX_NAME_LEN`] keep version 2. Both versions verify either way.
+    pub(crate) fn naming(mut self) -> Self {
+        self.issue_named = self.names.is_some();
+        self
     }
 
     /// The instance whose ids this signer issues.
@@ -202,33 +239,53 @@ impl LeaseSigner {
     }
 
     pub(crate) fn encode(&self, lease: &LeaseCoordinates) -> String {
-        let mut raw = [0u8; ID_LEN];
-        raw[0] = VERSION;
-        raw[1..9].copy_from_slice(&self.owner.0.to_be_bytes());
-        raw[9..13].copy_from_slice(&lease.epoch.to_be_bytes());
-        raw[13..21].copy_from_slice(&lease.key.stream_sequence.to_be_bytes());
-        raw[21..29].copy_from_slice(&lease.consumer_sequence.to_be_bytes());
-        raw[29..37].copy_from_slice(&lease.key.delivered.to_be_bytes());
-        raw[37..45].copy_from_slice(&lease.published_unix_nanos.to_be_bytes());
-        let tag = self.tag(&raw[..BODY_LEN]);
-        raw[BODY_LEN..].copy_from_slice(&tag[..TAG_LEN]);
+        let names = match &self.names {
+            Some(names) if self.issue_named => names.as_slice(),
+            _ => &[],
+        };
+        let mut raw = Vec::with_capacity(ID_LEN + names.len());
+        raw.push(if names.is_empty() {
+            VERSION
+        } else {
+            VERSION_NAMED
+        });
+        raw.extend_from_slice(&self.owner.0.to_be_bytes());
+        raw.extend_from_slice(&lease.epoch.to_be_bytes());
+        raw.extend_from_slice(&lease.key.stream_sequence.to_be_bytes());
+        raw.extend_from_slice(&lease.consumer_sequence.to_be_bytes());
+        raw.extend_from_slice(&lease.key.delivered.to_be_bytes());
+        raw.extend_from_slice(&lease.published_unix_nanos.to_be_bytes());
+        raw.extend_from_slice(names);
+        let tag = self.tag(&raw);
+        raw.extend_from_slice(&tag[..TAG_LEN]);
         URL_SAFE_NO_PAD.encode(raw)
     }
 
     /// The issuer and coordinates of a genuine id (this instance's or another's with the
-    /// same key); `None` for anything malformed, truncated or forged.
+    /// same key) of this signer's consumer, in either version; `None` for anything
+    /// malformed, truncated, forged, or of another consumer.
     pub(crate) fn decode(&self, id: &str) -> Option<SignedLease> {
-        if id.len() != URL_SAFE_NO_PAD.encode([0u8; ID_LEN]).len() {
+        // Bounded before decoding: nothing longer than the longest names is an id.
+        if id.len() > MAX_ID_CHARS {
             return None;
         }
         let raw = URL_SAFE_NO_PAD.decode(id).ok()?;
-        if raw.len() != ID_LEN || raw[0] != VERSION {
-            return None;
-        }
+        let signed_len = match *raw.first()? {
+            VERSION if raw.len() == ID_LEN => BODY_LEN,
+            VERSION_NAMED => {
+                let names = self.names.as_deref()?;
+                let signed_len = BODY_LEN + names.len();
+                if raw.len() != signed_len + TAG_LEN || &raw[BODY_LEN..signed_len] != names {
+                    return None;
+                }
+                signed_len
+            }
+            _ => return None,
+        };
         let mut mac = self.mac.clone();
-        mac.update(&raw[..BODY_LEN]);
+        mac.update(&raw[..signed_len]);
         // Constant-time comparison of the truncated tag.
-        mac.verify_truncated_left(&raw[BODY_LEN..]).ok()?;
+        mac.verify_truncated_left(&raw[signed_len..]).ok()?;
         let word = |at: usize| {
             let mut bytes = [0u8; 8];
             bytes.copy_from_slice(&raw[at..at + 8]);
@@ -255,6 +312,29 @@ impl LeaseSigner {
         mac.update(body);
         mac.finalize().into_bytes().to_vec()
     }
+}
+
+/// The stream and consumer a version 3 id names, unverified: which consumer's signer to
+/// ask. `None` for a version 2 id (the default consumer's) or anything else.
+pub(crate) fn named_in(id: &str) -> Option<(String, String)> {
+    if id.len() > MAX_ID_CHARS {
+        return None;
+    }
+    let raw = URL_SAFE_NO_PAD.decode(id).ok()?;
+    if raw.first() != Some(&VERSION_NAMED) {
+        return None;
+    }
+    let rest = raw.get(BODY_LEN..raw.len().checked_sub(TAG_LEN)?)?;
+    let (stream, rest) = length_prefixed(rest)?;
+    let (consumer, rest) = length_prefixed(rest)?;
+    rest.is_empty()
+        .then(|| (stream.to_owned(), consumer.to_owned()))
+}
+
+fn length_prefixed(bytes: &[u8]) -> Option<(&str, &[u8])> {
+    let (&len, rest) = bytes.split_first()?;
+    let (name, rest) = rest.split_at_checked(usize::from(len))?;
+    Some((std::str::from_utf8(name).ok()?, rest))
 }
 
 #[cfg(test)]
@@ -344,6 +424,34 @@ mod tests {
         assert_eq!(
             replica.decode(&id).map(|signed| signed.owner),
             Some(InstanceId(1))
+        );
+    }
+
+    #[test]
+    fn named_ids_carry_their_consumer_and_verify_only_for_it() {
+        let billing = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1)).naming();
+        let id = billing.encode(&sample());
+        assert_eq!(
+            named_in(&id),
+            Some(("ORDERS".to_owned(), "billing".to_owned()))
+        );
+        assert_eq!(
+            billing.decode(&id).map(|signed| signed.lease),
+            Some(sample())
+        );
+        // The same key, another consumer: neither version crosses over.
+        let shipping = LeaseSigner::with_key(b"key", "ORDERS", "shipping", InstanceId(1)).naming();
+        assert_eq!(shipping.decode(&id), None);
+        assert_eq!(billing.decode(&shipping.encode(&sample())), None);
+        // A version 2 id (the default consumer's) names nothing and still verifies.
+        let default = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
+        let old = default.encode(&sample());
+        assert_eq!(named_in(&old), None);
+        assert!(billing.decode(&old).is_some());
+        assert_eq!(
+            default.decode(&id).map(|signed| signed.lease),
+            Some(sample()),
+            "a consumer served as the default reads the ids it issued as a named one"
         );
     }
 

@@ -4,6 +4,7 @@
 //! May import: nothing of the crate but `domain` itself (async-nats types such as a
 //! delivery's subject and headers pass through as plain values).
 
+pub(crate) mod consumers;
 pub(crate) mod delivery;
 pub(crate) mod finals;
 pub(crate) mod idempotency;

@@ -1,414 +1,441 @@
-//! The gateway core: fetch, settle, extend and inspect, over the lease table, the dispatcher
-//! and the NATS boundary. HTTP handlers call this and only this.
+//! The gateway as the HTTP layer sees it: one process serving many consumers. It finds the
+//! consumer a request names (the default one, one of the consumers file, or an existing one
+//! bound on first use), routes a settle to the consumer its lease id names, publishes to any
+//! stream it serves a consumer of, and drains them all at shutdown.
 //!
-//! A supervisor task keeps the NATS connection bound to the consumer (retrying while NATS is
-//! away, rebinding after a reconnect or a deleted consumer) and publishes the binding on a
-//! watch channel; the dispatcher and every request read the current binding from there.
+//! The layout says what is whose: [`consumer`] holds everything per consumer (lease table,
+//! dispatcher, binding supervisor, replica view, idempotency); [`process`] and
+//! [`connection`] what the process shares; [`registry`] which consumers are served;
+//! [`declared`] the consumers file kept in force.
 //!
 //! May import: `dispatch`, `nats`, `state`, `domain`, `config`, `error`, `metrics`. Never `http`.
 
-mod fetch;
-mod replicas;
-mod settle;
-mod stream;
-mod supervisor;
+mod connection;
+mod consumer;
+mod declared;
+mod existing;
+mod process;
+mod registry;
 
-pub(crate) use fetch::{Caller, Idempotency};
-pub(crate) use stream::{LeaseStream, Step};
+pub(crate) use consumer::{Caller, Idempotency, LeaseStream, Step};
+pub(crate) use consumer::{Consumer, SettleResult};
+pub(crate) use registry::Source;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use futures::future::join_all;
 use time::OffsetDateTime;
-use tokio::sync::{mpsc, oneshot, watch};
-use tokio::time::Instant;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::error;
 
-use crate::config::Config;
-use crate::dispatch::{Command, Dispatcher};
-use crate::domain::idempotency::IdempotencyCache;
-use crate::domain::lease_id::{InstanceId, LeaseKey, LeaseSigner};
-use crate::domain::seal::Sealer;
-use crate::domain::subject;
+use crate::config::{Config, ConsumerSpec};
+use crate::domain::consumers::ConsumerName;
+use crate::domain::lease_id::{LeaseKey, named_in};
+use crate::domain::settle::AckCommand;
 use crate::error::Error;
-use crate::metrics::{Metrics, Snapshot};
-use crate::nats::publish::PublishFailure;
-use crate::nats::replicas::{ReplicaRecord, Subjects};
-use crate::nats::settle::{self as nats_settle};
-use crate::nats::trust::Trust;
-use crate::nats::{self, Bound, Client};
-use crate::state::LeaseState;
-use supervisor::{Background, supervise};
+use crate::metrics::{CONSUMER_SOURCES, ProcessMetrics};
+use connection::Connection;
+use process::Process;
+use registry::{Registry, Served};
 
-/// The gateway as the HTTP layer sees it. Cheap to clone.
-#[derive(Clone)]
-pub(crate) struct Gateway {
-    state: Arc<LeaseState>,
-    /// The NATS client once created (it reconnects by itself), for the connection gauge.
-    client: Arc<OnceLock<Client>>,
-    commands: mpsc::Sender<Command>,
-    bound: watch::Receiver<Option<Arc<Bound>>>,
-    /// Whether the NATS connection is up (from its events) and the binding checked since
-    /// the last reconnect; waiting fetches watch it.
-    nats_up: watch::Receiver<bool>,
-    accepting: Arc<AtomicBool>,
-    next_fetch: Arc<AtomicU64>,
-    config: Arc<Config>,
-    idempotency: Arc<IdempotencyCache>,
-    /// This process, as its lease ids name it.
-    instance: InstanceId,
-    started_at: OffsetDateTime,
-    /// What replicas on the consumer send each other.
-    subjects: Arc<Subjects>,
-    /// The live replicas' last heartbeats (this one's included once it beat).
-    replicas: Arc<Mutex<Vec<ReplicaRecord>>>,
-    /// True while other replicas are live and, all together, hold max_ack_pending
-    /// deliveries: a fetch here would get nothing from the server.
-    consumer_full: watch::Receiver<bool>,
-    /// Whether this replica listens for settles other replicas forward: until it does, a
-    /// lease it issued could not be settled elsewhere, so it is not ready.
-    forwarding: Arc<AtomicBool>,
-    /// Whether this replica's heartbeat is in the shared stream (or there is none): until
-    /// it is, another replica could take its leases for a dead owner's, so it issues none.
-    announced: Arc<AtomicBool>,
-    /// The seal on what this replica sends other replicas, and what it believes of theirs.
-    trust: Arc<Trust>,
+/// Which consumer a request is for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Target<'a> {
+    /// `POST /fetch`, `GET /consumer`: `--stream`/`--consumer`.
+    Default,
+    /// `/streams/{stream}/consumers/{consumer}/…`.
+    Named(&'a ConsumerName),
 }
 
-/// Handles to the background tasks, for an orderly stop.
-pub(crate) struct Tasks {
-    stop: CancellationToken,
-    dispatcher: tokio::task::JoinHandle<()>,
-}
+/// Whether the caller may settle leases of a consumer (its token's `settle` scopes).
+pub(crate) type May<'a> = &'a (dyn Fn(&ConsumerName) -> bool + Sync);
 
-/// What a settle of one lease came to.
-pub(crate) type SettleResult = Result<(), Error>;
-
-/// What a successful settle sent to the server.
-enum Sent {
-    /// The settle, confirmed by the server.
-    Confirmed,
-    /// Nothing: the lease was already settled this way.
-    Nothing,
-}
-
-/// Consumer state for `GET /consumer`.
-pub(crate) struct ConsumerStatus {
-    pub(crate) info: async_nats::jetstream::consumer::Info,
+/// One served consumer, as `GET /consumers` lists it.
+pub(crate) struct Listing {
+    pub(crate) name: ConsumerName,
+    pub(crate) source: Source,
+    pub(crate) bound: bool,
     pub(crate) leases_in_flight: usize,
 }
 
+/// The process-wide gateway. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Gateway(Arc<Inner>);
+
+struct Inner {
+    process: Arc<Process>,
+    registry: Registry,
+    accepting: AtomicBool,
+    /// Where the error that stops the process goes (a consumer given at start that cannot
+    /// be served as configured, a connection that cannot be made).
+    fatal: mpsc::Sender<anyhow::Error>,
+    /// Serializes binding consumers on demand, so two first requests bind one.
+    binding: tokio::sync::Mutex<()>,
+    stop: CancellationToken,
+}
+
+/// What [`Gateway::stop`] stops.
+pub(crate) struct Tasks {
+    stop: CancellationToken,
+}
+
 impl Gateway {
-    /// Start the supervisor and the dispatcher, signing lease ids with `lease_key` (random
-    /// when `None`). Returns at once; NATS is reached in the background. The receiver gets
-    /// the error that makes the gateway unable to work as configured (missing stream,
-    /// immutable consumer field differs), if one comes.
+    /// Start serving the default consumer (unless `--no-default-consumer`) and `declared`,
+    /// signing lease ids with `lease_key` (random when `None`). Returns at once; NATS is
+    /// reached in the background. The receiver gets the error that makes the gateway unable
+    /// to work as configured, if one comes.
     pub(crate) fn start(
         config: Config,
         lease_key: Option<LeaseKey>,
-    ) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
-        let instance = InstanceId::random();
-        // Without a key file nothing is shared: lease ids and seals die with the process.
-        let key = match &lease_key {
-            Some(key) => key.bytes().to_vec(),
-            None => rand::random::<[u8; 32]>().to_vec(),
-        };
-        let signer = LeaseSigner::with_key(&key, &config.stream, &config.consumer, instance);
-        let state = Arc::new(LeaseState::new(
-            signer,
-            config.ack_wait,
-            config.max_ack_pending as usize,
-        ));
-        let trust = Arc::new(Trust::new(
-            Sealer::new(&key, instance),
-            config.accept_unsigned_replicas,
-            state.metrics.internal_messages_rejected(),
-        ));
-        let client = Arc::new(OnceLock::new());
+        declared: Vec<ConsumerSpec>,
+    ) -> (Self, Tasks, mpsc::Receiver<anyhow::Error>) {
         let config = Arc::new(config);
-        let (commands_tx, commands_rx) = mpsc::channel(1024);
-        let (bound_tx, bound_rx) = watch::channel(None);
-        let (connected_tx, nats_up) = watch::channel(false);
-        let (fatal_tx, fatal_rx) = oneshot::channel();
         let stop = CancellationToken::new();
-
-        let dispatcher = Dispatcher::new(state.clone());
-        let dispatcher = tokio::spawn({
-            let bound_rx = bound_rx.clone();
-            let capacity_freed = state.capacity_freed();
-            let stop = stop.clone();
-            async move {
-                tokio::select! {
-                    () = dispatcher.run(commands_rx, bound_rx, capacity_freed) => {}
-                    () = stop.cancelled() => {}
-                }
-            }
-        });
+        let metrics = Arc::new(ProcessMetrics::new());
+        let (fatal_tx, fatal_rx) = mpsc::channel(4);
+        let (connection_fatal_tx, connection_fatal) = tokio::sync::oneshot::channel();
+        let connection = Connection::open(
+            config.clone(),
+            metrics.clone(),
+            connection_fatal_tx,
+            stop.clone(),
+        );
         tokio::spawn({
-            let config = config.clone();
-            let state = state.clone();
-            let trust = trust.clone();
-            let commands = commands_tx.clone();
-            let stop = stop.clone();
-            let client = client.clone();
+            let fatal = fatal_tx.clone();
             async move {
-                let background = Background {
-                    stop: stop.clone(),
-                    state: state.clone(),
-                    client,
-                    connected: connected_tx,
-                    trust,
-                };
-                tokio::select! {
-                    result = supervise(&config, &state, bound_tx, commands, background) => {
-                        if let Err(err) = result {
-                            let _ = fatal_tx.send(err);
-                        }
-                    }
-                    () = stop.cancelled() => {}
+                if let Ok(err) = connection_fatal.await {
+                    let _ = fatal.send(err).await;
                 }
             }
         });
-        let (consumer_full_tx, consumer_full) = watch::channel(false);
-        let subjects = Arc::new(Subjects::new(
-            &config.internal_prefix,
-            &config.stream,
-            &config.consumer,
-        ));
-        let gateway = Self {
-            state,
-            client,
-            commands: commands_tx,
-            bound: bound_rx,
-            nats_up,
-            accepting: Arc::new(AtomicBool::new(true)),
-            next_fetch: Arc::new(AtomicU64::new(1)),
-            config,
-            idempotency: Arc::default(),
-            instance,
-            started_at: OffsetDateTime::now_utc(),
-            subjects,
-            replicas: Arc::default(),
-            consumer_full,
-            forwarding: Arc::default(),
-            announced: Arc::default(),
-            trust,
-        };
-        tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
-        tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
-        let tasks = Tasks { stop, dispatcher };
-        (gateway, tasks, fatal_rx)
+        let default = (!config.no_default_consumer)
+            .then(|| ConsumerName::new(&config.stream, &config.consumer));
+        let process = Arc::new(Process::new(config.clone(), lease_key, metrics, connection));
+        let gateway = Self(Arc::new(Inner {
+            process,
+            registry: Registry::new(default.clone()),
+            accepting: AtomicBool::new(true),
+            fatal: fatal_tx,
+            binding: tokio::sync::Mutex::new(()),
+            stop: stop.clone(),
+        }));
+        if let Some(name) = default {
+            gateway.serve(name, (*config).clone(), Source::Default, true);
+        }
+        for spec in &declared {
+            gateway.serve_declared(spec, true);
+        }
+        if let Some(path) = &config.consumers_file {
+            tokio::spawn(declared::keep_in_force(
+                gateway.clone(),
+                path.clone(),
+                declared,
+                stop.clone(),
+            ));
+        }
+        if config.serve_existing.is_some() {
+            tokio::spawn(gateway.clone().unbind_idle(stop.clone()));
+        }
+        (gateway, Tasks { stop }, fatal_rx)
     }
 
     pub(crate) fn config(&self) -> &Config {
-        &self.config
+        &self.0.process.config
     }
 
-    fn bound(&self) -> Result<Arc<Bound>, Error> {
-        self.bound.borrow().clone().ok_or_else(|| {
-            // No NATS address here: anyone may read /readyz, and the address is no one's business.
-            Error::Unavailable("consumer not bound (NATS unreachable or starting)".into())
-        })
+    pub(crate) fn metrics(&self) -> &ProcessMetrics {
+        &self.0.process.metrics
     }
 
-    /// The binding, once connected and checked since the last reconnect.
-    fn connected(&self) -> Result<Arc<Bound>, Error> {
-        let bound = self.bound()?;
-        if !bound.is_connected() || !*self.nats_up.borrow() {
-            return Err(Error::Unavailable(
-                "the connection to NATS is down; retrying".into(),
-            ));
-        }
-        Ok(bound)
-    }
-
-    /// Why the gateway is not ready, in words safe for anyone (no address, no names).
-    pub(crate) fn readiness(&self) -> Result<(), Error> {
-        if !self.accepting.load(Ordering::Relaxed) {
-            return Err(Error::ShuttingDown);
-        }
-        self.connected().map(drop).map_err(|err| match err {
-            Error::Unavailable(_) if self.bound.borrow().is_some() => {
-                Error::Unavailable("not connected to NATS".into())
+    /// Start serving `name` with `config`; `at_start`: an error that makes it unusable stops
+    /// the process (else it is logged and the consumer no longer served).
+    fn serve(
+        &self,
+        name: ConsumerName,
+        config: Config,
+        source: Source,
+        at_start: bool,
+    ) -> Arc<Served> {
+        // The default consumer's ids stay version 2, which releases before this one read.
+        let names_in_ids = source != Source::Default;
+        let (consumer, tasks, fatal) =
+            Consumer::start(config, self.0.process.clone(), names_in_ids);
+        let served = Arc::new(Served::new(consumer, source, tasks));
+        let served = self.0.registry.insert(name.clone(), served);
+        self.count_consumers();
+        let gateway = self.clone();
+        tokio::spawn(async move {
+            let Ok(err) = fatal.await else { return };
+            if at_start {
+                let _ = gateway.0.fatal.send(err).await;
+            } else {
+                error!(consumer = %name, error = %format!("{err:#}"), "cannot serve this consumer; it is no longer served");
+                gateway.unserve(&name).await;
             }
-            other => other,
-        })?;
-        self.known_to_replicas()
+        });
+        served
     }
 
-    /// Whether the other replicas can tell this one's leases from a dead owner's: it
-    /// listens for the settles they forward and its heartbeat is in the shared stream.
-    fn known_to_replicas(&self) -> Result<(), Error> {
-        if !self.forwarding.load(Ordering::Relaxed) {
-            return Err(Error::Unavailable(
-                "not yet listening for settles forwarded by other replicas".into(),
-            ));
+    /// Serve a consumer of the consumers file.
+    fn serve_declared(&self, spec: &ConsumerSpec, at_start: bool) {
+        let name = ConsumerName::new(&spec.stream, &spec.name);
+        let config = self.config().for_declared(spec);
+        self.serve(name, config, Source::File, at_start);
+    }
+
+    /// Stop serving `name` now: its tasks stop, its memory and series go.
+    async fn unserve(&self, name: &ConsumerName) {
+        if let Some(served) = self.0.registry.remove(name) {
+            self.count_consumers();
+            if let Some(tasks) = served.take_tasks() {
+                served.consumer.stop(tasks).await;
+            }
+            served.consumer.forget_metrics();
         }
-        if !self.announced.load(Ordering::Relaxed) {
-            return Err(Error::Unavailable(
-                "not yet announced to the other replicas".into(),
-            ));
+    }
+
+    fn count_consumers(&self) {
+        let all = self.0.registry.all();
+        for source in CONSUMER_SOURCES {
+            let count = all
+                .iter()
+                .filter(|(_, served)| served.source.as_str() == source)
+                .count();
+            self.metrics().consumers(source, count);
         }
-        Ok(())
     }
 
-    pub(crate) fn leases_in_flight(&self) -> usize {
-        self.state.in_flight()
-    }
-
-    /// The gateway's metrics, for recording from the HTTP layer.
-    pub(crate) fn metrics(&self) -> &Metrics {
-        &self.state.metrics
-    }
-
-    /// The Prometheus text exposition, with the state-mirroring gauges read now.
-    pub(crate) fn render_metrics(&self) -> String {
-        let (leases_in_flight, delayed_naks, expired) = {
-            let mut leases = self.state.leases();
-            let in_flight = leases.in_flight(Instant::now());
-            (in_flight, leases.delayed_naks(), leases.take_expired())
+    /// The consumer a fetch, a stream or a status request is for.
+    pub(crate) async fn consumer(&self, target: Target<'_>) -> Result<Consumer, Error> {
+        let served = match target {
+            Target::Default => self.0.registry.default_consumer().ok_or_else(|| {
+                Error::NotFound(
+                    "this gateway serves no default consumer (--no-default-consumer); name one: /streams/{stream}/consumers/{consumer}/fetch".into(),
+                )
+            })?,
+            Target::Named(name) => match self.0.registry.get(name) {
+                Some(served) if !served.is_retired() => served,
+                Some(_) => {
+                    return Err(Error::ConsumerNotFound(format!(
+                        "consumer {name} is no longer served (removed from the consumers file); its live leases still settle"
+                    )));
+                }
+                None => self.bind_existing(name).await?,
+            },
         };
-        let metrics = &self.state.metrics;
-        metrics.leases_expired(expired);
-        let nats_connected = self.client.get().is_some_and(nats::is_connected);
-        metrics.render(Snapshot {
-            leases_in_flight,
-            delayed_naks,
-            max_ack_pending: self.state.max_ack_pending(),
-            ack_wait: self.state.ack_wait(),
-            nats_connected,
-        })
+        served.touch();
+        Ok(served.consumer.clone())
     }
 
-    /// The server's view of the consumer plus the gateway's leases.
-    pub(crate) async fn status(&self) -> Result<ConsumerStatus, Error> {
-        let bound = self.connected()?;
-        let info = nats::publish::consumer_info(&bound)
-            .await
-            .map_err(|err| Error::Unavailable(format!("{err:#}")))?;
-        Ok(ConsumerStatus {
-            info,
-            leases_in_flight: self.leases_in_flight(),
-        })
+    /// The consumer a lease id names: a version 3 id by its names, a version 2 id (the
+    /// default consumer's, or an earlier release's) by whichever served consumer signed it.
+    async fn served_for_lease(&self, id: &str) -> Option<Arc<Served>> {
+        if let Some((stream, consumer)) = named_in(id) {
+            let name = ConsumerName::new(&stream, &consumer);
+            return match self.0.registry.get(&name) {
+                Some(served) => Some(served),
+                None => self.bind_existing(&name).await.ok(),
+            };
+        }
+        if let Some(served) = self.0.registry.default_consumer() {
+            return Some(served);
+        }
+        self.0
+            .registry
+            .all()
+            .into_iter()
+            .map(|(_, served)| served)
+            .find(|served| served.consumer.signed(id))
     }
 
-    /// Publish to the stream (subject already validated against the stream's subjects).
+    /// The consumer a lease id names, if the caller `may` settle there: 404 for an id of
+    /// no served consumer, 403 for one of a consumer the caller's token does not reach.
+    async fn lease_for(&self, id: &str, may: May<'_>) -> Result<Arc<Served>, Error> {
+        let served = self.served_for_lease(id).await.ok_or(Error::UnknownLease)?;
+        if !may(&served.consumer.name()) {
+            return Err(Error::Forbidden { scope: "settle" });
+        }
+        served.touch();
+        Ok(served)
+    }
+
+    /// Ack, nak or term one lease, on the consumer its id names.
+    pub(crate) async fn settle(
+        &self,
+        id: &str,
+        command: &AckCommand,
+        may: May<'_>,
+    ) -> SettleResult {
+        let served = self.lease_for(id, may).await?;
+        served.consumer.settle(id, command).await
+    }
+
+    /// Settle every id on the consumer it names, consumers concurrently; the results in the
+    /// order of `ids`.
+    pub(crate) async fn settle_many(
+        &self,
+        ids: &[String],
+        command: &AckCommand,
+        may: May<'_>,
+    ) -> Vec<SettleResult> {
+        let mut groups: Vec<(Arc<Served>, Vec<usize>)> = Vec::new();
+        let mut results: Vec<Option<SettleResult>> = vec![None; ids.len()];
+        for (at, id) in ids.iter().enumerate() {
+            match self.lease_for(id, may).await {
+                Ok(served) => match groups
+                    .iter_mut()
+                    .find(|(group, _)| Arc::ptr_eq(group, &served))
+                {
+                    Some((_, positions)) => positions.push(at),
+                    None => groups.push((served, vec![at])),
+                },
+                Err(err) => results[at] = Some(Err(err)),
+            }
+        }
+        let settled = join_all(groups.iter().map(|(served, positions)| async move {
+            let ids: Vec<String> = positions.iter().map(|at| ids[*at].clone()).collect();
+            served.consumer.settle_many(&ids, command).await
+        }))
+        .await;
+        for ((_, positions), outcomes) in groups.iter().zip(settled) {
+            for (at, outcome) in positions.iter().zip(outcomes) {
+                results[*at] = Some(outcome);
+            }
+        }
+        results
+            .into_iter()
+            .map(|result| result.unwrap_or(Err(Error::UnknownLease)))
+            .collect()
+    }
+
+    /// Extend one lease by the consumer's ack_wait.
+    pub(crate) async fn extend(&self, id: &str, may: May<'_>) -> Result<OffsetDateTime, Error> {
+        let served = self.lease_for(id, may).await?;
+        served.consumer.extend(id).await
+    }
+
+    /// Publish to whichever served stream captures `subject`.
     pub(crate) async fn publish(
         &self,
         subject: String,
         headers: async_nats::HeaderMap,
         payload: bytes::Bytes,
     ) -> Result<async_nats::jetstream::publish::PublishAck, Error> {
-        let bound = self.connected()?;
-        if !bound
-            .stream_subjects
-            .iter()
-            .any(|filter| subject::matches(filter, &subject))
-        {
+        let mut served: Vec<Arc<Served>> = self
+            .0
+            .registry
+            .all()
+            .into_iter()
+            .map(|(_, served)| served)
+            .filter(|served| !served.is_retired())
+            .collect();
+        // The default consumer first: its stream's error is the one a single-consumer
+        // gateway has always answered.
+        served.sort_by_key(|served| served.source != Source::Default);
+        let mut first_refusal = None;
+        for served in &served {
+            match served.consumer.captures(&subject) {
+                Ok(true) => return served.consumer.publish(subject, headers, payload).await,
+                Ok(false) => {}
+                Err(err) => {
+                    first_refusal.get_or_insert(err);
+                }
+            }
+        }
+        let Some(first) = served.first() else {
             return Err(Error::invalid(
                 "subject",
-                format!(
-                    "stream {} does not capture subject {subject:?}; it captures {}",
-                    self.config.stream,
-                    bound.stream_subjects.join(", ")
-                ),
+                "this gateway serves no consumer yet, so no stream to publish to",
             ));
+        };
+        if let Some(err) = first_refusal {
+            return Err(err);
         }
-        nats::publish::publish(
-            &bound,
-            subject,
-            headers,
-            payload,
-            self.config.settle_timeout,
-        )
-        .await
-        .map_err(|failure| match failure {
-            PublishFailure::Expectation(detail) => Error::PublishPrecondition(detail),
-            PublishFailure::Refused(detail) => Error::invalid("headers", detail),
-            PublishFailure::Unavailable(detail) => Error::Unavailable(detail),
-        })
+        // No stream captures it: the default consumer's own error names its subjects.
+        first.consumer.publish(subject, headers, payload).await
+    }
+
+    /// What `GET /consumers` lists.
+    pub(crate) fn list(&self) -> Vec<Listing> {
+        self.0
+            .registry
+            .all()
+            .into_iter()
+            .filter(|(_, served)| !served.is_retired())
+            .map(|(name, served)| Listing {
+                name,
+                source: served.source,
+                bound: served.consumer.is_bound(),
+                leases_in_flight: served.consumer.leases_in_flight(),
+            })
+            .collect()
+    }
+
+    /// Why the gateway is not ready, in words safe for anyone: the consumers it serves from
+    /// the start (default and file) must be bound and announced; with none, NATS reached.
+    pub(crate) fn readiness(&self) -> Result<(), Error> {
+        if !self.0.accepting.load(Ordering::Relaxed) {
+            return Err(Error::ShuttingDown);
+        }
+        let mut any = false;
+        for (_, served) in self.0.registry.all() {
+            if served.source != Source::Existing && !served.is_retired() {
+                served.consumer.readiness()?;
+                any = true;
+            }
+        }
+        if !any && !self.0.process.connection.is_connected() {
+            return Err(Error::Unavailable("not connected to NATS".into()));
+        }
+        Ok(())
+    }
+
+    /// The Prometheus text exposition, with the state-mirroring gauges read now.
+    pub(crate) fn render_metrics(&self) -> String {
+        for (_, served) in self.0.registry.all() {
+            served.consumer.take_in_metrics();
+        }
+        self.metrics()
+            .render(self.0.process.connection.is_connected())
     }
 
     /// Stop taking fetches and answer the waiting ones now.
     pub(crate) async fn begin_shutdown(&self) {
-        self.accepting.store(false, Ordering::Relaxed);
-        let _ = self.commands.send(Command::Shutdown).await;
+        self.0.accepting.store(false, Ordering::Relaxed);
+        let all = self.0.registry.all();
+        join_all(
+            all.iter()
+                .map(|(_, served)| served.consumer.begin_shutdown()),
+        )
+        .await;
     }
 
-    /// Wait until no lease is in flight, or `grace` has passed.
+    /// Wait until no lease is in flight on any consumer, or `grace` has passed.
     pub(crate) async fn settle_grace(&self, grace: Duration) {
-        let deadline = Instant::now() + grace;
-        loop {
-            let settled = self.state.settled();
-            tokio::pin!(settled);
-            // Registered before looking, so a settle landing in between is not missed.
-            settled.as_mut().enable();
-            let in_flight = self.state.in_flight();
-            if in_flight == 0 {
-                return;
-            }
-            if Instant::now() >= deadline {
-                // What becomes of these leases is said once, by `stop`, when it knows.
-                return;
-            }
-            let wake = self
-                .state
-                .next_expiry()
-                .filter(|at| *at > Instant::now())
-                .map_or(deadline, |at| at.min(deadline));
-            tokio::select! {
-                () = settled => {}
-                () = tokio::time::sleep_until(wake) => {}
-            }
-        }
+        let all = self.0.registry.all();
+        join_all(
+            all.iter()
+                .map(|(_, served)| served.consumer.settle_grace(grace)),
+        )
+        .await;
     }
 
-    /// Stop the background tasks, nak unleased deliveries and flush NATS.
+    /// Stop every consumer (naking what is still out) and the shared tasks.
     pub(crate) async fn stop(&self, tasks: Tasks) {
-        let _ = self.commands.send(Command::Stop).await;
-        if tokio::time::timeout(Duration::from_secs(5), tasks.dispatcher)
-            .await
-            .is_err()
-        {
-            warn!("the dispatcher did not stop in time");
-        }
-        // Leases still out after the grace can no longer be settled through this process:
-        // nak them, so the server redelivers them now rather than after ack_wait.
-        let revoked = self.state.leases().revoke_live(Instant::now());
-        if !revoked.is_empty() {
-            let naked = match self.connected() {
-                Ok(bound) => {
-                    // Bounded as a whole: a connection that drops now must not hold up the
-                    // exit (the server then redelivers after ack_wait, as after a crash).
-                    let naks = async {
-                        for reply in &revoked {
-                            nats_settle::release(&bound, reply).await;
-                        }
-                    };
-                    tokio::time::timeout(Duration::from_secs(2), naks)
-                        .await
-                        .is_ok()
-                }
-                Err(_) => false,
-            };
-            if naked {
-                info!(
-                    count = revoked.len(),
-                    "shutdown grace over with leases still out: nak'd them, the server redelivers them at once"
-                );
-            } else {
-                warn!(
-                    count = revoked.len(),
-                    "shutdown grace over with leases still out: NATS unreachable, the server redelivers them after ack_wait"
-                );
+        let all = self.0.registry.all();
+        join_all(all.iter().map(|(_, served)| async move {
+            if let Some(tasks) = served.take_tasks() {
+                served.consumer.stop(tasks).await;
             }
-        }
-        self.withdraw().await;
+        }))
+        .await;
         tasks.stop.cancel();
-        if let Ok(bound) = self.bound() {
-            let _ = tokio::time::timeout(Duration::from_secs(2), bound.client.flush()).await;
+        self.0.stop.cancel();
+        if let Some(client) = self.0.process.connection.get() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), client.flush()).await;
         }
     }
 }

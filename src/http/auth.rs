@@ -24,8 +24,9 @@ use sha2::{Digest, Sha256};
 use subtle::{ConditionallySelectable, ConstantTimeEq};
 
 use super::jwt::Jwt;
-use super::scopes::{Requirement, Scope, Scopes, requirement};
+use super::scopes::{Grants, Requirement, Scope, consumer_of, requirement};
 use crate::config::Config;
+use crate::domain::consumers::ConsumerName;
 use crate::error::Error;
 use tracing::{error, info};
 
@@ -39,14 +40,14 @@ pub(crate) struct Account {
 /// One configured token: its digest, scopes, and its account.
 pub(crate) struct TokenEntry {
     digest: [u8; 32],
-    scopes: Scopes,
+    grants: Arc<Grants>,
     account: Arc<Account>,
 }
 
 impl TokenEntry {
     #[cfg(test)]
     fn allows(&self, scope: Scope) -> bool {
-        self.scopes.allows(scope)
+        self.grants.allows(scope)
     }
 }
 
@@ -63,7 +64,7 @@ impl Drop for WaitingFetch {
 #[derive(Clone)]
 pub(crate) struct Principal {
     account: Arc<Account>,
-    scopes: Scopes,
+    grants: Arc<Grants>,
     /// A JWT's verified issuer and subject; `None` for a static token.
     subject: Option<Arc<Subject>>,
 }
@@ -76,9 +77,14 @@ struct Subject {
 }
 
 impl Principal {
-    /// Whether the caller's scopes grant what `scope` guards.
-    pub(crate) fn allows(&self, scope: Scope) -> bool {
-        self.scopes.allows(scope)
+    /// Whether the caller's scopes grant `scope` on some consumer.
+    pub(crate) fn reaches(&self, scope: Scope) -> bool {
+        self.grants.reaches(scope)
+    }
+
+    /// Whether the caller's scopes grant what `scope` guards, on the consumer `name`.
+    pub(crate) fn allows_on(&self, scope: Scope, name: &ConsumerName) -> bool {
+        self.grants.allows_on(scope, name)
     }
 
     /// Count one more waiting fetch for this caller, unless it already has `limit`.
@@ -146,20 +152,15 @@ impl Tokens {
                     "{origin}: no scopes for the token (expected fetch, settle, publish, admin or *)"
                 ));
             }
-            let mut granted = Scopes::NONE;
+            let mut granted = Grants::default();
             for scope in &scopes {
-                granted = match scope.as_str() {
-                    "*" => Scopes::ALL,
-                    _ => granted.with(Scope::named(scope).ok_or_else(|| {
-                        format!(
-                            "{origin}: unknown scope {scope:?} (expected fetch, settle, publish, admin or *)"
-                        )
-                    })?),
-                };
+                granted
+                    .grant(scope)
+                    .map_err(|why| format!("{origin}: {why}"))?;
             }
             entries.push(Arc::new(TokenEntry {
                 digest: Sha256::digest(token.as_bytes()).into(),
-                scopes: granted,
+                grants: Arc::new(granted),
                 account: Arc::default(),
             }));
         }
@@ -323,6 +324,8 @@ pub(crate) struct Auth {
     /// The account of each JWT subject with a request in progress: entries whose last
     /// principal is gone are dropped as the map grows.
     subjects: Arc<Mutex<SubjectAccounts>>,
+    /// The default consumer, which `/fetch`, `/events` and `/ws` name without saying so.
+    default_consumer: Option<ConsumerName>,
 }
 
 #[derive(Default)]
@@ -357,6 +360,7 @@ impl Auth {
             tokens: None,
             jwt: None,
             subjects: Arc::default(),
+            default_consumer: None,
         }
     }
 
@@ -374,10 +378,17 @@ impl Auth {
     /// Load the token sources and JWKS the configuration names; off when it names none.
     pub(crate) async fn from_config(config: &Config) -> anyhow::Result<Self> {
         let jwt = Jwt::from_config(config).await?;
+        let default_consumer = (!config.no_default_consumer)
+            .then(|| ConsumerName::new(&config.stream, &config.consumer));
         match load_tokens(config)? {
-            None => Ok(Self { jwt, ..Self::off() }),
+            None => Ok(Self {
+                jwt,
+                default_consumer,
+                ..Self::off()
+            }),
             Some(tokens) => Ok(Self {
                 jwt,
+                default_consumer,
                 ..Self::with_tokens(tokens)
             }),
         }
@@ -399,7 +410,7 @@ impl Auth {
                         {
                             *entry = Arc::new(TokenEntry {
                                 digest: entry.digest,
-                                scopes: entry.scopes,
+                                grants: entry.grants.clone(),
                                 account: kept.account.clone(),
                             });
                         }
@@ -421,7 +432,7 @@ impl Auth {
                             current
                                 .entries
                                 .iter()
-                                .any(|old| old.digest == new.digest && old.scopes != new.scopes)
+                                .any(|old| old.digest == new.digest && old.grants != new.grants)
                         })
                         .count();
                     info!(
@@ -457,14 +468,14 @@ impl Auth {
     /// Check a presented token against what the request's path requires.
     async fn check_presented(
         &self,
-        presented: Option<(Requirement, String)>,
+        presented: Option<Presented>,
     ) -> Result<Option<Principal>, Error> {
-        let Some((needed, presented)) = presented else {
+        let Some(presented) = presented else {
             return Ok(None);
         };
-        let principal = self.authenticate(&presented).await?;
-        if let Requirement::Scope(scope) = needed
-            && !principal.scopes.allows(scope)
+        let principal = self.authenticate(&presented.token).await?;
+        if let Requirement::Scope(scope) = presented.needed
+            && !allowed(&principal.grants, scope, presented.consumer.as_ref())
         {
             return Err(Error::Forbidden {
                 scope: scope.as_str(),
@@ -475,7 +486,7 @@ impl Auth {
 
     /// What the request's path requires and the bearer token it presents; `None` when it
     /// needs none.
-    fn presented(&self, request: &Request) -> Result<Option<(Requirement, String)>, Error> {
+    fn presented(&self, request: &Request) -> Result<Option<Presented>, Error> {
         if !self.is_on() {
             return Ok(None);
         }
@@ -500,7 +511,16 @@ impl Auth {
         let Some(presented) = presented else {
             return Err(Error::Unauthorized { invalid: false });
         };
-        Ok(Some((needed, presented.to_owned())))
+        let path = request.uri().path();
+        let consumer = match path {
+            "/fetch" | "/events" | "/ws" => self.default_consumer.clone(),
+            _ => consumer_of(path),
+        };
+        Ok(Some(Presented {
+            needed,
+            consumer,
+            token: presented.to_owned(),
+        }))
     }
 
     /// The caller a token stands for: a static token first (constant time over all of
@@ -512,7 +532,7 @@ impl Auth {
         {
             return Ok(Principal {
                 account: entry.account.clone(),
-                scopes: entry.scopes,
+                grants: entry.grants.clone(),
                 subject: None,
             });
         }
@@ -537,9 +557,28 @@ impl Auth {
             .account(&subject);
         Ok(Principal {
             account,
-            scopes: verified.scopes,
+            grants: Arc::new(verified.grants),
             subject: Some(subject),
         })
+    }
+}
+
+/// What a request presents to be let through.
+struct Presented {
+    needed: Requirement,
+    /// The consumer the path names (the default one for `/fetch`, `/events`, `/ws`).
+    consumer: Option<ConsumerName>,
+    token: String,
+}
+
+/// Whether `grants` let a request needing `scope` through: on the consumer the path names;
+/// for a settle path (whose consumers the lease ids name) when `settle` reaches any
+/// consumer — each lease is checked against its own by the handler.
+fn allowed(grants: &Grants, scope: Scope, consumer: Option<&ConsumerName>) -> bool {
+    match (scope, consumer) {
+        (Scope::Fetch | Scope::Settle, Some(name)) => grants.allows_on(scope, name),
+        (Scope::Settle, None) => grants.reaches(scope),
+        _ => grants.allows(scope),
     }
 }
 

@@ -391,6 +391,32 @@ pub(crate) struct ConsumerDto {
     pub(crate) replicas: Vec<ReplicaDto>,
 }
 
+/// `GET /consumers` answer.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"consumers": [
+    {"stream": "ORDERS", "name": "billing", "source": "default", "bound": true, "leases_in_flight": 3},
+    {"stream": "ORDERS", "name": "shipping", "source": "file", "bound": true, "leases_in_flight": 0}
+]}))]
+pub(crate) struct ConsumersDto {
+    /// By stream, then name.
+    pub(crate) consumers: Vec<ServedConsumerDto>,
+}
+
+/// One served consumer.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct ServedConsumerDto {
+    pub(crate) stream: String,
+    pub(crate) name: String,
+    /// `default` (--stream/--consumer), `file` (--consumers-file) or `existing`
+    /// (--serve-existing, bound on first use).
+    #[schema(pattern = "^(default|file|existing)$")]
+    pub(crate) source: String,
+    /// Bound to the server now.
+    pub(crate) bound: bool,
+    /// Live leases held by clients of this gateway.
+    pub(crate) leases_in_flight: usize,
+}
+
 /// A live replica of the gateway on the same consumer.
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ReplicaDto {

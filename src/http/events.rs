@@ -19,7 +19,7 @@ use super::client::{Client, Connection};
 use super::dto::{Encoding, MessageDto};
 use super::responses::{FetchRefusals, Guarded, QueryRefusals};
 use crate::error::Error;
-use crate::gateway::{Gateway, LeaseStream, Step};
+use crate::gateway::{Gateway, LeaseStream, Step, Target};
 
 /// Leases live at once on one stream, unless the client asks otherwise.
 const DEFAULT_MAX_IN_FLIGHT: usize = 100;
@@ -122,11 +122,12 @@ pub(crate) async fn events(
     uri: Uri,
 ) -> Result<Response, Error> {
     let query = StreamQuery::parse(uri.query())?;
+    let consumer = gateway.consumer(Target::Default).await?;
     // Refuse at once what would only make an endless stream of keep-alives.
-    gateway.readiness()?;
+    consumer.readiness()?;
     let client = connection.map(|Extension(connection)| connection.client);
     let stream = events_of(
-        LeaseStream::new((*gateway).clone(), query.max_in_flight),
+        LeaseStream::new(consumer, query.max_in_flight),
         client,
         query.encoding,
     );

@@ -16,13 +16,14 @@ use bytes::Bytes;
 
 use super::body::JsonBody;
 use super::client::Connection;
+use super::consumers::ConsumerPath;
 use super::dto::{Encoding, FetchBody, FetchResponse, MessageDto};
-use super::responses::{BodyRefusals, FetchRefusals, Guarded};
+use super::responses::{BodyRefusals, FetchRefusals, Guarded, NamedFetchRefusals};
 use crate::config::Config;
 use crate::domain::delivery::{Demand, Leased};
 use crate::domain::idempotency::{self, Fingerprint, Scope};
 use crate::error::Error;
-use crate::gateway::{Gateway, Idempotency};
+use crate::gateway::{Consumer, Gateway, Idempotency, Target};
 use crate::http::auth::Principal;
 use crate::metrics::FetchRefusal;
 
@@ -63,6 +64,52 @@ pub(crate) async fn fetch(
     principal: Option<Extension<Principal>>,
     headers: FetchHeaders,
     JsonBody(body): JsonBody<FetchBody>,
+) -> Result<Response, Error> {
+    let consumer = gateway.consumer(Target::Default).await?;
+    fetch_from(&consumer, connection, principal, headers, body).await
+}
+
+/// Lease up to `batch` messages of the consumer the path names.
+///
+/// As `POST /fetch`, for this consumer: the same body, long poll, `max_bytes`, `encoding`,
+/// `Idempotency-Key` (scoped by caller and consumer), and 429 at its `max_ack_pending`.
+#[utoipa::path(
+    post,
+    path = "/streams/{stream}/consumers/{consumer}/fetch",
+    operation_id = "fetchNamedMessages",
+    tag = "leases",
+    params(
+        ConsumerPath,
+        ("Idempotency-Key" = Option<String>, Header,
+            description = "As for POST /fetch, scoped by the caller and this consumer.",
+            pattern = "^[ \\t]*[!-~]([ -~]{0,253}[!-~])?[ \\t]*$"),
+    ),
+    request_body(content = Option<FetchBody>, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Leased messages (possibly none)", body = FetchResponse,
+            headers(("Idempotent-Replayed" = String, description = "`true` when this repeats the first answer for the Idempotency-Key"))),
+        Guarded, BodyRefusals, NamedFetchRefusals,
+    )
+)]
+pub(crate) async fn fetch_named(
+    State(gateway): State<Arc<Gateway>>,
+    path: ConsumerPath,
+    connection: Option<Extension<Connection>>,
+    principal: Option<Extension<Principal>>,
+    headers: FetchHeaders,
+    JsonBody(body): JsonBody<FetchBody>,
+) -> Result<Response, Error> {
+    let consumer = gateway.consumer(Target::Named(&path.name())).await?;
+    fetch_from(&consumer, connection, principal, headers, body).await
+}
+
+/// A fetch from `consumer`, however the request named it.
+async fn fetch_from(
+    gateway: &Consumer,
+    connection: Option<Extension<Connection>>,
+    principal: Option<Extension<Principal>>,
+    headers: FetchHeaders,
+    body: FetchBody,
 ) -> Result<Response, Error> {
     let encoding = body.encoding.unwrap_or_default();
     let demand = demand(&body, gateway.config())?;

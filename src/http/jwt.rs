@@ -26,7 +26,7 @@ use tokio_rustls::TlsConnector;
 use tokio_rustls::rustls;
 use tracing::{debug, info, warn};
 
-use super::scopes::{Scope, Scopes};
+use super::scopes::Grants;
 use crate::config::Config;
 
 /// How often the keys are re-read.
@@ -50,7 +50,7 @@ const ACCEPTED: [Algorithm; 3] = [Algorithm::RS256, Algorithm::ES256, Algorithm:
 pub(crate) struct Verified {
     pub(crate) subject: String,
     pub(crate) issuer: Option<String>,
-    pub(crate) scopes: Scopes,
+    pub(crate) grants: Grants,
 }
 
 /// One signing key, usable for exactly one algorithm.
@@ -196,19 +196,19 @@ impl Jwt {
         Ok(Verified {
             subject: subject.to_owned(),
             issuer: claims.get("iss").and_then(Value::as_str).map(str::to_owned),
-            scopes: self.scopes(claims.get(&self.scope_claim)),
+            grants: self.scopes(claims.get(&self.scope_claim)),
         })
     }
 
     /// The scopes a claim grants: a space-separated string or an array of strings. Values
     /// that are not ours (`openid`, another API's scopes) are ignored, not refused.
-    fn scopes(&self, claim: Option<&Value>) -> Scopes {
+    fn scopes(&self, claim: Option<&Value>) -> Grants {
         let values: Vec<&str> = match claim {
             Some(Value::String(text)) => text.split_whitespace().collect(),
             Some(Value::Array(items)) => items.iter().filter_map(Value::as_str).collect(),
             _ => Vec::new(),
         };
-        let mut scopes = Scopes::NONE;
+        let mut grants = Grants::default();
         for value in values {
             let value = match &self.scope_prefix {
                 Some(prefix) => match value.strip_prefix(prefix.as_str()) {
@@ -217,13 +217,10 @@ impl Jwt {
                 },
                 None => value,
             };
-            if value == "*" {
-                scopes = Scopes::ALL;
-            } else if let Some(scope) = Scope::named(value) {
-                scopes = scopes.with(scope);
-            }
+            // Not ours (or malformed): ignored, as a foreign scope is.
+            let _ = grants.grant(value);
         }
-        scopes
+        grants
     }
 
     /// The keys that may have signed a token of `algorithm` naming `kid` (any such key
@@ -523,6 +520,8 @@ fn tls_connector() -> Result<TlsConnector, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::consumers::ConsumerName;
+    use crate::http::scopes::Scope;
 
     fn jwt(prefix: Option<&str>) -> Jwt {
         Jwt {
@@ -558,6 +557,18 @@ mod tests {
                 .iter()
                 .all(|scope| scopes.allows(*scope))
         );
+
+        // Scoped to consumers, after the prefix; a malformed one is ignored like a foreign one.
+        let scopes = prefixed.scopes(Some(&Value::from(
+            "ruststream:fetch:ORDERS/* ruststream:settle:ORDERS/shipping ruststream:fetch:bad",
+        )));
+        let shipping = ConsumerName::new("ORDERS", "shipping");
+        let other = ConsumerName::new("EVENTS", "shipping");
+        assert!(scopes.allows_on(Scope::Fetch, &shipping));
+        assert!(!scopes.allows_on(Scope::Fetch, &other));
+        assert!(scopes.allows_on(Scope::Settle, &shipping));
+        assert!(!scopes.allows_on(Scope::Settle, &ConsumerName::new("ORDERS", "billing")));
+        assert!(!scopes.allows(Scope::Fetch), "not on every consumer");
     }
 
     #[test]

@@ -17,9 +17,12 @@ use super::dto::{
     TermBody, rfc3339,
 };
 use super::responses::{BodyRefusals, Guarded, LeaseRefusals};
+use crate::domain::consumers::ConsumerName;
 use crate::domain::settle::AckCommand;
 use crate::error::Error;
 use crate::gateway::Gateway;
+use crate::http::auth::Principal;
+use crate::http::scopes::Scope;
 
 const MAX_IDS: usize = 1000;
 
@@ -64,9 +67,10 @@ const MAX_REASON_CHARS: usize = 1024;
 )]
 pub(crate) async fn ack(
     State(gateway): State<Arc<Gateway>>,
+    settler: Settler,
     LeaseIdPath(id): LeaseIdPath,
 ) -> Result<StatusCode, Error> {
-    settle(&gateway, &id, AckCommand::Ack).await
+    settle(&gateway, &settler, &id, AckCommand::Ack).await
 }
 
 /// Negatively acknowledge a message: redeliver it (after `delay_ms`, if given).
@@ -84,10 +88,11 @@ pub(crate) async fn ack(
 )]
 pub(crate) async fn nak(
     State(gateway): State<Arc<Gateway>>,
+    settler: Settler,
     LeaseIdPath(id): LeaseIdPath,
     JsonBody(body): JsonBody<NakBody>,
 ) -> Result<StatusCode, Error> {
-    settle(&gateway, &id, nak_command(body.delay_ms)?).await
+    settle(&gateway, &settler, &id, nak_command(body.delay_ms)?).await
 }
 
 /// Terminate a message: never deliver it again (with an optional reason).
@@ -109,10 +114,11 @@ pub(crate) async fn nak(
 )]
 pub(crate) async fn term(
     State(gateway): State<Arc<Gateway>>,
+    settler: Settler,
     LeaseIdPath(id): LeaseIdPath,
     JsonBody(body): JsonBody<TermBody>,
 ) -> Result<StatusCode, Error> {
-    settle(&gateway, &id, term_command(body.reason)?).await
+    settle(&gateway, &settler, &id, term_command(body.reason)?).await
 }
 
 /// Report work in progress: restart the lease (and the server's ack timer).
@@ -129,9 +135,10 @@ pub(crate) async fn term(
 )]
 pub(crate) async fn in_progress(
     State(gateway): State<Arc<Gateway>>,
+    settler: Settler,
     LeaseIdPath(id): LeaseIdPath,
 ) -> Result<Json<ExtendResponse>, Error> {
-    let expires_at = gateway.extend(&id).await?;
+    let expires_at = gateway.extend(&id, &|name| settler.may(name)).await?;
     Ok(Json(ExtendResponse {
         lease_expires_at: rfc3339(expires_at),
     }))
@@ -151,9 +158,10 @@ pub(crate) async fn in_progress(
 )]
 pub(crate) async fn ack_many(
     State(gateway): State<Arc<Gateway>>,
+    settler: Settler,
     JsonBody(body): JsonBody<BatchAckBody>,
 ) -> Result<Json<BatchResponse>, Error> {
-    settle_many(&gateway, body.ids, AckCommand::Ack).await
+    settle_many(&gateway, &settler, body.ids, AckCommand::Ack).await
 }
 
 /// Nak many messages; each id gets the answer the single endpoint would give.
@@ -170,9 +178,10 @@ pub(crate) async fn ack_many(
 )]
 pub(crate) async fn nak_many(
     State(gateway): State<Arc<Gateway>>,
+    settler: Settler,
     JsonBody(body): JsonBody<BatchNakBody>,
 ) -> Result<Json<BatchResponse>, Error> {
-    settle_many(&gateway, body.ids, nak_command(body.delay_ms)?).await
+    settle_many(&gateway, &settler, body.ids, nak_command(body.delay_ms)?).await
 }
 
 /// Terminate many messages; each id gets the answer the single endpoint would give.
@@ -189,20 +198,60 @@ pub(crate) async fn nak_many(
 )]
 pub(crate) async fn term_many(
     State(gateway): State<Arc<Gateway>>,
+    settler: Settler,
     JsonBody(body): JsonBody<BatchTermBody>,
 ) -> Result<Json<BatchResponse>, Error> {
-    settle_many(&gateway, body.ids, term_command(body.reason)?).await
+    settle_many(&gateway, &settler, body.ids, term_command(body.reason)?).await
+}
+
+/// Who settles: the caller's token, whose `settle` scopes say on which consumers.
+pub(crate) struct Settler(Option<Principal>);
+
+impl Settler {
+    /// Whether the caller may settle leases of `name` (always, with authentication off).
+    pub(crate) fn may(&self, name: &ConsumerName) -> bool {
+        self.0
+            .as_ref()
+            .is_none_or(|principal| principal.allows_on(Scope::Settle, name))
+    }
+
+    /// Whether the caller may settle on any consumer at all.
+    pub(crate) fn reaches_any(&self) -> bool {
+        self.0
+            .as_ref()
+            .is_none_or(|principal| principal.reaches(Scope::Settle))
+    }
+
+    pub(crate) fn of(principal: Option<Principal>) -> Self {
+        Self(principal)
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Settler {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        Ok(Self(parts.extensions.get::<Principal>().cloned()))
+    }
 }
 
 /// Settle one lease: 204 once the server confirmed.
-async fn settle(gateway: &Gateway, id: &str, command: AckCommand) -> Result<StatusCode, Error> {
-    gateway.settle(id, &command).await?;
+async fn settle(
+    gateway: &Gateway,
+    settler: &Settler,
+    id: &str,
+    command: AckCommand,
+) -> Result<StatusCode, Error> {
+    gateway
+        .settle(id, &command, &|name| settler.may(name))
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 /// Settle every id concurrently (see [`Gateway::settle_many`]).
 async fn settle_many(
     gateway: &Gateway,
+    settler: &Settler,
     ids: Vec<String>,
     command: AckCommand,
 ) -> Result<Json<BatchResponse>, Error> {
@@ -212,7 +261,9 @@ async fn settle_many(
             format!("ids: must hold 1 to {MAX_IDS} lease ids, got {}", ids.len()),
         ));
     }
-    let outcomes = gateway.settle_many(&ids, &command).await;
+    let outcomes = gateway
+        .settle_many(&ids, &command, &|name| settler.may(name))
+        .await;
     let results = ids
         .into_iter()
         .zip(outcomes)

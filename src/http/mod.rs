@@ -7,6 +7,7 @@
 pub(crate) mod auth;
 mod body;
 pub(crate) mod client;
+mod consumers;
 mod docs;
 pub(crate) mod dto;
 mod events;
@@ -66,6 +67,7 @@ struct ApiDoc;
 fn api() -> OpenApiRouter<Shared> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(fetch::fetch))
+        .routes(routes!(fetch::fetch_named))
         .routes(routes!(events::events))
         .routes(routes!(ws::ws))
         .routes(routes!(messages::ack))
@@ -78,7 +80,9 @@ fn api() -> OpenApiRouter<Shared> {
         .routes(routes!(publish::publish))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))
-        .routes(routes!(ops::consumer))
+        .routes(routes!(consumers::consumer))
+        .routes(routes!(consumers::consumers))
+        .routes(routes!(consumers::named_consumer))
         .routes(routes!(metrics::metrics))
         .routes(routes!(ops::openapi_json))
 }

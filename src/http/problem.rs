@@ -56,7 +56,10 @@ impl Error {
             Self::Malformed { .. } | Self::BadRequest { .. } => StatusCode::BAD_REQUEST,
             Self::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::UnknownLease | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::UnknownLease | Self::NotFound(_) | Self::ConsumerNotFound(_) => {
+                StatusCode::NOT_FOUND
+            }
+            Self::ConsumerUnsuitable(_) => StatusCode::CONFLICT,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::LeaseGone => StatusCode::GONE,
             Self::AlreadySettled { .. } => StatusCode::CONFLICT,
@@ -84,6 +87,8 @@ impl Error {
             Self::PayloadTooLarge { .. } => ("payload-too-large", "Request body too large"),
             Self::UnknownLease => ("lease-not-found", "Lease not found"),
             Self::NotFound(_) => ("not-found", "Not found"),
+            Self::ConsumerNotFound(_) => ("consumer-not-found", "Consumer not found"),
+            Self::ConsumerUnsuitable(_) => ("consumer-unsuitable", "Consumer unsuitable"),
             Self::MethodNotAllowed(_) => ("method-not-allowed", "Method not allowed"),
             Self::LeaseGone => ("lease-gone", "Lease gone"),
             Self::AlreadySettled { .. } => ("lease-settled", "Lease already settled"),

@@ -40,10 +40,12 @@ pub(crate) enum ProblemKind {
     Unavailable,
     NotConfirmed,
     PublishPrecondition,
+    ConsumerNotFound,
+    ConsumerUnsuitable,
 }
 
 impl ProblemKind {
-    const ALL: [Self; 13] = [
+    const ALL: [Self; 15] = [
         Self::Unauthorized,
         Self::Forbidden,
         Self::BodyTimeout,
@@ -57,6 +59,8 @@ impl ProblemKind {
         Self::Unavailable,
         Self::NotConfirmed,
         Self::PublishPrecondition,
+        Self::ConsumerNotFound,
+        Self::ConsumerUnsuitable,
     ];
 
     fn name(self) -> &'static str {
@@ -74,6 +78,8 @@ impl ProblemKind {
             Self::Unavailable => "Unavailable",
             Self::NotConfirmed => "NotConfirmed",
             Self::PublishPrecondition => "PublishPrecondition",
+            Self::ConsumerNotFound => "ConsumerNotFound",
+            Self::ConsumerUnsuitable => "ConsumerUnsuitable",
         }
     }
 
@@ -110,6 +116,12 @@ impl ProblemKind {
             }
             Self::NotConfirmed => {
                 "The NATS server did not confirm in time; the lease stays valid and retrying is safe."
+            }
+            Self::ConsumerNotFound => {
+                "The path names a consumer this gateway does not serve: no --serve-existing pattern matches it, the server has no such stream or consumer, it was removed from the consumers file, or a name breaks the NATS name rules; the detail says which."
+            }
+            Self::ConsumerUnsuitable => {
+                "The consumer exists but cannot be served: a push consumer, a consumer that is not durable, or one whose ack policy is not explicit; the detail names the setting."
             }
             Self::PublishPrecondition => {
                 "A `Nats-Expected-*` header did not hold (expected stream, last sequence, last subject sequence or last message id): nothing was stored, and retrying as is cannot succeed."
@@ -159,6 +171,12 @@ impl ProblemKind {
                 Error::ShuttingDown,
             ],
             Self::NotConfirmed => vec![Error::TimedOut],
+            Self::ConsumerNotFound => vec![Error::ConsumerNotFound(
+                "consumer ORDERS/shipping does not exist on the server".into(),
+            )],
+            Self::ConsumerUnsuitable => vec![Error::ConsumerUnsuitable(
+                "consumer ORDERS/shipping is a push consumer (deliver_subject is set); the gateway serves pull consumers only".into(),
+            )],
             Self::PublishPrecondition => vec![Error::PublishPrecondition(
                 "the stream refused the message: wrong last sequence: 7 (code 400, error code 10071)"
                     .into(),
@@ -256,7 +274,11 @@ fn refusals(kinds: &[ProblemKind]) -> BTreeMap<String, RefOr<Response>> {
 
 /// Declares a set of refusals: a type to name in `#[utoipa::path(responses(...))]`.
 macro_rules! refusal_sets {
-    ($($(#[$doc:meta])* $set:ident = [$($kind:ident),*];)*) => {$(
+    ($($(#[$doc:meta])* $set:ident = [$($kind:ident),*];)*) => {
+    /// Every set, for the test that no two kinds in one set share a status.
+    #[cfg(test)]
+    const SETS: &[&[ProblemKind]] = &[$(&[$(ProblemKind::$kind),*]),*];
+    $(
         $(#[$doc])*
         pub(crate) struct $set;
 
@@ -284,6 +306,10 @@ refusal_sets! {
     QueryRefusals = [InvalidRequest];
     /// `POST /publish` beyond its body: an expectation header that did not hold, or no NATS.
     PublishRefusals = [PublishPrecondition, Unavailable];
+    /// A route naming its consumer, with the refusals of `POST /fetch` beyond its body.
+    NamedFetchRefusals = [TooManyLeases, Unavailable, ConsumerNotFound, ConsumerUnsuitable];
+    /// A route naming its consumer that needs the NATS server.
+    NamedNatsRefusals = [Unavailable, ConsumerNotFound, ConsumerUnsuitable];
 }
 
 #[cfg(test)]
@@ -291,8 +317,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_kind_has_its_own_status() {
-        let mut statuses: Vec<_> = ProblemKind::ALL.iter().map(|kind| kind.status()).collect();
+    fn each_kind_has_its_own_status_within_a_set() {
         for kind in ProblemKind::ALL {
             for error in kind.examples() {
                 assert_eq!(
@@ -302,12 +327,15 @@ mod tests {
                 );
             }
         }
-        statuses.sort();
-        statuses.dedup();
-        assert_eq!(
-            statuses.len(),
-            ProblemKind::ALL.len(),
-            "two kinds of problem would share a status code in one response set"
-        );
+        for set in SETS {
+            let mut statuses: Vec<_> = set.iter().map(|kind| kind.status()).collect();
+            statuses.sort();
+            statuses.dedup();
+            assert_eq!(
+                statuses.len(),
+                set.len(),
+                "two kinds of problem would share a status code in one response set: {set:?}"
+            );
+        }
     }
 }

@@ -1,9 +1,12 @@
 //! What a bearer token may do: the scopes (`fetch`, `settle`, `publish`, `admin`) as token
-//! files and JWT claims name them, and the scope each path requires. Shared by the static
-//! tokens ([`super::auth`]) and the JWTs ([`super::jwt`]), which both import it and not
-//! each other.
+//! files and JWT claims name them — `fetch` and `settle` also for named consumers only
+//! (`fetch:ORDERS/*`) — and the scope each path requires. Shared by the static tokens
+//! ([`super::auth`]) and the JWTs ([`super::jwt`]), which both import it and not each
+//! other.
 //!
 //! May import: as the rest of `http`.
+
+use crate::domain::consumers::{ConsumerName, ConsumerPattern};
 
 /// What a token may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,8 +77,36 @@ pub(crate) fn requirement(path: &str) -> Requirement {
         "/messages" => Requirement::Scope(Scope::Settle),
         _ if path.starts_with("/messages/") => Requirement::Scope(Scope::Settle),
         "/publish" => Requirement::Scope(Scope::Publish),
-        "/consumer" | "/metrics" => Requirement::Scope(Scope::Admin),
-        _ => Requirement::Authenticated,
+        "/consumer" | "/consumers" | "/metrics" => Requirement::Scope(Scope::Admin),
+        _ => match path.strip_prefix("/streams/").map(named_route) {
+            Some(Some(NamedRoute::Fetch)) => Requirement::Scope(Scope::Fetch),
+            Some(Some(NamedRoute::Status)) => Requirement::Scope(Scope::Admin),
+            _ => Requirement::Authenticated,
+        },
+    }
+}
+
+/// What a path under `/streams/` asks of its consumer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NamedRoute {
+    /// `…/fetch`.
+    Fetch,
+    /// The consumer itself.
+    Status,
+}
+
+/// `{stream}/consumers/{consumer}[/fetch]` (the path after `/streams/`), as the route and
+/// its OpenAPI template (`{stream}` literally) write it.
+fn named_route(rest: &str) -> Option<NamedRoute> {
+    let mut segments = rest.split('/');
+    let (_stream, "consumers", _consumer) = (segments.next()?, segments.next()?, segments.next()?)
+    else {
+        return None;
+    };
+    match (segments.next(), segments.next()) {
+        (None, _) => Some(NamedRoute::Status),
+        (Some("fetch"), None) => Some(NamedRoute::Fetch),
+        _ => None,
     }
 }
 
@@ -99,4 +130,92 @@ impl Scopes {
             .iter()
             .any(|granting| self.0 & granting.bit() != 0)
     }
+}
+
+/// Everything a token was granted: scopes on every consumer, and `fetch`/`settle` on the
+/// consumers patterns name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Grants {
+    everywhere: Scopes,
+    on: Vec<(Scope, ConsumerPattern)>,
+}
+
+impl Default for Grants {
+    fn default() -> Self {
+        Self {
+            everywhere: Scopes::NONE,
+            on: Vec::new(),
+        }
+    }
+}
+
+impl Grants {
+    /// Add what `value` names: `*`, a scope, or `fetch:`/`settle:` and a `STREAM/CONSUMER`
+    /// pattern. An error says why in words fit for the operator.
+    pub(crate) fn grant(&mut self, value: &str) -> Result<(), String> {
+        if value == "*" {
+            self.everywhere = Scopes::ALL;
+            return Ok(());
+        }
+        let (name, pattern) = match value.split_once(':') {
+            Some((name, pattern)) => (name, Some(pattern)),
+            None => (value, None),
+        };
+        let scope = Scope::named(name).ok_or_else(|| {
+            format!(
+                "unknown scope {value:?} (expected fetch, settle, publish, admin, *, or fetch:/settle: with STREAM/CONSUMER)"
+            )
+        })?;
+        match pattern {
+            None => self.everywhere = self.everywhere.with(scope),
+            Some(pattern) if matches!(scope, Scope::Fetch | Scope::Settle) => {
+                let pattern = ConsumerPattern::parse(pattern)
+                    .map_err(|why| format!("scope {value:?}: {why}"))?;
+                self.on.push((scope, pattern));
+            }
+            Some(_) => {
+                return Err(format!(
+                    "scope {value:?}: only fetch and settle may name consumers"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether these grants allow `scope` on every consumer.
+    pub(crate) fn allows(&self, scope: Scope) -> bool {
+        self.everywhere.allows(scope)
+    }
+
+    /// Whether these grants allow `scope` on the consumer `name`.
+    pub(crate) fn allows_on(&self, scope: Scope, name: &ConsumerName) -> bool {
+        self.allows(scope)
+            || self
+                .on
+                .iter()
+                .any(|(granted, pattern)| *granted == scope && pattern.matches(name))
+    }
+
+    /// Whether these grants allow `scope` on some consumer (a settle route is let through,
+    /// and each lease then checked against the consumer its id names).
+    pub(crate) fn reaches(&self, scope: Scope) -> bool {
+        self.allows(scope) || self.on.iter().any(|(granted, _)| *granted == scope)
+    }
+}
+
+/// The consumer a path names: `/streams/{stream}/consumers/{consumer}/…`, its segments
+/// percent-decoded as the route's handler reads them.
+pub(crate) fn consumer_of(path: &str) -> Option<ConsumerName> {
+    let mut segments = path.strip_prefix("/streams/")?.split('/');
+    let (stream, "consumers", consumer) = (segments.next()?, segments.next()?, segments.next()?)
+    else {
+        return None;
+    };
+    let decoded = |segment: &str| {
+        percent_encoding::percent_decode_str(segment)
+            .decode_utf8()
+            .ok()
+            .map(|text| text.into_owned())
+    };
+    Some(ConsumerName::new(&decoded(stream)?, &decoded(consumer)?))
 }

@@ -25,13 +25,14 @@ use tokio::time::Instant;
 use super::auth::Principal;
 use super::dto::{MessageDto, rfc3339};
 use super::events::StreamQuery;
-use super::messages::{nak_command, term_command};
+use super::messages::{Settler, nak_command, term_command};
 use super::responses::{FetchRefusals, Guarded, QueryRefusals};
 use super::scopes::Scope;
+use crate::domain::consumers::ConsumerName;
 use crate::domain::delivery::Leased;
 use crate::domain::settle::AckCommand;
 use crate::error::Error;
-use crate::gateway::{Gateway, LeaseStream, Step};
+use crate::gateway::{Consumer, Gateway, LeaseStream, Step, Target};
 
 /// Most ids one operation may name, as a batch settle.
 const MAX_IDS: usize = 1000;
@@ -103,8 +104,9 @@ pub(crate) async fn ws(
     let upgrade = upgrade.map_err(|rejection| Error::BadRequest {
         detail: format!("GET /ws takes a WebSocket upgrade (RFC 6455): {rejection}"),
     })?;
-    gateway.readiness()?;
-    let may_settle = principal.is_none_or(|Extension(principal)| principal.allows(Scope::Settle));
+    let consumer = gateway.consumer(Target::Default).await?;
+    consumer.readiness()?;
+    let settler = Arc::new(Settler::of(principal.map(|Extension(principal)| principal)));
     let max_frame = gateway.config().max_body_bytes as usize;
     // Frames up to twice the limit are read, so that one just over it is closed with 1009
     // (larger ones end the connection in the WebSocket library itself).
@@ -117,8 +119,9 @@ pub(crate) async fn ws(
                 gateway,
                 socket,
                 Session {
+                    consumer,
                     query,
-                    may_settle,
+                    settler,
                     max_frame,
                 },
             )
@@ -128,9 +131,11 @@ pub(crate) async fn ws(
 
 /// What one connection was opened with.
 struct Session {
+    /// The consumer whose leases flow out (settles go wherever their ids say).
+    consumer: Consumer,
     query: StreamQuery,
     /// The token has the `settle` scope (or auth is off).
-    may_settle: bool,
+    settler: Arc<Settler>,
     max_frame: usize,
 }
 
@@ -140,7 +145,7 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
     let (outgoing, mut to_write) = mpsc::channel::<Outgoing>(OUTGOING);
     let encoding = session.query.encoding;
     let leases = tokio::spawn(send_leases(
-        LeaseStream::new((*gateway).clone(), session.query.max_in_flight),
+        LeaseStream::new(session.consumer.clone(), session.query.max_in_flight),
         gateway.config().shutdown_grace,
         outgoing.clone(),
     ));
@@ -167,7 +172,7 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
                             let _ = sink.send(close(close_code::SIZE, "frame over --max-body-bytes")).await;
                             break;
                         }
-                        take_operation(&gateway, text.as_str(), session.may_settle, &outgoing);
+                        take_operation(&gateway, text.as_str(), &session.settler, &outgoing);
                     }
                     Some(Ok(Message::Binary(_))) => {
                         let _ = sink.send(close(close_code::UNSUPPORTED, "text frames only")).await;
@@ -200,7 +205,7 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
         }
     }
     if !unwritten.is_empty() {
-        gateway.give_back_unwritten(unwritten).await;
+        session.consumer.give_back_unwritten(unwritten).await;
     }
 }
 
@@ -255,7 +260,7 @@ async fn send_leases(mut leases: LeaseStream, grace: Duration, outgoing: mpsc::S
 fn take_operation(
     gateway: &Arc<Gateway>,
     frame: &str,
-    may_settle: bool,
+    settler: &Arc<Settler>,
     outgoing: &mpsc::Sender<Outgoing>,
 ) {
     let operation = match parse_operation(frame) {
@@ -275,9 +280,9 @@ fn take_operation(
             return;
         }
     };
-    let (gateway, outgoing) = (gateway.clone(), outgoing.clone());
+    let (gateway, outgoing, settler) = (gateway.clone(), outgoing.clone(), settler.clone());
     tokio::spawn(async move {
-        let answer = run_operation(&gateway, operation, may_settle).await;
+        let answer = run_operation(&gateway, operation, &settler).await;
         let _ = outgoing.send(Outgoing::Frame(text(&answer))).await;
     });
 }
@@ -324,9 +329,10 @@ fn parse_operation(frame: &str) -> Result<(Operation, Option<AckCommand>), Error
 async fn run_operation(
     gateway: &Gateway,
     (operation, command): (Operation, Option<AckCommand>),
-    may_settle: bool,
+    settler: &Settler,
 ) -> Value {
-    let results: Vec<Value> = if !may_settle {
+    let may = |name: &ConsumerName| settler.may(name);
+    let results: Vec<Value> = if !settler.reaches_any() {
         let refusal = Error::Forbidden {
             scope: Scope::Settle.as_str(),
         };
@@ -336,7 +342,7 @@ async fn run_operation(
             .map(|id| result(id, Err(refusal.clone())))
             .collect()
     } else if let Some(command) = command {
-        let outcomes = gateway.settle_many(&operation.ids, &command).await;
+        let outcomes = gateway.settle_many(&operation.ids, &command, &may).await;
         operation
             .ids
             .iter()
@@ -344,7 +350,7 @@ async fn run_operation(
             .map(|(id, outcome)| result(id, outcome.map(|()| None)))
             .collect()
     } else {
-        let extensions = operation.ids.iter().map(|id| gateway.extend(id));
+        let extensions = operation.ids.iter().map(|id| gateway.extend(id, &may));
         let outcomes = futures::future::join_all(extensions).await;
         operation
             .ids

@@ -275,29 +275,16 @@ async fn bind_durable(
     others: &[ReplicaRecord],
     first: bool,
 ) -> Result<consumer::PullConsumer, BindError> {
-    let existing = tokio::time::timeout(API_TIMEOUT, stream.consumer_info(&config.consumer))
-        .await
-        .map_err(|_| anyhow::anyhow!("timed out asking for consumer {}", config.consumer))?;
-    let existing = match existing {
-        Ok(info) => info,
-        Err(err)
-            if matches!(
-                err.kind(),
-                jetstream::context::ConsumerInfoErrorKind::NotFound
-            ) =>
-        {
-            info!(consumer = %config.consumer, "creating durable consumer");
-            return create_consumer(
-                stream,
-                desired_config(config, Some(config.consumer.clone())),
-            )
-            .await;
-        }
-        Err(err) => {
-            return Err(BindError::Transient(
-                anyhow::Error::new(err).context(format!("looking up consumer {}", config.consumer)),
-            ));
-        }
+    if config.adopt_existing {
+        return adopt(config, stream).await;
+    }
+    let Some(existing) = find_consumer(stream, &config.consumer).await? else {
+        info!(consumer = %config.consumer, "creating durable consumer");
+        return create_consumer(
+            stream,
+            desired_config(config, Some(config.consumer.clone())),
+        )
+        .await;
     };
     let current = existing.config;
     let wanted = desired_config(config, Some(config.consumer.clone()));
@@ -357,6 +344,27 @@ async fn bind_durable(
     create_consumer(stream, pull_updated).await
 }
 
+/// Bind a consumer served through `--serve-existing` as it is: its settings are its
+/// operator's, never sent; gone, it is not made again (fetches answer 503 until it is back).
+async fn adopt(
+    config: &Config,
+    stream: &stream::Stream,
+) -> Result<consumer::PullConsumer, BindError> {
+    let found = tokio::time::timeout(
+        API_TIMEOUT,
+        stream.get_consumer::<consumer::pull::Config>(&config.consumer),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("timed out asking for consumer {}", config.consumer))?;
+    found.map_err(|err| {
+        BindError::Transient(anyhow::anyhow!(
+            "binding existing consumer {}/{}: {err}",
+            config.stream,
+            config.consumer
+        ))
+    })
+}
+
 /// The shared settings that differ between the consumer as it is and as wanted, each as
 /// `<field> from <current> to <wanted>`.
 fn shared_setting_changes(
@@ -408,7 +416,8 @@ fn check_immutable(
 ) -> Result<(), BindError> {
     if current.deliver_policy != wanted.deliver_policy {
         return Err(BindError::Fatal(format!(
-            "consumer {} exists with deliver_policy {}, but --deliver-policy is {}; deliver_policy cannot be changed (delete the consumer or change the flag)",
+            "consumer {}/{} exists with deliver_policy {}, but --deliver-policy (or the consumers file's deliver_policy) is {}; deliver_policy cannot be changed (delete the consumer or change the setting)",
+            config.stream,
             config.consumer,
             flag_syntax(&current.deliver_policy),
             config.deliver_policy
@@ -416,14 +425,14 @@ fn check_immutable(
     }
     if current.ack_policy != consumer::AckPolicy::Explicit {
         return Err(BindError::Fatal(format!(
-            "consumer {} exists with ack_policy {:?}; the gateway needs ack_policy explicit, which cannot be changed",
-            config.consumer, current.ack_policy
+            "consumer {}/{} exists with ack_policy {:?}; the gateway needs ack_policy explicit, which cannot be changed",
+            config.stream, config.consumer, current.ack_policy
         )));
     }
     if current.deliver_subject.is_some() {
         return Err(BindError::Fatal(format!(
-            "consumer {} is a push consumer (deliver_subject set); the gateway needs a pull consumer",
-            config.consumer
+            "consumer {}/{} is a push consumer (deliver_subject set); the gateway needs a pull consumer",
+            config.stream, config.consumer
         )));
     }
     Ok(())
@@ -443,4 +452,82 @@ async fn create_consumer(
         }
         _ => BindError::Transient(anyhow::Error::new(err).context("creating consumer")),
     })
+}
+
+/// What the server has of a consumer a request names, for `--serve-existing`.
+pub(crate) enum Existing {
+    /// A durable pull consumer with explicit ack: it can be served.
+    Usable,
+    /// Not there; the words say what is missing (the stream or the consumer).
+    Missing(String),
+    /// There, but not servable; the words name the setting.
+    Unsuitable(String),
+}
+
+/// Look `stream`/`name` up on the server, changing nothing.
+pub(crate) async fn inspect_existing(
+    client: &Client,
+    stream: &str,
+    name: &str,
+) -> Result<Existing, anyhow::Error> {
+    let js = jetstream::new(client.clone());
+    let found = tokio::time::timeout(API_TIMEOUT, js.get_stream(stream))
+        .await
+        .map_err(|_| anyhow::anyhow!("timed out asking for stream {stream}"))?;
+    let stream_handle = match found {
+        Ok(handle) => handle,
+        Err(err) if super::is_stream_not_found(&err) => {
+            return Ok(Existing::Missing(format!(
+                "stream {stream} does not exist on the server"
+            )));
+        }
+        Err(err) => {
+            return Err(anyhow::Error::new(err).context(format!("looking up stream {stream}")));
+        }
+    };
+    let Some(info) = find_consumer(&stream_handle, name).await? else {
+        return Ok(Existing::Missing(format!(
+            "consumer {stream}/{name} does not exist on the server"
+        )));
+    };
+    let config = &info.config;
+    if config.deliver_subject.is_some() {
+        return Ok(Existing::Unsuitable(format!(
+            "consumer {stream}/{name} is a push consumer (deliver_subject is set); the gateway serves pull consumers only"
+        )));
+    }
+    if config.ack_policy != consumer::AckPolicy::Explicit {
+        return Ok(Existing::Unsuitable(format!(
+            "consumer {stream}/{name} has ack_policy {:?}; the gateway needs ack_policy explicit",
+            config.ack_policy
+        )));
+    }
+    if config.durable_name.is_none() {
+        return Ok(Existing::Unsuitable(format!(
+            "consumer {stream}/{name} is not durable (no durable_name); the gateway serves durable consumers only"
+        )));
+    }
+    Ok(Existing::Usable)
+}
+
+/// The consumer `name` of `stream` as the server has it; `None` when there is none.
+async fn find_consumer(
+    stream: &stream::Stream,
+    name: &str,
+) -> Result<Option<consumer::Info>, anyhow::Error> {
+    let found = tokio::time::timeout(API_TIMEOUT, stream.consumer_info(name))
+        .await
+        .map_err(|_| anyhow::anyhow!("timed out asking for consumer {name}"))?;
+    match found {
+        Ok(info) => Ok(Some(info)),
+        Err(err)
+            if matches!(
+                err.kind(),
+                jetstream::context::ConsumerInfoErrorKind::NotFound
+            ) =>
+        {
+            Ok(None)
+        }
+        Err(err) => Err(anyhow::Error::new(err).context(format!("looking up consumer {name}"))),
+    }
 }

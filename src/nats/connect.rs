@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use crate::config::{Config, UrlCredentials};
 
 /// What happened to the NATS connection.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum ConnectionEvent {
     Connected,
     Disconnected,

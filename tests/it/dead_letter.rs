@@ -13,7 +13,8 @@ use futures::StreamExt as _;
 use ruststream_nats::dead_letter::headers;
 
 use crate::support::{
-    Gateway, Js, Msg, NatsServer, STREAM, Setup, assert_stays, fetch_count, wait_for, wait_until,
+    Gateway, Js, Msg, NatsServer, STREAM, Scrape, Setup, assert_stays, fetch_count, wait_for,
+    wait_until,
 };
 
 const DLQ: &str = "DLQ";
@@ -107,10 +108,17 @@ async fn a_message_nakked_max_deliver_times_is_dead_lettered_exactly_once() {
         "the original's Nats-Msg-Id is carried, not reused"
     );
     crate::support::rfc3339(header(&letter, headers::PUBLISHED_AT));
-    let metrics = gateway.get("/metrics").await.text;
-    assert!(
-        metrics.contains("\nruststream_dead_lettered_total 1\n"),
-        "counted in /metrics:\n{metrics}"
+    let metrics = Scrape::of(&gateway).await;
+    assert_eq!(
+        metrics.of_consumer(
+            "ruststream_dead_lettered_total",
+            "",
+            &gateway.stream,
+            &gateway.consumer
+        ),
+        1.0,
+        "counted in /metrics, labelled with the consumer:\n{}",
+        metrics.text
     );
 
     // The advisory seen again (a second replica, a retry): the gateway republishes, and the
@@ -238,12 +246,14 @@ async fn a_dead_letter_whose_message_is_gone_is_skipped_and_the_gateway_keeps_wo
     let dlq = js.js.get_stream(DLQ).await.expect("DLQ stream");
     let letter = dlq.get_raw_message(1).await.expect("a dead letter");
     assert_eq!(header(&letter, headers::STREAM_SEQUENCE), later.to_string());
-    let metrics = gateway.get("/metrics").await.text;
-    assert!(
+    let metrics = Scrape::of(&gateway).await;
+    assert_eq!(
         // Two advisories named the vanished message: the server's own MSG_TERMINATED
         // ("Unacknowledged message was deleted") and the client's term.
-        metrics.contains("ruststream_dead_letters_skipped_total{reason=\"missing\"} 2"),
-        "the vanished message is counted:\n{metrics}"
+        metrics.get(r#"ruststream_dead_letters_skipped_total{reason="missing"}"#),
+        2.0,
+        "the vanished message is counted:\n{}",
+        metrics.text
     );
 }
 
@@ -436,11 +446,12 @@ async fn a_term_on_a_work_queue_stream_copies_the_message_before_the_stream_dele
     assert_eq!(header(letter, headers::TERM_REASON), "no such order");
     assert_eq!(header(letter, headers::DELIVERIES), "1");
     assert_eq!(header(letter, headers::CONSUMER), "worker");
-    let metrics = gateway.get("/metrics").await.text;
+    let metrics = Scrape::of(&gateway).await;
     assert!(
-        metrics.contains("\nruststream_dead_lettered_total 1\n")
-            && metrics.contains("ruststream_dead_letters_skipped_total{reason=\"missing\"} 0"),
-        "one copy counted, none missing:\n{metrics}"
+        metrics.get("ruststream_dead_lettered_total") == 1.0
+            && metrics.get(r#"ruststream_dead_letters_skipped_total{reason="missing"}"#) == 0.0,
+        "one copy counted, none missing:\n{}",
+        metrics.text
     );
 }
 

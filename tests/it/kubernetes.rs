@@ -665,3 +665,59 @@ fn secret_file(volumes: &[Yaml], mounts: &[Yaml], path: &Path) -> Option<(String
     }
     None
 }
+
+/// `RUSTSTREAM_CONSUMERS_FILE` names a file of a mounted ConfigMap (a directory mount, so an
+/// edit reaches the pod), and that file is a consumers file the gateway takes.
+#[test]
+fn the_consumers_file_comes_from_a_mounted_config_map_and_parses() {
+    let pod = Pod::of_the_deployment();
+    let path = pod
+        .config()
+        .consumers_file
+        .expect("the deployment gives --consumers-file");
+    let volumes = pod.spec["volumes"].as_vec().cloned().unwrap_or_default();
+    let mounts = pod.container["volumeMounts"]
+        .as_vec()
+        .cloned()
+        .unwrap_or_default();
+    let mount = mounts
+        .iter()
+        .find(|mount| {
+            mount["mountPath"]
+                .as_str()
+                .is_some_and(|dir| path.parent() == Some(Path::new(dir)))
+        })
+        .unwrap_or_else(|| panic!("{} is inside a mounted volume", path.display()));
+    assert!(
+        mount["subPath"].is_badvalue(),
+        "mounted whole, not by subPath"
+    );
+    assert_eq!(mount["readOnly"].as_bool(), Some(true));
+    let volume = volumes
+        .iter()
+        .find(|volume| volume["name"].as_str() == mount["name"].as_str())
+        .expect("the mount's volume");
+    let name = volume["configMap"]["name"]
+        .as_str()
+        .expect("the volume is a ConfigMap");
+    let map = everything()
+        .into_iter()
+        .find(|object| {
+            object["kind"].as_str() == Some("ConfigMap")
+                && object["metadata"]["name"].as_str() == Some(name)
+        })
+        .unwrap_or_else(|| panic!("ConfigMap {name} is defined in {DIR}"));
+    let file_name = path
+        .file_name()
+        .and_then(|name| name.to_str())
+        .expect("a file name");
+    let text = map["data"][file_name]
+        .as_str()
+        .unwrap_or_else(|| panic!("ConfigMap {name} holds {file_name}"));
+    let dir = crate::support::nats::files_dir();
+    let copy = dir.path().join(file_name);
+    std::fs::write(&copy, text).expect("write the copy");
+    let specs = ruststream_nats::config::load_consumers_file(&copy)
+        .unwrap_or_else(|why| panic!("the ConfigMap's consumers file: {why}"));
+    assert!(!specs.is_empty(), "it declares a consumer");
+}

@@ -5,6 +5,7 @@
 
 mod capacity;
 mod concurrency;
+mod consumers;
 mod containers;
 mod dead_letter;
 mod delivery_guarantees;

@@ -183,9 +183,16 @@ async fn readme_console_examples_answer_as_shown() {
         examples.len()
     );
 
-    // The demo's setup: the default stream ORDERS (orders.>) and consumer billing.
+    // The demo's setup: the default stream ORDERS (orders.>) and consumer billing, and the
+    // consumers file it runs with (ORDERS/shipping).
     let server = NatsServer::start().await;
-    let gateway = Setup::defaults().create_stream().ready(&server.url()).await;
+    let consumers_file =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/consumers/consumers.toml");
+    let gateway = Setup::defaults()
+        .create_stream()
+        .flag("--consumers-file", consumers_file.display().to_string())
+        .ready(&server.url())
+        .await;
     let address = gateway.base().trim_start_matches("http://").to_owned();
 
     let mut shell = Shell::start();
@@ -237,21 +244,25 @@ fn readme_examples_call_every_endpoint() {
     );
 }
 
-/// Whether `command` requests `path` on the README's address; a `{id}` in the path is a
-/// lease id, which the examples pass through a shell variable (`$ID`).
+/// Whether `command` requests `path` on the README's address; a `{param}` segment of the
+/// path stands for any segment (a lease id passed through a shell variable, `$ID`; a stream
+/// or consumer name).
 fn calls(command: &str, path: &str) -> bool {
-    command
-        .split(README_ADDRESS)
-        .skip(1)
-        .any(|url| match path.split_once("{id}") {
-            Some((before, after)) => url
-                .strip_prefix(before)
-                .and_then(|rest| rest.strip_prefix('$'))
-                .is_some_and(|rest| rest.contains(after)),
-            None => url
-                .strip_prefix(path)
-                .is_some_and(|rest| !rest.starts_with(|c: char| c == '/' || c.is_alphanumeric())),
-        })
+    let template: Vec<&str> = path.split('/').collect();
+    command.split(README_ADDRESS).skip(1).any(|url| {
+        let end = url
+            .find(|c: char| c.is_whitespace() || matches!(c, '\'' | '"' | '?' | ')' | '|'))
+            .unwrap_or(url.len());
+        let segments: Vec<&str> = url[..end].split('/').collect();
+        segments.len() == template.len()
+            && template.iter().zip(&segments).all(|(want, got)| {
+                if want.starts_with('{') && want.ends_with('}') {
+                    !got.is_empty()
+                } else {
+                    want == got
+                }
+            })
+    })
 }
 
 /// The configuration page's table lists every flag with its environment variable.

@@ -21,11 +21,12 @@ from ruststream_nats_client.api.leases import (
     ack_messages,
     extend_lease,
     fetch_messages,
+    fetch_named_messages,
     nak_message,
     term_message,
 )
 from ruststream_nats_client.api.messages import publish_message
-from ruststream_nats_client.api.operations import get_consumer, get_readiness
+from ruststream_nats_client.api.operations import get_consumer, get_readiness, list_consumers
 from ruststream_nats_client.models import (
     BatchAckBody,
     Encoding,
@@ -146,6 +147,39 @@ def main(base_url, bearer):
         check(not stray, f"redelivered after being settled: {[m.data for m in stray]}")
     consumer = get_consumer.sync_detailed(client=client)
     check(consumer.status_code == 200, "consumer")
+
+    # A named consumer (the consumers file's ORDERS/clients, filter orders.named.>), fetched
+    # by name and acked through the same settle route.
+    reply = publish_message.sync_detailed(
+        client=client, body=PublishBody(subject="orders.named.python", data=f"{token}-named")
+    )
+    check(reply.status_code == 201, f"publish: {reply.status_code} {reply.content!r}")
+    named = None
+    deadline = time.monotonic() + 10
+    while named is None and time.monotonic() < deadline:
+        reply = fetch_named_messages.sync_detailed(
+            "ORDERS",
+            "clients",
+            client=client,
+            body=FetchBody(batch=10, wait_ms=1000, encoding=Encoding.UTF8),
+        )
+        check(reply.status_code == 200, f"named fetch: {reply.status_code} {reply.content!r}")
+        for message in reply.parsed.messages:
+            if message.data == f"{token}-named":
+                named = message
+            else:
+                nak_message.sync_detailed(message.id, client=client, body=NakBody(delay_ms=0))
+    check(named is not None and named.consumer == "clients", f"named lease: {named!r}")
+    check(ack_message.sync_detailed(named.id, client=client).status_code == 204, "named ack")
+    listed = list_consumers.sync_detailed(client=client)
+    check(listed.status_code == 200, f"list consumers: {listed.status_code}")
+    names = {(c.name, c.source) for c in listed.parsed.consumers}
+    check({("ecosystem", "default"), ("clients", "file")} <= names, f"consumers {names}")
+    expect_problem(
+        fetch_named_messages.sync_detailed("ORDERS", "nobody", client=client, body=FetchBody(wait_ms=0)),
+        404,
+        "consumer-not-found",
+    )
     print(f"python client flow: ok ({token}; nak'd message back after {elapsed:.2f}s, delivered 2)")
 
 

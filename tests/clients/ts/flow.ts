@@ -151,6 +151,42 @@ async function main(): Promise<void> {
   }
   const consumer = await client.GET("/consumer");
   check(consumer.response.status === 200 && consumer.data?.stream === "ORDERS", "consumer");
+
+  // A named consumer (the consumers file's ORDERS/clients, filter orders.named.>), fetched
+  // by name and acked through the same settle route.
+  const published = await client.POST("/publish", {
+    body: { subject: "orders.named.typescript", data: `${token}-named` },
+  });
+  check(published.response.status === 201, `publish: ${published.response.status}`);
+  const path = { stream: "ORDERS", consumer: "clients" };
+  let named: Message | undefined;
+  const namedDeadline = Date.now() + 10_000;
+  while (!named && Date.now() < namedDeadline) {
+    const fetched = await client.POST("/streams/{stream}/consumers/{consumer}/fetch", {
+      params: { path },
+      body: { batch: 10, wait_ms: 1000, encoding: "utf8" },
+    });
+    check(fetched.response.status === 200 && fetched.data, `named fetch: ${fetched.response.status}`);
+    for (const message of fetched.data.messages) {
+      if (message.data === `${token}-named`) {
+        named = message;
+      } else {
+        await client.POST("/messages/{id}/nak", { params: { path: { id: message.id } } });
+      }
+    }
+  }
+  check(named && named.consumer === "clients", "the named consumer's lease");
+  const namedAck = await client.POST("/messages/{id}/ack", { params: { path: { id: named.id } } });
+  check(namedAck.response.status === 204, `named ack: ${namedAck.response.status}`);
+  const listed = await client.GET("/consumers");
+  check(listed.response.status === 200 && listed.data, "list consumers");
+  const sources = listed.data.consumers.map((c) => `${c.name}:${c.source}`);
+  check(sources.includes("ecosystem:default") && sources.includes("clients:file"), `consumers ${sources}`);
+  const nobody = await client.POST("/streams/{stream}/consumers/{consumer}/fetch", {
+    params: { path: { stream: "ORDERS", consumer: "nobody" } },
+    body: { wait_ms: 0 },
+  });
+  expectProblem(nobody.response, nobody.error, 404, "consumer-not-found");
   console.log(`typescript client flow: ok (${token}; nak'd message back after ${elapsed} ms, delivered 2)`);
 }
 

@@ -274,7 +274,10 @@ async fn each_token_has_its_own_cap_on_waiting_fetches() {
     let refused = metrics
         .text
         .lines()
-        .find(|line| line.starts_with(r#"ruststream_fetches_refused_total{reason="token_limit"}"#))
+        .find(|line| {
+            line.starts_with("ruststream_fetches_refused_total{")
+                && line.contains(r#"reason="token_limit""#)
+        })
         .unwrap_or_else(|| panic!("no token_limit series:\n{}", metrics.text));
     assert!(!refused.ends_with(" 0"), "{refused}");
 }

@@ -434,8 +434,11 @@ async fn a_client_leaving_a_waiting_fetch_over_tls_withdraws_it() {
                 .text()
                 .await
                 .expect("text");
-            text.lines()
-                .any(|line| line == format!("ruststream_fetches_in_progress {expected}"))
+            // The one consumer's series (labelled with its stream and name).
+            text.lines().any(|line| {
+                line.starts_with("ruststream_fetches_in_progress{")
+                    && line.ends_with(&format!(" {expected}"))
+            })
         }
     };
     wait_until("the fetch waits", Duration::from_secs(20), || {

@@ -1,4 +1,9 @@
 //! `GET /metrics` read as a test reads it: one scrape, every sample line by series.
+//!
+//! Per-consumer series carry `stream` and `consumer` labels. [`Scrape::get`] and its kin
+//! read a series with those two labels left out — the sum over the consumers, which for a
+//! gateway of one consumer is that consumer's value — and [`Scrape::exact`] one series as
+//! written.
 
 use std::collections::BTreeMap;
 
@@ -6,7 +11,10 @@ use super::client::Client;
 
 /// One scrape: every sample line, `name{labels}` → value.
 pub struct Scrape {
+    /// By series without the `stream` and `consumer` labels, summed over them.
     samples: BTreeMap<String, f64>,
+    /// By series as written.
+    exact: BTreeMap<String, f64>,
     pub text: String,
 }
 
@@ -21,7 +29,7 @@ impl Scrape {
             "Prometheus text format, got {:?}",
             reply.content_type()
         );
-        let samples = reply
+        let exact: BTreeMap<String, f64> = reply
             .text
             .lines()
             .filter(|line| !line.starts_with('#') && !line.trim().is_empty())
@@ -35,10 +43,35 @@ impl Scrape {
                 (series.to_owned(), value)
             })
             .collect();
+        let mut samples = BTreeMap::new();
+        for (series, value) in &exact {
+            *samples.entry(without_consumer(series)).or_insert(0.0) += value;
+        }
         Self {
             samples,
+            exact,
             text: reply.text,
         }
+    }
+
+    /// One series exactly as written (labels in the order Prometheus sorts them: by name).
+    #[track_caller]
+    pub fn exact(&self, series: &str) -> f64 {
+        *self
+            .exact
+            .get(series)
+            .unwrap_or_else(|| panic!("no series {series} in:\n{}", self.text))
+    }
+
+    /// One consumer's series: `name` with `labels` (`k="v"` pairs, comma-separated, or
+    /// empty) and that consumer's `stream` and `consumer` labels.
+    #[track_caller]
+    pub fn of_consumer(&self, name: &str, labels: &str, stream: &str, consumer: &str) -> f64 {
+        let mut pairs: Vec<String> = split_labels(labels);
+        pairs.push(format!("consumer=\"{consumer}\""));
+        pairs.push(format!("stream=\"{stream}\""));
+        pairs.sort();
+        self.exact(&format!("{name}{{{}}}", pairs.join(",")))
     }
 
     /// A series' value; panics when the series is missing (every one is listed from the start).
@@ -63,4 +96,45 @@ impl Scrape {
             .map(|(_, value)| value)
             .sum()
     }
+}
+
+/// `series` without its `stream` and `consumer` labels.
+fn without_consumer(series: &str) -> String {
+    let Some((name, labels)) = series.split_once('{') else {
+        return series.to_owned();
+    };
+    let labels = labels.strip_suffix('}').unwrap_or(labels);
+    let kept: Vec<String> = split_labels(labels)
+        .into_iter()
+        .filter(|pair| !pair.starts_with("stream=\"") && !pair.starts_with("consumer=\""))
+        .collect();
+    if kept.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{name}{{{}}}", kept.join(","))
+    }
+}
+
+/// `a="x",b="y"` → its pairs, commas inside quoted values kept.
+fn split_labels(labels: &str) -> Vec<String> {
+    let mut pairs = Vec::new();
+    let mut current = String::new();
+    let (mut quoted, mut escaped) = (false, false);
+    for c in labels.chars() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            ',' if !quoted => {
+                pairs.push(std::mem::take(&mut current));
+                continue;
+            }
+            _ => {}
+        }
+        current.push(c);
+    }
+    if !current.is_empty() {
+        pairs.push(current);
+    }
+    pairs
 }

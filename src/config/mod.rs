@@ -4,6 +4,10 @@
 //!
 //! May import: `domain` (subject rules). Usable from every room.
 
+mod consumers_file;
+
+pub use consumers_file::{ConsumerSpec, load as load_consumers_file};
+
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -12,6 +16,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use time::OffsetDateTime;
+
+use crate::domain::consumers::ConsumerPatterns;
 use time::format_description::well_known::Rfc3339;
 
 /// An HTTP gateway that leases NATS JetStream messages to HTTP clients.
@@ -109,6 +115,32 @@ pub struct Config {
     /// Use an ephemeral consumer (no durable name); the server removes it after the gateway is gone.
     #[arg(long, env = "RUSTSTREAM_EPHEMERAL")]
     pub ephemeral: bool,
+
+    /// Serve no default consumer (--stream/--consumer): only those of --consumers-file and
+    /// --serve-existing, at /streams/{stream}/consumers/{consumer}/….
+    #[arg(long, env = "RUSTSTREAM_NO_DEFAULT_CONSUMER")]
+    pub no_default_consumer: bool,
+
+    /// TOML file declaring more consumers to serve (`[[consumer]]` with stream, name and
+    /// optional settings); read again when it changes.
+    #[arg(long, env = "RUSTSTREAM_CONSUMERS_FILE")]
+    pub consumers_file: Option<PathBuf>,
+
+    /// Serve consumers that already exist on the server, bound on first request:
+    /// comma-separated STREAM/CONSUMER patterns, `*` standing for any whole name
+    /// (`ORDERS/*`, `*/*`). Their settings are never changed.
+    #[arg(long, env = "RUSTSTREAM_SERVE_EXISTING", value_parser = parse_patterns)]
+    pub serve_existing: Option<ConsumerPatterns>,
+
+    /// Unbind an existing consumer (--serve-existing) after this long with no live lease and
+    /// no request; the next request binds it again.
+    #[arg(long, env = "RUSTSTREAM_IDLE_UNBIND", default_value = "10m", value_parser = parse_positive_duration)]
+    pub idle_unbind: Duration,
+
+    /// Set for a consumer served through --serve-existing: bound as it is on the server,
+    /// its settings never sent.
+    #[arg(skip)]
+    pub(crate) adopt_existing: bool,
 
     /// Address the HTTP server listens on.
     #[arg(long, env = "RUSTSTREAM_LISTEN", default_value = "127.0.0.1:8080")]
@@ -353,6 +385,41 @@ pub enum LogFormat {
 }
 
 impl Config {
+    /// The settings of a consumer served through `--serve-existing`: its own, as the
+    /// server has them (read at bind), no dead letters, everything else as given at start.
+    pub(crate) fn for_existing(&self, stream: &str, consumer: &str) -> Self {
+        Self {
+            stream: stream.to_owned(),
+            consumer: consumer.to_owned(),
+            filter_subject: None,
+            max_deliver: None,
+            dead_letter_subject: None,
+            ephemeral: false,
+            create_stream: false,
+            adopt_existing: true,
+            ..self.clone()
+        }
+    }
+
+    /// The settings of a consumer the file declares: its own stream, name and consumer
+    /// settings, everything else as given at start.
+    pub(crate) fn for_declared(&self, spec: &ConsumerSpec) -> Self {
+        Self {
+            stream: spec.stream.clone(),
+            consumer: spec.name.clone(),
+            filter_subject: spec.filter_subject.clone(),
+            deliver_policy: spec.deliver_policy.clone(),
+            ack_wait: spec.ack_wait,
+            max_ack_pending: spec.max_ack_pending,
+            max_deliver: spec.max_deliver,
+            dead_letter_subject: spec.dead_letter_subject.clone(),
+            ephemeral: false,
+            // The default consumer's stream may be made by either: the same config.
+            create_stream: self.create_stream && spec.stream == self.stream,
+            ..self.clone()
+        }
+    }
+
     /// `--nats-url` as messages and logs show it: credentials in a URL (`user:password@`,
     /// `token@`) replaced by `***`, so no error or log line carries them.
     pub fn nats_url_redacted(&self) -> String {
@@ -489,6 +556,10 @@ fn parse_nats_urls(value: &str) -> Result<String, String> {
         );
     }
     Ok(value.to_owned())
+}
+
+fn parse_patterns(value: &str) -> Result<ConsumerPatterns, String> {
+    ConsumerPatterns::parse(value)
 }
 
 fn parse_name(value: &str) -> Result<String, String> {

@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::warn;
 
-use super::Gateway;
+use super::Consumer;
 use crate::dispatch::Command;
 use crate::domain::delivery::{Demand, Leased};
 use crate::domain::idempotency::{Begin, Fingerprint, Scope};
@@ -42,7 +42,7 @@ pub(crate) struct Fetched {
     pub(crate) replayed: bool,
 }
 
-impl Gateway {
+impl Consumer {
     /// Lease up to `demand.batch` messages for `caller` and render the answer with `render`.
     /// With `idempotency`, a repeat gets the first answer (even one whose caller hung up
     /// before reading it: it said it would retry), and a repeat with another request is a
@@ -77,7 +77,7 @@ impl Gateway {
         Box::pin(self.fetch_keyed(demand, idempotency, caller, render, started)).await
     }
 
-    /// [`Gateway::fetch`] with an `Idempotency-Key`.
+    /// [`Consumer::fetch`] with an `Idempotency-Key`.
     async fn fetch_keyed<C: Caller>(
         &self,
         demand: Demand,
@@ -171,7 +171,7 @@ impl Gateway {
                 return None;
             }
         };
-        if remembered.owner == self.instance.to_string()
+        if remembered.owner == self.process.instance.to_string()
             || !self.any_live_elsewhere(&remembered.body).await
         {
             return None;
@@ -197,7 +197,7 @@ impl Gateway {
         if let Err(err) = shared
             .remember_answer(
                 digest,
-                self.instance,
+                self.process.instance,
                 &idempotency.fingerprint.to_hex(),
                 body,
                 self.state.ack_wait(),
@@ -352,7 +352,7 @@ enum SharedAnswer {
 struct PendingFetch<'a> {
     id: u64,
     answered: Option<oneshot::Receiver<Vec<Leased>>>,
-    gateway: &'a Gateway,
+    gateway: &'a Consumer,
 }
 
 impl Drop for PendingFetch<'_> {

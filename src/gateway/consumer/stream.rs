@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Caller, Gateway};
+use super::{Caller, Consumer};
 use crate::domain::delivery::{Demand, Leased};
 use crate::domain::lease_id::DeliveryKey;
 use crate::error::Error;
@@ -38,14 +38,14 @@ pub(crate) enum Step {
 /// One open stream's leases: those written to it and still live, and those leased for it
 /// and not yet written (given back if the stream ends first).
 pub(crate) struct LeaseStream {
-    gateway: Gateway,
+    gateway: Consumer,
     max_in_flight: usize,
     written: Vec<(DeliveryKey, Instant)>,
     unwritten: VecDeque<Leased>,
 }
 
 impl LeaseStream {
-    pub(crate) fn new(gateway: Gateway, max_in_flight: usize) -> Self {
+    pub(crate) fn new(gateway: Consumer, max_in_flight: usize) -> Self {
         Self {
             gateway,
             max_in_flight,
@@ -137,7 +137,7 @@ async fn hung_up<C: Caller>(caller: Option<&C>) {
     }
 }
 
-impl Gateway {
+impl Consumer {
     /// Leases taken for a stream whose client went before they were written: back to the
     /// next fetch, as a withdrawn fetch's are.
     pub(crate) async fn give_back_unwritten(&self, leased: Vec<Leased>) {

@@ -7,7 +7,7 @@
 //!
 //! May import: as the rest of `gateway`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::Duration;
 
 use time::OffsetDateTime;
@@ -15,11 +15,13 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 
-use super::Gateway;
+use super::Consumer;
+use super::wire::{
+    Settled, command_of, forwarded, from_remote, outcome_of, request_kind, to_remote,
+};
 use crate::domain::lease_id::{InstanceId, SignedLease};
-use crate::domain::settle::{AckCommand, SettleKind};
+use crate::domain::settle::AckCommand;
 use crate::error::Error;
-use crate::metrics::SettleOutcome;
 use crate::nats::forward::{self, ForwardError, ForwardedSettle, RemoteResult};
 use crate::nats::replicas::ReplicaRecord;
 
@@ -40,10 +42,6 @@ const NO_RESPONDERS_RETRY: Duration = Duration::from_millis(250);
 /// retried at another replica replays its first answer only while one is).
 const LIVE: &str = "live";
 
-/// What a settle of one lease came to, at whichever replica did it: `Some(expiry)` for an
-/// extension.
-pub(super) type Settled = Result<Option<OffsetDateTime>, Error>;
-
 /// A live replica, as `GET /consumer` shows it.
 #[derive(Debug, Clone)]
 pub(crate) struct ReplicaView {
@@ -57,10 +55,10 @@ pub(crate) struct ReplicaView {
     pub(crate) this_replica: bool,
 }
 
-impl Gateway {
+impl Consumer {
     /// This process, as its lease ids name it.
     pub(crate) fn instance(&self) -> InstanceId {
-        self.instance
+        self.process.instance
     }
 
     /// The live replicas as last seen (this one always among them).
@@ -71,7 +69,7 @@ impl Gateway {
             .lock()
             .map(|seen| seen.clone())
             .unwrap_or_default();
-        let me = self.instance.to_string();
+        let me = self.process.instance.to_string();
         let mut views: Vec<ReplicaView> = seen
             .into_iter()
             .filter(|record| record.instance_id != me)
@@ -99,8 +97,8 @@ impl Gateway {
 
     fn own_record(&self) -> ReplicaRecord {
         ReplicaRecord {
-            instance_id: self.instance.to_string(),
-            started_at: self.started_at,
+            instance_id: self.process.instance.to_string(),
+            started_at: self.process.started_at,
             leases_in_flight: self.leases_in_flight(),
             lease_key_fingerprint: self.state.signer().key_fingerprint().to_owned(),
             listen: self.config.listen.to_string(),
@@ -181,7 +179,7 @@ impl Gateway {
                 None => return,
             },
         };
-        let subject = self.subjects.settle(self.instance);
+        let subject = self.subjects.settle(self.process.instance);
         let mut requests = loop {
             match forward::listen(&client, subject.clone()).await {
                 Ok(requests) => {
@@ -221,14 +219,14 @@ impl Gateway {
             let Some(reply) = message.reply.clone() else {
                 continue;
             };
-            if !forward::believe(&self.trust, &message) {
+            if !forward::believe(&self.process.trust, &message) {
                 continue;
             }
             let gateway = self.clone();
             let client = client.clone();
             tokio::spawn(async move {
                 let results = gateway.settle_forwarded(&message.payload).await;
-                forward::answer(&client, &gateway.trust, reply, results).await;
+                forward::answer(&client, &gateway.process.trust, reply, results).await;
             });
         }
     }
@@ -239,7 +237,7 @@ impl Gateway {
         owner: InstanceId,
         request: ForwardedSettle,
     ) -> Result<Vec<RemoteResult>, ForwardError> {
-        let Some(client) = self.client.get() else {
+        let Some(client) = self.process.connection.get() else {
             return Err(ForwardError::Unavailable(
                 "not connected to NATS yet; retrying".into(),
             ));
@@ -252,12 +250,14 @@ impl Gateway {
         let timeout = self.config.settle_timeout + FORWARD_GRACE;
         let to = (owner, self.subjects.settle(owner));
         let asked = async {
-            match forward::forward(client, &self.trust, to.clone(), &request, timeout).await {
+            match forward::forward(&client, &self.process.trust, to.clone(), &request, timeout)
+                .await
+            {
                 // In a cluster a subscription reaches the other servers a moment after it
                 // is made: ask once more before calling the owner gone (well within 3 s).
                 Err(ForwardError::OwnerGone) => {
                     tokio::time::sleep(NO_RESPONDERS_RETRY).await;
-                    forward::forward(client, &self.trust, to, &request, timeout).await
+                    forward::forward(&client, &self.process.trust, to, &request, timeout).await
                 }
                 other => other,
             }
@@ -372,7 +372,7 @@ impl Gateway {
         self.state
             .signer()
             .decode(id)
-            .filter(|signed| signed.owner == self.instance)
+            .filter(|signed| signed.owner == self.process.instance)
     }
 
     /// Beat, look at the other replicas and at the consumer, every [`HEARTBEAT_EVERY`],
@@ -403,7 +403,7 @@ impl Gateway {
             };
             if let Some(shared) = &bound.shared {
                 match shared
-                    .announce(self.instance, &self.own_record(), HEARTBEAT_TTL)
+                    .announce(self.process.instance, &self.own_record(), HEARTBEAT_TTL)
                     .await
                 {
                     Ok(()) => {
@@ -457,7 +457,7 @@ impl Gateway {
     }
 
     fn saw_replicas(&self, records: Vec<ReplicaRecord>, reported_keys: &mut HashSet<String>) {
-        let me = self.instance.to_string();
+        let me = self.process.instance.to_string();
         let mine = self.state.signer().key_fingerprint();
         let count = records.len() + usize::from(!records.iter().any(|r| r.instance_id == me));
         self.state.set_replicas(count);
@@ -512,197 +512,9 @@ impl Gateway {
     pub(super) async fn withdraw(&self) {
         if let Ok(bound) = self.bound()
             && let Some(shared) = &bound.shared
-            && let Err(err) = shared.withdraw(self.instance).await
+            && let Err(err) = shared.withdraw(self.process.instance).await
         {
             debug!(error = %format!("{err:#}"), "could not withdraw the heartbeat; it expires by itself");
         }
-    }
-}
-
-/// Group `ids` (positions into them) by the replica that issued each; `None`: this one, or
-/// no genuine id at all (answered here, 404, without forwarding).
-pub(super) fn by_owner(
-    leases: &[(&str, Option<SignedLease>)],
-    me: InstanceId,
-) -> (Vec<usize>, HashMap<InstanceId, Vec<usize>>) {
-    let mut here = Vec::new();
-    let mut elsewhere: HashMap<InstanceId, Vec<usize>> = HashMap::new();
-    for (at, (_, lease)) in leases.iter().enumerate() {
-        match lease {
-            Some(lease) if lease.owner != me => elsewhere.entry(lease.owner).or_default().push(at),
-            _ => here.push(at),
-        }
-    }
-    (here, elsewhere)
-}
-
-fn request_kind(command: &AckCommand) -> &'static str {
-    match command {
-        AckCommand::Ack => "ack",
-        AckCommand::Nak { .. } => "nak",
-        AckCommand::Term { .. } => "term",
-        AckCommand::InProgress => "in_progress",
-    }
-}
-
-fn forwarded(command: &AckCommand, ids: &[&str]) -> ForwardedSettle {
-    let (delay_ms, reason) = match command {
-        AckCommand::Nak { delay } => (
-            delay.map(|delay| u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)),
-            None,
-        ),
-        AckCommand::Term { reason } => (None, reason.clone()),
-        AckCommand::Ack | AckCommand::InProgress => (None, None),
-    };
-    ForwardedSettle {
-        kind: request_kind(command).to_owned(),
-        delay_ms,
-        reason,
-        ids: ids.iter().map(|id| (*id).to_owned()).collect(),
-    }
-}
-
-fn command_of(request: &ForwardedSettle) -> Option<AckCommand> {
-    match request.kind.as_str() {
-        "ack" => Some(AckCommand::Ack),
-        "nak" => Some(AckCommand::Nak {
-            delay: request.delay_ms.map(Duration::from_millis),
-        }),
-        "term" => Some(AckCommand::Term {
-            reason: request.reason.clone(),
-        }),
-        "in_progress" => Some(AckCommand::InProgress),
-        _ => None,
-    }
-}
-
-fn settle_kind(name: &str) -> Option<SettleKind> {
-    match name {
-        "ack" => Some(SettleKind::Ack),
-        "nak" => Some(SettleKind::Nak),
-        "term" => Some(SettleKind::Term),
-        _ => None,
-    }
-}
-
-fn to_remote(result: Settled) -> RemoteResult {
-    match result {
-        Ok(expires_at) => RemoteResult::Ok {
-            expires_at_unix_ms: expires_at
-                .map(|at| i64::try_from(at.unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX)),
-        },
-        Err(Error::AlreadySettled { settled }) => RemoteResult::AlreadySettled {
-            settled: settled.as_str().to_owned(),
-        },
-        Err(Error::LeaseGone) => RemoteResult::Gone,
-        Err(Error::UnknownLease) => RemoteResult::Unknown,
-        Err(Error::TimedOut) => RemoteResult::Timeout,
-        Err(other) => RemoteResult::Unavailable {
-            detail: other.to_string(),
-        },
-    }
-}
-
-fn from_remote(result: RemoteResult) -> Settled {
-    match result {
-        RemoteResult::Ok { expires_at_unix_ms } => Ok(expires_at_unix_ms.and_then(|ms| {
-            OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000).ok()
-        })),
-        RemoteResult::AlreadySettled { settled } => match settle_kind(&settled) {
-            Some(settled) => Err(Error::AlreadySettled { settled }),
-            None => Err(Error::Unavailable(format!(
-                "the owning replica answered an unknown settle kind {settled:?}"
-            ))),
-        },
-        RemoteResult::Gone => Err(Error::LeaseGone),
-        RemoteResult::Unknown => Err(Error::UnknownLease),
-        RemoteResult::Timeout => Err(Error::TimedOut),
-        RemoteResult::Unavailable { detail } => Err(Error::Unavailable(detail)),
-    }
-}
-
-fn outcome_of(result: &Settled) -> SettleOutcome {
-    match result {
-        Ok(_) => SettleOutcome::Ok,
-        Err(err) => super::settle::settle_outcome(err),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_answer_crosses_the_wire_unchanged() {
-        let at = OffsetDateTime::from_unix_timestamp(1_800_000_000).expect("valid time");
-        let answers: Vec<Settled> = vec![
-            Ok(None),
-            Ok(Some(at)),
-            Err(Error::AlreadySettled {
-                settled: SettleKind::Nak,
-            }),
-            Err(Error::LeaseGone),
-            Err(Error::UnknownLease),
-            Err(Error::TimedOut),
-            Err(Error::Unavailable("NATS is down".into())),
-        ];
-        for answer in answers {
-            let wire = serde_json::to_vec(&to_remote(answer.clone())).expect("encodes");
-            let back = from_remote(serde_json::from_slice(&wire).expect("decodes"));
-            assert_eq!(format!("{back:?}"), format!("{answer:?}"));
-        }
-    }
-
-    #[test]
-    fn commands_cross_the_wire_unchanged() {
-        for command in [
-            AckCommand::Ack,
-            AckCommand::Nak { delay: None },
-            AckCommand::Nak {
-                delay: Some(Duration::from_millis(1500)),
-            },
-            AckCommand::Term { reason: None },
-            AckCommand::Term {
-                reason: Some("bad payload".into()),
-            },
-            AckCommand::InProgress,
-        ] {
-            let request = forwarded(&command, &["id"]);
-            let wire = serde_json::to_vec(&request).expect("encodes");
-            let back = command_of(&serde_json::from_slice(&wire).expect("decodes"));
-            assert_eq!(format!("{back:?}"), format!("{:?}", Some(command)));
-        }
-    }
-
-    #[test]
-    fn ids_are_grouped_by_the_replica_that_issued_them() {
-        use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates};
-        let lease = |owner| {
-            Some(SignedLease {
-                owner: InstanceId(owner),
-                lease: LeaseCoordinates {
-                    epoch: 1,
-                    key: DeliveryKey {
-                        stream_sequence: 1,
-                        delivered: 1,
-                    },
-                    consumer_sequence: 1,
-                    published_unix_nanos: 0,
-                },
-            })
-        };
-        let (here, elsewhere) = by_owner(
-            &[
-                ("a", lease(1)),
-                ("b", lease(2)),
-                ("c", None),
-                ("d", lease(3)),
-                ("e", lease(2)),
-            ],
-            InstanceId(1),
-        );
-        assert_eq!(here, vec![0, 2]);
-        assert_eq!(elsewhere[&InstanceId(2)], vec![1, 4]);
-        assert_eq!(elsewhere[&InstanceId(3)], vec![3]);
     }
 }

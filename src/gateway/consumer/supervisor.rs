@@ -5,21 +5,24 @@
 //!
 //! May import: as the rest of `gateway`.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use time::OffsetDateTime;
+use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::warn;
 
 use crate::config::Config;
 use crate::dispatch::Command;
 use crate::domain::subject;
 use crate::metrics::Metrics;
 use crate::nats::trust::Trust;
-use crate::nats::{self, BindError, Bound, Client, ConnectionEvent};
+use crate::nats::{self, BindError, Bound, ConnectionEvent};
 use crate::state::LeaseState;
+
+use super::super::connection::Connection;
 
 /// The gateway's metrics, for a task that outlives a borrow of [`LeaseState`].
 #[derive(Clone)]
@@ -35,8 +38,8 @@ impl AsRef<Metrics> for StateMetrics {
 pub(super) struct Background {
     pub(super) stop: CancellationToken,
     pub(super) state: Arc<LeaseState>,
-    /// Where the connection goes once made, for the connection gauge.
-    pub(super) client: Arc<OnceLock<Client>>,
+    /// The process's connection to NATS.
+    pub(super) connection: Connection,
     /// Whether the connection is up, as its events tell: waiting fetches give up on a loss.
     pub(super) connected: watch::Sender<bool>,
     /// Seals what the binding's shared stream holds.
@@ -52,12 +55,11 @@ pub(super) async fn supervise(
     commands: mpsc::Sender<Command>,
     background: Background,
 ) -> anyhow::Result<()> {
-    let (events_tx, mut events) = mpsc::unbounded_channel();
-    let client = nats::connect(config, events_tx).await?;
-    let _ = background.client.set(client.clone());
-    // A Connected event counts as a reconnect only after a Disconnected one: the first
-    // connection is not one, whether or not async-nats reports it as an event.
-    let mut connection_lost = false;
+    // Subscribed before looking at the connection, so no event in between is missed.
+    let mut events = background.connection.events();
+    let Some(client) = background.connection.client().await else {
+        anyhow::bail!("the NATS client stopped");
+    };
     let ephemeral_name = format!("{}-{:016x}", config.consumer, rand::random::<u64>());
     if let Some(subject) = &config.dead_letter_subject {
         let target = nats::dead_letter::Target {
@@ -88,26 +90,15 @@ pub(super) async fn supervise(
     let mut identity_seen: Option<(String, OffsetDateTime)> = None;
     let mut published = false;
     let mut backoff = Duration::from_millis(100);
-    let mut unreachable = Unreachable::default();
     loop {
         // Wait for the connection; async-nats reconnects on its own.
         while !nats::is_connected(&client) {
             match tokio::time::timeout(Duration::from_secs(1), events.recv()).await {
-                Ok(Some(ConnectionEvent::Disconnected)) => {
-                    connection_lost = true;
+                Ok(Ok(ConnectionEvent::Disconnected)) => {
                     background.connected.send_replace(false);
                     let _ = commands.send(Command::ConnectionLost).await;
                 }
-                Ok(Some(ConnectionEvent::Connected)) => {
-                    unreachable = Unreachable::default();
-                    if std::mem::take(&mut connection_lost) {
-                        state.metrics.nats_reconnected();
-                    }
-                }
-                Ok(Some(ConnectionEvent::ClientError(err))) => {
-                    unreachable.failed(config, &err).await;
-                }
-                Ok(None) => anyhow::bail!("the NATS client stopped"),
+                Ok(Err(RecvError::Closed)) => anyhow::bail!("the NATS client stopped"),
                 _ => {}
             }
         }
@@ -169,25 +160,17 @@ pub(super) async fn supervise(
         loop {
             tokio::select! {
                 event = events.recv() => match event {
-                    Some(ConnectionEvent::Disconnected) => {
-                        connection_lost = true;
+                    Ok(ConnectionEvent::Disconnected) => {
                         background.connected.send_replace(false);
-                        warn!(nats = %config.nats_url_redacted(), "disconnected from NATS; leases stay valid, fetches answer 503 until reconnected");
                         let _ = commands.send(Command::ConnectionLost).await;
                     }
-                    Some(ConnectionEvent::ClientError(err)) => unreachable.failed(config, &err).await,
-                    Some(ConnectionEvent::Connected) => {
-                        unreachable = Unreachable::default();
-                        if std::mem::take(&mut connection_lost) {
-                            state.metrics.nats_reconnected();
-                        }
-                        info!("reconnected to NATS");
+                    // Events missed: whatever they were, bind again once connected.
+                    Ok(ConnectionEvent::Connected) | Err(RecvError::Lagged(_)) => {
                         let _ = commands.send(Command::Reconnected).await;
                         break;
                     }
-                    Some(ConnectionEvent::ServerError(err)) => error!(error = %err, "NATS server error"),
-                    Some(ConnectionEvent::Other(event)) => info!(event, "NATS event"),
-                    None => anyhow::bail!("the NATS client stopped"),
+                    Ok(_) => {}
+                    Err(RecvError::Closed) => anyhow::bail!("the NATS client stopped"),
                 },
                 () = state.rebind_requested() => {
                     bound_tx.send_replace(None);
@@ -196,37 +179,5 @@ pub(super) async fn supervise(
                 }
             }
         }
-    }
-}
-
-/// How often a NATS server that stays unreachable is reported again.
-const UNREACHABLE_REPORT_EVERY: Duration = Duration::from_secs(30);
-
-/// Failed connection attempts, reported at warn with the server and the reason — the first
-/// one, then at most every [`UNREACHABLE_REPORT_EVERY`] — instead of one line per attempt.
-#[derive(Default)]
-struct Unreachable {
-    reported_at: Option<tokio::time::Instant>,
-    attempts: u64,
-}
-
-impl Unreachable {
-    async fn failed(&mut self, config: &Config, err: &str) {
-        self.attempts += 1;
-        if self
-            .reported_at
-            .is_some_and(|at| at.elapsed() < UNREACHABLE_REPORT_EVERY)
-        {
-            return;
-        }
-        self.reported_at = Some(tokio::time::Instant::now());
-        let reason = nats::connect::unreachable_because(config).await;
-        warn!(
-            nats = %config.nats_url_redacted(),
-            reason,
-            client_error = err,
-            attempts = self.attempts,
-            "cannot reach NATS; retrying (fetches answer 503 meanwhile)"
-        );
     }
 }

@@ -23,14 +23,15 @@ use crate::nats::dead_letter::Outcome;
 use crate::nats::settle::{self as nats_settle, ConfirmError};
 use crate::nats::{self, Bound};
 
-use super::{Gateway, Sent, SettleResult, replicas};
+use super::wire::{self, settle_outcome};
+use super::{Consumer, Sent, SettleResult};
 
-impl Gateway {
+impl Consumer {
     /// The replica to forward a settle of this lease to, when another one issued it.
     fn owner_elsewhere(&self, signed: Option<SignedLease>) -> Option<InstanceId> {
         signed
             .map(|signed| signed.owner)
-            .filter(|owner| *owner != self.instance)
+            .filter(|owner| *owner != self.process.instance)
     }
 
     /// Ack, nak or term one lease; `Ok` only once the server confirmed it. A lease another
@@ -56,7 +57,7 @@ impl Gateway {
             .iter()
             .map(|id| (id.as_str(), self.state.signer().decode(id)))
             .collect();
-        let (here, elsewhere) = replicas::by_owner(&leases, self.instance);
+        let (here, elsewhere) = wire::by_owner(&leases, self.process.instance);
         if elsewhere.is_empty() {
             return self.settle_many_here(&leases, command).await;
         }
@@ -83,7 +84,7 @@ impl Gateway {
             .collect()
     }
 
-    /// [`Gateway::settle_many`] of leases settled here: not issued elsewhere. The settles
+    /// [`Consumer::settle_many`] of leases settled here: not issued elsewhere. The settles
     /// share one timer for their common timeout: one per settle costs measurably on the
     /// batch path.
     pub(super) async fn settle_many_here(
@@ -113,7 +114,7 @@ impl Gateway {
             .collect()
     }
 
-    /// [`Gateway::settle`] of a lease settled here, unconfirmed (504) once `deadline`
+    /// [`Consumer::settle`] of a lease settled here, unconfirmed (504) once `deadline`
     /// resolves.
     async fn settle_by(
         &self,
@@ -141,7 +142,7 @@ impl Gateway {
         .await
     }
 
-    /// [`Gateway::extend`] of a lease extended here, unconfirmed (504) once `deadline`
+    /// [`Consumer::extend`] of a lease extended here, unconfirmed (504) once `deadline`
     /// resolves.
     pub(super) async fn extend_by(
         &self,
@@ -368,7 +369,7 @@ impl Gateway {
 }
 
 /// The one answer a forwarded settle of one id got.
-fn only_answer(mut results: Vec<replicas::Settled>) -> replicas::Settled {
+fn only_answer(mut results: Vec<wire::Settled>) -> wire::Settled {
     results.pop().unwrap_or_else(|| Err(no_answer()))
 }
 
@@ -392,17 +393,5 @@ fn unconfirmed(err: ConfirmError) -> Error {
         ConfirmError::Unavailable => Error::Unavailable(
             "NATS is unavailable or the consumer is gone; the settle was not confirmed".into(),
         ),
-    }
-}
-
-/// The outcome a failed settle reports in the metrics.
-pub(super) fn settle_outcome(err: &Error) -> SettleOutcome {
-    match err {
-        Error::AlreadySettled { .. } => SettleOutcome::AlreadySettled,
-        Error::LeaseGone => SettleOutcome::Gone,
-        Error::UnknownLease => SettleOutcome::Unknown,
-        Error::TimedOut => SettleOutcome::Timeout,
-        Error::Unavailable(_) | Error::ShuttingDown => SettleOutcome::Unavailable,
-        _ => SettleOutcome::Error,
     }
 }

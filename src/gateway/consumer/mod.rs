@@ -1,0 +1,463 @@
+//! One consumer's core: fetch, settle, extend and inspect, over its lease table, its
+//! dispatcher and the NATS boundary; everything per consumer lives under this folder, and
+//! what the process shares (connection, lease key, trust, metrics registry) comes in as
+//! [`Process`].
+//!
+//! A supervisor task keeps the shared connection bound to the consumer (retrying while NATS
+//! is away, rebinding after a reconnect or a deleted consumer) and publishes the binding on a
+//! watch channel; the dispatcher and every request read the current binding from there.
+//!
+//! May import: as the rest of `gateway`.
+
+mod fetch;
+mod replicas;
+mod settle;
+mod stream;
+mod supervisor;
+mod wire;
+
+pub(crate) use fetch::{Caller, Idempotency};
+pub(crate) use stream::{LeaseStream, Step};
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::dispatch::{Command, Dispatcher};
+use crate::domain::consumers::ConsumerName;
+use crate::domain::idempotency::IdempotencyCache;
+use crate::domain::subject;
+use crate::error::Error;
+use crate::metrics::{Metrics, Snapshot};
+use crate::nats::publish::PublishFailure;
+use crate::nats::replicas::{ReplicaRecord, Subjects};
+use crate::nats::settle::{self as nats_settle};
+use crate::nats::{self, Bound};
+use crate::state::LeaseState;
+use supervisor::{Background, supervise};
+
+use super::process::Process;
+
+/// One consumer, as the process-wide gateway hands it to a request. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Consumer {
+    state: Arc<LeaseState>,
+    /// What the process shares with its other consumers.
+    process: Arc<Process>,
+    commands: mpsc::Sender<Command>,
+    bound: watch::Receiver<Option<Arc<Bound>>>,
+    /// Whether the NATS connection is up (from its events) and the binding checked since
+    /// the last reconnect; waiting fetches watch it.
+    nats_up: watch::Receiver<bool>,
+    accepting: Arc<AtomicBool>,
+    next_fetch: Arc<AtomicU64>,
+    config: Arc<Config>,
+    idempotency: Arc<IdempotencyCache>,
+    /// What replicas on the consumer send each other.
+    subjects: Arc<Subjects>,
+    /// The live replicas' last heartbeats (this one's included once it beat).
+    replicas: Arc<Mutex<Vec<ReplicaRecord>>>,
+    /// True while other replicas are live and, all together, hold max_ack_pending
+    /// deliveries: a fetch here would get nothing from the server.
+    consumer_full: watch::Receiver<bool>,
+    /// Whether this replica listens for settles other replicas forward: until it does, a
+    /// lease it issued could not be settled elsewhere, so it is not ready.
+    forwarding: Arc<AtomicBool>,
+    /// Whether this replica's heartbeat is in the shared stream (or there is none): until
+    /// it is, another replica could take its leases for a dead owner's, so it issues none.
+    announced: Arc<AtomicBool>,
+}
+
+/// Handles to the background tasks, for an orderly stop.
+pub(crate) struct Tasks {
+    stop: CancellationToken,
+    dispatcher: tokio::task::JoinHandle<()>,
+}
+
+/// How often [`Consumer::wait_ready`] looks again between changes of the binding.
+const READY_POLL: Duration = Duration::from_millis(2);
+
+/// What a settle of one lease came to.
+pub(crate) type SettleResult = Result<(), Error>;
+
+/// What a successful settle sent to the server.
+enum Sent {
+    /// The settle, confirmed by the server.
+    Confirmed,
+    /// Nothing: the lease was already settled this way.
+    Nothing,
+}
+
+/// Consumer state for `GET /consumer`.
+pub(crate) struct ConsumerStatus {
+    pub(crate) info: async_nats::jetstream::consumer::Info,
+    pub(crate) leases_in_flight: usize,
+}
+
+impl Consumer {
+    /// Start the supervisor and the dispatcher of the consumer `config` names (its
+    /// `stream`, `consumer` and consumer settings; the rest as the process's). Returns at
+    /// once; NATS is reached in the background. The receiver gets the error that makes the
+    /// consumer unusable as configured (missing stream, immutable consumer field differs),
+    /// if one comes.
+    pub(crate) fn start(
+        config: Config,
+        process: Arc<Process>,
+        names_in_ids: bool,
+    ) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
+        let mut signer = process.signer(&config.stream, &config.consumer);
+        if names_in_ids {
+            signer = signer.naming();
+        }
+        let state = Arc::new(LeaseState::new(
+            signer,
+            config.ack_wait,
+            config.max_ack_pending as usize,
+            process
+                .metrics
+                .for_consumer(&config.stream, &config.consumer),
+        ));
+        let config = Arc::new(config);
+        let (commands_tx, commands_rx) = mpsc::channel(1024);
+        let (bound_tx, bound_rx) = watch::channel(None);
+        let (connected_tx, nats_up) = watch::channel(false);
+        let (fatal_tx, fatal_rx) = oneshot::channel();
+        let stop = CancellationToken::new();
+
+        let dispatcher = Dispatcher::new(state.clone());
+        let dispatcher = tokio::spawn({
+            let bound_rx = bound_rx.clone();
+            let capacity_freed = state.capacity_freed();
+            let stop = stop.clone();
+            async move {
+                tokio::select! {
+                    () = dispatcher.run(commands_rx, bound_rx, capacity_freed) => {}
+                    () = stop.cancelled() => {}
+                }
+            }
+        });
+        tokio::spawn({
+            let config = config.clone();
+            let state = state.clone();
+            let process = process.clone();
+            let commands = commands_tx.clone();
+            let stop = stop.clone();
+            async move {
+                let background = Background {
+                    stop: stop.clone(),
+                    state: state.clone(),
+                    connection: process.connection.clone(),
+                    connected: connected_tx,
+                    trust: process.trust.clone(),
+                };
+                tokio::select! {
+                    result = supervise(&config, &state, bound_tx, commands, background) => {
+                        if let Err(err) = result {
+                            let _ = fatal_tx.send(err);
+                        }
+                    }
+                    () = stop.cancelled() => {}
+                }
+            }
+        });
+        let (consumer_full_tx, consumer_full) = watch::channel(false);
+        let subjects = Arc::new(Subjects::new(
+            &config.internal_prefix,
+            &config.stream,
+            &config.consumer,
+        ));
+        let gateway = Self {
+            state,
+            process,
+            commands: commands_tx,
+            bound: bound_rx,
+            nats_up,
+            accepting: Arc::new(AtomicBool::new(true)),
+            next_fetch: Arc::new(AtomicU64::new(1)),
+            config,
+            idempotency: Arc::default(),
+            subjects,
+            replicas: Arc::default(),
+            consumer_full,
+            forwarding: Arc::default(),
+            announced: Arc::default(),
+        };
+        tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
+        tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
+        let tasks = Tasks { stop, dispatcher };
+        (gateway, tasks, fatal_rx)
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Which consumer this is.
+    pub(crate) fn name(&self) -> ConsumerName {
+        ConsumerName::new(&self.config.stream, &self.config.consumer)
+    }
+
+    /// Whether this consumer was started with the consumer settings `wanted` names.
+    pub(crate) fn declared_as(&self, wanted: &Config) -> bool {
+        let have = &self.config;
+        have.filter_subject == wanted.filter_subject
+            && have.deliver_policy == wanted.deliver_policy
+            && have.ack_wait == wanted.ack_wait
+            && have.max_ack_pending == wanted.max_ack_pending
+            && have.max_deliver == wanted.max_deliver
+            && have.dead_letter_subject == wanted.dead_letter_subject
+    }
+
+    /// Whether `id` is a genuine lease id of this consumer (any replica's).
+    pub(crate) fn signed(&self, id: &str) -> bool {
+        self.state.signer().decode(id).is_some()
+    }
+
+    /// Whether the consumer is bound now.
+    pub(crate) fn is_bound(&self) -> bool {
+        self.bound.borrow().is_some()
+    }
+
+    /// Whether the consumer's stream captures `subject`; an error while unbound.
+    pub(crate) fn captures(&self, subject: &str) -> Result<bool, Error> {
+        let bound = self.connected()?;
+        Ok(bound
+            .stream_subjects
+            .iter()
+            .any(|filter| subject::matches(filter, subject)))
+    }
+
+    /// Take this consumer's series out of `/metrics` (it is no longer served).
+    pub(crate) fn forget_metrics(&self) {
+        self.state.metrics.forget();
+    }
+
+    /// Wait until the consumer can lease (bound, listening for forwarded settles,
+    /// announced), at most `within`; the reason it cannot, after that.
+    pub(crate) async fn wait_ready(&self, within: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + within;
+        let mut bindings = self.bound.clone();
+        loop {
+            let ready = self.readiness();
+            if ready.is_ok() || Instant::now() >= deadline {
+                return ready;
+            }
+            // Bound comes on the watch; listening and announcing follow within moments.
+            let _ = tokio::time::timeout_at(
+                deadline.min(Instant::now() + READY_POLL),
+                bindings.changed(),
+            )
+            .await;
+        }
+    }
+
+    fn bound(&self) -> Result<Arc<Bound>, Error> {
+        self.bound.borrow().clone().ok_or_else(|| {
+            // No NATS address here: anyone may read /readyz, and the address is no one's business.
+            Error::Unavailable("consumer not bound (NATS unreachable or starting)".into())
+        })
+    }
+
+    /// The binding, once connected and checked since the last reconnect.
+    fn connected(&self) -> Result<Arc<Bound>, Error> {
+        let bound = self.bound()?;
+        if !bound.is_connected() || !*self.nats_up.borrow() {
+            return Err(Error::Unavailable(
+                "the connection to NATS is down; retrying".into(),
+            ));
+        }
+        Ok(bound)
+    }
+
+    /// Why the gateway is not ready, in words safe for anyone (no address, no names).
+    pub(crate) fn readiness(&self) -> Result<(), Error> {
+        if !self.accepting.load(Ordering::Relaxed) {
+            return Err(Error::ShuttingDown);
+        }
+        self.connected().map(drop).map_err(|err| match err {
+            Error::Unavailable(_) if self.bound.borrow().is_some() => {
+                Error::Unavailable("not connected to NATS".into())
+            }
+            other => other,
+        })?;
+        self.known_to_replicas()
+    }
+
+    /// Whether the other replicas can tell this one's leases from a dead owner's: it
+    /// listens for the settles they forward and its heartbeat is in the shared stream.
+    fn known_to_replicas(&self) -> Result<(), Error> {
+        if !self.forwarding.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable(
+                "not yet listening for settles forwarded by other replicas".into(),
+            ));
+        }
+        if !self.announced.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable(
+                "not yet announced to the other replicas".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn leases_in_flight(&self) -> usize {
+        self.state.in_flight()
+    }
+
+    /// The gateway's metrics, for recording from the HTTP layer.
+    pub(crate) fn metrics(&self) -> &Metrics {
+        &self.state.metrics
+    }
+
+    /// Set the gauges that mirror this consumer's state, before a scrape.
+    pub(crate) fn take_in_metrics(&self) {
+        let (leases_in_flight, delayed_naks, expired) = {
+            let mut leases = self.state.leases();
+            let in_flight = leases.in_flight(Instant::now());
+            (in_flight, leases.delayed_naks(), leases.take_expired())
+        };
+        let metrics = &self.state.metrics;
+        metrics.leases_expired(expired);
+        metrics.take_in(Snapshot {
+            leases_in_flight,
+            delayed_naks,
+            max_ack_pending: self.state.max_ack_pending(),
+            ack_wait: self.state.ack_wait(),
+        });
+    }
+
+    /// The server's view of the consumer plus the gateway's leases.
+    pub(crate) async fn status(&self) -> Result<ConsumerStatus, Error> {
+        let bound = self.connected()?;
+        let info = nats::publish::consumer_info(&bound)
+            .await
+            .map_err(|err| Error::Unavailable(format!("{err:#}")))?;
+        Ok(ConsumerStatus {
+            info,
+            leases_in_flight: self.leases_in_flight(),
+        })
+    }
+
+    /// Publish to the stream (subject already validated against the stream's subjects).
+    pub(crate) async fn publish(
+        &self,
+        subject: String,
+        headers: async_nats::HeaderMap,
+        payload: bytes::Bytes,
+    ) -> Result<async_nats::jetstream::publish::PublishAck, Error> {
+        let bound = self.connected()?;
+        if !bound
+            .stream_subjects
+            .iter()
+            .any(|filter| subject::matches(filter, &subject))
+        {
+            return Err(Error::invalid(
+                "subject",
+                format!(
+                    "stream {} does not capture subject {subject:?}; it captures {}",
+                    self.config.stream,
+                    bound.stream_subjects.join(", ")
+                ),
+            ));
+        }
+        nats::publish::publish(
+            &bound,
+            subject,
+            headers,
+            payload,
+            self.config.settle_timeout,
+        )
+        .await
+        .map_err(|failure| match failure {
+            PublishFailure::Expectation(detail) => Error::PublishPrecondition(detail),
+            PublishFailure::Refused(detail) => Error::invalid("headers", detail),
+            PublishFailure::Unavailable(detail) => Error::Unavailable(detail),
+        })
+    }
+
+    /// Stop taking fetches and answer the waiting ones now.
+    pub(crate) async fn begin_shutdown(&self) {
+        self.accepting.store(false, Ordering::Relaxed);
+        let _ = self.commands.send(Command::Shutdown).await;
+    }
+
+    /// Wait until no lease is in flight, or `grace` has passed.
+    pub(crate) async fn settle_grace(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        loop {
+            let settled = self.state.settled();
+            tokio::pin!(settled);
+            // Registered before looking, so a settle landing in between is not missed.
+            settled.as_mut().enable();
+            let in_flight = self.state.in_flight();
+            if in_flight == 0 {
+                return;
+            }
+            if Instant::now() >= deadline {
+                // What becomes of these leases is said once, by `stop`, when it knows.
+                return;
+            }
+            let wake = self
+                .state
+                .next_expiry()
+                .filter(|at| *at > Instant::now())
+                .map_or(deadline, |at| at.min(deadline));
+            tokio::select! {
+                () = settled => {}
+                () = tokio::time::sleep_until(wake) => {}
+            }
+        }
+    }
+
+    /// Stop the background tasks, nak unleased deliveries and flush NATS.
+    pub(crate) async fn stop(&self, tasks: Tasks) {
+        let _ = self.commands.send(Command::Stop).await;
+        if tokio::time::timeout(Duration::from_secs(5), tasks.dispatcher)
+            .await
+            .is_err()
+        {
+            warn!("the dispatcher did not stop in time");
+        }
+        // Leases still out after the grace can no longer be settled through this process:
+        // nak them, so the server redelivers them now rather than after ack_wait.
+        let revoked = self.state.leases().revoke_live(Instant::now());
+        if !revoked.is_empty() {
+            let naked = match self.connected() {
+                Ok(bound) => {
+                    // Bounded as a whole: a connection that drops now must not hold up the
+                    // exit (the server then redelivers after ack_wait, as after a crash).
+                    let naks = async {
+                        for reply in &revoked {
+                            nats_settle::release(&bound, reply).await;
+                        }
+                    };
+                    tokio::time::timeout(Duration::from_secs(2), naks)
+                        .await
+                        .is_ok()
+                }
+                Err(_) => false,
+            };
+            if naked {
+                info!(
+                    count = revoked.len(),
+                    "shutdown grace over with leases still out: nak'd them, the server redelivers them at once"
+                );
+            } else {
+                warn!(
+                    count = revoked.len(),
+                    "shutdown grace over with leases still out: NATS unreachable, the server redelivers them after ack_wait"
+                );
+            }
+        }
+        self.withdraw().await;
+        tasks.stop.cancel();
+        if let Ok(bound) = self.bound() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), bound.client.flush()).await;
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! What replicas exchange, translated: settle commands and their answers to and from the
+//! forwarded form, and a batch's ids grouped by the replica that issued each.
+//!
+//! May import: as the rest of `gateway`.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use time::OffsetDateTime;
+
+use crate::domain::lease_id::{InstanceId, SignedLease};
+use crate::domain::settle::{AckCommand, SettleKind};
+use crate::error::Error;
+use crate::metrics::SettleOutcome;
+use crate::nats::forward::{ForwardedSettle, RemoteResult};
+
+/// What a settle of one lease came to, at whichever replica did it: `Some(expiry)` for an
+/// extension.
+pub(super) type Settled = Result<Option<OffsetDateTime>, Error>;
+
+/// Group `ids` (positions into them) by the replica that issued each; `None`: this one, or
+/// no genuine id at all (answered here, 404, without forwarding).
+pub(super) fn by_owner(
+    leases: &[(&str, Option<SignedLease>)],
+    me: InstanceId,
+) -> (Vec<usize>, HashMap<InstanceId, Vec<usize>>) {
+    let mut here = Vec::new();
+    let mut elsewhere: HashMap<InstanceId, Vec<usize>> = HashMap::new();
+    for (at, (_, lease)) in leases.iter().enumerate() {
+        match lease {
+            Some(lease) if lease.owner != me => elsewhere.entry(lease.owner).or_default().push(at),
+            _ => here.push(at),
+        }
+    }
+    (here, elsewhere)
+}
+
+pub(super) fn request_kind(command: &AckCommand) -> &'static str {
+    match command {
+        AckCommand::Ack => "ack",
+        AckCommand::Nak { .. } => "nak",
+        AckCommand::Term { .. } => "term",
+        AckCommand::InProgress => "in_progress",
+    }
+}
+
+pub(super) fn forwarded(command: &AckCommand, ids: &[&str]) -> ForwardedSettle {
+    let (delay_ms, reason) = match command {
+        AckCommand::Nak { delay } => (
+            delay.map(|delay| u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)),
+            None,
+        ),
+        AckCommand::Term { reason } => (None, reason.clone()),
+        AckCommand::Ack | AckCommand::InProgress => (None, None),
+    };
+    ForwardedSettle {
+        kind: request_kind(command).to_owned(),
+        delay_ms,
+        reason,
+        ids: ids.iter().map(|id| (*id).to_owned()).collect(),
+    }
+}
+
+pub(super) fn command_of(request: &ForwardedSettle) -> Option<AckCommand> {
+    match request.kind.as_str() {
+        "ack" => Some(AckCommand::Ack),
+        "nak" => Some(AckCommand::Nak {
+            delay: request.delay_ms.map(Duration::from_millis),
+        }),
+        "term" => Some(AckCommand::Term {
+            reason: request.reason.clone(),
+        }),
+        "in_progress" => Some(AckCommand::InProgress),
+        _ => None,
+    }
+}
+
+fn settle_kind(name: &str) -> Option<SettleKind> {
+    match name {
+        "ack" => Some(SettleKind::Ack),
+        "nak" => Some(SettleKind::Nak),
+        "term" => Some(SettleKind::Term),
+        _ => None,
+    }
+}
+
+pub(super) fn to_remote(result: Settled) -> RemoteResult {
+    match result {
+        Ok(expires_at) => RemoteResult::Ok {
+            expires_at_unix_ms: expires_at
+                .map(|at| i64::try_from(at.unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX)),
+        },
+        Err(Error::AlreadySettled { settled }) => RemoteResult::AlreadySettled {
+            settled: settled.as_str().to_owned(),
+        },
+        Err(Error::LeaseGone) => RemoteResult::Gone,
+        Err(Error::UnknownLease) => RemoteResult::Unknown,
+        Err(Error::TimedOut) => RemoteResult::Timeout,
+        Err(other) => RemoteResult::Unavailable {
+            detail: other.to_string(),
+        },
+    }
+}
+
+pub(super) fn from_remote(result: RemoteResult) -> Settled {
+    match result {
+        RemoteResult::Ok { expires_at_unix_ms } => Ok(expires_at_unix_ms.and_then(|ms| {
+            OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000).ok()
+        })),
+        RemoteResult::AlreadySettled { settled } => match settle_kind(&settled) {
+            Some(settled) => Err(Error::AlreadySettled { settled }),
+            None => Err(Error::Unavailable(format!(
+                "the owning replica answered an unknown settle kind {settled:?}"
+            ))),
+        },
+        RemoteResult::Gone => Err(Error::LeaseGone),
+        RemoteResult::Unknown => Err(Error::UnknownLease),
+        RemoteResult::Timeout => Err(Error::TimedOut),
+        RemoteResult::Unavailable { detail } => Err(Error::Unavailable(detail)),
+    }
+}
+
+pub(super) fn outcome_of(result: &Settled) -> SettleOutcome {
+    match result {
+        Ok(_) => SettleOutcome::Ok,
+        Err(err) => settle_outcome(err),
+    }
+}
+
+/// The outcome a failed settle reports in the metrics.
+pub(super) fn settle_outcome(err: &Error) -> SettleOutcome {
+    match err {
+        Error::AlreadySettled { .. } => SettleOutcome::AlreadySettled,
+        Error::LeaseGone => SettleOutcome::Gone,
+        Error::UnknownLease => SettleOutcome::Unknown,
+        Error::TimedOut => SettleOutcome::Timeout,
+        Error::Unavailable(_) | Error::ShuttingDown => SettleOutcome::Unavailable,
+        _ => SettleOutcome::Error,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_answer_crosses_the_wire_unchanged() {
+        let at = OffsetDateTime::from_unix_timestamp(1_800_000_000).expect("valid time");
+        let answers: Vec<Settled> = vec![
+            Ok(None),
+            Ok(Some(at)),
+            Err(Error::AlreadySettled {
+                settled: SettleKind::Nak,
+            }),
+            Err(Error::LeaseGone),
+            Err(Error::UnknownLease),
+            Err(Error::TimedOut),
+            Err(Error::Unavailable("NATS is down".into())),
+        ];
+        for answer in answers {
+            let wire = serde_json::to_vec(&to_remote(answer.clone())).expect("encodes");
+            let back = from_remote(serde_json::from_slice(&wire).expect("decodes"));
+            assert_eq!(format!("{back:?}"), format!("{answer:?}"));
+        }
+    }
+
+    #[test]
+    fn commands_cross_the_wire_unchanged() {
+        for command in [
+            AckCommand::Ack,
+            AckCommand::Nak { delay: None },
+            AckCommand::Nak {
+                delay: Some(Duration::from_millis(1500)),
+            },
+            AckCommand::Term { reason: None },
+            AckCommand::Term {
+                reason: Some("bad payload".into()),
+            },
+            AckCommand::InProgress,
+        ] {
+            let request = forwarded(&command, &["id"]);
+            let wire = serde_json::to_vec(&request).expect("encodes");
+            let back = command_of(&serde_json::from_slice(&wire).expect("decodes"));
+            assert_eq!(format!("{back:?}"), format!("{:?}", Some(command)));
+        }
+    }
+
+    #[test]
+    fn ids_are_grouped_by_the_replica_that_issued_them() {
+        use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates};
+        let lease = |owner| {
+            Some(SignedLease {
+                owner: InstanceId(owner),
+                lease: LeaseCoordinates {
+                    epoch: 1,
+                    key: DeliveryKey {
+                        stream_sequence: 1,
+                        delivered: 1,
+                    },
+                    consumer_sequence: 1,
+                    published_unix_nanos: 0,
+                },
+            })
+        };
+        let (here, elsewhere) = by_owner(
+            &[
+                ("a", lease(1)),
+                ("b", lease(2)),
+                ("c", None),
+                ("d", lease(3)),
+                ("e", lease(2)),
+            ],
+            InstanceId(1),
+        );
+        assert_eq!(here, vec![0, 2]);
+        assert_eq!(elsewhere[&InstanceId(2)], vec![1, 4]);
+        assert_eq!(elsewhere[&InstanceId(3)], vec![3]);
+    }
+}

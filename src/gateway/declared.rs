@@ -1,0 +1,104 @@
+//! The consumers file kept in force: read again whenever it changes. A new entry is served
+//! at once; a removed one takes no new fetch (404) while its live leases still settle, and
+//! is let go when the last one ends; an entry whose settings changed is served anew once it
+//! has no live lease. A file that no longer parses is refused with one ERROR line, and the
+//! one read before stays in force.
+//!
+//! May import: as the rest of `gateway`.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+use crate::config::{ConsumerSpec, load_consumers_file};
+use crate::domain::consumers::ConsumerName;
+
+use super::Gateway;
+use super::registry::Source;
+
+/// How often the file is looked at: well within the 5 s in which a new entry is served.
+const LOOK_EVERY: Duration = Duration::from_secs(1);
+
+/// Keep the file's consumers served as it says, from `initial` (read at start) on.
+pub(super) async fn keep_in_force(
+    gateway: Gateway,
+    path: PathBuf,
+    initial: Vec<ConsumerSpec>,
+    stop: CancellationToken,
+) {
+    let mut in_force: HashMap<ConsumerName, ConsumerSpec> = by_name(initial);
+    let mut last_text = std::fs::read(&path).ok();
+    let mut tick = tokio::time::interval(LOOK_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let text = std::fs::read(&path).ok();
+        if text != last_text {
+            last_text = text;
+            match load_consumers_file(&path) {
+                Ok(specs) => {
+                    info!(path = %path.display(), consumers = specs.len(), "the consumers file changed; applying it");
+                    in_force = by_name(specs);
+                }
+                Err(why) => {
+                    error!(error = %why, "the consumers file no longer parses; keeping the one read before");
+                }
+            }
+        }
+        gateway.apply_declared(&in_force).await;
+    }
+}
+
+fn by_name(specs: Vec<ConsumerSpec>) -> HashMap<ConsumerName, ConsumerSpec> {
+    specs
+        .into_iter()
+        .map(|spec| (ConsumerName::new(&spec.stream, &spec.name), spec))
+        .collect()
+}
+
+impl Gateway {
+    /// Bring the served file consumers in line with `declared`.
+    async fn apply_declared(&self, declared: &HashMap<ConsumerName, ConsumerSpec>) {
+        for (name, spec) in declared {
+            match self.0.registry.get(name) {
+                None => {
+                    info!(consumer = %name, "serving a consumer the consumers file declares");
+                    self.serve_declared(spec, false);
+                }
+                Some(served) if served.source == Source::File => {
+                    let wanted = self.config().for_declared(spec);
+                    if served.consumer.declared_as(&wanted) {
+                        served.reinstate();
+                    } else if served.consumer.leases_in_flight() == 0 {
+                        info!(consumer = %name, "the consumers file changed this consumer's settings; binding it anew");
+                        self.unserve(name).await;
+                        self.serve_declared(spec, false);
+                    } else {
+                        // Applied once its live leases have ended.
+                        served.retire();
+                    }
+                }
+                // The default consumer or an existing one of that name is served already.
+                Some(_) => {}
+            }
+        }
+        for (name, served) in self.0.registry.all() {
+            if served.source != Source::File {
+                continue;
+            }
+            if !declared.contains_key(&name) && !served.is_retired() {
+                info!(consumer = %name, "removed from the consumers file: no new fetches; its live leases still settle");
+                served.retire();
+            }
+            if served.is_retired() && served.consumer.leases_in_flight() == 0 {
+                self.unserve(&name).await;
+            }
+        }
+    }
+}

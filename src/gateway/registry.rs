@@ -1,0 +1,141 @@
+//! The consumers a process serves, by stream and name: the default one, those of the
+//! consumers file, and existing ones bound on demand — each with its core, its tasks, where
+//! it came from, and whether it still takes fetches.
+//!
+//! May import: as the rest of `gateway`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use tokio::time::Instant;
+
+use crate::domain::consumers::ConsumerName;
+
+use super::consumer::{Consumer, Tasks};
+
+/// Where a served consumer comes from (the `source` of `GET /consumers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// `--stream`/`--consumer`.
+    Default,
+    /// `--consumers-file`.
+    File,
+    /// `--serve-existing`, bound on first use.
+    Existing,
+}
+
+impl Source {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Default => "default",
+            Self::File => "file",
+            Self::Existing => "existing",
+        }
+    }
+}
+
+/// One served consumer.
+pub(crate) struct Served {
+    pub(crate) consumer: Consumer,
+    pub(crate) source: Source,
+    tasks: Mutex<Option<Tasks>>,
+    /// Removed from the consumers file: no new leases, but its live leases still settle.
+    retired: AtomicBool,
+    /// The last request that named it, for `--idle-unbind`.
+    last_used: Mutex<Instant>,
+}
+
+impl Served {
+    pub(crate) fn new(consumer: Consumer, source: Source, tasks: Tasks) -> Self {
+        Self {
+            consumer,
+            source,
+            tasks: Mutex::new(Some(tasks)),
+            retired: AtomicBool::new(false),
+            last_used: Mutex::new(Instant::now()),
+        }
+    }
+
+    pub(crate) fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+    }
+
+    /// Declared again before its last lease ended: it takes fetches again.
+    pub(crate) fn reinstate(&self) {
+        self.retired.store(false, Ordering::Relaxed);
+    }
+
+    pub(crate) fn touch(&self) {
+        if let Ok(mut at) = self.last_used.lock() {
+            *at = Instant::now();
+        }
+    }
+
+    pub(crate) fn last_used(&self) -> Instant {
+        self.last_used
+            .lock()
+            .map_or_else(|_| Instant::now(), |at| *at)
+    }
+
+    /// The tasks, once: whoever stops the consumer takes them.
+    pub(crate) fn take_tasks(&self) -> Option<Tasks> {
+        self.tasks.lock().ok().and_then(|mut tasks| tasks.take())
+    }
+}
+
+/// The served consumers.
+#[derive(Default)]
+pub(crate) struct Registry {
+    entries: RwLock<HashMap<ConsumerName, Arc<Served>>>,
+    default: Option<ConsumerName>,
+}
+
+impl Registry {
+    pub(crate) fn new(default: Option<ConsumerName>) -> Self {
+        Self {
+            entries: RwLock::default(),
+            default,
+        }
+    }
+
+    pub(crate) fn get(&self, name: &ConsumerName) -> Option<Arc<Served>> {
+        self.entries.read().ok()?.get(name).cloned()
+    }
+
+    pub(crate) fn default_consumer(&self) -> Option<Arc<Served>> {
+        self.get(self.default.as_ref()?)
+    }
+
+    /// Add `served` unless one of that name is there; returns the one in force.
+    pub(crate) fn insert(&self, name: ConsumerName, served: Arc<Served>) -> Arc<Served> {
+        match self.entries.write() {
+            Ok(mut entries) => entries.entry(name).or_insert(served).clone(),
+            Err(_) => served,
+        }
+    }
+
+    pub(crate) fn remove(&self, name: &ConsumerName) -> Option<Arc<Served>> {
+        self.entries.write().ok()?.remove(name)
+    }
+
+    /// Every served consumer, ordered by stream and name.
+    pub(crate) fn all(&self) -> Vec<(ConsumerName, Arc<Served>)> {
+        let mut all: Vec<_> = self
+            .entries
+            .read()
+            .map(|entries| {
+                entries
+                    .iter()
+                    .map(|(name, served)| (name.clone(), served.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+}
