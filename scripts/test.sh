@@ -25,6 +25,10 @@ ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 # and the ledger). Not --all-targets: the binary has no tests of its own (test = false in
 # Cargo.toml) and the benchmark example is compiled by clippy in .ci/run, so neither would
 # add more than an empty "0 passed" summary.
+# The previous release, for the ledger's rolling-upgrade run (built once, then kept under
+# target/): before this build's tests, since it shares their target directory.
+RUSTSTREAM_PREVIOUS_RELEASE_BIN="$("$ROOT/scripts/previous-release.sh")"
+export RUSTSTREAM_PREVIOUS_RELEASE_BIN
 cargo test --lib --tests "$@"
 
 # The spec as its users meet it (scripts/ecosystem.sh): redocly lint, generated Python and

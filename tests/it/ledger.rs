@@ -37,6 +37,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -817,6 +818,9 @@ enum Scenario {
     NonSticky {
         cluster: bool,
     },
+    /// Three replicas started on the previous release, rolled to this build one at a time
+    /// under load (SIGTERM, this build started in its place).
+    RollingUpgrade,
 }
 
 impl Scenario {
@@ -830,6 +834,7 @@ impl Scenario {
             Self::DefaultSync => "default sync: gw TERM/-9, server -9 ×2, pause",
             Self::NonSticky { cluster: false } => "3 replicas, non-sticky",
             Self::NonSticky { cluster: true } => "3 replicas, non-sticky, R3",
+            Self::RollingUpgrade => "3 replicas rolled from the previous release",
         }
     }
 
@@ -842,7 +847,7 @@ impl Scenario {
 
     fn gateways(&self) -> usize {
         match self {
-            Self::NonSticky { .. } => 3,
+            Self::NonSticky { .. } | Self::RollingUpgrade => 3,
             _ => 1,
         }
     }
@@ -876,7 +881,14 @@ async fn run(scenario: Scenario) -> Report {
         .lease_key_file(key.path());
     let mut gateways: Vec<GatewayProcess> = Vec::new();
     for _ in 0..scenario.gateways() {
-        gateways.push(setup.process(&urls).await);
+        gateways.push(match scenario {
+            Scenario::RollingUpgrade => {
+                let mut old = GatewayProcess::spawn_program(&setup, &urls, &previous_release());
+                old.wait_ready(Duration::from_secs(20)).await;
+                old
+            }
+            _ => setup.process(&urls).await,
+        });
     }
     let bases: Vec<String> = gateways.iter().map(|gateway| gateway.base()).collect();
     let base = bases[0].clone();
@@ -1038,6 +1050,27 @@ async fn run(scenario: Scenario) -> Report {
             tokio::time::sleep(Duration::from_secs(1)).await;
             cluster.nodes[node].1.restart().await;
             faults.push(Fault::healed_then("server kill", &bases[0], &fleet));
+        }
+        Scenario::RollingUpgrade => {
+            // One replica at a time: the old one drains (its leases settle through it or
+            // any other), and this build takes its place. The release before sealed replica
+            // traffic: the new replicas believe its unsealed messages for the length of the
+            // roll.
+            for replica in 0..3 {
+                wait_for_settled(15 + 20 * replica).await;
+                let status = gateways[replica].terminate(Duration::from_secs(15)).await;
+                assert!(
+                    status.success(),
+                    "old replica {replica} stopped badly: {}",
+                    gateways[replica].log()
+                );
+                fleet.bump(replica);
+                fleet.replaced(replica);
+                gateways[replica]
+                    .upgrade(&["--accept-unsigned-replicas"])
+                    .await;
+            }
+            faults.push(Fault::healed("rolling upgrade", &bases[2]));
         }
     }
 
@@ -1361,6 +1394,57 @@ async fn ledger_cluster_faults() {
 
 /// Three replicas behind no sticky balancer: every settle at another replica than the
 /// fetch, through replica and server faults.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_rolling_upgrade_from_the_previous_release() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Nothing is killed: every settle answered 2xx must hold, on old and new replicas alike.
+    let report = run(Scenario::RollingUpgrade).await;
+    let mut failures = check(&report, true, false, true);
+    // What a roll may cost a client: a fetch refused (503, retried elsewhere) by a replica
+    // draining or starting, or no answer from one between its stop and its successor's
+    // start. Never a settle refused: an old replica's lease settles at a new one and the
+    // other way round.
+    let refused: Vec<&String> = report
+        .unexpected
+        .iter()
+        .filter(|answer| !answer.starts_with("fetch: 503") && !answer.contains(": no answer: "))
+        .collect();
+    if !refused.is_empty() {
+        failures.push(format!(
+            "answers a roll must not cause: {:?}",
+            &refused[..refused.len().min(10)]
+        ));
+    }
+    print_table(
+        "3 gateway replicas rolled from the previous release under load",
+        &[report],
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The previous release's binary: `RUSTSTREAM_PREVIOUS_RELEASE_BIN` (scripts/test.sh builds
+/// it before the tests), else built now by scripts/previous-release.sh in a target
+/// directory of its own.
+fn previous_release() -> String {
+    if let Ok(path) = std::env::var("RUSTSTREAM_PREVIOUS_RELEASE_BIN")
+        && !path.is_empty()
+    {
+        return path;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/previous-release.sh");
+    let output = std::process::Command::new("bash")
+        .arg(&script)
+        .env("PREVIOUS_RELEASE_OWN_TARGET", "1")
+        .output()
+        .expect("run scripts/previous-release.sh");
+    assert!(
+        output.status.success(),
+        "building the previous release failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_non_sticky_replicas() {
     let _one = ONE_AT_A_TIME.lock().await;

@@ -177,6 +177,11 @@ impl GatewayProcess {
     /// Start `ruststream-nats --nats-url <url> --listen 127.0.0.1:<free port> <flags…>`;
     /// does not wait for readiness.
     pub fn spawn(setup: &Setup, nats_url: &str) -> Self {
+        Self::spawn_program(setup, nats_url, env!("CARGO_BIN_EXE_ruststream-nats"))
+    }
+
+    /// [`GatewayProcess::spawn`] of another build of the gateway (an earlier release).
+    pub fn spawn_program(setup: &Setup, nats_url: &str, program: &str) -> Self {
         let port = free_port();
         let mut args = setup.args(nats_url);
         args.extend(["--listen".to_owned(), format!("127.0.0.1:{port}")]);
@@ -184,12 +189,8 @@ impl GatewayProcess {
             .prefix("gateway-it-")
             .tempdir()
             .expect("temp dir for the gateway log");
-        let mut process = ChildProcess::new(
-            "the gateway",
-            env!("CARGO_BIN_EXE_ruststream-nats"),
-            args,
-            dir.path().join("gateway.log"),
-        );
+        let mut process =
+            ChildProcess::new("the gateway", program, args, dir.path().join("gateway.log"));
         // An empty filter: the binary's own default level, as an operator runs it.
         if !setup.rust_log_filter().is_empty() {
             process = process.env("RUST_LOG", setup.rust_log_filter());
@@ -274,6 +275,14 @@ impl GatewayProcess {
     /// SIGTERM and wait (bounded) for the graceful stop.
     pub async fn terminate(&mut self, within: Duration) -> ExitStatus {
         self.process.terminate(within).await
+    }
+
+    /// Start this build of the gateway in place of the one that ran (same port, same flags
+    /// and `extra` ones) and wait until it is ready: one step of a rolling upgrade.
+    pub async fn upgrade(&mut self, extra: &[&str]) {
+        self.process
+            .replace_program(env!("CARGO_BIN_EXE_ruststream-nats"), extra);
+        self.restart().await;
     }
 
     /// Start the same command again (same port) and wait until it is ready.

@@ -50,6 +50,12 @@ impl ChildProcess {
         self
     }
 
+    /// Run `program` from the next spawn on, with `extra` arguments after the others.
+    pub fn replace_program(&mut self, program: impl Into<PathBuf>, extra: &[&str]) {
+        self.program = program.into();
+        self.args.extend(extra.iter().map(OsString::from));
+    }
+
     /// Start the command (a running one is killed first).
     pub fn spawn(&mut self) -> Result<(), String> {
         self.kill9();
