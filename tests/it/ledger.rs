@@ -1056,19 +1056,17 @@ async fn run(scenario: Scenario) -> Report {
             // any other), and this build takes its place. The release before sealed replica
             // traffic: the new replicas believe its unsealed messages for the length of the
             // roll.
-            for replica in 0..3 {
+            for (replica, gateway) in gateways.iter_mut().enumerate() {
                 wait_for_settled(15 + 20 * replica).await;
-                let status = gateways[replica].terminate(Duration::from_secs(15)).await;
+                let status = gateway.terminate(Duration::from_secs(15)).await;
                 assert!(
                     status.success(),
                     "old replica {replica} stopped badly: {}",
-                    gateways[replica].log()
+                    gateway.log()
                 );
                 fleet.bump(replica);
                 fleet.replaced(replica);
-                gateways[replica]
-                    .upgrade(&["--accept-unsigned-replicas"])
-                    .await;
+                gateway.upgrade(&["--accept-unsigned-replicas"]).await;
             }
             faults.push(Fault::healed("rolling upgrade", &bases[2]));
         }
