@@ -256,6 +256,9 @@ impl Consumer {
             return Err(Error::ShuttingDown);
         }
         self.connected()?;
+        let _awake = self.activity.hold();
+        // A consumer that fell silent beats again (and reads its settings) before it leases.
+        self.activity.wake_up().await;
         self.known_to_replicas()?;
         let max_ack_pending = self.state.max_ack_pending();
         {

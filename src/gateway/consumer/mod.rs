@@ -10,6 +10,7 @@
 //! May import: as the rest of `gateway`.
 
 mod fetch;
+mod idle;
 mod replicas;
 mod settle;
 mod stream;
@@ -72,6 +73,8 @@ pub(crate) struct Consumer {
     /// Whether this replica's heartbeat is in the shared stream (or there is none): until
     /// it is, another replica could take its leases for a dead owner's, so it issues none.
     announced: Arc<AtomicBool>,
+    /// What keeps the consumer awake; an idle one does no periodic work.
+    activity: Arc<idle::Activity>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -187,6 +190,7 @@ impl Consumer {
             consumer_full,
             forwarding: Arc::default(),
             announced: Arc::default(),
+            activity: Arc::default(),
         };
         tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
         tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
@@ -334,6 +338,9 @@ impl Consumer {
     /// The server's view of the consumer plus the gateway's leases.
     pub(crate) async fn status(&self) -> Result<ConsumerStatus, Error> {
         let bound = self.connected()?;
+        // The replicas' view of a consumer that fell silent is stale: one step first.
+        let _awake = self.activity.hold();
+        self.activity.wake_up().await;
         let info = nats::publish::consumer_info(&bound)
             .await
             .map_err(|err| Error::Unavailable(format!("{err:#}")))?;

@@ -397,7 +397,16 @@ impl Consumer {
                 changed = bindings.changed() => if changed.is_err() {
                     return;
                 },
+                // A request for a consumer that fell silent.
+                () = self.activity.rung() => {}
             }
+            if self.activity.is_idle(self.state.in_flight()) {
+                if self.activity.set_asleep(true) {
+                    debug!(consumer = %self.config.consumer, "idle: no heartbeat and no reads of the consumer until the next request");
+                }
+                continue;
+            }
+            self.activity.set_asleep(false);
             let Ok(bound) = self.connected() else {
                 continue;
             };
@@ -453,6 +462,7 @@ impl Consumer {
                 }
                 Err(err) => debug!(error = %format!("{err:#}"), "cannot read the consumer's state"),
             }
+            self.activity.stepped();
         }
     }
 

@@ -39,6 +39,8 @@ pub(crate) enum Step {
 /// and not yet written (given back if the stream ends first).
 pub(crate) struct LeaseStream {
     gateway: Consumer,
+    /// An open stream keeps its consumer awake.
+    _awake: super::idle::Held,
     max_in_flight: usize,
     written: Vec<(DeliveryKey, Instant)>,
     unwritten: VecDeque<Leased>,
@@ -47,6 +49,7 @@ pub(crate) struct LeaseStream {
 impl LeaseStream {
     pub(crate) fn new(gateway: Consumer, max_in_flight: usize) -> Self {
         Self {
+            _awake: gateway.activity.hold(),
             gateway,
             max_in_flight,
             written: Vec::new(),
