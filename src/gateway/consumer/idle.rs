@@ -90,7 +90,8 @@ impl Activity {
 
     /// One full heartbeat step is done.
     pub(super) fn stepped(&self) {
-        self.steps.send_modify(|steps| *steps = steps.wrapping_add(1));
+        self.steps
+            .send_modify(|steps| *steps = steps.wrapping_add(1));
     }
 
     /// Wake a silent heartbeat loop and wait (bounded) for its next full step; at once when
