@@ -243,6 +243,8 @@ PY
         --header "Authorization: Bearer $TOKEN" \
         --exclude-operation-id streamMessages \
         --exclude-operation-id streamMessagesWebSocket \
+        --exclude-operation-id streamNamedMessages \
+        --exclude-operation-id streamNamedMessagesWebSocket \
         --checks "$SCHEMATHESIS_CHECKS" \
         --max-examples 40 --max-time "$SCHEMATHESIS_MAX_TIME" --seed "$SCHEMATHESIS_SEED" \
         --request-timeout 40 --workers 2)

@@ -1,11 +1,13 @@
-//! ruststream-nats: an HTTP gateway that holds a NATS JetStream pull consumer and leases its
+//! ruststream-nats: an HTTP gateway that holds NATS JetStream pull consumers and leases their
 //! messages to HTTP clients.
 //!
 //! The map, top to bottom; each room imports only from rooms below it:
 //! - [`http`]: routes (one file per resource), bearer-token auth, JSON extraction,
 //!   problem+json errors, the accept loop; [`http::openapi`] the spec.
-//! - `gateway`: the core the handlers call — fetch (with idempotency), settle, extend,
-//!   inspect, publish, shutdown — and the supervisor that keeps the NATS binding.
+//! - `gateway`: the core the handlers call — the process-wide part (the consumers served,
+//!   the one NATS connection, settles routed by lease id) and, under `gateway::consumer`,
+//!   each consumer's own: fetch (with idempotency), settle, extend, inspect, and the
+//!   supervisor that keeps its binding.
 //! - `dispatch`: waiting fetches → pull requests; deliveries → the fetch that asked.
 //! - `nats`: the NATS boundary — connect, bind, pulls, confirmed settles, publish,
 //!   connection events, [`dead_letter`] copies.

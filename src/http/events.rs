@@ -16,10 +16,11 @@ use axum::response::{IntoResponse, Response};
 use futures::Stream;
 
 use super::client::{Client, Connection};
+use super::consumers::ConsumerPath;
 use super::dto::{Encoding, MessageDto};
-use super::responses::{FetchRefusals, Guarded, QueryRefusals};
+use super::responses::{FetchRefusals, Guarded, NamedFetchRefusals, QueryRefusals};
 use crate::error::Error;
-use crate::gateway::{Gateway, LeaseStream, Step, Target};
+use crate::gateway::{Consumer, Gateway, LeaseStream, Step, Target};
 
 /// Leases live at once on one stream, unless the client asks otherwise.
 const DEFAULT_MAX_IN_FLIGHT: usize = 100;
@@ -123,6 +124,45 @@ pub(crate) async fn events(
 ) -> Result<Response, Error> {
     let query = StreamQuery::parse(uri.query())?;
     let consumer = gateway.consumer(Target::Default).await?;
+    open(consumer, connection, query)
+}
+
+/// The leases of the consumer the path names, as `GET /events` streams the default one's.
+#[utoipa::path(
+    get,
+    path = "/streams/{stream}/consumers/{consumer}/events",
+    operation_id = "streamNamedMessages",
+    tag = "leases",
+    params(
+        ConsumerPath,
+        ("max_in_flight" = Option<u32>, Query, minimum = 1, maximum = 1000,
+            description = "Most leases of this stream live at once (default 100)"),
+        ("encoding" = Option<Encoding>, Query,
+            description = "How `data` is encoded, as in a fetch (default base64)"),
+    ),
+    responses(
+        (status = 200, description = "The events of GET /events, for this consumer",
+            content_type = "text/event-stream", body = String),
+        Guarded, QueryRefusals, NamedFetchRefusals,
+    )
+)]
+pub(crate) async fn events_named(
+    State(gateway): State<Arc<Gateway>>,
+    path: ConsumerPath,
+    connection: Option<Extension<Connection>>,
+    uri: Uri,
+) -> Result<Response, Error> {
+    let query = StreamQuery::parse(uri.query())?;
+    let consumer = gateway.consumer(Target::Named(&path.name())).await?;
+    open(consumer, connection, query)
+}
+
+/// Stream `consumer`'s leases as Server-Sent Events.
+fn open(
+    consumer: Consumer,
+    connection: Option<Extension<Connection>>,
+    query: StreamQuery,
+) -> Result<Response, Error> {
     // Refuse at once what would only make an endless stream of keep-alives.
     consumer.readiness()?;
     let client = connection.map(|Extension(connection)| connection.client);

@@ -89,13 +89,13 @@ pub(crate) fn requirement(path: &str) -> Requirement {
 /// What a path under `/streams/` asks of its consumer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum NamedRoute {
-    /// `…/fetch`.
+    /// `…/fetch`, `…/events`, `…/ws`.
     Fetch,
     /// The consumer itself.
     Status,
 }
 
-/// `{stream}/consumers/{consumer}[/fetch]` (the path after `/streams/`), as the route and
+/// `{stream}/consumers/{consumer}[/fetch|/events|/ws]` (the path after `/streams/`), as the route and
 /// its OpenAPI template (`{stream}` literally) write it.
 fn named_route(rest: &str) -> Option<NamedRoute> {
     let mut segments = rest.split('/');
@@ -105,7 +105,7 @@ fn named_route(rest: &str) -> Option<NamedRoute> {
     };
     match (segments.next(), segments.next()) {
         (None, _) => Some(NamedRoute::Status),
-        (Some("fetch"), None) => Some(NamedRoute::Fetch),
+        (Some("fetch" | "events" | "ws"), None) => Some(NamedRoute::Fetch),
         _ => None,
     }
 }

@@ -23,10 +23,11 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::auth::Principal;
+use super::consumers::ConsumerPath;
 use super::dto::{MessageDto, rfc3339};
 use super::events::StreamQuery;
 use super::messages::{Settler, nak_command, term_command};
-use super::responses::{FetchRefusals, Guarded, QueryRefusals};
+use super::responses::{FetchRefusals, Guarded, NamedFetchRefusals, QueryRefusals};
 use super::scopes::Scope;
 use crate::domain::consumers::ConsumerName;
 use crate::domain::delivery::Leased;
@@ -98,13 +99,62 @@ pub(crate) async fn ws(
     State(gateway): State<Arc<Gateway>>,
     principal: Option<Extension<Principal>>,
     uri: Uri,
-    upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+    upgrade: Result<WebSocketUpgrade, UpgradeRejection>,
 ) -> Result<Response, Error> {
     let query = StreamQuery::parse(uri.query())?;
-    let upgrade = upgrade.map_err(|rejection| Error::BadRequest {
-        detail: format!("GET /ws takes a WebSocket upgrade (RFC 6455): {rejection}"),
-    })?;
+    let upgrade = upgrade.map_err(not_an_upgrade)?;
     let consumer = gateway.consumer(Target::Default).await?;
+    open(gateway, consumer, principal, query, upgrade)
+}
+
+/// The leases of the consumer the path names, with in-band settles, as `GET /ws` for the
+/// default consumer.
+#[utoipa::path(
+    get,
+    path = "/streams/{stream}/consumers/{consumer}/ws",
+    operation_id = "streamNamedMessagesWebSocket",
+    tag = "leases",
+    params(
+        ConsumerPath,
+        ("max_in_flight" = Option<u32>, Query, minimum = 1, maximum = 1000,
+            description = "Most leases of this stream live at once (default 100)"),
+        ("encoding" = Option<super::dto::Encoding>, Query,
+            description = "How `data` is encoded, as in a fetch (default base64)"),
+    ),
+    responses(
+        (status = 101, description = "Switching to the WebSocket protocol; the frames are those of GET /ws"),
+        Guarded, QueryRefusals, NamedFetchRefusals,
+    )
+)]
+pub(crate) async fn ws_named(
+    State(gateway): State<Arc<Gateway>>,
+    path: ConsumerPath,
+    principal: Option<Extension<Principal>>,
+    uri: Uri,
+    upgrade: Result<WebSocketUpgrade, UpgradeRejection>,
+) -> Result<Response, Error> {
+    let query = StreamQuery::parse(uri.query())?;
+    let upgrade = upgrade.map_err(not_an_upgrade)?;
+    let consumer = gateway.consumer(Target::Named(&path.name())).await?;
+    open(gateway, consumer, principal, query, upgrade)
+}
+
+type UpgradeRejection = axum::extract::ws::rejection::WebSocketUpgradeRejection;
+
+fn not_an_upgrade(rejection: UpgradeRejection) -> Error {
+    Error::BadRequest {
+        detail: format!("this route takes a WebSocket upgrade (RFC 6455): {rejection}"),
+    }
+}
+
+/// Upgrade to a session streaming `consumer`'s leases.
+fn open(
+    gateway: Arc<Gateway>,
+    consumer: Consumer,
+    principal: Option<Extension<Principal>>,
+    query: StreamQuery,
+    upgrade: WebSocketUpgrade,
+) -> Result<Response, Error> {
     consumer.readiness()?;
     let settler = Arc::new(Settler::of(principal.map(|Extension(principal)| principal)));
     let max_frame = gateway.config().max_body_bytes as usize;

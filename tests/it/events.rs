@@ -26,11 +26,16 @@ struct EventStream {
 
 impl EventStream {
     async fn open(gateway: &Client, query: &str) -> Self {
+        Self::open_at(gateway, &format!("/events{query}")).await
+    }
+
+    /// The stream at `path` (with its query).
+    async fn open_at(gateway: &Client, path: &str) -> Self {
         let response = http_client()
-            .get(gateway.url(&format!("/events{query}")))
+            .get(gateway.url(path))
             .send()
             .await
-            .expect("GET /events");
+            .expect("GET the stream");
         assert_eq!(response.status(), 200);
         assert_eq!(
             response
@@ -261,4 +266,40 @@ async fn a_streamed_lease_settles_at_another_replica_and_frees_credit_there() {
         stream.message(Duration::from_secs(5)).await.is_some(),
         "the settle at the other replica freed the stream's slot"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_consumer_streams_its_own_leases() {
+    let (server, js) = crate::support::server_with_stream().await;
+    let dir = crate::support::nats::files_dir();
+    let file = dir.path().join("consumers.toml");
+    std::fs::write(
+        &file,
+        "[[consumer]]\nstream = \"ORDERS\"\nname = \"audit\"\n",
+    )
+    .expect("file");
+    let gateway = Setup::consumer("sse-default")
+        .flag("--consumers-file", file.display().to_string())
+        .ready(&server.url())
+        .await;
+    js.publish("orders.1", "one").await;
+    let mut stream = EventStream::open_at(
+        &gateway,
+        "/streams/ORDERS/consumers/audit/events?encoding=utf8",
+    )
+    .await;
+    let message = stream
+        .message(Duration::from_secs(5))
+        .await
+        .expect("a lease of the named consumer");
+    assert_eq!(message["consumer"], "audit");
+    assert_eq!(message["data"], "one");
+    let id = message["id"].as_str().expect("an id");
+    assert_eq!(gateway.ack(id).await, 204);
+    // The default consumer has the message still: the streams are apart.
+    let fetched = gateway.fetch_n(1, 2000).await;
+    assert_eq!(fetched.len(), 1);
+    assert_eq!(fetched[0].consumer, "sse-default");
+    let unknown = gateway.get("/streams/ORDERS/consumers/nobody/events").await;
+    unknown.assert_problem(404);
 }

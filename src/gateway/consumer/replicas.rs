@@ -389,12 +389,18 @@ impl Consumer {
         // When announcing first failed, while it never succeeded.
         let mut unannounced_since: Option<tokio::time::Instant> = None;
         let mut bindings = self.bound.clone();
+        let mut nats_up = self.nats_up.clone();
         loop {
             tokio::select! {
                 () = stop.cancelled() => return,
                 _ = tick.tick() => {}
                 // A new binding beats at once: a replica starting now must see this one.
                 changed = bindings.changed() => if changed.is_err() {
+                    return;
+                },
+                // The binding is usable only once the connection is marked up, a moment
+                // after it is published: beat then, not a tick later.
+                changed = nats_up.changed() => if changed.is_err() {
                     return;
                 },
                 // A request for a consumer that fell silent.
