@@ -15,6 +15,8 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::Stream;
 
+use utoipa::IntoParams;
+
 use super::client::{Client, Connection};
 use super::consumers::ConsumerPath;
 use super::dto::{Encoding, MessageDto};
@@ -26,6 +28,21 @@ use crate::gateway::{Consumer, Gateway, LeaseStream, Step, Target};
 const DEFAULT_MAX_IN_FLIGHT: usize = 100;
 /// The most a client may ask for.
 const MAX_IN_FLIGHT: usize = 1000;
+
+/// A stream's query parameters as the spec describes them; [`StreamQuery::parse`] reads them.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Query)]
+#[expect(
+    dead_code,
+    reason = "describes the query for the spec; the query is parsed by hand"
+)]
+pub(super) struct StreamParams {
+    /// Most leases of this stream live at once (default 100).
+    #[param(minimum = 1, maximum = 1000)]
+    max_in_flight: Option<u32>,
+    /// How `data` is encoded, as in a fetch (default base64).
+    encoding: Option<Encoding>,
+}
 
 /// What a stream asks for, from its query string.
 #[derive(Debug, PartialEq, Eq)]
@@ -106,10 +123,7 @@ impl StreamQuery {
     operation_id = "streamMessages",
     tag = "leases",
     params(
-        ("max_in_flight" = Option<u32>, Query, minimum = 1, maximum = 1000,
-            description = "Most leases of this stream live at once (default 100)"),
-        ("encoding" = Option<Encoding>, Query,
-            description = "How `data` is encoded, as in a fetch (default base64)"),
+        StreamParams,
     ),
     responses(
         (status = 200, description = "An endless `text/event-stream`: `message` events (data: one leased message, as in a fetch answer), `: keep-alive` comments, and a final `shutdown` event",
@@ -135,10 +149,7 @@ pub(crate) async fn events(
     tag = "leases",
     params(
         ConsumerPath,
-        ("max_in_flight" = Option<u32>, Query, minimum = 1, maximum = 1000,
-            description = "Most leases of this stream live at once (default 100)"),
-        ("encoding" = Option<Encoding>, Query,
-            description = "How `data` is encoded, as in a fetch (default base64)"),
+        StreamParams,
     ),
     responses(
         (status = 200, description = "The events of GET /events, for this consumer",

@@ -25,7 +25,7 @@ use tokio::time::Instant;
 use super::auth::Principal;
 use super::consumers::ConsumerPath;
 use super::dto::{MessageDto, rfc3339};
-use super::events::StreamQuery;
+use super::events::{StreamParams, StreamQuery};
 use super::messages::{Settler, nak_command, term_command};
 use super::responses::{FetchRefusals, Guarded, NamedFetchRefusals, QueryRefusals};
 use super::scopes::Scope;
@@ -85,10 +85,7 @@ struct Operation {
     operation_id = "streamMessagesWebSocket",
     tag = "leases",
     params(
-        ("max_in_flight" = Option<u32>, Query, minimum = 1, maximum = 1000,
-            description = "Most leases of this stream live at once (default 100)"),
-        ("encoding" = Option<super::dto::Encoding>, Query,
-            description = "How `data` is encoded, as in a fetch (default base64)"),
+        StreamParams,
     ),
     responses(
         (status = 101, description = "Switching to the WebSocket protocol; the frames are described in the operation's text and in openapi/asyncapi.yaml"),
@@ -116,10 +113,7 @@ pub(crate) async fn ws(
     tag = "leases",
     params(
         ConsumerPath,
-        ("max_in_flight" = Option<u32>, Query, minimum = 1, maximum = 1000,
-            description = "Most leases of this stream live at once (default 100)"),
-        ("encoding" = Option<super::dto::Encoding>, Query,
-            description = "How `data` is encoded, as in a fetch (default base64)"),
+        StreamParams,
     ),
     responses(
         (status = 101, description = "Switching to the WebSocket protocol; the frames are those of GET /ws"),

@@ -184,6 +184,20 @@ async fn a_client_that_leaves_mid_wait_strands_nothing() {
     )
     .await;
     drop(stream);
+    // The gateway notices the hang-up and asks for nothing more: its last pull expires (a
+    // slice of a second) and none follows. A gateway that missed the hang-up keeps pulling
+    // for the gone stream, and this wait fails.
+    wait_until(
+        "the gateway stops pulling for the gone stream",
+        Duration::from_secs(5),
+        || async {
+            js.consumer_info(crate::support::STREAM, "sse-leave")
+                .await
+                .num_waiting
+                == 0
+        },
+    )
+    .await;
     js.publish("orders.1", "after the client left").await;
     let fetched = gateway.fetch_n(1, 5000).await;
     assert_eq!(

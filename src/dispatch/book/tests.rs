@@ -1,0 +1,310 @@
+//! The book's unit tests: waiters, pulls, held deliveries and capacity, driven by hand.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use time::OffsetDateTime;
+
+use super::*;
+use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates};
+
+const EPOCH: u32 = 7;
+const LIMITS: PullLimits = PullLimits {
+    max_waiting: 512,
+    max_batch: None,
+    max_expires: None,
+};
+
+fn delivery(stream_sequence: u64, bytes: usize, received_at: Instant) -> Delivery {
+    Delivery {
+        coordinates: LeaseCoordinates {
+            epoch: EPOCH,
+            key: DeliveryKey {
+                stream_sequence,
+                delivered: 1,
+            },
+            consumer_sequence: stream_sequence,
+            published_unix_nanos: 0,
+        },
+        reply: Arc::from(format!(
+            "$JS.ACK.S.C.1.{stream_sequence}.{stream_sequence}.0.0"
+        )),
+        subject: "orders.created".into(),
+        payload: Bytes::from(vec![b'x'; bytes]),
+        headers: None,
+        unparsed: Default::default(),
+        stream: "S".into(),
+        consumer: "C".into(),
+        pending: 0,
+        published_at: OffsetDateTime::UNIX_EPOCH,
+        received_at,
+    }
+}
+
+fn demand(batch: usize, wait_ms: u64) -> Demand {
+    Demand {
+        batch,
+        wait: Duration::from_millis(wait_ms),
+        max_bytes: None,
+    }
+}
+
+/// A book with one waiting fetch (id 1) whose pull is open; returns the answer receiver.
+fn waiting(
+    book: &mut Book<()>,
+    demand: Demand,
+    now: Instant,
+) -> (oneshot::Receiver<Vec<Leased>>, u64) {
+    let (answer, answered) = oneshot::channel();
+    book.enqueue(1, demand, answer, now);
+    let planned = book.plan_pulls(now, 1000, LIMITS);
+    assert_eq!(planned.len(), 1);
+    let pull_id = book.next_pull_id();
+    book.pull_opened(planned[0], pull_id, ());
+    (answered, pull_id)
+}
+
+fn sequences(deliveries: &[Delivery]) -> Vec<u64> {
+    deliveries
+        .iter()
+        .map(|delivery| delivery.coordinates.key.stream_sequence)
+        .collect()
+}
+
+#[test]
+fn a_pull_asks_for_the_batch_within_capacity_and_max_pull_expires() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let (answer, _answered) = oneshot::channel();
+    book.enqueue(1, demand(100, 20_000), answer, now);
+    let planned = book.plan_pulls(now, 30, LIMITS);
+    assert_eq!(
+        planned,
+        vec![PlannedPull {
+            fetch: 1,
+            batch: 30,
+            expires: Some(MAX_PULL_EXPIRES),
+            give_up_at: now + MAX_PULL_EXPIRES + PULL_GRACE,
+        }]
+    );
+    assert!(
+        book.plan_pulls(now, 0, LIMITS).is_empty(),
+        "no capacity, no pull"
+    );
+}
+
+#[test]
+fn pulls_stop_at_half_of_max_waiting() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    for id in 0..5 {
+        let (answer, _) = oneshot::channel();
+        book.enqueue(id, demand(1, 1000), answer, now);
+    }
+    let limits = PullLimits {
+        max_waiting: 6,
+        ..LIMITS
+    };
+    let planned = book.plan_pulls(now, 1000, limits);
+    assert_eq!(
+        planned.iter().map(|p| p.fetch).collect::<Vec<_>>(),
+        [0, 1, 2]
+    );
+    for plan in planned {
+        let pull_id = book.next_pull_id();
+        book.pull_opened(plan, pull_id, ());
+    }
+    assert!(book.plan_pulls(now, 1000, limits).is_empty());
+    assert!(book.at_pull_limit(limits));
+}
+
+#[test]
+fn the_consumers_own_pull_limits_apply_and_short_waits_are_no_wait_pulls() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let (answer, _) = oneshot::channel();
+    book.enqueue(1, demand(500, 5), answer, now);
+    let limits = PullLimits {
+        max_waiting: 512,
+        max_batch: Some(50),
+        max_expires: Some(Duration::from_millis(200)),
+    };
+    let planned = book.plan_pulls(now, 1000, limits);
+    assert_eq!(planned[0].batch, 50);
+    assert_eq!(planned[0].expires, None, "5 ms is below MIN_EXPIRES");
+}
+
+#[test]
+fn a_fetch_is_answered_with_what_its_pull_brought_once_the_pull_ends() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let (_answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
+    for sequence in 1..=3 {
+        let owner = book.count_delivery(pull_id, now);
+        assert_eq!(owner, Some(1));
+        book.place(owner, delivery(sequence, 10, now));
+    }
+    assert!(
+        book.take_finished(now, false, EPOCH).is_empty(),
+        "pull still open"
+    );
+    book.end_pull(pull_id, false, now);
+    let finished = book.take_finished(now, false, EPOCH);
+    assert_eq!(finished.len(), 1);
+    assert_eq!(sequences(&finished[0].got), [1, 2, 3]);
+    assert_eq!(finished[0].pull, None);
+}
+
+#[test]
+fn max_bytes_holds_the_overflow_for_the_next_fetch() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let mut limited = demand(10, 5000);
+    limited.max_bytes = Some(25);
+    let (_answered, pull_id) = waiting(&mut book, limited, now);
+    for sequence in 1..=3 {
+        let owner = book.count_delivery(pull_id, now);
+        book.place(owner, delivery(sequence, 10, now));
+    }
+    let finished = book.take_finished(now, false, EPOCH);
+    assert_eq!(
+        sequences(&finished[0].got),
+        [1, 2],
+        "the third would exceed 25 bytes"
+    );
+    assert_eq!(book.held_len(), 1);
+    // The first message always fits, however large.
+    let (answer, _) = oneshot::channel();
+    let mut tiny = demand(10, 5000);
+    tiny.max_bytes = Some(1);
+    book.enqueue(2, tiny, answer, now);
+    book.hand_out_held();
+    let finished = book.take_finished(now, false, EPOCH);
+    assert_eq!(sequences(&finished[0].got), [3]);
+}
+
+#[test]
+fn a_withdrawn_fetch_gives_its_deliveries_to_the_next_one_first() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let (_answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
+    book.hold(delivery(9, 1, now));
+    let owner = book.count_delivery(pull_id, now);
+    book.place(owner, delivery(1, 1, now));
+    book.withdraw(1);
+    // What its pull still brings is no one's.
+    assert_eq!(book.count_delivery(pull_id, now), None);
+    let (answer, _) = oneshot::channel();
+    book.enqueue(2, demand(10, 5000), answer, now);
+    book.hand_out_held();
+    let finished = book.take_finished(now, false, EPOCH);
+    assert_eq!(
+        sequences(&finished[0].got),
+        [1, 9],
+        "given back ahead of the held one"
+    );
+}
+
+#[test]
+fn a_closed_answer_channel_withdraws_the_fetch() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let (answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
+    let owner = book.count_delivery(pull_id, now);
+    book.place(owner, delivery(1, 1, now));
+    drop(answered);
+    book.withdraw_hung_up();
+    assert_eq!(book.held_len(), 1);
+    assert!(!book.is_starving());
+}
+
+#[test]
+fn held_deliveries_are_released_by_the_callers_rule_in_order() {
+    let now = Instant::now();
+    let hold = Duration::from_secs(2);
+    let mut book = Book::<()>::new();
+    book.hold(delivery(1, 1, now));
+    book.hold(delivery(2, 1, now + Duration::from_secs(1)));
+    book.hold(delivery(3, 1, now));
+    assert_eq!(book.next_wake(now, hold, || None), Some(now + hold));
+    let later = now + hold;
+    let released = book.take_held(|d| d.received_at + hold <= later);
+    assert_eq!(sequences(&released), [1, 3]);
+    assert_eq!(book.held_len(), 1);
+}
+
+#[test]
+fn a_refused_pull_is_retried_after_a_pause_and_a_zero_wait_fetch_pulls_once() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let (_answered, pull_id) = waiting(&mut book, demand(1, 5000), now);
+    book.end_pull(pull_id, true, now);
+    assert!(
+        book.plan_pulls(now, 10, LIMITS).is_empty(),
+        "waits PULL_RETRY"
+    );
+    assert_eq!(book.plan_pulls(now + PULL_RETRY, 10, LIMITS).len(), 1);
+
+    let mut book = Book::<()>::new();
+    let (_answered, pull_id) = waiting(&mut book, demand(1, 0), now);
+    book.end_pull(pull_id, false, now);
+    assert!(
+        book.plan_pulls(now, 10, LIMITS).is_empty(),
+        "a zero-wait fetch gets exactly one no_wait pull"
+    );
+    assert_eq!(book.take_finished(now, false, EPOCH).len(), 1);
+}
+
+#[test]
+fn a_fetch_whose_pull_stays_silent_is_answered_after_the_grace() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let (_answered, _pull_id) = waiting(&mut book, demand(1, 100), now);
+    let deadline = now + Duration::from_millis(100);
+    assert_eq!(
+        book.next_wake(now, Duration::from_secs(2), || None),
+        Some(deadline + PULL_GRACE)
+    );
+    assert!(book.take_finished(deadline, false, EPOCH).is_empty());
+    let readers = book.give_up_silent_pulls(deadline + PULL_GRACE);
+    assert_eq!(
+        readers.len(),
+        1,
+        "the reader is handed back to keep forwarding"
+    );
+    assert_eq!(
+        book.take_finished(deadline + PULL_GRACE, false, EPOCH)
+            .len(),
+        1
+    );
+}
+
+#[test]
+fn capacity_counts_held_taken_and_asked_for_messages() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let (_answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
+    book.hold(delivery(5, 1, now));
+    let owner = book.count_delivery(pull_id, now);
+    book.place(owner, delivery(1, 1, now));
+    // 1 held + 1 taken + 9 still asked of the pull.
+    assert_eq!(book.reserved(), 11);
+    book.forget_pulls();
+    assert_eq!(
+        book.reserved(),
+        2,
+        "a forgotten pull asks nothing of the server"
+    );
+}
+
+#[test]
+fn deliveries_of_another_epoch_are_never_answered() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let (_answered, pull_id) = waiting(&mut book, demand(10, 5000), now);
+    let owner = book.count_delivery(pull_id, now);
+    book.place(owner, delivery(1, 1, now));
+    let finished = book.take_finished(now, true, EPOCH + 1);
+    assert!(finished[0].got.is_empty());
+    assert_eq!(book.held_len(), 1, "kept to be released");
+}
