@@ -237,7 +237,18 @@ impl Gateway {
             let name = ConsumerName::new(&stream, &consumer);
             return match self.0.registry.get(&name) {
                 Some(served) => Some(served),
-                None => self.bind_existing(&name).await.ok(),
+                // Only a genuine id binds its consumer: a forged one (naming any consumer it
+                // likes) costs no server lookup, and tells nothing of which consumers exist.
+                None if self
+                    .0
+                    .process
+                    .signer(&stream, &consumer)
+                    .decode(id)
+                    .is_some() =>
+                {
+                    self.bind_existing(&name).await.ok()
+                }
+                None => None,
             };
         }
         if let Some(served) = self.0.registry.default_consumer() {
@@ -255,7 +266,12 @@ impl Gateway {
     /// no served consumer, 403 for one of a consumer the caller's token does not reach.
     async fn lease_for(&self, id: &str, may: May<'_>) -> Result<Arc<Served>, Error> {
         let served = self.served_for_lease(id).await.ok_or(Error::UnknownLease)?;
-        if !may(&served.consumer.name()) {
+        if !may(served.consumer.name()) {
+            // A forged id is a 404 whoever asks: a 403 would confirm the consumer it names.
+            // (Looked at only here: a settle the caller may make verifies its id anyway.)
+            if !served.consumer.signed(id) {
+                return Err(Error::UnknownLease);
+            }
             return Err(Error::Forbidden { scope: "settle" });
         }
         served.touch();

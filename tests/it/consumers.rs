@@ -420,6 +420,14 @@ async fn tokens_scoped_to_a_consumer_reach_only_that_consumer() {
     }
     let theirs = fetch_named(&all, "analytics", 1).await;
     assert_eq!(ship.ack(&theirs[0].id).await, 403);
+    // The same id with its tag altered names analytics still, but is forged: a 404 for any
+    // caller, so a token learns nothing of consumers it may not reach.
+    let mut forged = theirs[0].id.clone().into_bytes();
+    let at = forged.len() - 5;
+    forged[at] = if forged[at] == b'A' { b'B' } else { b'A' };
+    let forged = String::from_utf8(forged).expect("ascii");
+    assert_eq!(ship.ack(&forged).await, 404);
+    assert_eq!(all.ack(&forged).await, 404);
     let reply = ship
         .settle_many(
             Action::Ack,

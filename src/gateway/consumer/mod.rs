@@ -49,6 +49,8 @@ use super::process::Process;
 #[derive(Clone)]
 pub(crate) struct Consumer {
     state: Arc<LeaseState>,
+    /// Which consumer: its stream and name.
+    name: Arc<ConsumerName>,
     /// What the process shares with its other consumers.
     process: Arc<Process>,
     commands: mpsc::Sender<Command>,
@@ -177,6 +179,7 @@ impl Consumer {
         ));
         let gateway = Self {
             state,
+            name: Arc::new(ConsumerName::new(&config.stream, &config.consumer)),
             process,
             commands: commands_tx,
             bound: bound_rx,
@@ -203,8 +206,8 @@ impl Consumer {
     }
 
     /// Which consumer this is.
-    pub(crate) fn name(&self) -> ConsumerName {
-        ConsumerName::new(&self.config.stream, &self.config.consumer)
+    pub(crate) fn name(&self) -> &ConsumerName {
+        &self.name
     }
 
     /// Whether this consumer was started with the consumer settings `wanted` names.
