@@ -161,6 +161,8 @@ pub(crate) const MAX_NAME_LEN: usize = 255;
 /// 128 bits of tag: unguessable, and keeps ids short enough to paste into a curl line.
 const TAG_LEN: usize = 16;
 const ID_LEN: usize = BODY_LEN + TAG_LEN;
+/// A version 2 id's length in unpadded base64.
+const V2_ID_CHARS: usize = (4 * ID_LEN).div_ceil(3);
 /// The longest id: version 3 with the longest names, in unpadded base64.
 const MAX_ID_CHARS: usize = (4 * (ID_LEN + 2 + 2 * MAX_NAME_LEN)).div_ceil(3);
 
@@ -317,7 +319,9 @@ impl LeaseSigner {
 /// The stream and consumer a version 3 id names, unverified: which consumer's signer to
 /// ask. `None` for a version 2 id (the default consumer's) or anything else.
 pub(crate) fn named_in(id: &str) -> Option<(String, String)> {
-    if id.len() > MAX_ID_CHARS {
+    // A version 2 id has exactly this length, a version 3 one is longer: most settles (the
+    // default consumer's) are told apart without decoding.
+    if id.len() <= V2_ID_CHARS || id.len() > MAX_ID_CHARS {
         return None;
     }
     let raw = URL_SAFE_NO_PAD.decode(id).ok()?;

@@ -72,8 +72,7 @@ impl Gateway {
                     self.serve_declared(spec, false);
                 }
                 Some(served) if served.source == Source::File => {
-                    let wanted = self.config().for_declared(spec);
-                    if served.consumer.declared_as(&wanted) {
+                    if served.consumer.declared_as(spec) {
                         served.reinstate();
                     } else if served.consumer.leases_in_flight() == 0 {
                         info!(consumer = %name, "the consumers file changed this consumer's settings; binding it anew");

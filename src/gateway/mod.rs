@@ -163,8 +163,16 @@ impl Gateway {
         let names_in_ids = source != Source::Default;
         let (consumer, tasks, fatal) =
             Consumer::start(config, self.0.process.clone(), names_in_ids);
-        let served = Arc::new(Served::new(consumer, source, tasks));
-        let served = self.0.registry.insert(name.clone(), served);
+        let started = Arc::new(Served::new(consumer, source, tasks));
+        let served = self.0.registry.insert(name.clone(), started.clone());
+        if !Arc::ptr_eq(&served, &started) {
+            // Served already (a race of two first requests): the one in force stays.
+            if let Some(tasks) = started.take_tasks() {
+                let consumer = started.consumer.clone();
+                tokio::spawn(async move { consumer.stop(tasks).await });
+            }
+            return served;
+        }
         self.count_consumers();
         let gateway = self.clone();
         tokio::spawn(async move {
@@ -220,7 +228,7 @@ impl Gateway {
                 Some(served) if !served.is_retired() => served,
                 Some(_) => {
                     return Err(Error::ConsumerNotFound(format!(
-                        "consumer {name} is no longer served (removed from the consumers file); its live leases still settle"
+                        "consumer {name} takes no fetches now (removed from the consumers file, or rebound once its settings changed there); its live leases still settle"
                     )));
                 }
                 None => self.bind_existing(name).await?,
@@ -310,6 +318,12 @@ impl Gateway {
                 },
                 Err(err) => results[at] = Some(Err(err)),
             }
+        }
+        // All of one consumer (the common batch): no copy of the ids.
+        if let [(served, positions)] = groups.as_slice()
+            && positions.len() == ids.len()
+        {
+            return served.consumer.settle_many(ids, command).await;
         }
         let settled = join_all(groups.iter().map(|(served, positions)| async move {
             let ids: Vec<String> = positions.iter().map(|at| ids[*at].clone()).collect();

@@ -5,8 +5,9 @@
 //! May import: as the rest of `gateway`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::Duration;
 
 use tokio::time::Instant;
 
@@ -42,8 +43,11 @@ pub(crate) struct Served {
     tasks: Mutex<Option<Tasks>>,
     /// Removed from the consumers file: no new leases, but its live leases still settle.
     retired: AtomicBool,
-    /// The last request that named it, for `--idle-unbind`.
-    last_used: Mutex<Instant>,
+    /// When it was made; `last_used` counts from here.
+    born: Instant,
+    /// Milliseconds from `born` to the last request that named it, for `--idle-unbind`:
+    /// an atomic, as every settle stamps it.
+    last_used: AtomicU64,
 }
 
 impl Served {
@@ -53,7 +57,8 @@ impl Served {
             source,
             tasks: Mutex::new(Some(tasks)),
             retired: AtomicBool::new(false),
-            last_used: Mutex::new(Instant::now()),
+            born: Instant::now(),
+            last_used: AtomicU64::new(0),
         }
     }
 
@@ -71,15 +76,12 @@ impl Served {
     }
 
     pub(crate) fn touch(&self) {
-        if let Ok(mut at) = self.last_used.lock() {
-            *at = Instant::now();
-        }
+        let since = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_used.store(since, Ordering::Relaxed);
     }
 
     pub(crate) fn last_used(&self) -> Instant {
-        self.last_used
-            .lock()
-            .map_or_else(|_| Instant::now(), |at| *at)
+        self.born + Duration::from_millis(self.last_used.load(Ordering::Relaxed))
     }
 
     /// The tasks, once: whoever stops the consumer takes them.
@@ -93,6 +95,9 @@ impl Served {
 pub(crate) struct Registry {
     entries: RwLock<HashMap<ConsumerName, Arc<Served>>>,
     default: Option<ConsumerName>,
+    /// The default consumer once served: every settle of a version 2 id reaches it, so
+    /// without a lookup (it is served from start to stop).
+    default_served: OnceLock<Arc<Served>>,
 }
 
 impl Registry {
@@ -100,6 +105,7 @@ impl Registry {
         Self {
             entries: RwLock::default(),
             default,
+            default_served: OnceLock::new(),
         }
     }
 
@@ -108,15 +114,20 @@ impl Registry {
     }
 
     pub(crate) fn default_consumer(&self) -> Option<Arc<Served>> {
-        self.get(self.default.as_ref()?)
+        self.default_served.get().cloned()
     }
 
     /// Add `served` unless one of that name is there; returns the one in force.
     pub(crate) fn insert(&self, name: ConsumerName, served: Arc<Served>) -> Arc<Served> {
-        match self.entries.write() {
+        let is_default = self.default.as_ref() == Some(&name);
+        let in_force = match self.entries.write() {
             Ok(mut entries) => entries.entry(name).or_insert(served).clone(),
             Err(_) => served,
+        };
+        if is_default {
+            let _ = self.default_served.set(in_force.clone());
         }
+        in_force
     }
 
     pub(crate) fn remove(&self, name: &ConsumerName) -> Option<Arc<Served>> {

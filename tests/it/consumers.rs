@@ -30,6 +30,17 @@ async fn fetch_named(client: &Client, consumer: &str, batch: u64) -> Vec<crate::
     reply.messages()
 }
 
+/// The status of a fetch of `consumer` that waits for nothing.
+async fn fetch_status(client: &Client, consumer: &str) -> u16 {
+    client
+        .post(
+            &fetch_path(STREAM, consumer),
+            Some(&json!({ "wait_ms": 0 })),
+        )
+        .await
+        .status
+}
+
 /// A gateway of the default consumer `billing` plus the file's `entries`.
 async fn with_file(server: &NatsServer, entries: &str) -> (Gateway, tempfile::TempDir) {
     let dir = files_dir();
@@ -199,11 +210,7 @@ async fn the_consumers_file_is_followed_as_it_changes() {
     )
     .expect("rewrite");
     wait_until("audit is served", Duration::from_secs(5), || async {
-        gateway
-            .post(&fetch_path(STREAM, "audit"), Some(&json!({"wait_ms": 0})))
-            .await
-            .status
-            == 200
+        fetch_status(&gateway, "audit").await == 200
     })
     .await;
 
@@ -212,13 +219,7 @@ async fn the_consumers_file_is_followed_as_it_changes() {
     assert_stays(
         "a file that does not parse changes nothing",
         Duration::from_millis(2500),
-        || async {
-            gateway
-                .post(&fetch_path(STREAM, "audit"), Some(&json!({"wait_ms": 0})))
-                .await
-                .status
-                == 200
-        },
+        || async { fetch_status(&gateway, "audit").await == 200 },
     )
     .await;
 
@@ -227,16 +228,7 @@ async fn the_consumers_file_is_followed_as_it_changes() {
     wait_until(
         "shipping takes no more fetches",
         Duration::from_secs(5),
-        || async {
-            gateway
-                .post(
-                    &fetch_path(STREAM, "shipping"),
-                    Some(&json!({"wait_ms": 0})),
-                )
-                .await
-                .status
-                == 404
-        },
+        || async { fetch_status(&gateway, "shipping").await == 404 },
     )
     .await;
     assert_eq!(gateway.ack(&held[0].id).await, 204);
@@ -470,4 +462,41 @@ async fn fetch_named_on(client: &Client, stream: &str, consumer: &str) -> Vec<cr
         .await;
     assert_eq!(reply.status, 200, "{}", reply.text);
     reply.messages()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotency_key_is_scoped_by_consumer() {
+    let (server, js) = server_with_stream().await;
+    let (gateway, _dir) = with_file(&server, TWO).await;
+    js.publish_many("orders.1", 2, "m").await;
+    let keyed = |consumer: &str| {
+        let url = gateway.url(&fetch_path(STREAM, consumer));
+        async move {
+            let reply = crate::support::client::http_client()
+                .post(url)
+                .header("Idempotency-Key", "retry-me")
+                .json(&json!({ "batch": 1, "wait_ms": 1000 }))
+                .send()
+                .await
+                .expect("keyed fetch");
+            crate::support::Reply::read(reply).await
+        }
+    };
+    let first = keyed("shipping").await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    // The same key on another consumer is another fetch, not the first one's answer.
+    let other = keyed("analytics").await;
+    assert_eq!(other.status, 200, "{}", other.text);
+    assert!(!other.headers.contains_key("idempotent-replayed"));
+    assert_eq!(other.messages()[0].consumer, "analytics");
+    // Repeated on its own consumer: the first answer again.
+    let again = keyed("shipping").await;
+    assert_eq!(
+        again
+            .headers
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..])
+    );
+    assert_eq!(again.body, first.body);
 }

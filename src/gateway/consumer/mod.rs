@@ -29,7 +29,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::config::Config;
+use crate::config::{Config, ConsumerSpec};
 use crate::dispatch::{Command, Dispatcher};
 use crate::domain::consumers::ConsumerName;
 use crate::domain::idempotency::IdempotencyCache;
@@ -210,15 +210,15 @@ impl Consumer {
         &self.name
     }
 
-    /// Whether this consumer was started with the consumer settings `wanted` names.
-    pub(crate) fn declared_as(&self, wanted: &Config) -> bool {
+    /// Whether this consumer runs with the settings the consumers file gives it now.
+    pub(crate) fn declared_as(&self, spec: &ConsumerSpec) -> bool {
         let have = &self.config;
-        have.filter_subject == wanted.filter_subject
-            && have.deliver_policy == wanted.deliver_policy
-            && have.ack_wait == wanted.ack_wait
-            && have.max_ack_pending == wanted.max_ack_pending
-            && have.max_deliver == wanted.max_deliver
-            && have.dead_letter_subject == wanted.dead_letter_subject
+        have.filter_subject == spec.filter_subject
+            && have.deliver_policy == spec.deliver_policy
+            && have.ack_wait == spec.ack_wait
+            && have.max_ack_pending == spec.max_ack_pending
+            && have.max_deliver == spec.max_deliver
+            && have.dead_letter_subject == spec.dead_letter_subject
     }
 
     /// Whether `id` is a genuine lease id of this consumer (any replica's).

@@ -538,3 +538,66 @@ async fn a_jwks_url_that_never_answers_holds_neither_the_start_nor_a_request() {
     );
     assert_eq!(fetch("static-worker", &gateway, 0).await.status, 200);
 }
+
+/// A JWT's scope claim may name consumers as a token file does (after the prefix): a fetch
+/// of another consumer 403 (also one that does not exist), a settle of another consumer's
+/// lease 403, single or in a batch beside its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jwt_scopes_may_name_consumers() {
+    let signer = Signer::ed25519("ed-scoped");
+    let jwks = JwksServer::start(vec![signer.jwk.clone()]).await;
+    let (server, js) = crate::support::server_with_stream().await;
+    let dir = crate::support::nats::files_dir();
+    let file = dir.path().join("consumers.toml");
+    std::fs::write(
+        &file,
+        "[[consumer]]\nstream = \"ORDERS\"\nname = \"audit\"\n",
+    )
+    .expect("consumers file");
+    let gateway = jwt_setup("jwt-default", &jwks.url)
+        .flag("--consumers-file", file.display().to_string())
+        .ready(&server.url())
+        .await;
+    js.publish_many("orders.scoped", 2, "m").await;
+    let audit = signer.sign(&claims(
+        "svc-audit",
+        "openid ruststream:fetch:ORDERS/audit ruststream:settle:ORDERS/aud*t ruststream:settle:*/audit",
+    ));
+    let named_fetch = |token: String, consumer: &'static str| {
+        let url = gateway.url(&format!("/streams/ORDERS/consumers/{consumer}/fetch"));
+        async move {
+            let reply = http_client_with_token(&token)
+                .post(url)
+                .json(&json!({ "batch": 2, "wait_ms": 1000 }))
+                .send()
+                .await
+                .expect("fetch");
+            Reply::read(reply).await
+        }
+    };
+    let mine = named_fetch(audit.clone(), "audit").await;
+    assert_eq!(mine.status, 200, "{}", mine.text);
+    let mine = mine.messages();
+    assert_eq!(mine.len(), 2);
+    for other in ["jwt-default", "no-such-consumer"] {
+        named_fetch(audit.clone(), other).await.assert_problem(403);
+    }
+    fetch(&audit, &gateway, 0).await.assert_problem(403);
+    let theirs = fetch("static-worker", &gateway, 1000).await.messages();
+    assert_eq!(theirs.len(), 1);
+    ack(&audit, &gateway, &theirs[0].id)
+        .await
+        .assert_problem(403);
+    let batch = http_client_with_token(&audit)
+        .post(gateway.url("/messages/ack"))
+        .json(&json!({ "ids": [mine[0].id, theirs[0].id, mine[1].id] }))
+        .send()
+        .await
+        .expect("batch ack");
+    let batch = Reply::read(batch).await;
+    let statuses: Vec<u16> = crate::support::client::batch_results(&batch)
+        .iter()
+        .map(|result| result.status)
+        .collect();
+    assert_eq!(statuses, [204, 403, 204]);
+}
