@@ -20,10 +20,13 @@ use time::OffsetDateTime;
 use crate::domain::consumers::ConsumerPatterns;
 use time::format_description::well_known::Rfc3339;
 
-/// An HTTP gateway that leases NATS JetStream messages to HTTP clients.
 /// The default of `--max-body-bytes`: 256 KiB fits a 1000-id batch settle.
 pub(crate) const DEFAULT_MAX_BODY_BYTES: u32 = 262_144;
 
+/// `--internal-prefix` when not given.
+pub(crate) const DEFAULT_INTERNAL_PREFIX: &str = "_RUSTSTREAM";
+
+/// An HTTP gateway that leases NATS JetStream messages to HTTP clients.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "ruststream-nats", version, about, long_about = None)]
 pub struct Config {
@@ -238,10 +241,11 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_LEASE_KEY_FILE")]
     pub lease_key_file: Option<PathBuf>,
 
-    /// Subject prefix of what replicas on one consumer exchange (forwarded settles,
-    /// heartbeats, keyed fetch answers): `<prefix>.<stream>.<consumer>.…`. Every message
-    /// there is sealed with the lease key; others are dropped and counted.
-    #[arg(long, env = "RUSTSTREAM_INTERNAL_PREFIX", default_value = "_RUSTSTREAM", value_parser = parse_subject_prefix)]
+    /// Subject prefix of what replicas exchange: forwarded settles on
+    /// `<prefix>.<stream>.<consumer>.settle.…`, heartbeats and keyed fetch answers on
+    /// `<prefix>.fleet.…`. Every message there is sealed with the lease key; others are
+    /// dropped and counted.
+    #[arg(long, env = "RUSTSTREAM_INTERNAL_PREFIX", default_value = DEFAULT_INTERNAL_PREFIX, value_parser = parse_subject_prefix)]
     pub internal_prefix: String,
 
     /// Believe unsealed messages under --internal-prefix too: those of replicas of a release

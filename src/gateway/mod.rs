@@ -5,7 +5,8 @@
 //!
 //! The layout says what is whose: [`consumer`] holds everything per consumer (lease table,
 //! dispatcher, binding supervisor, replica view, idempotency); [`process`] and
-//! [`connection`] what the process shares; [`registry`] which consumers are served;
+//! [`connection`] what the process shares; [`fleet`] its one heartbeat and its one
+//! subscription for forwarded settles; [`registry`] which consumers are served;
 //! [`declared`] the consumers file kept in force.
 //!
 //! May import: `dispatch`, `nats`, `state`, `domain`, `config`, `error`, `metrics`. Never `http`.
@@ -14,6 +15,7 @@ mod connection;
 mod consumer;
 mod declared;
 mod existing;
+mod fleet;
 mod process;
 mod registry;
 
@@ -74,6 +76,8 @@ struct Inner {
     fatal: mpsc::Sender<anyhow::Error>,
     /// Serializes binding consumers on demand, so two first requests bind one.
     binding: tokio::sync::Mutex<()>,
+    /// Stops the heartbeat, before the heartbeat is withdrawn.
+    beats: CancellationToken,
     stop: CancellationToken,
 }
 
@@ -120,8 +124,11 @@ impl Gateway {
             accepting: AtomicBool::new(true),
             fatal: fatal_tx,
             binding: tokio::sync::Mutex::new(()),
+            beats: stop.child_token(),
             stop: stop.clone(),
         }));
+        tokio::spawn(gateway.clone().keep_beating(gateway.0.beats.clone()));
+        tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
         if let Some(name) = default {
             gateway.serve(name, (*config).clone(), Source::Default, true);
         }
@@ -462,6 +469,8 @@ impl Gateway {
             }
         }))
         .await;
+        self.0.beats.cancel();
+        self.withdraw().await;
         tasks.stop.cancel();
         self.0.stop.cancel();
         if let Some(client) = self.0.process.connection.get() {

@@ -1,17 +1,22 @@
 //! What every consumer a gateway process serves shares: the process's identity in lease ids,
-//! its lease key, the seal on replica traffic, the metrics registry, the NATS connection and
-//! the settings given at start.
+//! its lease key, the seal on replica traffic, the metrics registry, the NATS connection,
+//! its place among the replicas (kept by [`super::fleet`]) and the settings given at start.
 //!
 //! May import: as the rest of `gateway`.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use time::OffsetDateTime;
+use tokio::sync::{Notify, watch};
 
 use crate::config::Config;
+use crate::domain::consumers::ConsumerName;
 use crate::domain::lease_id::{InstanceId, LeaseKey, LeaseSigner};
 use crate::domain::seal::Sealer;
 use crate::metrics::ProcessMetrics;
+use crate::nats::replicas::{FleetStream, ReplicaRecord};
 use crate::nats::trust::Trust;
 
 use super::connection::Connection;
@@ -28,6 +33,10 @@ pub(crate) struct Process {
     pub(crate) started_at: OffsetDateTime,
     /// The settings given at start (the default consumer's among them).
     pub(crate) config: Arc<Config>,
+    /// This process among the replicas.
+    pub(crate) fleet: Fleet,
+    /// What its heartbeat says of its lease key: equal between processes with equal keys.
+    pub(crate) fleet_fingerprint: String,
 }
 
 impl Process {
@@ -48,6 +57,9 @@ impl Process {
             config.accept_unsigned_replicas,
             metrics.internal_messages_rejected(),
         ));
+        let fleet_fingerprint = LeaseSigner::with_key(&key, "", "", instance)
+            .key_fingerprint()
+            .to_owned();
         Self {
             instance,
             key,
@@ -56,11 +68,131 @@ impl Process {
             connection,
             started_at: OffsetDateTime::now_utc(),
             config,
+            fleet: Fleet::default(),
+            fleet_fingerprint,
         }
     }
 
     /// The signer of one consumer's lease ids, as this process issues them.
     pub(crate) fn signer(&self, stream: &str, consumer: &str) -> LeaseSigner {
         LeaseSigner::with_key(&self.key, stream, consumer, self.instance)
+    }
+}
+
+/// A replica whose heartbeat is older than this is no longer counted.
+pub(crate) const HEARTBEAT_TTL: Duration = Duration::from_secs(4);
+/// How long [`Fleet::step_now`] waits for the heartbeat loop.
+const STEP_WAIT: Duration = Duration::from_secs(2);
+
+/// This process among the replicas.
+#[derive(Default)]
+pub(crate) struct Fleet {
+    /// The fleet stream, set up by the first binding of a durable consumer.
+    pub(crate) stream: FleetStream,
+    /// The other replicas' last heartbeats.
+    seen: Mutex<Vec<ReplicaRecord>>,
+    /// This process's heartbeat is in the fleet stream (or it gave up waiting for that).
+    announced: AtomicBool,
+    /// It listens for settles forwarded to it.
+    listening: AtomicBool,
+    /// Rings the heartbeat loop before its tick (a consumer woke or was bound).
+    ring: Notify,
+    /// Bumped after each beat.
+    steps: watch::Sender<u64>,
+}
+
+impl Fleet {
+    /// Whether the others can tell this process's leases from a dead owner's: its heartbeat
+    /// is stored (or there is no fleet stream to store it in).
+    pub(crate) fn announced(&self) -> bool {
+        self.announced.load(Ordering::Relaxed) || self.stream.get().is_none()
+    }
+
+    /// Whether a lease issued now can be settled at any replica: this process listens for
+    /// forwarded settles.
+    pub(crate) fn listening(&self) -> bool {
+        self.listening.load(Ordering::Relaxed)
+    }
+
+    /// Beat before the next tick.
+    pub(crate) fn ring(&self) {
+        self.ring.notify_one();
+    }
+
+    /// Beat now and wait (bounded) until that is done, for a view of the others that is
+    /// not older than this call.
+    pub(crate) async fn step_now(&self) {
+        let mut steps = self.steps.subscribe();
+        steps.mark_unchanged();
+        self.ring();
+        let _ = tokio::time::timeout(STEP_WAIT, steps.changed()).await;
+    }
+
+    /// Whether `owner` beat in the last heartbeat round.
+    pub(crate) fn has(&self, owner: InstanceId) -> bool {
+        self.has_instance(&owner.to_string())
+    }
+
+    /// Whether the replica whose instance id prints `instance` beat in the last round.
+    pub(crate) fn has_instance(&self, instance: &str) -> bool {
+        self.seen
+            .lock()
+            .is_ok_and(|seen| seen.iter().any(|record| record.instance_id == instance))
+    }
+
+    /// The other replicas busy on `name`, each with its leases of that consumer; a
+    /// replica with the process's lease key is shown with `fingerprint`, the consumer's.
+    pub(crate) fn busy_on(
+        &self,
+        name: &ConsumerName,
+        fleet_fingerprint: &str,
+        fingerprint: &str,
+    ) -> Vec<ReplicaRecord> {
+        let Ok(seen) = self.seen.lock() else {
+            return Vec::new();
+        };
+        seen.iter()
+            .filter_map(|record| {
+                let leases = record.busy_on(&name.stream, &name.consumer)?;
+                Some(ReplicaRecord {
+                    leases_in_flight: leases,
+                    lease_key_fingerprint: if record.lease_key_fingerprint == fleet_fingerprint {
+                        fingerprint.to_owned()
+                    } else {
+                        record.lease_key_fingerprint.clone()
+                    },
+                    consumers: Vec::new(),
+                    ..record.clone()
+                })
+            })
+            .collect()
+    }
+}
+
+impl Fleet {
+    pub(super) fn set_announced(&self) {
+        self.announced.store(true, Ordering::Relaxed);
+    }
+
+    pub(super) fn set_listening(&self) {
+        self.listening.store(true, Ordering::Relaxed);
+    }
+
+    /// The other replicas' heartbeats, as just read.
+    pub(super) fn saw(&self, others: Vec<ReplicaRecord>) {
+        if let Ok(mut seen) = self.seen.lock() {
+            *seen = others;
+        }
+    }
+
+    /// Resolves when someone rings.
+    pub(super) async fn rung(&self) {
+        self.ring.notified().await;
+    }
+
+    /// One beat is done.
+    pub(super) fn stepped(&self) {
+        self.steps
+            .send_modify(|steps| *steps = steps.wrapping_add(1));
     }
 }

@@ -14,7 +14,7 @@ use crate::config::{Config, DeliverPolicy};
 use crate::domain::lease_id::InstanceId;
 
 use super::API_TIMEOUT;
-use super::replicas::{ReplicaRecord, Shared, Subjects};
+use super::replicas::{FleetStream, ReplicaRecord, Shared};
 
 /// A consumer the gateway is bound to, and what it needs to use it.
 #[derive(Clone)]
@@ -43,9 +43,24 @@ pub(crate) struct Bound {
     /// The consumer's own limits on one pull request, when it has any.
     pub(crate) max_batch: Option<usize>,
     pub(crate) max_expires: Option<Duration>,
-    /// What replicas on this (durable) consumer share; `None` with `--ephemeral`, whose
-    /// consumer is this process's alone.
+    /// What the fleet's replicas share; `None` with `--ephemeral`, whose consumer is this
+    /// process's alone (or where the fleet stream cannot be had).
     pub(crate) shared: Option<Shared>,
+    /// The consumer's own shared stream, where an earlier release made one: its replicas
+    /// still meet there during a rolling upgrade.
+    pub(crate) per_consumer: Option<Shared>,
+}
+
+impl Bound {
+    /// Where what replicas share is written and read: the fleet stream, and the consumer's
+    /// own of an earlier release while it exists.
+    pub(crate) fn shared(&self) -> impl Iterator<Item = &Shared> {
+        self.shared.iter().chain(
+            self.per_consumer
+                .iter()
+                .filter(|per_consumer| !per_consumer.is_gone()),
+        )
+    }
 }
 
 /// Why binding failed.
@@ -78,6 +93,11 @@ pub(crate) struct Binder<'a> {
     pub(crate) first: bool,
     /// The seal on what replicas share.
     pub(crate) trust: &'a std::sync::Arc<super::trust::Trust>,
+    /// The fleet stream, made by the first binding that needs it.
+    pub(crate) fleet: &'a FleetStream,
+    /// Whether an earlier release may have served this consumer (the default one), and
+    /// made it a shared stream of its own.
+    pub(crate) served_by_earlier_releases: bool,
 }
 
 /// Find the stream, create or bind the consumer, and reconcile its mutable settings —
@@ -92,42 +112,15 @@ pub(crate) async fn bind(
     let stream_subjects = stream.cached_info().config.subjects.clone();
     let deletes_on_term =
         super::dead_letter::is_deleted_on_term(stream.cached_info().config.retention);
-    let (mut consumer, shared) = if config.ephemeral {
+    let (mut consumer, shared, per_consumer) = if config.ephemeral {
         let mut ephemeral = desired_config(config, None);
         ephemeral.name = Some(binder.ephemeral_name.to_owned());
-        (create_consumer(&stream, ephemeral).await?, None)
+        (create_consumer(&stream, ephemeral).await?, None, None)
     } else {
-        let subjects = Subjects::new(&config.internal_prefix, &config.stream, &config.consumer);
         let replicas = stream.cached_info().config.num_replicas;
-        let shared = async {
-            let shared = Shared::ensure(
-                &js,
-                subjects,
-                &config.stream,
-                &config.consumer,
-                replicas,
-                binder.trust.clone(),
-            )
-            .await?;
-            let others: Vec<ReplicaRecord> = shared
-                .replicas()
-                .await?
-                .into_iter()
-                .filter(|record| record.instance_id != binder.instance.to_string())
-                .collect();
-            anyhow::Ok((shared, others))
-        };
-        // Without the shared stream (a NATS user not allowed to make it) the gateway still
-        // works, and forwards settles; only what replicas learn of each other is missing.
-        let (shared, others) = match shared.await {
-            Ok((shared, others)) => (Some(shared), others),
-            Err(err) => {
-                warn!(error = %format!("{err:#}"), "cannot use the shared stream of this consumer's replicas: each replica counts only itself (max_waiting, capacity, Idempotency-Key) and cannot see others' settings");
-                (None, Vec::new())
-            }
-        };
+        let (shared, per_consumer, others) = share(config, &js, binder, replicas).await;
         let consumer = bind_durable(config, &stream, &others, binder.first).await?;
-        (consumer, shared)
+        (consumer, shared, per_consumer)
     };
     if let Some(subject) = &config.dead_letter_subject
         && !config.ephemeral
@@ -173,7 +166,77 @@ pub(crate) async fn bind(
         max_expires: Some(info.config.max_expires).filter(|max| !max.is_zero()),
         consumer,
         shared,
+        per_consumer,
     })
+}
+
+/// The streams replicas share (the fleet's; the consumer's own of an earlier release) and
+/// the other live replicas on this consumer they list. Without them (a NATS user not
+/// allowed to make the fleet stream) the gateway still works, and forwards settles; only
+/// what replicas learn of each other is missing.
+async fn share(
+    config: &Config,
+    js: &jetstream::Context,
+    binder: &Binder<'_>,
+    replicas: usize,
+) -> (Option<Shared>, Option<Shared>, Vec<ReplicaRecord>) {
+    let me = binder.instance.to_string();
+    let mut others: Vec<ReplicaRecord> = Vec::new();
+    let fleet = binder
+        .fleet
+        .ensure(js, &config.internal_prefix, replicas, binder.trust)
+        .await;
+    let fleet = match fleet {
+        Ok(fleet) => Some(fleet.clone()),
+        Err(err) => {
+            warn!(error = %format!("{err:#}"), "cannot use the fleet stream replicas share: each replica counts only itself (max_waiting, capacity, Idempotency-Key) and cannot see others' settings");
+            None
+        }
+    };
+    if let Some(fleet) = &fleet {
+        match fleet.replicas().await {
+            Ok(records) => others.extend(records.into_iter().filter(|record| {
+                record.instance_id != me
+                    && record.busy_on(&config.stream, &config.consumer).is_some()
+            })),
+            Err(err) => warn!(error = %format!("{err:#}"), "cannot list the replicas"),
+        }
+    }
+    let per_consumer = if binder.served_by_earlier_releases {
+        Shared::per_consumer(
+            js,
+            &config.internal_prefix,
+            &config.stream,
+            &config.consumer,
+            binder.trust.clone(),
+        )
+        .await
+        .unwrap_or_else(|err| {
+            warn!(error = %format!("{err:#}"), "cannot look for the shared stream an earlier release made for this consumer");
+            None
+        })
+    } else {
+        None
+    };
+    if let Some(per_consumer) = &per_consumer {
+        match per_consumer.replicas().await {
+            Ok(records) => {
+                for record in records {
+                    if record.instance_id != me
+                        && !others
+                            .iter()
+                            .any(|other| other.instance_id == record.instance_id)
+                    {
+                        others.push(record);
+                    }
+                }
+            }
+            Err(err) => {
+                warn!(error = %format!("{err:#}"), "cannot list the replicas of an earlier release")
+            }
+        }
+    }
+    (fleet, per_consumer, others)
 }
 
 async fn get_or_create_stream(

@@ -1,15 +1,25 @@
-//! What replicas of the gateway on one consumer share through NATS, under one subject
-//! prefix (`--internal-prefix`): forwarded settles go to `<prefix>.<stream>.<consumer>.settle.<instance>`
-//! (request/reply, see [`super::forward`]); a small stream, `RUSTSTREAM_SHARED_<stream>_<consumer>`,
-//! keeps the last heartbeat of every live replica (`….replica.<instance>`, gone a few seconds
-//! after the replica stops beating) and the first answers of keyed fetches
-//! (`….idempotency.<digest>`), each with a per-message TTL. No membership protocol of our own:
-//! a replica is live while its heartbeat is in the stream. Every record is sealed with the
-//! lease key ([`super::trust`]) and opened before it is believed.
+//! What replicas of the gateway share through NATS, under one subject prefix
+//! (`--internal-prefix`). Forwarded settles go to the owner of a lease on
+//! `<prefix>.<stream>.<consumer>.settle.<instance>` (request/reply, see [`super::forward`]; one
+//! subscription per process takes them all). One stream per fleet, `RUSTSTREAM_FLEET`
+//! (another prefix: `RUSTSTREAM_FLEET_<hash>`), keeps the last heartbeat of every live
+//! replica process (`<prefix>.fleet.replica.<instance>`, listing the consumers it is busy
+//! on, gone a few seconds after the replica stops beating) and the first answers of keyed
+//! fetches (`<prefix>.fleet.idempotency.<digest>`, the digest naming the consumer), each
+//! with a per-message TTL: what replicas exchange grows with the replicas, not with the
+//! consumers. No membership protocol of our own: a replica is live while its heartbeat is in
+//! the stream. Every record is sealed with the lease key ([`super::trust`]) and opened
+//! before it is believed.
+//!
+//! Releases before the fleet stream kept a stream per consumer,
+//! `RUSTSTREAM_SHARED_<stream>_<consumer>`, with the same records under
+//! `<prefix>.<stream>.<consumer>`: where one exists it is read and written as well (never
+//! made), so that replicas of both releases see each other during a rolling upgrade.
 //!
 //! May import: `config`, `domain`. Nothing of the gateway above the boundary.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -41,6 +51,14 @@ impl Subjects {
     pub(crate) fn new(prefix: &str, stream: &str, consumer: &str) -> Self {
         Self {
             base: format!("{prefix}.{stream}.{consumer}"),
+        }
+    }
+
+    /// The fleet's: `<prefix>.fleet`, one token short of any consumer's subjects, so the
+    /// fleet stream never overlaps a per-consumer stream of an earlier release.
+    pub(crate) fn fleet(prefix: &str) -> Self {
+        Self {
+            base: format!("{prefix}.fleet"),
         }
     }
 
@@ -85,6 +103,28 @@ pub(crate) struct ReplicaRecord {
     pub(crate) lease_key_fingerprint: String,
     /// Where it listens for HTTP, as it was told (for the operator reading `GET /consumer`).
     pub(crate) listen: String,
+    /// In the fleet stream: the consumers it is busy on now (an idle one is left out, as it
+    /// holds no lease). Absent from a per-consumer stream's records.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) consumers: Vec<BusyOn>,
+}
+
+impl ReplicaRecord {
+    /// Its leases of `stream`/`consumer`, if it is busy on that consumer.
+    pub(crate) fn busy_on(&self, stream: &str, consumer: &str) -> Option<usize> {
+        self.consumers
+            .iter()
+            .find(|busy| busy.stream == stream && busy.consumer == consumer)
+            .map(|busy| busy.leases_in_flight)
+    }
+}
+
+/// A consumer a replica is busy on, as its heartbeat lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct BusyOn {
+    pub(crate) stream: String,
+    pub(crate) consumer: String,
+    pub(crate) leases_in_flight: usize,
 }
 
 /// Header carrying a remembered fetch answer's request fingerprint.
@@ -103,47 +143,80 @@ pub(crate) struct RememberedAnswer {
 /// The stream never holds more than this: heartbeats are tiny, answers are bounded by TTLs.
 const MAX_BYTES: i64 = 256 * 1024 * 1024;
 
-/// The shared stream of `stream`/`consumer`: see [`super::gateway_stream_name`].
-pub(crate) fn stream_name(stream: &str, consumer: &str) -> String {
-    super::gateway_stream_name("RUSTSTREAM_SHARED", stream, consumer)
+/// The fleet stream of the replicas under `prefix`.
+pub(crate) fn fleet_stream_name(prefix: &str) -> String {
+    if prefix == crate::config::DEFAULT_INTERNAL_PREFIX {
+        return "RUSTSTREAM_FLEET".to_owned();
+    }
+    // A prefix of several tokens has dots, which stream names may not: a hash, unambiguous.
+    use sha2::{Digest as _, Sha256};
+    let digest = Sha256::digest(prefix.as_bytes());
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("RUSTSTREAM_FLEET_{hex}")
 }
 
-/// The name releases before [`stream_name`] gave the shared stream, which `X_Y`/`c` and
-/// `X`/`Y_c` shared: still used where it holds this pair's subjects, so that replicas of
-/// both releases meet during a rolling upgrade.
-fn legacy_stream_name(stream: &str, consumer: &str) -> String {
-    super::legacy_gateway_stream_name("RUSTSTREAM_SHARED", stream, consumer)
+/// The names earlier releases gave one consumer's shared stream: the oldest (ambiguous:
+/// `X_Y`/`c` and `X`/`Y_c` shared it) and the one with a hash.
+fn per_consumer_stream_names(stream: &str, consumer: &str) -> [String; 2] {
+    [
+        super::legacy_gateway_stream_name("RUSTSTREAM_SHARED", stream, consumer),
+        super::gateway_stream_name("RUSTSTREAM_SHARED", stream, consumer),
+    ]
 }
 
-/// The shared stream of one consumer, as bound.
+/// The fleet stream, set up by the first binding of a durable consumer and then kept.
+#[derive(Default)]
+pub(crate) struct FleetStream(tokio::sync::OnceCell<Shared>);
+
+impl FleetStream {
+    pub(crate) fn get(&self) -> Option<&Shared> {
+        self.0.get()
+    }
+
+    /// The fleet stream, made or checked now if it was not yet (see [`Shared::fleet`]).
+    pub(crate) async fn ensure(
+        &self,
+        js: &jetstream::Context,
+        prefix: &str,
+        replicas: usize,
+        trust: &Arc<Trust>,
+    ) -> anyhow::Result<&Shared> {
+        self.0
+            .get_or_try_init(|| Shared::fleet(js, prefix, replicas, trust.clone()))
+            .await
+    }
+}
+
+/// What replicas share, in one stream: the fleet's, or one consumer's of an earlier release.
 #[derive(Clone)]
 pub(crate) struct Shared {
     js: jetstream::Context,
     stream: stream::Stream,
     subjects: Subjects,
     trust: Arc<Trust>,
+    /// The fleet stream (keyed answers of every consumer, so their digests name it).
+    fleet: bool,
+    /// A per-consumer stream that was deleted (the roll is over): no longer written.
+    gone: Arc<AtomicBool>,
 }
 
 impl Shared {
-    /// Create the shared stream, or bring it to the config wanted; `replicas`: as many as
-    /// the consumed stream has, so it is as available as that one.
-    pub(crate) async fn ensure(
+    /// Create the fleet stream, or bring it to the config wanted; `replicas`: as many as the
+    /// first consumed stream has, so it is as available as that one.
+    pub(crate) async fn fleet(
         js: &jetstream::Context,
-        subjects: Subjects,
-        stream: &str,
-        consumer: &str,
+        prefix: &str,
         replicas: usize,
         trust: Arc<Trust>,
     ) -> anyhow::Result<Self> {
-        let name = match Self::legacy(js, &subjects, stream, consumer).await? {
-            Some(legacy) => legacy,
-            None => stream_name(stream, consumer),
-        };
+        let subjects = Subjects::fleet(prefix);
+        let name = fleet_stream_name(prefix);
         let wanted = stream::Config {
             name: name.clone(),
-            description: Some(format!(
-                "ruststream-nats: replicas of {stream}/{consumer} and their keyed fetch answers (made by the gateway)"
-            )),
+            description: Some(
+                "ruststream-nats: live replicas and their keyed fetch answers (made by the gateway)"
+                    .to_owned(),
+            ),
             subjects: subjects.captured(),
             retention: stream::RetentionPolicy::Limits,
             discard: stream::DiscardPolicy::Old,
@@ -159,74 +232,100 @@ impl Shared {
         };
         let found = tokio::time::timeout(API_TIMEOUT, js.get_or_create_stream(wanted.clone()))
             .await
-            .context("timed out setting up the shared stream")?
-            .with_context(|| format!("setting up the shared stream {name}"))?;
-        let mut stream = found;
-        let current = stream.cached_info().config.clone();
-        if !current
-            .subjects
-            .iter()
-            .all(|subject| subjects.owns(subject))
-        {
-            // Not ours to rewrite: whoever made it would lose what its replicas share.
+            .context("timed out setting up the fleet stream")?
+            .with_context(|| format!("setting up the fleet stream {name}"))?;
+        let current = found.cached_info().config.clone();
+        if current.subjects != wanted.subjects {
+            // Not ours to rewrite: whoever made it would lose what it holds.
             anyhow::bail!(
-                "stream {name} exists capturing {:?}, not this consumer's replica subjects {:?}; leaving it as it is",
+                "stream {name} exists capturing {:?}, not the replicas' subjects {:?}; leaving it as it is",
                 current.subjects,
                 wanted.subjects
             );
         }
-        if current.subjects != wanted.subjects
-            || !current.allow_message_ttl
+        if !current.allow_message_ttl
             || !current.allow_direct
             || current.max_messages_per_subject != 1
         {
-            tokio::time::timeout(API_TIMEOUT, js.update_stream(wanted))
-                .await
-                .context("timed out updating the shared stream")?
-                .with_context(|| format!("updating the shared stream {name}"))?;
-            stream = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
-                .await
-                .context("timed out reading the shared stream")?
-                .with_context(|| format!("reading the shared stream {name}"))?;
+            anyhow::bail!(
+                "stream {name} exists without per-message TTLs, direct gets or one message per subject; leaving it as it is"
+            );
         }
         Ok(Self {
             js: js.clone(),
-            stream,
+            stream: found,
             subjects,
             trust,
+            fleet: true,
+            gone: Arc::default(),
         })
     }
 
-    /// The legacy name of the shared stream, where a stream of that name captures this
-    /// consumer's replica subjects (made by an earlier release); `None` where there is no
-    /// such stream, or it belongs to another pair whose names run together the same way.
-    async fn legacy(
+    /// The shared stream an earlier release made for `stream`/`consumer`, if there is one
+    /// holding this pair's subjects (a stream of the oldest name may belong to another pair
+    /// whose names run together the same way: that one is not this pair's).
+    pub(crate) async fn per_consumer(
         js: &jetstream::Context,
-        subjects: &Subjects,
+        prefix: &str,
         stream: &str,
         consumer: &str,
-    ) -> anyhow::Result<Option<String>> {
-        let name = legacy_stream_name(stream, consumer);
-        let found = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
-            .await
-            .context("timed out looking up the shared stream")?;
-        match found {
-            Ok(existing) => {
-                let captured = &existing.cached_info().config.subjects;
-                if captured.iter().all(|subject| subjects.owns(subject)) {
-                    return Ok(Some(name));
+        trust: Arc<Trust>,
+    ) -> anyhow::Result<Option<Self>> {
+        let subjects = Subjects::new(prefix, stream, consumer);
+        for name in per_consumer_stream_names(stream, consumer) {
+            let found = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
+                .await
+                .context("timed out looking up a per-consumer shared stream")?;
+            let existing = match found {
+                Ok(existing) => existing,
+                Err(err) if super::is_stream_not_found(&err) => continue,
+                Err(err) => {
+                    return Err(
+                        anyhow::Error::new(err).context(format!("looking up stream {name}"))
+                    );
                 }
-                tracing::error!(
-                    stream = %name,
-                    captured = ?captured,
-                    "a stream with the shared stream's old name belongs to another stream and consumer whose names run together the same way; using {} instead",
-                    stream_name(stream, consumer)
-                );
-                Ok(None)
+            };
+            let captured = &existing.cached_info().config.subjects;
+            if !captured.is_empty() && captured.iter().all(|subject| subjects.owns(subject)) {
+                return Ok(Some(Self {
+                    js: js.clone(),
+                    stream: existing,
+                    subjects,
+                    trust,
+                    fleet: false,
+                    gone: Arc::default(),
+                }));
             }
-            Err(err) if super::is_stream_not_found(&err) => Ok(None),
-            Err(err) => Err(anyhow::Error::new(err).context(format!("looking up stream {name}"))),
         }
+        Ok(None)
+    }
+
+    /// Whether this is a per-consumer stream that was deleted since: then it is let be.
+    pub(crate) fn is_gone(&self) -> bool {
+        self.gone.load(Ordering::Relaxed)
+    }
+
+    /// Look whether a per-consumer stream still exists, after writing to it failed; once it
+    /// does not, it is no longer written or read.
+    pub(crate) async fn look_again(&self) {
+        let name = self.stream.cached_info().config.name.clone();
+        if let Ok(Err(err)) = tokio::time::timeout(API_TIMEOUT, self.js.get_stream(&name)).await
+            && super::is_stream_not_found(&err)
+        {
+            tracing::info!(stream = %name, "the shared stream of an earlier release is gone: no longer written");
+            self.gone.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Where a keyed fetch's answer is filed: by its digest alone in a per-consumer stream,
+    /// with the consumer's names mixed in in the fleet's.
+    pub(crate) fn answer_key(&self, stream: &str, consumer: &str, digest: &str) -> String {
+        if !self.fleet {
+            return digest.to_owned();
+        }
+        use sha2::{Digest as _, Sha256};
+        let mixed = Sha256::digest(format!("{stream}\n{consumer}\n{digest}").as_bytes());
+        mixed.iter().map(|b| format!("{b:02x}")).collect()
     }
 
     /// Say this replica is live for `ttl` more.
@@ -405,5 +504,36 @@ impl Shared {
             Err(err) if matches!(err.kind(), stream::DirectGetErrorKind::NotFound) => Ok(None),
             Err(err) => Err(anyhow::Error::new(err).context(format!("reading {subject}"))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fleet_stream_is_named_after_the_prefix() {
+        assert_eq!(fleet_stream_name("_RUSTSTREAM"), "RUSTSTREAM_FLEET");
+        let other = fleet_stream_name("team.a");
+        assert!(other.starts_with("RUSTSTREAM_FLEET_"), "{other}");
+        assert_ne!(other, fleet_stream_name("team_a"));
+    }
+
+    #[test]
+    fn the_fleets_subjects_are_one_token_short_of_any_consumers() {
+        let fleet = Subjects::fleet("_RUSTSTREAM").captured();
+        assert_eq!(
+            fleet,
+            [
+                "_RUSTSTREAM.fleet.replica.*",
+                "_RUSTSTREAM.fleet.idempotency.*"
+            ]
+        );
+        // A consumer named like the fleet's subjects has a token more: no overlap.
+        let consumer = Subjects::new("_RUSTSTREAM", "fleet", "replica");
+        assert_eq!(
+            consumer.replica(InstanceId::parse("00000000000000a1").expect("id")),
+            "_RUSTSTREAM.fleet.replica.replica.00000000000000a1"
+        );
     }
 }

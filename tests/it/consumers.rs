@@ -500,3 +500,73 @@ async fn an_idempotency_key_is_scoped_by_consumer() {
     );
     assert_eq!(again.body, first.body);
 }
+
+/// Two replicas serving three consumers: each process beats once in the one fleet stream
+/// (no stream per consumer), each sees the other on every consumer both are busy on, and a
+/// lease of a file consumer issued at one settles at the other through the process's one
+/// subscription for forwarded settles.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_exchange_one_heartbeat_each_whatever_the_number_of_consumers() {
+    let (server, js) = server_with_stream().await;
+    let dir = files_dir();
+    let path = dir.path().join("consumers.toml");
+    std::fs::write(&path, TWO).expect("write the consumers file");
+    let key = dir.path().join("lease.key");
+    std::fs::write(&key, "two replicas share this lease key, 32+ bytes").expect("write key");
+    let setup = Setup::defaults()
+        .flag("--consumers-file", path.display().to_string())
+        .lease_key_file(&key);
+    let a = setup.clone().ready(&server.url()).await;
+    let b = setup.ready(&server.url()).await;
+    let replicas = |view: Value| view["replicas"].as_array().map_or(0, Vec::len);
+    for gateway in [&a, &b] {
+        wait_until(
+            "each sees the other on every consumer",
+            Duration::from_secs(10),
+            || async {
+                let mut seen = vec![replicas(gateway.consumer_view().await)];
+                for consumer in ["shipping", "analytics"] {
+                    let view = gateway
+                        .get(&format!("/streams/{STREAM}/consumers/{consumer}"))
+                        .await;
+                    seen.push(replicas(
+                        serde_json::from_str(&view.text).unwrap_or_default(),
+                    ));
+                }
+                seen.iter().all(|count| *count == 2)
+            },
+        )
+        .await;
+    }
+    let fleet = js
+        .js
+        .get_stream("RUSTSTREAM_FLEET")
+        .await
+        .expect("the fleet stream");
+    let beats: Vec<(String, usize)> = futures::TryStreamExt::try_collect(
+        fleet
+            .info_with_subjects("_RUSTSTREAM.fleet.replica.*")
+            .await
+            .expect("subjects"),
+    )
+    .await
+    .expect("subjects");
+    assert_eq!(beats.len(), 2, "one heartbeat per process: {beats:?}");
+    let names: Vec<String> = futures::TryStreamExt::try_collect(js.js.stream_names())
+        .await
+        .expect("names");
+    let made: Vec<&String> = names
+        .iter()
+        .filter(|name| name.starts_with("RUSTSTREAM_"))
+        .collect();
+    assert_eq!(made, vec!["RUSTSTREAM_FLEET"], "no stream per consumer");
+
+    js.publish_many("orders.1", 1, "m").await;
+    let leased = fetch_named(&a, "shipping", 1).await;
+    assert_eq!(leased.len(), 1);
+    assert_eq!(b.ack(&leased[0].id).await, 204);
+    assert_eq!(
+        js.consumer_info(STREAM, "shipping").await.num_ack_pending,
+        0
+    );
+}

@@ -160,17 +160,24 @@ impl Consumer {
     /// the fetch.
     async fn shared_answer(&self, idempotency: &Idempotency, digest: &str) -> Option<SharedAnswer> {
         let bound = self.bound().ok()?;
-        let shared = bound.shared.as_ref()?;
         // An answer lives in the shared stream for ack_wait; older, it is a replay.
         let max_age = self.state.ack_wait() + Duration::from_secs(10);
-        let remembered = match shared.remembered_answer(digest, max_age).await {
-            Ok(Some(remembered)) => remembered,
-            Ok(None) => return None,
-            Err(err) => {
-                warn!(error = %format!("{err:#}"), "cannot read the answers replicas share; this keyed fetch is retry-safe at this replica only");
-                return None;
+        let mut found = None;
+        // The fleet's, then (an earlier release's replica may have answered) the consumer's own.
+        for shared in bound.shared() {
+            let key = shared.answer_key(&self.name.stream, &self.name.consumer, digest);
+            match shared.remembered_answer(&key, max_age).await {
+                Ok(Some(remembered)) => {
+                    found = Some(remembered);
+                    break;
+                }
+                Ok(None) => {}
+                Err(err) => {
+                    warn!(error = %format!("{err:#}"), "cannot read the answers replicas share; this keyed fetch is retry-safe at this replica only");
+                }
             }
-        };
+        }
+        let remembered = found?;
         if remembered.owner == self.process.instance.to_string()
             || !self.any_live_elsewhere(&remembered.body).await
         {
@@ -191,20 +198,20 @@ impl Consumer {
         let Ok(bound) = self.bound() else {
             return;
         };
-        let Some(shared) = bound.shared.as_ref() else {
-            return;
-        };
-        if let Err(err) = shared
-            .remember_answer(
-                digest,
-                self.process.instance,
-                &idempotency.fingerprint.to_hex(),
-                body,
-                self.state.ack_wait(),
-            )
-            .await
-        {
-            warn!(error = %format!("{err:#}"), "cannot share a keyed fetch's answer with the other replicas; a retry at another replica leases anew");
+        for shared in bound.shared() {
+            let key = shared.answer_key(&self.name.stream, &self.name.consumer, digest);
+            if let Err(err) = shared
+                .remember_answer(
+                    &key,
+                    self.process.instance,
+                    &idempotency.fingerprint.to_hex(),
+                    body.clone(),
+                    self.state.ack_wait(),
+                )
+                .await
+            {
+                warn!(error = %format!("{err:#}"), "cannot share a keyed fetch's answer with the other replicas; a retry at another replica leases anew");
+            }
         }
     }
 

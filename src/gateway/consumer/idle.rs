@@ -1,8 +1,9 @@
 //! An idle consumer costs nothing: after [`IDLE_AFTER`] without a fetch, a stream or a live
-//! lease, its heartbeat loop stops beating and stops reading the consumer's state (no NATS
-//! traffic at all; its heartbeat expires at the other replicas, which is right: it holds no
-//! lease anyone could settle through it). The next request wakes it and waits for one full
-//! step — heartbeat stored, settings read — before it leases.
+//! lease, its loop stops reading the consumer's state and the process's heartbeat stops
+//! listing it (no NATS traffic for it at all; the other replicas stop counting this one on
+//! it, which is right: it holds no lease anyone could settle through it). The next request
+//! wakes it and waits for one full step — the others' view fresh, settings read — before it
+//! leases.
 //!
 //! May import: as the rest of `gateway`.
 
@@ -81,6 +82,11 @@ impl Activity {
     /// The heartbeat loop falls silent (`true`) or speaks again; whether that changed.
     pub(super) fn set_asleep(&self, asleep: bool) -> bool {
         self.asleep.swap(asleep, Ordering::AcqRel) != asleep
+    }
+
+    /// Whether the heartbeat loop speaks (the consumer has not fallen silent).
+    pub(super) fn is_awake(&self) -> bool {
+        !self.asleep.load(Ordering::Acquire)
     }
 
     /// Resolves when a request rings.

@@ -69,12 +69,6 @@ pub(crate) struct Consumer {
     /// True while other replicas are live and, all together, hold max_ack_pending
     /// deliveries: a fetch here would get nothing from the server.
     consumer_full: watch::Receiver<bool>,
-    /// Whether this replica listens for settles other replicas forward: until it does, a
-    /// lease it issued could not be settled elsewhere, so it is not ready.
-    forwarding: Arc<AtomicBool>,
-    /// Whether this replica's heartbeat is in the shared stream (or there is none): until
-    /// it is, another replica could take its leases for a dead owner's, so it issues none.
-    announced: Arc<AtomicBool>,
     /// What keeps the consumer awake; an idle one does no periodic work.
     activity: Arc<idle::Activity>,
 }
@@ -160,6 +154,8 @@ impl Consumer {
                     connection: process.connection.clone(),
                     connected: connected_tx,
                     trust: process.trust.clone(),
+                    process: process.clone(),
+                    served_by_earlier_releases: !names_in_ids,
                 };
                 tokio::select! {
                     result = supervise(&config, &state, bound_tx, commands, background) => {
@@ -191,11 +187,8 @@ impl Consumer {
             subjects,
             replicas: Arc::default(),
             consumer_full,
-            forwarding: Arc::default(),
-            announced: Arc::default(),
             activity: Arc::default(),
         };
-        tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
         tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
         let tasks = Tasks { stop, dispatcher };
         (gateway, tasks, fatal_rx)
@@ -296,20 +289,28 @@ impl Consumer {
         self.known_to_replicas()
     }
 
-    /// Whether the other replicas can tell this one's leases from a dead owner's: it
-    /// listens for the settles they forward and its heartbeat is in the shared stream.
+    /// Whether the other replicas can tell this one's leases from a dead owner's: the
+    /// process listens for the settles they forward and its heartbeat is in the fleet
+    /// stream. Until then another replica could take its leases for a dead owner's, so it
+    /// issues none.
     fn known_to_replicas(&self) -> Result<(), Error> {
-        if !self.forwarding.load(Ordering::Relaxed) {
+        let fleet = &self.process.fleet;
+        if !fleet.listening() {
             return Err(Error::Unavailable(
                 "not yet listening for settles forwarded by other replicas".into(),
             ));
         }
-        if !self.announced.load(Ordering::Relaxed) {
+        if !fleet.announced() {
             return Err(Error::Unavailable(
                 "not yet announced to the other replicas".into(),
             ));
         }
         Ok(())
+    }
+
+    /// Whether the process's heartbeat lists this consumer: bound and not fallen silent.
+    pub(crate) fn is_busy(&self) -> bool {
+        self.activity.is_awake() && self.is_bound()
     }
 
     pub(crate) fn leases_in_flight(&self) -> usize {

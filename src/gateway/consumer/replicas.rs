@@ -1,9 +1,10 @@
 //! Several replicas on one consumer, no sticky sessions: a settle of a lease another
 //! replica issued is forwarded to that replica (the lease id names it) and answered as it
-//! answers; this replica answers the settles others forward to it; and a heartbeat loop
-//! keeps what the replicas share in step — who is live (for `GET /consumer`, the share of
-//! max_waiting, a differing lease key), whether the consumer's max_ack_pending is reached
-//! across all of them, and the consumer's settings as the server enforces them.
+//! answers; this replica answers the settles others forward to it (the process's one
+//! subscription hands them here); and a loop per consumer keeps it in step — who else is
+//! busy on it (from the process's heartbeats, see [`crate::gateway`]'s fleet, for
+//! `GET /consumer` and the share of max_waiting), whether the consumer's max_ack_pending is
+//! reached across all of them, and the consumer's settings as the server enforces them.
 //!
 //! May import: as the rest of `gateway`.
 
@@ -15,6 +16,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 
+use super::super::process::HEARTBEAT_TTL;
 use super::Consumer;
 use super::wire::{
     Settled, command_of, forwarded, from_remote, outcome_of, request_kind, to_remote,
@@ -25,15 +27,11 @@ use crate::error::Error;
 use crate::nats::forward::{self, ForwardError, ForwardedSettle, RemoteResult};
 use crate::nats::replicas::ReplicaRecord;
 
-/// How often a replica says it is live, and looks at the others and the consumer.
-const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
-/// A replica whose heartbeat is older than this is no longer counted.
-const HEARTBEAT_TTL: Duration = Duration::from_secs(4);
+/// How often a busy consumer looks at the others and at the consumer.
+const STEP_EVERY: Duration = Duration::from_secs(1);
 /// A forwarded settle waits for the owner's answer this much beyond `--settle-timeout`, so
 /// that an owner's own answer at its timeout (504, or a late confirmation) wins the race.
 const FORWARD_GRACE: Duration = Duration::from_millis(250);
-/// How long a replica that cannot write its heartbeat waits before it serves without.
-const UNANNOUNCED_AT_MOST: Duration = Duration::from_secs(10);
 /// How often a forwarded settle still waiting looks whether its owner's heartbeat lapsed.
 const OWNER_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How long a forward that found no owner waits before asking once more.
@@ -102,6 +100,7 @@ impl Consumer {
             leases_in_flight: self.leases_in_flight(),
             lease_key_fingerprint: self.state.signer().key_fingerprint().to_owned(),
             listen: self.config.listen.to_string(),
+            consumers: Vec::new(),
         }
     }
 
@@ -166,71 +165,6 @@ impl Consumer {
             })
     }
 
-    /// Answer the settles other replicas forward to this one until `stop` (which comes
-    /// after the shutdown grace: a replica being rolled keeps settling its leases).
-    pub(super) async fn serve_forwarded(self, stop: CancellationToken) {
-        use futures::StreamExt as _;
-        // The client is made with the first binding and then kept (it reconnects by itself).
-        let mut bindings = self.bound.clone();
-        let client = tokio::select! {
-            () = stop.cancelled() => return,
-            bound = bindings.wait_for(Option::is_some) => match bound.ok().and_then(|bound| bound.clone()) {
-                Some(bound) => bound.client.clone(),
-                None => return,
-            },
-        };
-        let subject = self.subjects.settle(self.process.instance);
-        let mut requests = loop {
-            match forward::listen(&client, subject.clone()).await {
-                Ok(requests) => {
-                    // Ready only once the server has the subscription: a lease issued after
-                    // that can be settled at any replica.
-                    if tokio::time::timeout(Duration::from_secs(5), client.flush())
-                        .await
-                        .is_ok_and(|flushed| flushed.is_ok())
-                    {
-                        self.forwarding
-                            .store(true, std::sync::atomic::Ordering::Relaxed);
-                        break requests;
-                    }
-                    warn!("cannot confirm the subscription for forwarded settles yet");
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    }
-                }
-                Err(err) => {
-                    warn!(error = %format!("{err:#}"), "cannot listen for forwarded settles yet");
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
-                    }
-                }
-            }
-        };
-        loop {
-            let message = tokio::select! {
-                () = stop.cancelled() => return,
-                message = requests.next() => match message {
-                    Some(message) => message,
-                    None => return,
-                },
-            };
-            let Some(reply) = message.reply.clone() else {
-                continue;
-            };
-            if !forward::believe(&self.process.trust, &message) {
-                continue;
-            }
-            let gateway = self.clone();
-            let client = client.clone();
-            tokio::spawn(async move {
-                let results = gateway.settle_forwarded(&message.payload).await;
-                forward::answer(&client, &gateway.process.trust, reply, results).await;
-            });
-        }
-    }
-
     /// Send `request` to `owner` and wait (bounded) for its answer.
     async fn forward_request(
         &self,
@@ -278,18 +212,22 @@ impl Consumer {
         }
     }
 
-    /// Whether `owner` has a heartbeat in the shared stream now; `None` when that cannot
-    /// be known (no shared stream, or it cannot be read).
+    /// Whether `owner` has a heartbeat in a shared stream now (the fleet's, or, for an
+    /// owner of an earlier release, the consumer's own); `None` when that cannot be known
+    /// (no shared stream, or none can be read).
     async fn owner_heartbeat(&self, owner: InstanceId) -> Option<bool> {
         let bound = self.bound().ok()?;
-        let shared = bound.shared.as_ref()?;
-        match shared.heartbeat_of(owner).await {
-            Ok(found) => Some(found.is_some()),
-            Err(err) => {
-                debug!(error = %format!("{err:#}"), "cannot read the owner's heartbeat");
-                None
+        let mut known = false;
+        for shared in bound.shared() {
+            match shared.heartbeat_of(owner).await {
+                Ok(Some(_)) => return Some(true),
+                Ok(None) => known = true,
+                Err(err) => {
+                    debug!(error = %format!("{err:#}"), "cannot read the owner's heartbeat");
+                }
             }
         }
+        known.then_some(false)
     }
 
     /// Whether `owner` is a live replica, as its heartbeat says: seen in the last round of
@@ -297,16 +235,17 @@ impl Consumer {
     /// a shared stream nothing is known, and the owner is taken to be live.
     async fn owner_beats(&self, owner: InstanceId) -> bool {
         let owner_id = owner.to_string();
-        let seen = self
-            .replicas
-            .lock()
-            .is_ok_and(|seen| seen.iter().any(|record| record.instance_id == owner_id));
+        let seen = self.process.fleet.has(owner)
+            || self
+                .replicas
+                .lock()
+                .is_ok_and(|seen| seen.iter().any(|record| record.instance_id == owner_id));
         // Not known either way (the stream cannot be read): the owner's subject decides.
         seen || self.owner_heartbeat(owner).await != Some(false)
     }
 
     /// Do what another replica forwarded, as if a client had asked here.
-    async fn settle_forwarded(&self, payload: &[u8]) -> Vec<RemoteResult> {
+    pub(crate) async fn settle_forwarded(&self, payload: &[u8]) -> Vec<RemoteResult> {
         let request: ForwardedSettle = match serde_json::from_slice(payload) {
             Ok(request) => request,
             Err(err) => {
@@ -375,31 +314,35 @@ impl Consumer {
             .filter(|signed| signed.owner == self.process.instance)
     }
 
-    /// Beat, look at the other replicas and at the consumer, every [`HEARTBEAT_EVERY`],
-    /// until `stop`.
+    /// Look at the other replicas and at the consumer every [`STEP_EVERY`] while busy,
+    /// until `stop`; where an earlier release's replicas may be (the consumer's own shared
+    /// stream), beat there too.
     pub(super) async fn keep_in_step(
         self,
         consumer_full: watch::Sender<bool>,
         stop: CancellationToken,
     ) {
-        let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+        let mut tick = tokio::time::interval(STEP_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut reported_keys: HashSet<String> = HashSet::new();
-        let mut announce_failed = false;
-        // When announcing first failed, while it never succeeded.
-        let mut unannounced_since: Option<tokio::time::Instant> = None;
         let mut bindings = self.bound.clone();
         let mut nats_up = self.nats_up.clone();
+        let fleet = &self.process.fleet;
         loop {
+            let mut fresh_view = false;
             tokio::select! {
                 () = stop.cancelled() => return,
                 _ = tick.tick() => {}
-                // A new binding beats at once: a replica starting now must see this one.
-                changed = bindings.changed() => if changed.is_err() {
-                    return;
+                // A new binding is in the process's next heartbeat at once: a replica
+                // starting now must see this one.
+                changed = bindings.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    fleet.ring();
                 },
                 // The binding is usable only once the connection is marked up, a moment
-                // after it is published: beat then, not a tick later.
+                // after it is published: step then, not a tick later.
                 changed = nats_up.changed() => if changed.is_err() {
                     return;
                 },
@@ -408,52 +351,50 @@ impl Consumer {
             }
             if self.activity.is_idle(self.state.in_flight()) {
                 if self.activity.set_asleep(true) {
-                    debug!(consumer = %self.config.consumer, "idle: no heartbeat and no reads of the consumer until the next request");
+                    debug!(consumer = %self.config.consumer, "idle: left out of the heartbeat, no reads of the consumer until the next request");
                 }
                 continue;
             }
-            self.activity.set_asleep(false);
+            if self.activity.set_asleep(false) {
+                // Woken: listed in the next heartbeat, and the others' view is old.
+                fresh_view = true;
+            }
             let Ok(bound) = self.connected() else {
                 continue;
             };
-            if let Some(shared) = &bound.shared {
-                match shared
-                    .announce(self.process.instance, &self.own_record(), HEARTBEAT_TTL)
-                    .await
-                {
-                    Ok(()) => {
-                        announce_failed = false;
-                        self.announced
-                            .store(true, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    Err(err) if !announce_failed => {
-                        announce_failed = true;
-                        warn!(error = %format!("{err:#}"), "cannot announce this replica to the others; retrying");
-                    }
-                    Err(_) => {}
-                }
-                // A stream it can read but never write to (a NATS user without publish
-                // rights on the prefix) must not keep the gateway from serving at all: after
-                // a while it serves unannounced, as a replica without a shared stream does.
-                if !self.announced.load(std::sync::atomic::Ordering::Relaxed) {
-                    let since = *unannounced_since.get_or_insert_with(tokio::time::Instant::now);
-                    if since.elapsed() >= UNANNOUNCED_AT_MOST {
-                        error!(
-                            "this replica could not announce itself for {UNANNOUNCED_AT_MOST:?}: serving without, and other replicas may answer 410 for its leases until it can"
-                        );
-                        self.announced
-                            .store(true, std::sync::atomic::Ordering::Relaxed);
-                    }
-                }
-                match shared.replicas().await {
-                    Ok(records) => self.saw_replicas(records, &mut reported_keys),
-                    Err(err) => debug!(error = %format!("{err:#}"), "cannot list the replicas"),
-                }
-            } else {
-                // Alone (no shared stream, or an ephemeral consumer): nobody to announce to.
-                self.announced
-                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            if fresh_view {
+                fleet.step_now().await;
             }
+            let mut others = fleet.busy_on(
+                &self.name,
+                &self.process.fleet_fingerprint,
+                self.state.signer().key_fingerprint(),
+            );
+            if let Some(per_consumer) = bound.per_consumer.as_ref().filter(|p| !p.is_gone()) {
+                let beat = per_consumer
+                    .announce(self.process.instance, &self.own_record(), HEARTBEAT_TTL)
+                    .await;
+                if let Err(err) = beat {
+                    debug!(error = %format!("{err:#}"), "cannot beat in the shared stream of an earlier release");
+                    per_consumer.look_again().await;
+                }
+                match per_consumer.replicas().await {
+                    Ok(records) => {
+                        for record in records {
+                            if !others
+                                .iter()
+                                .any(|other| other.instance_id == record.instance_id)
+                            {
+                                others.push(record);
+                            }
+                        }
+                    }
+                    Err(err) => {
+                        debug!(error = %format!("{err:#}"), "cannot list the replicas of an earlier release")
+                    }
+                }
+            }
+            self.saw_replicas(others, &mut reported_keys);
             match crate::nats::publish::consumer_info(&bound).await {
                 Ok(info) => {
                     let max_ack_pending =
@@ -472,14 +413,19 @@ impl Consumer {
         }
     }
 
+    /// The other replicas busy on this consumer, as just seen; an earlier release's with a
+    /// differing lease key is reported once (the fleet reports the others).
     fn saw_replicas(&self, records: Vec<ReplicaRecord>, reported_keys: &mut HashSet<String>) {
         let me = self.process.instance.to_string();
         let mine = self.state.signer().key_fingerprint();
-        let count = records.len() + usize::from(!records.iter().any(|r| r.instance_id == me));
-        self.state.set_replicas(count);
+        let records: Vec<ReplicaRecord> = records
+            .into_iter()
+            .filter(|record| record.instance_id != me)
+            .collect();
+        self.state.set_replicas(records.len() + 1);
         for record in &records {
-            if record.instance_id != me
-                && record.lease_key_fingerprint != mine
+            if record.lease_key_fingerprint != mine
+                && !self.process.fleet.has_instance(&record.instance_id)
                 && reported_keys.insert(record.instance_id.clone())
             {
                 error!(
@@ -524,11 +470,12 @@ impl Consumer {
         self.state.freed_capacity();
     }
 
-    /// Leave the replicas: others stop counting this one at once.
+    /// Leave the consumer's own shared stream of an earlier release: its replicas stop
+    /// counting this one at once (the fleet's heartbeat is withdrawn by the process).
     pub(super) async fn withdraw(&self) {
         if let Ok(bound) = self.bound()
-            && let Some(shared) = &bound.shared
-            && let Err(err) = shared.withdraw(self.process.instance).await
+            && let Some(per_consumer) = bound.per_consumer.as_ref().filter(|p| !p.is_gone())
+            && let Err(err) = per_consumer.withdraw(self.process.instance).await
         {
             debug!(error = %format!("{err:#}"), "could not withdraw the heartbeat; it expires by itself");
         }

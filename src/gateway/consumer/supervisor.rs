@@ -23,6 +23,7 @@ use crate::nats::{self, BindError, Bound, ConnectionEvent};
 use crate::state::LeaseState;
 
 use super::super::connection::Connection;
+use super::super::process::Process;
 
 /// The gateway's metrics, for a task that outlives a borrow of [`LeaseState`].
 #[derive(Clone)]
@@ -44,6 +45,10 @@ pub(super) struct Background {
     pub(super) connected: watch::Sender<bool>,
     /// Seals what the binding's shared stream holds.
     pub(super) trust: Arc<Trust>,
+    /// The fleet stream of the process.
+    pub(super) process: Arc<Process>,
+    /// The default consumer, which an earlier release may have served.
+    pub(super) served_by_earlier_releases: bool,
 }
 
 /// Keep the gateway bound: connect, bind, and rebind after reconnects or when asked.
@@ -107,6 +112,8 @@ pub(super) async fn supervise(
             ephemeral_name: &ephemeral_name,
             first: identity_seen.is_none(),
             trust: &background.trust,
+            fleet: &background.process.fleet.stream,
+            served_by_earlier_releases: background.served_by_earlier_releases,
         };
         let bound = match nats::bind(config, &client, &binder).await {
             Ok(bound) => bound,

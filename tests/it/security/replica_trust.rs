@@ -32,26 +32,45 @@ async fn replicas_listed(gateway: &crate::support::Client) -> usize {
         .map_or(0, Vec::len)
 }
 
-/// The shared stream the gateway made for `consumer` (its name ends in a hash).
-async fn shared_stream(js: &Js, consumer: &str) -> async_nats::jetstream::stream::Stream {
-    let prefix = format!("RUSTSTREAM_SHARED_{STREAM}_{consumer}_");
-    let names: Vec<String> = js.js.stream_names().try_collect().await.expect("names");
-    let name = names
-        .into_iter()
-        .find(|name| name.starts_with(&prefix))
-        .expect("the shared stream");
-    js.js.get_stream(name).await.expect("shared stream")
+/// The stream the fleet's replicas share.
+async fn fleet_stream(js: &Js) -> async_nats::jetstream::stream::Stream {
+    js.js
+        .get_stream("RUSTSTREAM_FLEET")
+        .await
+        .expect("the fleet stream")
 }
 
-/// Store a heartbeat claiming to be replica `instance` of `consumer`, as a plain NATS user
-/// can, with `seal` as its seal header if given.
-async fn store_heartbeat(js: &Js, consumer: &str, instance: &str, seal: Option<&str>) {
+/// A consumer's own shared stream, as releases before the fleet stream made it.
+async fn earlier_release_stream(js: &Js, name: &str, subjects: &[String]) {
+    js.js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: name.to_owned(),
+            subjects: subjects.to_vec(),
+            max_messages_per_subject: 1,
+            allow_message_ttl: true,
+            allow_direct: true,
+            ..Default::default()
+        })
+        .await
+        .expect("the earlier release's stream");
+}
+
+/// Store, as a plain NATS user can, a heartbeat on `subject` claiming to be replica
+/// `instance` busy on `consumer`, with `seal` as its seal header if given.
+async fn store_heartbeat(
+    js: &Js,
+    subject: String,
+    consumer: &str,
+    instance: &str,
+    seal: Option<&str>,
+) {
     let record = json!({
         "instance_id": instance,
         "started_at": "2026-01-01T00:00:00Z",
         "leases_in_flight": 0,
         "lease_key_fingerprint": "0000000000000000",
         "listen": "127.0.0.1:1",
+        "consumers": [{ "stream": STREAM, "consumer": consumer, "leases_in_flight": 0 }],
     });
     let mut headers = HeaderMap::new();
     headers.insert("Nats-TTL", "60s");
@@ -60,7 +79,7 @@ async fn store_heartbeat(js: &Js, consumer: &str, instance: &str, seal: Option<&
     }
     js.js
         .publish_with_headers(
-            format!("{PREFIX}.{STREAM}.{consumer}.replica.{instance}"),
+            subject,
             headers,
             serde_json::to_vec(&record).expect("json").into(),
         )
@@ -81,8 +100,8 @@ async fn forged_heartbeats_are_dropped_counted_and_logged_once() {
     let genuine = wait_for("the first's heartbeat", Duration::from_secs(5), || {
         let js = &js;
         async move {
-            let stream = shared_stream(js, "forged-beats").await;
-            let subject = format!("{PREFIX}.{STREAM}.forged-beats.replica.*");
+            let stream = fleet_stream(js).await;
+            let subject = format!("{PREFIX}.fleet.replica.*");
             let subjects: Vec<(String, usize)> = stream
                 .info_with_subjects(subject)
                 .await
@@ -104,7 +123,8 @@ async fn forged_heartbeats_are_dropped_counted_and_logged_once() {
     for n in 0..50u64 {
         let instance = format!("{:016x}", 0xdead_0000 + n);
         let seal = (n == 0).then_some(genuine_seal.as_str());
-        store_heartbeat(&js, "forged-beats", &instance, seal).await;
+        let subject = format!("{PREFIX}.fleet.replica.{instance}");
+        store_heartbeat(&js, subject, "forged-beats", &instance, seal).await;
     }
     wait_until(
         "the forgeries are counted",
@@ -155,9 +175,9 @@ async fn a_forged_keyed_answer_is_not_replayed() {
     let genuine_id = first.messages()[0].id.clone();
 
     // Rewrite the stored answer: the genuine headers (seal included), forged content.
-    let stream = shared_stream(&js, "forged-answer").await;
+    let stream = fleet_stream(&js).await;
     let subjects: Vec<(String, usize)> = stream
-        .info_with_subjects(format!("{PREFIX}.{STREAM}.forged-answer.idempotency.*"))
+        .info_with_subjects(format!("{PREFIX}.fleet.idempotency.*"))
         .await
         .expect("subjects")
         .try_collect()
@@ -356,6 +376,16 @@ async fn a_dead_owner_is_410_at_once_although_someone_listens_on_the_prefix() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unsealed_heartbeats_count_only_with_accept_unsigned_replicas() {
     let (server, js) = crate::support::server_with_stream().await;
+    // The consumer's own shared stream, as a release before the fleet stream made it.
+    earlier_release_stream(
+        &js,
+        &format!("RUSTSTREAM_SHARED_{STREAM}_upgrade"),
+        &[
+            format!("{PREFIX}.{STREAM}.upgrade.replica.*"),
+            format!("{PREFIX}.{STREAM}.upgrade.idempotency.*"),
+        ],
+    )
+    .await;
     let key = shared_key();
     let strict = Setup::consumer("upgrade")
         .lease_key_file(key.path())
@@ -370,8 +400,9 @@ async fn unsealed_heartbeats_count_only_with_accept_unsigned_replicas() {
         replicas_listed(&strict).await == 2 && replicas_listed(&lenient).await == 2
     })
     .await;
-    // An old replica's heartbeat: the same record, no seal.
-    store_heartbeat(&js, "upgrade", "00000000000000a1", None).await;
+    // An old replica's heartbeat, where old replicas beat: the same record, no seal.
+    let subject = format!("{PREFIX}.{STREAM}.upgrade.replica.00000000000000a1");
+    store_heartbeat(&js, subject, "upgrade", "00000000000000a1", None).await;
     wait_until(
         "the lenient one counts it",
         Duration::from_secs(5),
@@ -387,19 +418,21 @@ async fn unsealed_heartbeats_count_only_with_accept_unsigned_replicas() {
     assert_eq!(replicas_listed(&strict).await, 2);
 }
 
-/// `X_Y`/`c` and `X`/`Y_c` ran together into one shared stream name, and the second gateway
-/// rewrote the first's: now each pair has its own, and a stream of the old name holding
-/// another pair's subjects is left as it is.
+/// `X_Y`/`c` and `X`/`Y_c` ran together into one per-consumer shared stream name in early
+/// releases: the stream of that name is read only by the pair whose subjects it holds, and
+/// never rewritten; the replicas of both meet in the one fleet stream, which grows with
+/// neither consumer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streams_whose_names_run_together_get_shared_streams_of_their_own() {
+async fn an_earlier_releases_shared_stream_is_read_only_by_its_own_pair() {
     let server = crate::support::NatsServer::start().await;
     let js = crate::support::Js::connect(&server.url()).await;
     js.create_stream("X_Y", &["xy.>"]).await;
     js.create_stream("X", &["x.>"]).await;
-    // What an earlier release made for X/Y_c, under the name X_Y/c runs into too.
-    js.create_stream(
+    // What an early release made for X/Y_c, under the name X_Y/c runs into too.
+    earlier_release_stream(
+        &js,
         "RUSTSTREAM_SHARED_X_Y_c",
-        &[&format!("{PREFIX}.X.Y_c.replica.*")],
+        &[format!("{PREFIX}.X.Y_c.replica.*")],
     )
     .await;
     let key = shared_key();
@@ -423,30 +456,45 @@ async fn streams_whose_names_run_together_get_shared_streams_of_their_own() {
         .js
         .get_stream("RUSTSTREAM_SHARED_X_Y_c")
         .await
-        .expect("the old stream")
-        .cached_info()
-        .config
-        .subjects
-        .clone();
-    let names: Vec<String> = js.js.stream_names().try_collect().await.expect("names");
-    let shared: Vec<&String> = names
-        .iter()
-        .filter(|name| name.starts_with("RUSTSTREAM_SHARED_"))
-        .collect();
-    // The second pair's own (old-named) stream is its shared stream; the first made its own.
-    assert_eq!(
-        legacy,
-        vec![
-            format!("{PREFIX}.X.Y_c.replica.*"),
-            format!("{PREFIX}.X.Y_c.idempotency.*")
-        ],
-        "{shared:?}"
-    );
+        .expect("the old stream");
+    // X/Y_c beats there too (for replicas of that release); X_Y/c does not.
+    let beating: Vec<(String, usize)> = legacy
+        .info_with_subjects(format!("{PREFIX}.>"))
+        .await
+        .expect("subjects")
+        .try_collect()
+        .await
+        .expect("subjects");
+    assert_eq!(beating.len(), 1, "{beating:?}");
     assert!(
-        shared
-            .iter()
-            .any(|name| name.starts_with("RUSTSTREAM_SHARED_X_Y_c_")),
-        "{shared:?}"
+        beating[0]
+            .0
+            .starts_with(&format!("{PREFIX}.X.Y_c.replica.")),
+        "{beating:?}"
     );
-    assert_eq!(shared.len(), 2, "{shared:?}");
+    assert_eq!(
+        legacy.cached_info().config.subjects,
+        vec![format!("{PREFIX}.X.Y_c.replica.*")],
+        "not rewritten"
+    );
+    let names: Vec<String> = js.js.stream_names().try_collect().await.expect("names");
+    let made: Vec<&String> = names
+        .iter()
+        .filter(|name| name.starts_with("RUSTSTREAM_"))
+        .collect();
+    assert_eq!(made.len(), 2, "only the fleet stream was made: {made:?}");
+    assert!(
+        names.iter().any(|name| name == "RUSTSTREAM_FLEET"),
+        "{names:?}"
+    );
+    // Both processes beat once in the fleet stream.
+    let fleet = fleet_stream(&js).await;
+    let beats: Vec<(String, usize)> = fleet
+        .info_with_subjects(format!("{PREFIX}.fleet.replica.*"))
+        .await
+        .expect("subjects")
+        .try_collect()
+        .await
+        .expect("subjects");
+    assert_eq!(beats.len(), 2, "{beats:?}");
 }
