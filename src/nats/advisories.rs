@@ -1,9 +1,16 @@
-//! The advisory stream: the consumer's `MAX_DELIVERIES` and `MSG_TERMINATED` advisories are
+//! The advisory stream: a consumer's `MAX_DELIVERIES` and `MSG_TERMINATED` advisories are
 //! plain publishes, missed by whoever is not subscribed at that instant (a gateway killed,
-//! restarting, or not yet connected). A stream the gateway creates captures them, and a
-//! durable pull consumer on it hands each to a gateway until one acks it — after its copy is
+//! restarting, or not yet connected). A stream the gateway creates per consumed stream,
+//! `RUSTSTREAM_ADVISORIES_<stream>_<hash>`, captures those of every consumer of that stream,
+//! and a durable pull consumer per dead-lettering consumer, `ruststream-dead-letters_<name>`,
+//! filtered to its advisories, hands each to a gateway until one acks it — after its copy is
 //! stored, or known to have nothing to copy — so every advisory is handled at least once.
 //! Replicas of the gateway share the durable consumer, and so the work.
+//!
+//! Releases before made a stream per consumer (`RUSTSTREAM_ADVISORIES_<stream>_<consumer>`,
+//! durable `ruststream-dead-letters`): where one exists it is used as before, and while one
+//! exists on a stream the server refuses the per-stream one (their subjects overlap), so a
+//! consumer of that stream gets one of its own, as before.
 //!
 //! May import: `config`, `domain`, `metrics`. Nothing of the gateway above the boundary.
 
@@ -26,37 +33,70 @@ use super::dead_letter::{self, CONCURRENCY, Handled, Target};
 pub(crate) const MAX_AGE: Duration = Duration::from_secs(60 * 60);
 /// And the stream never holds more than this (an advisory is about 400 bytes: some 160 000).
 pub(crate) const MAX_BYTES: i64 = 64 * 1024 * 1024;
-/// The durable consumer on the advisory stream.
+/// The durable consumer on a per-consumer advisory stream of an earlier release, and the
+/// start of the names of those on a per-stream one.
 pub(crate) const CONSUMER: &str = "ruststream-dead-letters";
 /// How long a gateway may hold an advisory unacked before the server hands it to another
 /// (or to the same after a restart): short, so a crashed gateway's advisories come back
 /// soon. A copy that takes longer keeps its advisory with in-progress acks.
 const ACK_WAIT: Duration = Duration::from_secs(10);
 
-/// The advisory stream of `stream`/`consumer`: see [`super::gateway_stream_name`].
+/// The per-consumer advisory stream of `stream`/`consumer`: see [`super::gateway_stream_name`].
 pub(crate) fn stream_name(stream: &str, consumer: &str) -> String {
     super::gateway_stream_name("RUSTSTREAM_ADVISORIES", stream, consumer)
 }
 
-/// The name an earlier release gave it, still used where a stream of that name captures
-/// exactly these advisories (and so is this pair's, not another's whose names run together).
-async fn existing_legacy_name(
+/// The advisory stream of every consumer of `stream`: see [`super::gateway_stream_name_of`].
+pub(crate) fn stream_name_of(stream: &str) -> String {
+    super::gateway_stream_name_of("RUSTSTREAM_ADVISORIES", stream)
+}
+
+/// The durable consumer of `consumer`'s advisories on its stream's advisory stream.
+fn consumer_name(consumer: &str) -> String {
+    let name = format!("{CONSUMER}_{consumer}");
+    if name.len() <= 255 {
+        return name;
+    }
+    use sha2::{Digest as _, Sha256};
+    let digest = Sha256::digest(consumer.as_bytes());
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{CONSUMER}_{hex}")
+}
+
+/// What the advisory stream of all consumers of `stream` captures.
+fn stream_subjects(stream: &str) -> Vec<String> {
+    vec![
+        format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.*"),
+        format!("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{stream}.*"),
+    ]
+}
+
+/// The name of the per-consumer stream an earlier release made for `target`, where a
+/// stream of that name (the oldest, or the one with a hash) captures exactly these advisories
+/// (and so is this pair's, not another's whose names run together).
+async fn existing_per_consumer(
     js: &jetstream::Context,
     target: &Target,
     subjects: &[String],
 ) -> Option<String> {
-    let name = super::legacy_gateway_stream_name(
-        "RUSTSTREAM_ADVISORIES",
-        &target.stream,
-        &target.consumer,
-    );
-    let existing = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
-        .await
-        .ok()?
-        .ok()?;
-    let mut theirs = existing.cached_info().config.subjects.clone();
-    theirs.sort();
-    (theirs == subjects).then_some(name)
+    for name in [
+        super::legacy_gateway_stream_name(
+            "RUSTSTREAM_ADVISORIES",
+            &target.stream,
+            &target.consumer,
+        ),
+        stream_name(&target.stream, &target.consumer),
+    ] {
+        let Ok(Ok(existing)) = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name)).await else {
+            continue;
+        };
+        let mut theirs = existing.cached_info().config.subjects.clone();
+        theirs.sort();
+        if theirs == subjects {
+            return Some(name);
+        }
+    }
+    None
 }
 
 /// Why the advisory stream or its consumer could not be set up.
@@ -122,28 +162,55 @@ pub(crate) async fn prepare(js: &jetstream::Context, target: &Target) -> anyhow:
     }
 }
 
-/// Create the advisory stream and its durable consumer, or bring them to the config wanted.
+/// Create the advisory stream and the durable consumer of `target`'s advisories on it, or
+/// bring them to the config wanted.
 async fn ensure(
     js: &jetstream::Context,
     target: &Target,
 ) -> Result<consumer::PullConsumer, SetupError> {
+    let mut own = dead_letter::advisory_subjects(target).to_vec();
+    own.sort();
+    if let Some(name) = existing_per_consumer(js, target, &own).await {
+        let stream = ensure_stream(js, target, &name, &own).await?;
+        return ensure_consumer(&stream, &name, CONSUMER.to_owned(), Vec::new(), target).await;
+    }
+    let name = stream_name_of(&target.stream);
+    match ensure_stream(js, target, &name, &stream_subjects(&target.stream)).await {
+        Ok(stream) => {
+            ensure_consumer(&stream, &name, consumer_name(&target.consumer), own, target).await
+        }
+        Err(SetupError::Refused(reason)) => {
+            // Per-consumer streams of an earlier release on this stream overlap it.
+            let name = stream_name(&target.stream, &target.consumer);
+            info!(%reason, stream = %name, "no advisory stream for the whole stream; one for this consumer alone, as earlier releases made");
+            let stream = ensure_stream(js, target, &name, &own).await?;
+            ensure_consumer(&stream, &name, CONSUMER.to_owned(), Vec::new(), target).await
+        }
+        Err(err) => Err(err),
+    }
+}
+
+/// Create the advisory stream `name` capturing `subjects`, or bring its limits to the
+/// config wanted; refused when a stream of that name captures something else.
+async fn ensure_stream(
+    js: &jetstream::Context,
+    target: &Target,
+    name: &str,
+    subjects: &[String],
+) -> Result<stream::Stream, SetupError> {
     use anyhow::Context as _;
-    let mut subjects = dead_letter::advisory_subjects(target).to_vec();
+    let mut subjects = subjects.to_vec();
     subjects.sort();
-    let name = match existing_legacy_name(js, target, &subjects).await {
-        Some(legacy) => legacy,
-        None => stream_name(&target.stream, &target.consumer),
-    };
     // As many replicas as the stream whose advisories it holds: as available as that one.
     let source = tokio::time::timeout(API_TIMEOUT, js.get_stream(&target.stream))
         .await
         .context("timed out looking up the consumed stream")?
         .context("looking up the consumed stream")?;
     let wanted = stream::Config {
-        name: name.clone(),
+        name: name.to_owned(),
         description: Some(format!(
-            "ruststream-nats: dead-letter advisories of {}/{} (made by the gateway)",
-            target.stream, target.consumer
+            "ruststream-nats: dead-letter advisories of {} (made by the gateway)",
+            target.stream
         )),
         subjects: subjects.clone(),
         retention: stream::RetentionPolicy::Limits,
@@ -154,10 +221,10 @@ async fn ensure(
         num_replicas: source.cached_info().config.num_replicas.max(1),
         ..Default::default()
     };
-    let found = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
+    let found = tokio::time::timeout(API_TIMEOUT, js.get_stream(name))
         .await
         .context("timed out looking up the advisory stream")?;
-    let stream = match found {
+    match found {
         Ok(mut existing) => {
             let current = existing.cached_info().config.clone();
             let mut theirs = current.subjects.clone();
@@ -177,51 +244,65 @@ async fn ensure(
                 let result = tokio::time::timeout(API_TIMEOUT, js.update_stream(updated))
                     .await
                     .context("timed out updating the advisory stream")?;
-                result.map_err(|err| refused_or_transient(&name, "update", err))?;
+                result.map_err(|err| refused_or_transient(name, "update", err))?;
                 info!(stream = %name, "updated the advisory stream's limits");
-                existing = tokio::time::timeout(API_TIMEOUT, js.get_stream(&name))
+                existing = tokio::time::timeout(API_TIMEOUT, js.get_stream(name))
                     .await
                     .context("timed out looking up the advisory stream")?
                     .context("looking up the advisory stream")?;
             }
-            existing
+            Ok(existing)
         }
         Err(err) if super::is_stream_not_found(&err) => {
             let created = tokio::time::timeout(API_TIMEOUT, js.create_stream(wanted))
                 .await
                 .context("timed out creating the advisory stream")?;
-            let created = created.map_err(|err| refused_or_transient(&name, "create", err))?;
+            let created = created.map_err(|err| refused_or_transient(name, "create", err))?;
             info!(stream = %name, subjects = ?subjects, "created the advisory stream");
-            created
+            Ok(created)
         }
-        Err(err) => {
-            return Err(SetupError::Transient(
-                anyhow::Error::new(err).context("looking up the advisory stream"),
-            ));
-        }
-    };
+        Err(err) => Err(SetupError::Transient(
+            anyhow::Error::new(err).context("looking up the advisory stream"),
+        )),
+    }
+}
+
+/// Create (or update: every gateway sends the same config, so replicas agree) the durable
+/// consumer `durable` on the advisory stream `name`, taking `filter_subjects` (all, when
+/// empty).
+async fn ensure_consumer(
+    stream: &stream::Stream,
+    name: &str,
+    durable: String,
+    filter_subjects: Vec<String>,
+    target: &Target,
+) -> Result<consumer::PullConsumer, SetupError> {
+    use anyhow::Context as _;
     let config = consumer::pull::Config {
-        durable_name: Some(CONSUMER.to_owned()),
-        description: Some("ruststream-nats: copies dead letters".to_owned()),
+        durable_name: Some(durable.clone()),
+        description: Some(format!(
+            "ruststream-nats: copies dead letters of {}/{}",
+            target.stream, target.consumer
+        )),
         ack_policy: consumer::AckPolicy::Explicit,
         ack_wait: ACK_WAIT,
+        filter_subjects,
         ..Default::default()
     };
-    // Create-or-update: every gateway sends the same config, so replicas agree.
     let created = tokio::time::timeout(API_TIMEOUT, stream.create_consumer(config))
         .await
         .context("timed out creating the advisory consumer")?;
     let consumer = created.map_err(|err| match err.kind() {
         jetstream::stream::ConsumerErrorKind::JetStream(js) if js.code() < 500 => {
             SetupError::Refused(format!(
-                "the server refused consumer {CONSUMER} on {name}: {err}"
+                "the server refused consumer {durable} on {name}: {err}"
             ))
         }
         _ => {
             SetupError::Transient(anyhow::Error::new(err).context("creating the advisory consumer"))
         }
     })?;
-    info!(stream = %name, consumer = CONSUMER, dead_letter_subject = %target.subject, "dead-lettering from the advisory stream");
+    info!(stream = %name, consumer = %durable, dead_letter_subject = %target.subject, "dead-lettering from the advisory stream");
     Ok(consumer)
 }
 
@@ -376,5 +457,30 @@ mod tests {
         assert!(name.len() <= 255, "{name}");
         assert!(name.starts_with("RUSTSTREAM_ADVISORIES_"), "{name}");
         assert_ne!(name, stream_name("ORDERS2", &long));
+    }
+
+    #[test]
+    fn one_stream_per_consumed_stream_one_durable_per_consumer() {
+        let of_orders = stream_name_of("ORDERS");
+        assert!(
+            of_orders.starts_with("RUSTSTREAM_ADVISORIES_ORDERS_"),
+            "{of_orders}"
+        );
+        // Never a per-consumer stream's name, whatever the consumer.
+        assert_ne!(of_orders, stream_name("ORDERS", ""));
+        assert_ne!(stream_name_of("A_b"), stream_name("A", "b"));
+        assert_eq!(
+            stream_subjects("ORDERS"),
+            [
+                "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.ORDERS.*",
+                "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.ORDERS.*"
+            ]
+        );
+        assert_eq!(consumer_name("billing"), "ruststream-dead-letters_billing");
+        let long = consumer_name(&"c".repeat(250));
+        assert!(
+            long.len() <= 255 && long.starts_with("ruststream-dead-letters_"),
+            "{long}"
+        );
     }
 }

@@ -58,6 +58,20 @@ fn gateway_stream_name(kind: &str, stream: &str, consumer: &str) -> String {
     format!("{kind}_{digest}")
 }
 
+/// The name of a stream the gateway makes for all consumers of `stream`:
+/// `<kind>_<stream>_<hash>` (the hash over the stream's name alone, so that it never equals a
+/// per-consumer name); where that is longer than NATS allows, `<kind>_` and the hash.
+fn gateway_stream_name_of(kind: &str, stream: &str) -> String {
+    use sha2::{Digest as _, Sha256};
+    let digest = Sha256::digest(format!("{stream}\n").as_bytes());
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let name = format!("{kind}_{stream}_{hex}");
+    if name.len() <= 255 {
+        return name;
+    }
+    format!("{kind}_{hex}")
+}
+
 /// The name releases before [`gateway_stream_name`] gave: ambiguous (`X_Y`/`c` and `X`/`Y_c`
 /// both map to `<kind>_X_Y_c`), so it is only used where a stream of that name already
 /// captures the pair's own subjects.
