@@ -4,6 +4,7 @@
 //!
 //! May import: `config`. Nothing of the gateway above the NATS boundary.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::Client;
@@ -45,19 +46,20 @@ pub(crate) struct Bound {
     pub(crate) max_expires: Option<Duration>,
     /// What the fleet's replicas share; `None` with `--ephemeral`, whose consumer is this
     /// process's alone (or where the fleet stream cannot be had).
-    pub(crate) shared: Option<Shared>,
+    pub(crate) shared: Option<Arc<Shared>>,
     /// The consumer's own shared stream, where an earlier release made one: its replicas
     /// still meet there during a rolling upgrade.
-    pub(crate) per_consumer: Option<Shared>,
+    pub(crate) per_consumer: Option<Box<Shared>>,
 }
 
 impl Bound {
     /// Where what replicas share is written and read: the fleet stream, and the consumer's
     /// own of an earlier release while it exists.
     pub(crate) fn shared(&self) -> impl Iterator<Item = &Shared> {
-        self.shared.iter().chain(
+        self.shared.iter().map(|shared| &**shared).chain(
             self.per_consumer
                 .iter()
+                .map(|per_consumer| &**per_consumer)
                 .filter(|per_consumer| !per_consumer.is_gone()),
         )
     }
@@ -179,7 +181,7 @@ async fn share(
     js: &jetstream::Context,
     binder: &Binder<'_>,
     replicas: usize,
-) -> (Option<Shared>, Option<Shared>, Vec<ReplicaRecord>) {
+) -> (Option<Arc<Shared>>, Option<Box<Shared>>, Vec<ReplicaRecord>) {
     let me = binder.instance.to_string();
     let mut others: Vec<ReplicaRecord> = Vec::new();
     let fleet = binder
@@ -215,6 +217,7 @@ async fn share(
             warn!(error = %format!("{err:#}"), "cannot look for the shared stream an earlier release made for this consumer");
             None
         })
+        .map(Box::new)
     } else {
         None
     };

@@ -166,10 +166,10 @@ fn per_consumer_stream_names(stream: &str, consumer: &str) -> [String; 2] {
 
 /// The fleet stream, set up by the first binding of a durable consumer and then kept.
 #[derive(Default)]
-pub(crate) struct FleetStream(tokio::sync::OnceCell<Shared>);
+pub(crate) struct FleetStream(tokio::sync::OnceCell<Arc<Shared>>);
 
 impl FleetStream {
-    pub(crate) fn get(&self) -> Option<&Shared> {
+    pub(crate) fn get(&self) -> Option<&Arc<Shared>> {
         self.0.get()
     }
 
@@ -180,9 +180,13 @@ impl FleetStream {
         prefix: &str,
         replicas: usize,
         trust: &Arc<Trust>,
-    ) -> anyhow::Result<&Shared> {
+    ) -> anyhow::Result<&Arc<Shared>> {
         self.0
-            .get_or_try_init(|| Shared::fleet(js, prefix, replicas, trust.clone()))
+            .get_or_try_init(|| async {
+                Shared::fleet(js, prefix, replicas, trust.clone())
+                    .await
+                    .map(Arc::new)
+            })
             .await
     }
 }

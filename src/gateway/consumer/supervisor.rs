@@ -107,62 +107,72 @@ pub(super) async fn supervise(
                 _ => {}
             }
         }
-        let binder = nats::bind::Binder {
-            instance: state.signer().owner(),
-            ephemeral_name: &ephemeral_name,
-            first: identity_seen.is_none(),
-            trust: &background.trust,
-            fleet: &background.process.fleet.stream,
-            served_by_earlier_releases: background.served_by_earlier_releases,
-        };
-        let bound = match nats::bind(config, &client, &binder).await {
-            Ok(bound) => bound,
-            Err(BindError::Fatal(message)) => anyhow::bail!(message),
-            Err(BindError::Transient(err)) => {
-                warn!(error = %format!("{err:#}"), retry_in = ?backoff, "cannot bind the consumer yet");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-                continue;
-            }
-        };
-        backoff = Duration::from_millis(100);
-        if let Some(subject) = &config.dead_letter_subject
-            && bound
-                .stream_subjects
-                .iter()
-                .any(|filter| subject::matches(filter, subject))
+        // A scope of its own: the binding (some 5 KB) must not stay in this task's state
+        // while it waits for the next event below.
         {
-            warn!(%subject, stream = %config.stream, "the consumed stream captures the dead-letter subject: dead letters come back to this consumer");
-        }
-        let identity = (bound.consumer_name.clone(), bound.created);
-        // A server that lost deliveries in a crash (state not yet on disk) sends them again
-        // with the same sequences and delivery counts, so the ids handed out before would
-        // name the new deliveries too: start a new epoch.
-        let forgot_deliveries =
-            bound.delivered_consumer_sequence < state.highest_consumer_sequence();
-        state.apply_settings(bound.ack_wait, bound.max_ack_pending);
-        let recreated = identity_seen.as_ref() != Some(&identity);
-        if recreated || forgot_deliveries {
-            if identity_seen.is_some() {
-                // What ended through this gateway is kept: a recreated consumer (or one a
-                // restarted server recovered as new) delivers those messages again, and
-                // they are settled again, never leased.
-                warn!(consumer = %identity.0, recreated, forgot_deliveries, "the consumer was recreated or lost deliveries; every earlier lease is void");
-                state.new_epoch();
+            let binder = nats::bind::Binder {
+                instance: state.signer().owner(),
+                ephemeral_name: &ephemeral_name,
+                first: identity_seen.is_none(),
+                trust: &background.trust,
+                fleet: &background.process.fleet.stream,
+                served_by_earlier_releases: background.served_by_earlier_releases,
+            };
+            // Boxed, the future and its result: binding is a deep future and the binding
+            // some 5 KB, and held inline they would make this task, which lives as long as
+            // the consumer, that large for good (some 25 KB per consumer).
+            let binding = Box::pin(nats::bind(config, &client, &binder))
+                .await
+                .map(Box::new);
+            let bound = match binding {
+                Ok(bound) => bound,
+                Err(BindError::Fatal(message)) => anyhow::bail!(message),
+                Err(BindError::Transient(err)) => {
+                    warn!(error = %format!("{err:#}"), retry_in = ?backoff, "cannot bind the consumer yet");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(100);
+            if let Some(subject) = &config.dead_letter_subject
+                && bound
+                    .stream_subjects
+                    .iter()
+                    .any(|filter| subject::matches(filter, subject))
+            {
+                warn!(%subject, stream = %config.stream, "the consumed stream captures the dead-letter subject: dead letters come back to this consumer");
             }
-            identity_seen = Some(identity);
-            published = false;
+            let identity = (bound.consumer_name.clone(), bound.created);
+            // A server that lost deliveries in a crash (state not yet on disk) sends them again
+            // with the same sequences and delivery counts, so the ids handed out before would
+            // name the new deliveries too: start a new epoch.
+            let forgot_deliveries =
+                bound.delivered_consumer_sequence < state.highest_consumer_sequence();
+            state.apply_settings(bound.ack_wait, bound.max_ack_pending);
+            let recreated = identity_seen.as_ref() != Some(&identity);
+            if recreated || forgot_deliveries {
+                if identity_seen.is_some() {
+                    // What ended through this gateway is kept: a recreated consumer (or one a
+                    // restarted server recovered as new) delivers those messages again, and
+                    // they are settled again, never leased.
+                    warn!(consumer = %identity.0, recreated, forgot_deliveries, "the consumer was recreated or lost deliveries; every earlier lease is void");
+                    state.new_epoch();
+                }
+                identity_seen = Some(identity);
+                published = false;
+            }
+            if !published {
+                let mut bound = bound;
+                bound.epoch = state.epoch();
+                bound_tx.send_replace(Some(Arc::from(bound)));
+                published = true;
+            }
+            // Usable only now that the binding is checked against what the server kept: a
+            // settle sent between the reconnect and this check could name a delivery the server
+            // forgot (504 where the lease is void, 410).
+            background.connected.send_replace(true);
         }
-        if !published {
-            let mut bound = bound;
-            bound.epoch = state.epoch();
-            bound_tx.send_replace(Some(Arc::new(bound)));
-            published = true;
-        }
-        // Usable only now that the binding is checked against what the server kept: a
-        // settle sent between the reconnect and this check could name a delivery the server
-        // forgot (504 where the lease is void, 410).
-        background.connected.send_replace(true);
         // Stay bound until the connection comes back after a drop, or a rebind is asked for.
         loop {
             tokio::select! {
