@@ -4,7 +4,7 @@
 //!
 //! May import: the rest of `metrics` only.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use prometheus::core::{MetricVec, MetricVecBuilder};
@@ -172,8 +172,38 @@ impl Families {
     }
 }
 
+/// A labelled counter made on first use. Most results never happen to most consumers, and a
+/// series costs some 600 bytes whether it counts or not: of a thousand idle consumers' 32
+/// settle series each, the 28 that say something went wrong are made when it first does.
+#[derive(Default)]
+struct OnFirstUse(OnceLock<IntCounter>);
+
+impl OnFirstUse {
+    /// One that exists (at 0) from the start.
+    fn made(counter: IntCounter) -> Self {
+        let made = OnceLock::new();
+        let _ = made.set(counter);
+        Self(made)
+    }
+
+    fn get(&self, make: impl FnOnce() -> IntCounter) -> &IntCounter {
+        self.0.get_or_init(make)
+    }
+}
+
+/// The series of one counter family by settle result: `ok` from the start, the others on
+/// first use.
+type ByOutcome = [OnFirstUse; SettleOutcome::ALL.len()];
+
+fn by_outcome(ok: impl FnOnce() -> IntCounter) -> ByOutcome {
+    let mut series = ByOutcome::default();
+    series[SettleOutcome::Ok as usize] = OnFirstUse::made(ok());
+    series
+}
+
 /// One consumer's metrics: handles into the shared families, labelled with its stream and
-/// consumer. Every series exists (at 0) from the start, so rates work from the first scrape.
+/// consumer. Every series without a result label, and each family's `ok` one, exists (at 0)
+/// from the start, so rates work from the first scrape; the other results appear on first use.
 pub(crate) struct Metrics {
     families: Arc<Families>,
     stream: String,
@@ -181,7 +211,7 @@ pub(crate) struct Metrics {
     leases_in_flight: IntGauge,
     leases_granted: IntCounter,
     /// Indexed by `SettleAction as usize`, then `SettleOutcome as usize`.
-    leases_settled: Vec<Vec<IntCounter>>,
+    leases_settled: [ByOutcome; SettleAction::ALL.len()],
     leases_expired: IntCounter,
     leases_given_back: IntCounter,
     deliveries_received: IntCounter,
@@ -203,8 +233,8 @@ pub(crate) struct Metrics {
     dead_letters_missing: IntCounter,
     dead_letters_failed: IntCounter,
     /// Indexed by `SettleOutcome as usize`.
-    settles_forwarded: Vec<IntCounter>,
-    forwarded_settles_received: Vec<IntCounter>,
+    settles_forwarded: ByOutcome,
+    forwarded_settles_received: ByOutcome,
     replicas: IntGauge,
 }
 
@@ -226,21 +256,9 @@ impl Metrics {
         };
         let gauge = |vec: &IntGaugeVec| vec.with_label_values(&[stream, consumer]);
         let histogram = |vec: &HistogramVec| vec.with_label_values(&[stream, consumer]);
-        let by_outcome = |vec: &IntCounterVec| -> Vec<IntCounter> {
-            SettleOutcome::ALL
-                .iter()
-                .map(|outcome| counter(vec, &[outcome.as_str()]))
-                .collect()
-        };
+        let ok = SettleOutcome::Ok.as_str();
         let leases_settled = SettleAction::ALL
-            .iter()
-            .map(|action| {
-                SettleOutcome::ALL
-                    .iter()
-                    .map(|outcome| counter(&f.leases_settled, &[action.as_str(), outcome.as_str()]))
-                    .collect()
-            })
-            .collect();
+            .map(|action| by_outcome(|| counter(&f.leases_settled, &[action.as_str(), ok])));
         let metrics = Self {
             stream: stream.to_owned(),
             consumer: consumer.to_owned(),
@@ -267,8 +285,10 @@ impl Metrics {
             dead_lettered: counter(&f.dead_lettered, &[]),
             dead_letters_missing: counter(&f.dead_letters_skipped, &["missing"]),
             dead_letters_failed: counter(&f.dead_letters_skipped, &["failed"]),
-            settles_forwarded: by_outcome(&f.settles_forwarded),
-            forwarded_settles_received: by_outcome(&f.forwarded_settles_received),
+            settles_forwarded: by_outcome(|| counter(&f.settles_forwarded, &[ok])),
+            forwarded_settles_received: by_outcome(|| {
+                counter(&f.forwarded_settles_received, &[ok])
+            }),
             replicas: gauge(&f.replicas),
             families: families.clone(),
         };
@@ -345,14 +365,39 @@ impl Metrics {
         self.leases_given_back.inc_by(count as u64);
     }
 
+    /// The series of `family` for `extra` labels, made now if this is its first use.
+    fn labelled<'a>(
+        &self,
+        series: &'a OnFirstUse,
+        family: &IntCounterVec,
+        extra: &[&str],
+    ) -> &'a IntCounter {
+        series.get(|| {
+            let values: Vec<&str> = [self.stream.as_str(), self.consumer.as_str()]
+                .iter()
+                .chain(extra)
+                .copied()
+                .collect();
+            family.with_label_values(&values)
+        })
+    }
+
     /// A settle of one lease forwarded to its owner came to `outcome`.
     pub(crate) fn settle_forwarded(&self, outcome: SettleOutcome) {
-        self.settles_forwarded[outcome as usize].inc();
+        let series = &self.settles_forwarded[outcome as usize];
+        self.labelled(
+            series,
+            &self.families.settles_forwarded,
+            &[outcome.as_str()],
+        )
+        .inc();
     }
 
     /// A settle of one lease forwarded here by another replica came to `outcome`.
     pub(crate) fn forwarded_settle_received(&self, outcome: SettleOutcome) {
-        self.forwarded_settles_received[outcome as usize].inc();
+        let series = &self.forwarded_settles_received[outcome as usize];
+        let family = &self.families.forwarded_settles_received;
+        self.labelled(series, family, &[outcome.as_str()]).inc();
     }
 
     /// How many replicas are live, this one included.
@@ -361,7 +406,10 @@ impl Metrics {
     }
 
     pub(crate) fn settled(&self, action: SettleAction, outcome: SettleOutcome) {
-        self.leases_settled[action as usize][outcome as usize].inc();
+        let series = &self.leases_settled[action as usize][outcome as usize];
+        let labels = [action.as_str(), outcome.as_str()];
+        self.labelled(series, &self.families.leases_settled, &labels)
+            .inc();
     }
 
     /// A delivery arrived from the server; `delivered` is its delivery count.

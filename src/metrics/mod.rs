@@ -384,9 +384,9 @@ mod tests {
     }
 
     #[test]
-    fn every_series_is_listed_from_the_start() {
+    fn every_family_is_listed_from_the_start_and_other_results_on_first_use() {
         let process = ProcessMetrics::new();
-        let _billing = process.for_consumer("ORDERS", "billing");
+        let billing = process.for_consumer("ORDERS", "billing");
         let text = process.render(false);
         for name in [
             LEASES_IN_FLIGHT,
@@ -416,13 +416,18 @@ mod tests {
                 "{name} missing:\n{text}"
             );
         }
-        assert_eq!(
-            value(
-                &text,
-                r#"ruststream_leases_settled_total{consumer="billing",kind="in_progress",result="timeout",stream="ORDERS"}"#
-            ),
-            Some(0.0)
-        );
+        let series = |kind: &str, result: &str| {
+            format!(
+                r#"ruststream_leases_settled_total{{consumer="billing",kind="{kind}",result="{result}",stream="ORDERS"}}"#
+            )
+        };
+        assert_eq!(value(&text, &series("in_progress", "ok")), Some(0.0));
+        // A result other than ok appears on first use.
+        assert_eq!(value(&text, &series("in_progress", "timeout")), None);
+        billing.settled(SettleAction::InProgress, SettleOutcome::Timeout);
+        let text = process.render(false);
+        assert_eq!(value(&text, &series("in_progress", "timeout")), Some(1.0));
+        assert_eq!(value(&text, &series("in_progress", "ok")), Some(0.0));
     }
 
     /// The metrics page's table (docs/metrics.md, linked from the README) names every
