@@ -66,12 +66,51 @@ pub(crate) enum Command {
     Stop,
 }
 
+/// Where the readers of open pulls send what they bring: made with the first pull and let go
+/// once no reader holds it, so that an idle consumer keeps no channel (whose first block
+/// alone, 32 events, is some 10 KB).
+#[derive(Default)]
+struct Inbound(
+    Option<(
+        mpsc::UnboundedSender<PullEvent>,
+        mpsc::UnboundedReceiver<PullEvent>,
+    )>,
+);
+
+impl Inbound {
+    /// A sender for a new pull's reader.
+    fn sender(&mut self) -> mpsc::UnboundedSender<PullEvent> {
+        self.0.get_or_insert_with(mpsc::unbounded_channel).0.clone()
+    }
+
+    /// The next event; pending while there is no channel (no reader to send one).
+    async fn recv(&mut self) -> Option<PullEvent> {
+        match &mut self.0 {
+            Some((_, events)) => events.recv().await,
+            None => std::future::pending().await,
+        }
+    }
+
+    fn try_recv(&mut self) -> Option<PullEvent> {
+        self.0.as_mut()?.1.try_recv().ok()
+    }
+
+    /// Let the channel go when no reader holds a sender any more and nothing is queued.
+    fn let_go_if_unused(&mut self) {
+        if let Some((sender, events)) = &self.0
+            && sender.strong_count() == 1
+            && events.is_empty()
+        {
+            self.0 = None;
+        }
+    }
+}
+
 pub(crate) struct Dispatcher {
     state: Arc<LeaseState>,
     bound: Option<Arc<Bound>>,
     book: Book<JoinHandle<()>>,
-    inbound: mpsc::UnboundedReceiver<PullEvent>,
-    inbound_sender: mpsc::UnboundedSender<PullEvent>,
+    inbound: Inbound,
     shutting_down: bool,
     /// Readers of pulls given up on, still forwarding until the server ends them.
     stragglers: Vec<(Instant, JoinHandle<()>)>,
@@ -83,13 +122,11 @@ pub(crate) struct Dispatcher {
 
 impl Dispatcher {
     pub(crate) fn new(state: Arc<LeaseState>) -> Self {
-        let (inbound_sender, inbound) = mpsc::unbounded_channel();
         Self {
             state,
             bound: None,
             book: Book::new(),
-            inbound,
-            inbound_sender,
+            inbound: Inbound::default(),
             shutting_down: false,
             stragglers: Vec::new(),
             rebind_requested: false,
@@ -125,7 +162,7 @@ impl Dispatcher {
                 Some(inbound) = self.inbound.recv() => {
                     self.on_inbound(inbound);
                     // A pull's batch arrives in a burst: take all of it before one pump.
-                    while let Ok(inbound) = self.inbound.try_recv() {
+                    while let Some(inbound) = self.inbound.try_recv() {
                         self.on_inbound(inbound);
                     }
                 }
@@ -140,6 +177,7 @@ impl Dispatcher {
                 () = sleep_until(wake) => {}
             }
             self.pump().await;
+            self.inbound.let_go_if_unused();
         }
         self.shutting_down = true;
         self.pump().await;
@@ -428,7 +466,7 @@ impl Dispatcher {
         };
         for planned in self.book.plan_pulls(now, capacity, limits) {
             let pull_id = self.book.next_pull_id();
-            let events = self.inbound_sender.clone();
+            let events = self.inbound.sender();
             let Some(reader) =
                 pull::open(&bound, pull_id, planned.batch, planned.expires, events).await
             else {
