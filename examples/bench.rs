@@ -172,6 +172,11 @@ struct Args {
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=60_000))]
     polls: u32,
 
+    /// `--footprint` with idle Server-Sent Event streams (`GET /events`) instead of long
+    /// polls, as many as `--polls`, held open until all are, then closed.
+    #[arg(long)]
+    streams_not_polls: bool,
+
     /// `wait_ms` of each long poll of `--footprint`.
     #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1_000..=30_000))]
     poll_wait_ms: u64,
@@ -1754,18 +1759,38 @@ async fn footprint(args: &Args) -> anyhow::Result<()> {
         .timeout(Duration::from_millis(wait_ms) + Duration::from_secs(60))
         .build()
         .context("building the HTTP client")?;
-    let url = format!("{}/fetch", gateway.base);
-    let body = format!(r#"{{"batch":10,"wait_ms":{wait_ms}}}"#);
+    let streams = args.streams_not_polls;
+    let what = if streams {
+        "idle SSE streams (max_in_flight 10)"
+    } else {
+        "idle long polls"
+    };
+    let request = || {
+        if streams {
+            http.get(format!("{}/events?max_in_flight=10", gateway.base))
+        } else {
+            http.post(format!("{}/fetch", gateway.base))
+                .body(format!(r#"{{"batch":10,"wait_ms":{wait_ms}}}"#))
+        }
+    };
+    // Streams are held until every one is open (then closed, as clients that are done).
+    let (close, closed) = tokio::sync::watch::channel(false);
     let started = Instant::now();
     let answered = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
     let tasks: Vec<JoinHandle<()>> = (0..polls)
         .map(|_| {
-            let request = http.post(&url).body(body.clone()).send();
+            let request = request().send();
             let answered = answered.clone();
             let failed = failed.clone();
+            let mut closed = closed.clone();
             tokio::spawn(async move {
                 match request.await {
+                    Ok(response) if response.status() == 200 && streams => {
+                        answered.fetch_add(1, Ordering::Relaxed);
+                        let _ = closed.wait_for(|closed| *closed).await;
+                        drop(response);
+                    }
                     Ok(response) if response.status() == 200 => {
                         let _ = response.bytes().await;
                         answered.fetch_add(1, Ordering::Relaxed);
@@ -1784,10 +1809,12 @@ async fn footprint(args: &Args) -> anyhow::Result<()> {
             })
         })
         .collect();
-    // Sample while the polls wait; stop before the first could be answered.
+    // Sample while the polls wait (stop before the first could be answered), or until every
+    // stream is open and some seconds after.
     let mut peak = 0;
     let mut open_at_peak = 0;
-    let sample_until = started + Duration::from_millis(wait_ms.saturating_sub(1_000));
+    let mut sample_until = started + Duration::from_millis(wait_ms.saturating_sub(1_000));
+    let mut all_open_at = None;
     while Instant::now() < sample_until {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let now = rss();
@@ -1795,8 +1822,14 @@ async fn footprint(args: &Args) -> anyhow::Result<()> {
             peak = now;
             open_at_peak = open_sockets(pid);
         }
+        let done = answered.load(Ordering::Relaxed) + failed.load(Ordering::Relaxed);
+        if streams && done == u64::from(polls) && all_open_at.is_none() {
+            all_open_at = Some(Instant::now());
+            sample_until = sample_until.min(Instant::now() + Duration::from_secs(3));
+        }
     }
     let hwm = status_kb(pid, "VmHWM").unwrap_or(0);
+    let _ = close.send(true);
     for task in tasks {
         let _ = task.await;
     }
@@ -1820,29 +1853,32 @@ async fn footprint(args: &Args) -> anyhow::Result<()> {
     let failed = failed.load(Ordering::Relaxed);
 
     println!();
-    println!(
-        "ruststream-nats footprint: {polls} idle long polls (wait_ms {wait_ms}, empty stream), {version}"
-    );
+    println!("ruststream-nats footprint: {polls} {what} (empty stream), {version}");
     println!();
     println!("| gateway VmRSS | MB | target |");
     println!("|---|---|---|");
     println!("| idle (ready, before the polls) | {:.1} | |", mb(idle));
+    let (peak_target, each) = if streams {
+        ("≤ 200", "stream")
+    } else {
+        ("≤ 150", "poll")
+    };
     println!(
-        "| peak while {polls} polls wait ({open_at_peak} sockets open; VmHWM {:.1} MB) | {:.1} | ≤ 150 |",
+        "| peak while {polls} are open ({open_at_peak} sockets; VmHWM {:.1} MB) | {:.1} | {peak_target} |",
         mb(hwm),
         mb(peak)
     );
     println!(
-        "| after the polls ended and their connections closed (+5 s) | {:.1} | ≤ 60 |",
+        "| after they ended and their connections closed (+5 s) | {:.1} | ≤ 60 |",
         mb(after)
     );
     println!(
-        "| per poll at the peak | {:.1} KB | |",
+        "| per {each} at the peak | {:.1} KB | |",
         (peak.saturating_sub(idle)) as f64 / f64::from(polls)
     );
     println!();
     println!(
-        "{answered} polls answered 200 (empty), {failed} failed, all done {:.1} s after the first was sent",
+        "{answered} answered 200, {failed} failed, all done {:.1} s after the first was sent",
         ended.as_secs_f64()
     );
     ensure!(

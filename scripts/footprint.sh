@@ -3,7 +3,8 @@
 # opens 10 000 idle long polls (wait_ms 20000, empty stream) with the test suite's kind of
 # HTTP client, and prints the gateway's VmRSS idle, at the peak while they wait, and after
 # they ended. It is the bench example in --footprint mode; arguments go to it
-# (`--polls N`, `--poll-wait-ms MS`, `--gateway-flag=...`).
+# (`--polls N`, `--poll-wait-ms MS`, `--gateway-flag=...`; `--streams-not-polls` opens as many
+# idle Server-Sent Event streams instead, holds them until all are open, then closes them).
 set -euo pipefail
 
 # shellcheck source=scripts/lib.sh
