@@ -22,6 +22,9 @@ use crate::metrics::Metrics;
 const LEASE_MEMORY: Duration = Duration::from_secs(600);
 /// At most this many settled or expired leases are remembered.
 const LEASE_MEMORY_MAX: usize = 500_000;
+/// How long a higher count of replicas holds for the share of max_waiting: longer than a
+/// heartbeat lives (4 s), so one late heartbeat never halves anybody's restraint.
+const SHARE_HOLD: Duration = Duration::from_secs(10);
 
 /// State shared by the request paths and the dispatcher.
 pub(crate) struct LeaseState {
@@ -42,8 +45,11 @@ pub(crate) struct LeaseState {
     settled: Notify,
     /// Fetches wait for capacity: the next settle wakes the dispatcher.
     starved: AtomicBool,
-    /// Live replicas on the consumer, this one included: they share its max_waiting.
+    /// Live replicas on the consumer, this one included, as last seen.
     replicas: AtomicUsize,
+    /// The replicas counted for the share of max_waiting, and since when: the most seen in
+    /// the last [`SHARE_HOLD`].
+    sharing: Mutex<(usize, Instant)>,
     pub(crate) metrics: Metrics,
 }
 
@@ -71,6 +77,7 @@ impl LeaseState {
             settled: Notify::new(),
             starved: AtomicBool::new(false),
             replicas: AtomicUsize::new(1),
+            sharing: Mutex::new((1, Instant::now())),
             metrics,
         };
         state.apply_settings(ack_wait, max_ack_pending);
@@ -94,8 +101,22 @@ impl LeaseState {
     }
 
     pub(crate) fn set_replicas(&self, count: usize) {
-        self.replicas.store(count.max(1), Ordering::Relaxed);
-        self.metrics.replicas(count.max(1));
+        let count = count.max(1);
+        self.replicas.store(count, Ordering::Relaxed);
+        self.metrics.replicas(count);
+        if let Ok(mut sharing) = self.sharing.lock() {
+            let now = Instant::now();
+            if count >= sharing.0 || now.duration_since(sharing.1) >= SHARE_HOLD {
+                *sharing = (count, now);
+            }
+        }
+    }
+
+    /// How many replicas share the consumer's max_waiting: the most seen lately. A replica
+    /// missed for a moment (its heartbeat late under load) must not let this one open more
+    /// pulls than its share; one really gone is let go after [`SHARE_HOLD`].
+    pub(crate) fn sharing_replicas(&self) -> usize {
+        self.sharing.lock().map_or(1, |sharing| sharing.0).max(1)
     }
 
     /// The server's ack_wait was lowered by `by`: live leases end that much earlier (see

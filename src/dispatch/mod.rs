@@ -460,7 +460,7 @@ impl Dispatcher {
             .saturating_sub(self.state.taken() + self.book.reserved());
         let limits = PullLimits {
             // The consumer's max_waiting counts every replica's pulls together.
-            max_waiting: bound.max_waiting / self.state.replicas(),
+            max_waiting: bound.max_waiting / self.state.sharing_replicas(),
             max_batch: bound.max_batch,
             max_expires: bound.max_expires,
         };

@@ -182,12 +182,23 @@ impl ChildProcess {
     }
 
     /// SIGSTOP: the process keeps its sockets open but answers nothing (a hung server).
+    /// Returns once the kernel shows every thread of it stopped: until then a thread still
+    /// running could answer what is sent right after the pause.
     pub fn pause(&mut self) {
         let pid = self
             .pid()
             .unwrap_or_else(|| panic!("{} is not running", self.name));
         self.signal("-STOP", pid);
         self.paused = true;
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !all_threads_stopped(pid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} ({pid}) not stopped 5 s after SIGSTOP",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// SIGCONT after `pause`.
@@ -224,4 +235,19 @@ impl Drop for ChildProcess {
         }
         self.kill9();
     }
+}
+
+/// Whether every thread of `pid` is stopped (state `T` in `/proc/<pid>/task/*/stat`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the command name, which is in parentheses and may hold spaces.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "T" || state == "t")
+        })
+    })
 }
