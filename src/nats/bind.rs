@@ -120,7 +120,7 @@ pub(crate) async fn bind(
         (create_consumer(&stream, ephemeral).await?, None, None)
     } else {
         let replicas = stream.cached_info().config.num_replicas;
-        let (shared, per_consumer, others) = share(config, &js, binder, replicas).await;
+        let (shared, per_consumer, others) = share(config, &js, binder, replicas).await?;
         let consumer = bind_durable(config, &stream, &others, binder.first).await?;
         (consumer, shared, per_consumer)
     };
@@ -173,15 +173,16 @@ pub(crate) async fn bind(
 }
 
 /// The streams replicas share (the fleet's; the consumer's own of an earlier release) and
-/// the other live replicas on this consumer they list. Without them (a NATS user not
-/// allowed to make the fleet stream) the gateway still works, and forwards settles; only
-/// what replicas learn of each other is missing.
+/// the other live replicas on this consumer they list. Without the fleet stream (a NATS
+/// user not allowed to make it) the gateway still works, and forwards settles; only what
+/// replicas learn of each other is missing. Looking for the consumer's own fails the bind
+/// (it is retried).
 async fn share(
     config: &Config,
     js: &jetstream::Context,
     binder: &Binder<'_>,
     replicas: usize,
-) -> (Option<Arc<Shared>>, Option<Box<Shared>>, Vec<ReplicaRecord>) {
+) -> anyhow::Result<(Option<Arc<Shared>>, Option<Box<Shared>>, Vec<ReplicaRecord>)> {
     let me = binder.instance.to_string();
     let mut others: Vec<ReplicaRecord> = Vec::new();
     let fleet = binder
@@ -204,6 +205,8 @@ async fn share(
             Err(err) => warn!(error = %format!("{err:#}"), "cannot list the replicas"),
         }
     }
+    // Not found is an answer; an error is not: bound without it, this replica could take
+    // the live leases of an earlier release's replicas for a dead owner's.
     let per_consumer = if binder.served_by_earlier_releases {
         Shared::per_consumer(
             js,
@@ -213,10 +216,9 @@ async fn share(
             binder.trust.clone(),
         )
         .await
-        .unwrap_or_else(|err| {
-            warn!(error = %format!("{err:#}"), "cannot look for the shared stream an earlier release made for this consumer");
-            None
-        })
+        .map_err(|err| {
+            err.context("looking for the shared stream an earlier release made for this consumer")
+        })?
         .map(Box::new)
     } else {
         None
@@ -239,7 +241,7 @@ async fn share(
             }
         }
     }
-    (fleet, per_consumer, others)
+    Ok((fleet, per_consumer, others))
 }
 
 async fn get_or_create_stream(

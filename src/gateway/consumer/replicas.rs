@@ -212,22 +212,30 @@ impl Consumer {
         }
     }
 
-    /// Whether `owner` has a heartbeat in a shared stream now (the fleet's, or, for an
-    /// owner of an earlier release, the consumer's own); `None` when that cannot be known
-    /// (no shared stream, or none can be read).
+    /// Whether `owner` has a heartbeat in the fleet stream now; `None` when that cannot be
+    /// known: no fleet stream, it cannot be read, or replicas of an earlier release may
+    /// still run (the consumer's own shared stream exists). Those beat only there, once a
+    /// second and not sealed, and one late beat must not make their live leases 410 at
+    /// once: the owner's subject decides for them, as it did in their release.
     async fn owner_heartbeat(&self, owner: InstanceId) -> Option<bool> {
         let bound = self.bound().ok()?;
-        let mut known = false;
-        for shared in bound.shared() {
-            match shared.heartbeat_of(owner).await {
-                Ok(Some(_)) => return Some(true),
-                Ok(None) => known = true,
-                Err(err) => {
-                    debug!(error = %format!("{err:#}"), "cannot read the owner's heartbeat");
-                }
+        let found = match bound.shared.as_ref()?.heartbeat_of(owner).await {
+            Ok(found) => found.is_some(),
+            Err(err) => {
+                debug!(error = %format!("{err:#}"), "cannot read the owner's heartbeat");
+                return None;
             }
+        };
+        if found {
+            return Some(true);
         }
-        known.then_some(false)
+        match bound.per_consumer.as_ref().filter(|p| !p.is_gone()) {
+            Some(per_consumer) => match per_consumer.heartbeat_of(owner).await {
+                Ok(Some(_)) => Some(true),
+                _ => None,
+            },
+            None => Some(false),
+        }
     }
 
     /// Whether `owner` is a live replica, as its heartbeat says: seen in the last round of
