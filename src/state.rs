@@ -301,3 +301,36 @@ impl LeaseState {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::lease_id::InstanceId;
+    use crate::metrics::ProcessMetrics;
+
+    fn state() -> LeaseState {
+        let metrics = ProcessMetrics::new().for_consumer("ORDERS", "billing");
+        let signer = LeaseSigner::with_key(&[7; 32], "ORDERS", "billing", InstanceId::random());
+        LeaseState::new(signer, Duration::from_secs(30), 1024, metrics)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replica_missed_for_a_moment_keeps_its_share_of_max_waiting() {
+        let state = state();
+        state.set_replicas(3);
+        // One heartbeat late: the count drops, the share does not.
+        state.set_replicas(2);
+        assert_eq!(state.replicas(), 2);
+        assert_eq!(state.sharing_replicas(), 3);
+        tokio::time::advance(SHARE_HOLD - Duration::from_secs(1)).await;
+        state.set_replicas(2);
+        assert_eq!(state.sharing_replicas(), 3);
+        // Gone for good: after the hold the share follows.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        state.set_replicas(2);
+        assert_eq!(state.sharing_replicas(), 2);
+        // More replicas count at once.
+        state.set_replicas(4);
+        assert_eq!(state.sharing_replicas(), 4);
+    }
+}

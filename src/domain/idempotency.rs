@@ -53,12 +53,8 @@ impl Scope {
             hasher.update([0]);
         }
         hasher.update(self.key.as_bytes());
-        hex(&hasher.finalize())
+        super::hex(&hasher.finalize())
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 /// Check an `Idempotency-Key` value: 1 to 255 printable ASCII characters.
@@ -88,7 +84,7 @@ impl Fingerprint {
 
     /// Hex, as replicas compare it.
     pub(crate) fn to_hex(self) -> String {
-        hex(&self.0)
+        super::hex(&self.0)
     }
 }
 

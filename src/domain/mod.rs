@@ -33,3 +33,8 @@ pub(crate) fn wall_clock(at: Instant) -> OffsetDateTime {
         wall_now - (now - at)
     }
 }
+
+/// `bytes` as lower-case hex.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}

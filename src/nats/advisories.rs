@@ -57,10 +57,7 @@ fn consumer_name(consumer: &str) -> String {
     if name.len() <= 255 {
         return name;
     }
-    use sha2::{Digest as _, Sha256};
-    let digest = Sha256::digest(consumer.as_bytes());
-    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-    format!("{CONSUMER}_{hex}")
+    format!("{CONSUMER}_{}", super::sha256_hex(consumer.as_bytes(), 16))
 }
 
 /// What the advisory stream of all consumers of `stream` captures.

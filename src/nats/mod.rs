@@ -62,9 +62,7 @@ fn gateway_stream_name(kind: &str, stream: &str, consumer: &str) -> String {
 /// `<kind>_<stream>_<hash>` (the hash over the stream's name alone, so that it never equals a
 /// per-consumer name); where that is longer than NATS allows, `<kind>_` and the hash.
 fn gateway_stream_name_of(kind: &str, stream: &str) -> String {
-    use sha2::{Digest as _, Sha256};
-    let digest = Sha256::digest(format!("{stream}\n").as_bytes());
-    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let hex = sha256_hex(format!("{stream}\n").as_bytes(), 8);
     let name = format!("{kind}_{stream}_{hex}");
     if name.len() <= 255 {
         return name;
@@ -85,9 +83,15 @@ fn legacy_gateway_stream_name(kind: &str, stream: &str, consumer: &str) -> Strin
 
 /// 128 bits of SHA-256 over a stream and a consumer name, as hex.
 fn names_digest(stream: &str, consumer: &str) -> String {
+    sha256_hex(format!("{stream}\n{consumer}").as_bytes(), 16)
+}
+
+/// The first `bytes` bytes of SHA-256 over `input`, as hex: what the names and keys the
+/// gateway makes are told apart by.
+fn sha256_hex(input: &[u8], bytes: usize) -> String {
     use sha2::{Digest as _, Sha256};
-    let digest = Sha256::digest(format!("{stream}\n{consumer}").as_bytes());
-    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+    let digest = Sha256::digest(input);
+    crate::domain::hex(&digest[..bytes.min(digest.len())])
 }
 
 #[cfg(test)]

@@ -149,10 +149,10 @@ pub(crate) fn fleet_stream_name(prefix: &str) -> String {
         return "RUSTSTREAM_FLEET".to_owned();
     }
     // A prefix of several tokens has dots, which stream names may not: a hash, unambiguous.
-    use sha2::{Digest as _, Sha256};
-    let digest = Sha256::digest(prefix.as_bytes());
-    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
-    format!("RUSTSTREAM_FLEET_{hex}")
+    format!(
+        "RUSTSTREAM_FLEET_{}",
+        super::sha256_hex(prefix.as_bytes(), 8)
+    )
 }
 
 /// The names earlier releases gave one consumer's shared stream: the oldest (ambiguous:
@@ -327,9 +327,7 @@ impl Shared {
         if !self.fleet {
             return digest.to_owned();
         }
-        use sha2::{Digest as _, Sha256};
-        let mixed = Sha256::digest(format!("{stream}\n{consumer}\n{digest}").as_bytes());
-        mixed.iter().map(|b| format!("{b:02x}")).collect()
+        super::sha256_hex(format!("{stream}\n{consumer}\n{digest}").as_bytes(), 32)
     }
 
     /// Say this replica is live for `ttl` more.

@@ -151,9 +151,7 @@ impl Consumer {
                 let background = Background {
                     stop: stop.clone(),
                     state: state.clone(),
-                    connection: process.connection.clone(),
                     connected: connected_tx,
-                    trust: process.trust.clone(),
                     process: process.clone(),
                     served_by_earlier_releases: !names_in_ids,
                 };

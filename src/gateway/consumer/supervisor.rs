@@ -18,11 +18,9 @@ use crate::config::Config;
 use crate::dispatch::Command;
 use crate::domain::subject;
 use crate::metrics::Metrics;
-use crate::nats::trust::Trust;
 use crate::nats::{self, BindError, Bound, ConnectionEvent};
 use crate::state::LeaseState;
 
-use super::super::connection::Connection;
 use super::super::process::Process;
 
 /// The gateway's metrics, for a task that outlives a borrow of [`LeaseState`].
@@ -39,13 +37,10 @@ impl AsRef<Metrics> for StateMetrics {
 pub(super) struct Background {
     pub(super) stop: CancellationToken,
     pub(super) state: Arc<LeaseState>,
-    /// The process's connection to NATS.
-    pub(super) connection: Connection,
     /// Whether the connection is up, as its events tell: waiting fetches give up on a loss.
     pub(super) connected: watch::Sender<bool>,
-    /// Seals what the binding's shared stream holds.
-    pub(super) trust: Arc<Trust>,
-    /// The fleet stream of the process.
+    /// The process: its connection to NATS, the seal on what replicas share, the fleet
+    /// stream.
     pub(super) process: Arc<Process>,
     /// The default consumer, which an earlier release may have served.
     pub(super) served_by_earlier_releases: bool,
@@ -61,8 +56,8 @@ pub(super) async fn supervise(
     background: Background,
 ) -> anyhow::Result<()> {
     // Subscribed before looking at the connection, so no event in between is missed.
-    let mut events = background.connection.events();
-    let Some(client) = background.connection.client().await else {
+    let mut events = background.process.connection.events();
+    let Some(client) = background.process.connection.client().await else {
         anyhow::bail!("the NATS client stopped");
     };
     let ephemeral_name = format!("{}-{:016x}", config.consumer, rand::random::<u64>());
@@ -114,7 +109,7 @@ pub(super) async fn supervise(
                 instance: state.signer().owner(),
                 ephemeral_name: &ephemeral_name,
                 first: identity_seen.is_none(),
-                trust: &background.trust,
+                trust: &background.process.trust,
                 fleet: &background.process.fleet.stream,
                 served_by_earlier_releases: background.served_by_earlier_releases,
             };
