@@ -14,8 +14,9 @@
 //! - `state`: the lease state shared by the core and the dispatcher.
 //! - `domain`: lease ids, the lease table, idempotency records, subject rules, the
 //!   delivery values — pure state and time.
-//! - [`config`], `error`, `metrics`: flags → settings, the one error a client sees, the
-//!   Prometheus registry; usable from every room.
+//! - [`config`], `error`, `metrics`, [`telemetry`], `tls_client`: flags → settings, the one
+//!   error a client sees, the Prometheus registry, OpenTelemetry traces and the log lines
+//!   joined to them, TLS for the gateway's own HTTPS clients; usable from every room.
 //! - [`healthcheck`]: `--healthcheck <URL>`, the container HEALTHCHECK without curl.
 //!
 //! [`run`] serves until a shutdown signal, then drains: new fetches get 503, waiting ones
@@ -31,6 +32,8 @@ pub mod http;
 mod metrics;
 mod nats;
 mod state;
+pub mod telemetry;
+mod tls_client;
 
 /// Dead-letter copies, as their readers see them.
 pub mod dead_letter {

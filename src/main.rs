@@ -8,7 +8,11 @@ use std::time::Duration;
 use clap::Parser;
 use ruststream_nats::Config;
 use ruststream_nats::config::LogFormat;
-use tracing_subscriber::EnvFilter;
+use ruststream_nats::telemetry;
+use tracing_subscriber::Layer as _;
+use tracing_subscriber::filter::{EnvFilter, FilterExt as _, filter_fn};
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
 /// jemalloc rather than glibc's malloc: thousands of idle long polls allocate and free many
 /// small per-connection buffers, and glibc kept all of it once they ended (RSS stayed at its
@@ -70,7 +74,15 @@ async fn serve(config: Config) -> ExitCode {
     // (terminate). The gateway's run loop handles it as a reload.
     #[cfg(unix)]
     let _hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
-    init_tracing(config.log_format);
+    let telemetry = match telemetry::start(config.otlp_endpoint.as_deref()) {
+        Ok(started) => started,
+        Err(err) => {
+            eprintln!("error: tracing: {err:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let (telemetry, tracer) = telemetry.unzip();
+    init_tracing(config.log_format, tracer);
     let grace = config.shutdown_grace;
     let listener = match tokio::net::TcpListener::bind(config.listen).await {
         Ok(listener) => listener,
@@ -91,29 +103,61 @@ async fn serve(config: Config) -> ExitCode {
             std::process::exit(1);
         });
     };
-    match ruststream_nats::run(config, listener, shutdown).await {
+    let code = match ruststream_nats::run(config, listener, shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE
         }
+    };
+    if let Some(telemetry) = telemetry {
+        telemetry.stop();
     }
+    code
 }
 
-fn init_tracing(format: LogFormat) {
+/// Logs to stderr (text or JSON, each line joined to its request and trace), and spans to an
+/// OTLP collector when one is configured.
+fn init_tracing(format: LogFormat, tracer: Option<telemetry::Tracer>) {
     // async-nats reports every failed reconnect attempt at info ("IO error"); the gateway
     // says what matters about the connection itself, at warn.
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new("info,async_nats=warn"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    // The per-message spans are exported, never logged: their attributes on every line of a
+    // request would only repeat themselves.
+    let logged = filter.and(filter_fn(|metadata| {
+        !metadata.target().starts_with(telemetry::MESSAGING_TARGET)
+    }));
+    let json = format == LogFormat::Json;
+    let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         // Colour codes only for a person at a terminal, never in a log file or a pipe.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    let logs = if json {
+        logs.json()
+            .map_event_format(|inner| telemetry::logs::Joined::new(inner, true))
+            .with_filter(logged)
+            .boxed()
+    } else {
+        logs.map_event_format(|inner| telemetry::logs::Joined::new(inner, false))
+            .with_filter(logged)
+            .boxed()
+    };
+    // Only the gateway's own spans (none of its libraries'), and the warnings and errors
+    // written inside them, which become span events.
+    let spans = tracer.map(|tracer| {
+        tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_location(false)
+            .with_threads(false)
+            .with_target(false)
+            .with_level(false)
+            .with_filter(filter_fn(|metadata| {
+                metadata.target().starts_with(telemetry::SPANS_TARGET)
+                    || (metadata.is_event() && *metadata.level() <= tracing::Level::WARN)
+            }))
+    });
+    tracing_subscriber::registry().with(logs).with(spans).init();
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -17,6 +17,7 @@ use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
 use crate::domain::leases::LeaseTable;
 use crate::domain::settle::AckCommand;
 use crate::metrics::Metrics;
+use crate::telemetry;
 
 /// How long settled and expired leases are remembered, so that retries get the first answer.
 const LEASE_MEMORY: Duration = Duration::from_secs(600);
@@ -279,6 +280,11 @@ impl LeaseState {
             .map(|delivery| {
                 let expires_at = delivery.received_at + lifetime;
                 leases.issue(delivery.coordinates.key, delivery.reply.clone(), expires_at);
+                if let Some(note) =
+                    telemetry::spans::note_of(&delivery.subject, delivery.headers.as_ref())
+                {
+                    leases.annotate(delivery.coordinates.key, note);
+                }
                 Leased {
                     id: self.signer.encode(&delivery.coordinates),
                     delivery,

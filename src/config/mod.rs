@@ -294,6 +294,14 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
 
+    /// Export OpenTelemetry traces to this OTLP endpoint (e.g. http://collector:4318; a base,
+    /// as OTEL_EXPORTER_OTLP_ENDPOINT is: /v1/traces is appended for http/protobuf).
+    /// Without it, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT turn
+    /// tracing on; with none, tracing is off. OTEL_EXPORTER_OTLP_PROTOCOL=grpc exports
+    /// over gRPC.
+    #[arg(long, value_name = "URL", value_parser = parse_otlp_endpoint)]
+    pub otlp_endpoint: Option<String>,
+
     /// Instead of serving: GET this URL (e.g. http://127.0.0.1:8080/healthz), exit 0 if it
     /// answers 200, else 1. For a container HEALTHCHECK in an image without curl. No
     /// environment variable: set in a container's environment it would stop the gateway.
@@ -600,6 +608,17 @@ fn parse_max_wait(value: &str) -> Result<Duration, String> {
         return Err("must be at most 30s".into());
     }
     Ok(duration)
+}
+
+/// An OTLP endpoint: an http or https URL.
+fn parse_otlp_endpoint(value: &str) -> Result<String, String> {
+    let uri: axum::http::Uri = value.parse().map_err(|err| format!("not a URL: {err}"))?;
+    match uri.scheme_str() {
+        Some("http" | "https") if uri.host().is_some() => Ok(value.to_owned()),
+        _ => Err(
+            "expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:4318".into(),
+        ),
+    }
 }
 
 #[cfg(test)]

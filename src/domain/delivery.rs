@@ -42,6 +42,16 @@ pub(crate) struct Unparsed {
     pub(crate) headers: Option<Bytes>,
 }
 
+/// What a settle's trace span needs of the message it settles, kept with the lease while
+/// tracing is on: the subject (the span's destination), its `Nats-Msg-Id`, and the trace
+/// context its publisher left in its headers (the span's link).
+#[derive(Debug)]
+pub(crate) struct MessageNote {
+    pub(crate) subject: Subject,
+    pub(crate) message_id: Option<String>,
+    pub(crate) context: Option<opentelemetry::trace::SpanContext>,
+}
+
 /// A delivery handed to a client, with its lease.
 #[derive(Debug)]
 pub(crate) struct Leased {

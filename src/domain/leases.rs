@@ -13,6 +13,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::SequenceMap;
+use super::delivery::MessageNote;
 pub(crate) use super::lease_id::DeliveryKey;
 use super::settle::SettleKind;
 
@@ -34,6 +35,8 @@ struct Record {
     reply: Arc<str>,
     expires_at: Instant,
     state: State,
+    /// For the settle's trace span; only while tracing is on.
+    note: Option<Arc<MessageNote>>,
 }
 
 /// Why a lease cannot be acted on.
@@ -225,12 +228,27 @@ impl LeaseTable {
                 reply,
                 expires_at,
                 state: State::Active,
+                note: None,
             },
         ) && old.state == State::Active
         {
             self.expiries.remove(&(old.expires_at, key));
         }
         self.expiries.insert((expires_at, key));
+    }
+
+    /// Keep `note` with the lease `key` (issued just before), for its settle's trace span.
+    pub(crate) fn annotate(&mut self, key: DeliveryKey, note: Arc<MessageNote>) {
+        if let Some(record) = self.records.get_mut(&key) {
+            record.note = Some(note);
+        }
+    }
+
+    /// The note kept with the lease `key`, if any.
+    pub(crate) fn note(&self, key: DeliveryKey) -> Option<Arc<MessageNote>> {
+        self.records
+            .get(&key)
+            .and_then(|record| record.note.clone())
     }
 
     /// Give back a lease that never reached its client (the fetch went away before the

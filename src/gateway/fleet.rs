@@ -17,6 +17,7 @@ use tracing::{debug, error, warn};
 use crate::domain::consumers::ConsumerName;
 use crate::nats::forward::{self, ForwardedSettle, RemoteResult};
 use crate::nats::replicas::{BusyOn, ReplicaRecord};
+use crate::telemetry;
 
 use super::Gateway;
 use super::process::HEARTBEAT_TTL;
@@ -199,7 +200,14 @@ impl Gateway {
             let (client, trust) = (client.clone(), process.trust.clone());
             tokio::spawn(async move {
                 let results = match served {
-                    Some(served) => served.consumer.settle_forwarded(&message.payload).await,
+                    // The owner's settle spans are children of the forwarding replica's.
+                    Some(served) => {
+                        telemetry::spans::forwarded_from(
+                            message.headers.as_ref(),
+                            served.consumer.settle_forwarded(&message.payload),
+                        )
+                        .await
+                    }
                     // Not served here (any more): none of its leases can be live here.
                     None => serde_json::from_slice::<ForwardedSettle>(&message.payload)
                         .map(|request| request.ids.iter().map(|_| RemoteResult::Gone).collect())

@@ -435,8 +435,13 @@ impl Gateway {
         for (_, served) in self.0.registry.all() {
             served.consumer.take_in_metrics();
         }
-        self.metrics()
-            .render(self.0.process.connection.is_connected())
+        self.metrics().render(
+            self.0.process.connection.is_connected(),
+            crate::metrics::SpanCounts {
+                dropped: crate::telemetry::spans_dropped(),
+                exported: crate::telemetry::spans_exported(),
+            },
+        )
     }
 
     /// Stop taking fetches and answer the waiting ones now.

@@ -13,6 +13,7 @@ use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use tracing::Instrument as _;
 
 use super::body::JsonBody;
 use super::client::Connection;
@@ -26,6 +27,7 @@ use crate::error::Error;
 use crate::gateway::{Consumer, Gateway, Idempotency, Target};
 use crate::http::auth::Principal;
 use crate::metrics::FetchRefusal;
+use crate::telemetry;
 
 /// The request header that makes a fetch retry-safe.
 pub(crate) const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -130,10 +132,14 @@ async fn fetch_from(
         .and_then(|Extension(principal)| principal.idempotency_credential());
     let idempotency = idempotency(&headers, credential.as_deref(), &demand, encoding)?;
     let client = connection.map(|Extension(connection)| connection.client);
+    let name = gateway.name();
+    let span = telemetry::spans::receive_span(&name.stream, &name.consumer);
     let fetched = gateway
         .fetch(demand, idempotency, client.as_ref(), |leased| {
+            telemetry::spans::received(&span, &leased);
             render(leased, encoding)
         })
+        .instrument(span.clone())
         .await?;
     let mut response = json_response(fetched.body);
     if fetched.replayed {

@@ -499,21 +499,12 @@ impl JwksUrl {
     }
 }
 
-/// TLS for an `https` JWKS URL: the system's root certificates, rustls with ring (the
-/// provider async-nats already uses), given explicitly rather than installed process-wide.
+/// TLS for an `https` JWKS URL: the system's roots ([`crate::tls_client`]); none is an error.
 fn tls_connector() -> Result<TlsConnector, String> {
-    let found = rustls_native_certs::load_native_certs();
-    let mut roots = rustls::RootCertStore::empty();
-    let (added, _) = roots.add_parsable_certificates(found.certs);
-    if added == 0 {
+    let (config, roots) = crate::tls_client::config()?;
+    if roots == 0 {
         return Err("no system root certificates to verify it with".into());
     }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|err| format!("TLS: {err}"))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
     Ok(TlsConnector::from(Arc::new(config)))
 }
 

@@ -41,6 +41,7 @@ use crate::error::Error;
 use crate::gateway::Gateway;
 use crate::http::auth::Auth;
 use crate::metrics as metrics_names;
+use crate::telemetry::{self, logs, logs::RequestLog};
 use responses::ProblemResponses;
 
 #[derive(OpenApi)]
@@ -272,15 +273,23 @@ async fn edge(
     // Cloning the URI shares its bytes; the path is needed only for a problem answer.
     let uri = request.uri().clone();
     let span = request_span(&request);
+    let log = RequestLog {
+        request_id: request_id.clone(),
+        trace: telemetry::spans::ids(&span),
+    };
     let response = if span.is_disabled() {
-        metrics::guard(&edge.guard, request, next).await
+        logs::within(log, metrics::guard(&edge.guard, request, next)).await
     } else {
-        let started = Instant::now();
-        let response = metrics::guard(&edge.guard, request, next)
-            .instrument(span.clone())
-            .await;
-        finish_request_span(&response, started.elapsed(), &span);
-        response
+        // The closing line inside the log context too: it carries the request's ids.
+        logs::within(log, async {
+            let started = Instant::now();
+            let response = metrics::guard(&edge.guard, request, next)
+                .instrument(span.clone())
+                .await;
+            finish_request_span(&response, started.elapsed(), &span);
+            response
+        })
+        .await
     };
     let mut response = problem::name_instance(response, uri.path());
     response
@@ -363,7 +372,8 @@ fn usable_request_id(headers: &mut axum::http::HeaderMap) -> Option<HeaderValue>
 /// more CPU than the request itself under load, and the metrics already count every request
 /// by route and status. Off, the span costs nothing but this level check.
 fn request_span<B>(request: &Request<B>) -> tracing::Span {
-    if !tracing::enabled!(tracing::Level::DEBUG) {
+    let traced = telemetry::on();
+    if !traced && !tracing::enabled!(tracing::Level::DEBUG) {
         return tracing::Span::none();
     }
     let request_id = request
@@ -372,6 +382,19 @@ fn request_span<B>(request: &Request<B>) -> tracing::Span {
         .and_then(|id| id.to_str().ok())
         .unwrap_or_default();
     let route = request.extensions().get::<MatchedPath>();
+    if traced {
+        // The traced request's server span (at info, exported) is its log span too.
+        let span = telemetry::spans::server_span(
+            request.method(),
+            route.map(MatchedPath::as_str),
+            request_id,
+            request.headers(),
+        );
+        if route.is_none() {
+            span.record("path", request.uri().path());
+        }
+        return span;
+    }
     let span = tracing::debug_span!(
         "request",
         method = %request.method(),
@@ -393,6 +416,7 @@ fn request_span<B>(request: &Request<B>) -> tracing::Span {
 /// in that span shows the whole of it.
 fn finish_request_span<B>(response: &Response<B>, latency: Duration, span: &tracing::Span) {
     span.record("status", response.status().as_u16());
+    telemetry::spans::answered(span, response.status());
     span.record(
         "latency_us",
         u64::try_from(latency.as_micros()).unwrap_or(u64::MAX),

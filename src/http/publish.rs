@@ -10,6 +10,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
+use tracing::Instrument as _;
 
 use super::body::JsonBody;
 use super::dto::{Encoding, HeaderValues, PublishBody, PublishResponse};
@@ -17,6 +18,7 @@ use super::responses::{BodyRefusals, Guarded, PublishRefusals};
 use crate::domain::subject::validate_publish_subject;
 use crate::error::Error;
 use crate::gateway::Gateway;
+use crate::telemetry;
 
 /// Publish a message to a subject the stream captures; answers once the stream stored it.
 #[utoipa::path(
@@ -73,9 +75,19 @@ pub(crate) async fn publish(
             headers.append(header_name.clone(), value);
         }
     }
-    let ack = gateway
+    let span = telemetry::spans::send_span(&body.subject, &mut headers);
+    let published = gateway
         .publish(body.subject, headers, payload.into())
-        .await?;
+        .instrument(span.clone())
+        .await;
+    telemetry::spans::sent(
+        &span,
+        published
+            .as_ref()
+            .map(|ack| (ack.stream.as_str(), ack.sequence))
+            .map_err(|err| err.status().as_u16()),
+    );
+    let ack = published?;
     Ok((
         StatusCode::CREATED,
         Json(PublishResponse {

@@ -29,6 +29,8 @@ use super::events::{StreamParams, StreamQuery};
 use super::messages::{Settler, nak_command, term_command};
 use super::responses::{FetchRefusals, Guarded, NamedFetchRefusals, QueryRefusals};
 use super::scopes::Scope;
+use tracing::Instrument as _;
+
 use crate::domain::consumers::ConsumerName;
 use crate::domain::delivery::Leased;
 use crate::domain::settle::AckCommand;
@@ -155,6 +157,9 @@ fn open(
     // Frames up to twice the limit are read, so that one just over it is closed with 1009
     // (larger ones end the connection in the WebSocket library itself).
     let read_limit = max_frame.saturating_mul(2);
+    // The connection lives on in a task of its own: its batches and settles stay in the trace
+    // of the request that opened it.
+    let origin = tracing::Span::current();
     Ok(upgrade
         .max_message_size(read_limit)
         .max_frame_size(read_limit)
@@ -169,6 +174,7 @@ fn open(
                     max_frame,
                 },
             )
+            .instrument(origin)
         })
         .into_response())
 }
@@ -325,10 +331,13 @@ fn take_operation(
         }
     };
     let (gateway, outgoing, settler) = (gateway.clone(), outgoing.clone(), settler.clone());
-    tokio::spawn(async move {
-        let answer = run_operation(&gateway, operation, &settler).await;
-        let _ = outgoing.send(Outgoing::Frame(text(&answer))).await;
-    });
+    tokio::spawn(
+        async move {
+            let answer = run_operation(&gateway, operation, &settler).await;
+            let _ = outgoing.send(Outgoing::Frame(text(&answer))).await;
+        }
+        .instrument(tracing::Span::current()),
+    );
 }
 
 /// A frame as an operation, checked as the HTTP batch settle checks its body.

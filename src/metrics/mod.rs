@@ -103,6 +103,10 @@ const INTERNAL_MESSAGE_KINDS: [&str; 4] = [
 pub(crate) const CONSUMERS: &str = "ruststream_consumers";
 /// The `source` labels of [`CONSUMERS`], each listed from the start.
 pub(crate) const CONSUMER_SOURCES: [&str; 3] = ["default", "file", "existing"];
+/// Trace spans dropped: the export queue was full, or their export failed (counter).
+pub(crate) const TRACE_SPANS_DROPPED: &str = "ruststream_trace_spans_dropped_total";
+/// Trace spans the OTLP collector accepted (counter).
+pub(crate) const TRACE_SPANS_EXPORTED: &str = "ruststream_trace_spans_exported_total";
 /// Always 1, labelled with the gateway's `version` (gauge).
 pub(crate) const BUILD_INFO: &str = "ruststream_build_info";
 
@@ -206,6 +210,16 @@ pub(crate) struct ProcessMetrics {
     http_request_duration: HistogramVec,
     internal_messages_rejected: IntCounterVec,
     consumers: IntGaugeVec,
+    trace_spans_dropped: IntCounter,
+    trace_spans_exported: IntCounter,
+}
+
+/// What the trace exporter counted, read at each scrape (process-wide counts: the exporter
+/// is one per process).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SpanCounts {
+    pub(crate) dropped: u64,
+    pub(crate) exported: u64,
 }
 
 impl Default for ProcessMetrics {
@@ -261,6 +275,14 @@ impl ProcessMetrics {
                 "Seconds from receiving an HTTP request to its response, by method and route",
                 &["method", "route"],
             ),
+            trace_spans_dropped: reg.counter(
+                TRACE_SPANS_DROPPED,
+                "Trace spans dropped because the export queue was full or their export failed (0 while tracing is off)",
+            ),
+            trace_spans_exported: reg.counter(
+                TRACE_SPANS_EXPORTED,
+                "Trace spans the OTLP collector accepted (0 while tracing is off)",
+            ),
             internal_messages_rejected,
             consumers,
             families,
@@ -308,14 +330,24 @@ impl ProcessMetrics {
 
     /// The Prometheus text exposition (format 0.0.4); every consumer took in its snapshot
     /// before.
-    pub(crate) fn render(&self, nats_connected: bool) -> String {
+    pub(crate) fn render(&self, nats_connected: bool, spans: SpanCounts) -> String {
         self.nats_connected.set(i64::from(nats_connected));
+        catch_up(&self.trace_spans_dropped, spans.dropped);
+        catch_up(&self.trace_spans_exported, spans.exported);
         let mut text = String::new();
         if let Err(err) = TextEncoder::new().encode_utf8(&self.registry.gather(), &mut text) {
             // Only a malformed metric could cause this, and every one is built above.
             tracing::error!(error = %err, "encoding the metrics failed");
         }
         text
+    }
+}
+
+/// Bring `counter` up to `total`, a count kept elsewhere (never down: a counter only grows).
+fn catch_up(counter: &IntCounter, total: u64) {
+    let behind = total.saturating_sub(counter.get());
+    if behind > 0 {
+        counter.inc_by(behind);
     }
 }
 
@@ -387,7 +419,7 @@ mod tests {
     fn every_family_is_listed_from_the_start_and_other_results_on_first_use() {
         let process = ProcessMetrics::new();
         let billing = process.for_consumer("ORDERS", "billing");
-        let text = process.render(false);
+        let text = process.render(false, SpanCounts::default());
         for name in [
             LEASES_IN_FLIGHT,
             LEASES_GRANTED,
@@ -425,7 +457,7 @@ mod tests {
         // A result other than ok appears on first use.
         assert_eq!(value(&text, &series("in_progress", "timeout")), None);
         billing.settled(SettleAction::InProgress, SettleOutcome::Timeout);
-        let text = process.render(false);
+        let text = process.render(false, SpanCounts::default());
         assert_eq!(value(&text, &series("in_progress", "timeout")), Some(1.0));
         assert_eq!(value(&text, &series("in_progress", "ok")), Some(0.0));
     }
@@ -440,7 +472,7 @@ mod tests {
         .expect("read docs/metrics.md");
         let process = ProcessMetrics::new();
         let _billing = process.for_consumer("ORDERS", "billing");
-        let text = process.render(false);
+        let text = process.render(false, SpanCounts::default());
         let missing: Vec<&str> = text
             .lines()
             .filter_map(|line| line.strip_prefix("# TYPE "))
@@ -479,7 +511,7 @@ mod tests {
             ack_wait: Duration::from_millis(1500),
             ..Snapshot::default()
         });
-        let text = process.render(true);
+        let text = process.render(true, SpanCounts::default());
         let billing = r#"consumer="billing",stream="ORDERS""#;
         let expect = [
             (
@@ -520,7 +552,7 @@ mod tests {
             assert_eq!(value(&text, &series), Some(want), "{series} in:\n{text}");
         }
         shipping.forget();
-        let text = process.render(true);
+        let text = process.render(true, SpanCounts::default());
         assert!(!text.contains(r#"consumer="shipping""#), "{text}");
         assert!(text.contains(r#"consumer="billing""#), "{text}");
     }

@@ -93,6 +93,8 @@ pub(crate) async fn forward(
         .map_err(|err| ForwardError::Unavailable(format!("encoding a forwarded settle: {err}")))?;
     let mut headers = HeaderMap::new();
     trust.seal(Kind::ForwardedSettle, &subject, &[&payload], &mut headers);
+    // Outside the seal: it only decides where the owner's spans go in a trace.
+    crate::telemetry::spans::inject_forward(&mut headers);
     let request = async_nats::Request::new()
         .payload(Bytes::from(payload))
         .headers(headers)

@@ -329,6 +329,61 @@ fn mounts(service: &Yaml) -> Vec<(String, String, bool)> {
         .collect()
 }
 
+/// The optional `tracing` profile: an OpenTelemetry Collector taking OTLP over HTTP on 4318
+/// (the endpoint the gateway's comment names) and exporting to the Jaeger service, both only
+/// in that profile; without it the gateway's OTLP endpoint is empty, so tracing stays off.
+#[test]
+fn compose_has_an_optional_collector_and_jaeger_for_traces() {
+    let compose = compose();
+    let services = &compose["services"];
+    for name in ["otel-collector", "jaeger"] {
+        assert_eq!(
+            words(&services[name]["profiles"]),
+            ["tracing"],
+            "{name} runs only with --profile tracing"
+        );
+    }
+    let (source, target, read_only) = mounts(&services["otel-collector"])
+        .into_iter()
+        .next()
+        .expect("the collector mounts its configuration");
+    assert!(read_only, "the collector's configuration is read-only");
+    let command = words(&services["otel-collector"]["command"]).join(" ");
+    assert!(
+        command.contains(&format!("--config={target}")),
+        "the collector reads {target}: {command}"
+    );
+    let config = YamlLoader::load_from_str(&read(source.trim_start_matches("./")))
+        .expect("the collector's configuration is YAML")
+        .remove(0);
+    assert_eq!(
+        config["receivers"]["otlp"]["protocols"]["http"]["endpoint"].as_str(),
+        Some("0.0.0.0:4318"),
+        "OTLP/HTTP, the gateway's default protocol, on 4318"
+    );
+    let jaeger = config["exporters"]["otlp/jaeger"]["endpoint"]
+        .as_str()
+        .expect("an OTLP exporter to Jaeger");
+    assert_eq!(jaeger, "jaeger:4317", "Jaeger's OTLP gRPC port");
+    assert_eq!(
+        words(&config["service"]["pipelines"]["traces"]["exporters"]),
+        ["otlp/jaeger"]
+    );
+    assert!(words(&services["jaeger"]["ports"]).contains(&"16686:16686".to_owned()));
+
+    let gateway = &services["gateway"];
+    let endpoint = environment(gateway)
+        .into_iter()
+        .find(|(key, _)| key == "OTEL_EXPORTER_OTLP_ENDPOINT")
+        .expect("the gateway's OTLP endpoint is configurable");
+    assert_eq!(endpoint.1, "", "tracing off unless asked for");
+    assert!(
+        read("docker-compose.yml")
+            .contains("OTEL_EXPORTER_OTLP_ENDPOINT=http://otel-collector:4318 docker compose --profile tracing up"),
+        "the file says how to turn it on"
+    );
+}
+
 /// The compose stack runs three gateway replicas on one stream and consumer, signing lease
 /// ids with one key that a one-shot job generates into a named volume (never a key file from
 /// the repository); none of them publishes a port: a balancer in front publishes 8080 and
@@ -451,13 +506,15 @@ fn compose_runs_three_replicas_with_one_lease_key_behind_a_balancer() {
         "every replica reads the same key file of the same volume: {key_files:?}"
     );
 
-    // The balancer: the one service publishing 8080, after the gateways, round robin.
+    // The balancer: the one service publishing 8080, after the gateways, round robin (of
+    // the services that always run: an optional profile's, Jaeger's UI, aside).
     let gateway_names: Vec<&str> = gateways
         .iter()
         .map(|gateway| gateway.name.as_str())
         .collect();
     let publishing: Vec<(String, &Yaml)> = services
         .iter()
+        .filter(|(_, service)| service["profiles"].is_badvalue())
         .filter(|(_, service)| !service["ports"].is_badvalue())
         .map(|(name, service)| (scalar(name).expect("a service name"), service))
         .collect();

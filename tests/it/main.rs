@@ -33,4 +33,5 @@ mod shutdown;
 mod signals;
 mod startup;
 mod support;
+mod tracing;
 mod websocket;

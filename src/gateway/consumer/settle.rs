@@ -10,7 +10,7 @@ use futures::FutureExt as _;
 use futures::future::join_all;
 use time::OffsetDateTime;
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{Instrument as _, Span, debug, info, warn};
 
 use crate::domain::finals::MessageKey;
 use crate::domain::lease_id::{DeliveryKey, InstanceId, LeaseCoordinates, SignedLease};
@@ -22,6 +22,7 @@ use crate::metrics::{SettleAction, SettleOutcome};
 use crate::nats::dead_letter::Outcome;
 use crate::nats::settle::{self as nats_settle, ConfirmError};
 use crate::nats::{self, Bound};
+use crate::telemetry;
 
 use super::wire::{self, settle_outcome};
 use super::{Consumer, Sent, SettleResult};
@@ -179,20 +180,39 @@ impl Consumer {
         let lease = match lease {
             Ok(lease) => lease,
             Err(err) => {
-                self.report(action, id, None, settle_outcome(&err));
+                let span = self.settle_span(action, None);
+                self.report(action, id, None, settle_outcome(&err), &span);
                 return Err(err);
             }
         };
-        match act(lease).await {
+        let span = self.settle_span(action, Some(&lease));
+        match act(lease).instrument(span.clone()).await {
             Ok((value, outcome)) => {
-                self.report(action, id, Some(&lease), outcome);
+                self.report(action, id, Some(&lease), outcome, &span);
                 Ok(value)
             }
             Err(err) => {
-                self.report(action, id, Some(&lease), settle_outcome(&err));
+                self.report(action, id, Some(&lease), settle_outcome(&err), &span);
                 Err(err)
             }
         }
+    }
+
+    /// The trace span of one settle (a disabled one when tracing is off), with what the
+    /// lease table kept of the message.
+    fn settle_span(&self, action: SettleAction, lease: Option<&LeaseCoordinates>) -> Span {
+        if !telemetry::on() {
+            return Span::none();
+        }
+        let note = lease.and_then(|lease| self.state.leases().note(lease.key));
+        let name = self.name();
+        telemetry::spans::settle_span(
+            action.as_str(),
+            &name.stream,
+            &name.consumer,
+            lease,
+            note.as_deref(),
+        )
     }
 
     async fn settle_lease(
@@ -304,8 +324,17 @@ impl Consumer {
         id: &str,
         lease: Option<&LeaseCoordinates>,
         outcome: SettleOutcome,
+        span: &Span,
     ) {
         self.state.metrics.settled(action, outcome);
+        telemetry::spans::settled(
+            span,
+            outcome.as_str(),
+            matches!(
+                outcome,
+                SettleOutcome::Timeout | SettleOutcome::Unavailable | SettleOutcome::Error
+            ),
+        );
         let kind = action.as_str();
         let result = outcome.as_str();
         match lease {

@@ -16,6 +16,7 @@ use super::{Caller, Consumer};
 use crate::domain::delivery::{Demand, Leased};
 use crate::domain::lease_id::DeliveryKey;
 use crate::error::Error;
+use crate::telemetry;
 
 /// The longest a stream waits for messages (or for credit) before it says it is alive: well
 /// inside the 15 s a client may expect between two lines.
@@ -44,6 +45,9 @@ pub(crate) struct LeaseStream {
     max_in_flight: usize,
     written: Vec<(DeliveryKey, Instant)>,
     unwritten: VecDeque<Leased>,
+    /// The span of the request that opened the stream: each batch's receive span is its
+    /// child (a disabled span when tracing is off).
+    origin: tracing::Span,
 }
 
 impl LeaseStream {
@@ -54,6 +58,7 @@ impl LeaseStream {
             max_in_flight,
             written: Vec::new(),
             unwritten: VecDeque::new(),
+            origin: tracing::Span::current(),
         }
     }
 
@@ -104,6 +109,14 @@ impl LeaseStream {
             return match self.gateway.lease_for(demand, caller).await {
                 Ok(leased) if leased.is_empty() => Step::Quiet,
                 Ok(leased) => {
+                    // A span only for a batch that came: an idle stream exports nothing.
+                    if telemetry::on() {
+                        let name = self.gateway.name();
+                        let span = self.origin.in_scope(|| {
+                            telemetry::spans::receive_span(&name.stream, &name.consumer)
+                        });
+                        telemetry::spans::received(&span, &leased);
+                    }
                     self.unwritten.extend(leased);
                     continue;
                 }

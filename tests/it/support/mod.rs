@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod gateway;
 pub mod metrics;
 pub mod nats;
+pub mod otlp;
 pub mod pki;
 pub mod setup;
 
