@@ -212,6 +212,9 @@ enum Kind {
     WsEach,
     /// One WebSocket, `ack` operations of 100 ids.
     WsHundred,
+    /// The batch loop with tracing on (every span sampled), exported over OTLP/HTTP to a
+    /// sink in this process that takes and drops them.
+    Traced,
 }
 
 /// One timed run.
@@ -232,6 +235,7 @@ impl Run {
             Kind::Floor => format!("floor x{}", self.clients),
             Kind::WsEach => format!("ws-each x{}", self.clients),
             Kind::WsHundred => format!("ws-100 x{}", self.clients),
+            Kind::Traced => format!("traced x{}", self.clients),
         }
     }
 }
@@ -314,7 +318,13 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
             clients: 1,
         });
     }
-    for kind in [Kind::Batch, Kind::Single, Kind::Forwarded, Kind::Floor] {
+    for kind in [
+        Kind::Batch,
+        Kind::Single,
+        Kind::Forwarded,
+        Kind::Floor,
+        Kind::Traced,
+    ] {
         if wanted(kind) {
             runs.extend(args.clients.iter().map(|&clients| Run { kind, clients }));
         }
@@ -945,6 +955,34 @@ fn http_client() -> anyhow::Result<reqwest::Client> {
         .context("building the HTTP client")
 }
 
+/// An OTLP/HTTP receiver that takes every export and drops it (answering as a collector
+/// does), on a free port; stops when the handle is dropped.
+async fn otlp_sink() -> anyhow::Result<(std::net::SocketAddr, AbortOnDrop)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding the OTLP sink")?;
+    let address = listener.local_addr().context("the OTLP sink's address")?;
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(|_body: axum::body::Bytes| async {
+            [(axum::http::header::CONTENT_TYPE, "application/x-protobuf")]
+        }),
+    );
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((address, AbortOnDrop(task)))
+}
+
+/// A task stopped when this is dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn drain_gateway(
     run: Run,
@@ -968,6 +1006,14 @@ async fn drain_gateway(
         .context("writing the lease key")?;
         flags.extend(["--lease-key-file".to_string(), key.display().to_string()]);
     }
+    // Kept until the drain ends: the traced gateway exports to it.
+    let _sink = if run.kind == Kind::Traced {
+        let (address, sink) = otlp_sink().await?;
+        flags.push(format!("--otlp-endpoint=http://{address}"));
+        Some(sink)
+    } else {
+        None
+    };
     let start = |log: &str| {
         GatewayChild::start(
             binary,
@@ -1155,7 +1201,7 @@ async fn gateway_loop(
         }
         let acks_started = Instant::now();
         match kind {
-            Kind::Batch | Kind::Forwarded | Kind::Floor => {
+            Kind::Batch | Kind::Forwarded | Kind::Floor | Kind::Traced => {
                 let ids: Vec<&str> = reply.messages.iter().map(|m| m.id.as_str()).collect();
                 let response = http
                     .post(&batch_ack_url)
@@ -1569,6 +1615,26 @@ fn print_report(args: &Args, version: &str, runs: &[Run], outcomes: &[Outcome]) 
             "| same, **one client** ÷ native | {} | ≥ 0.75 |",
             show(per_round(&|r| ratio(r, batch(1))), 2)
         );
+    }
+    let traced = |clients| Run {
+        kind: Kind::Traced,
+        clients,
+    };
+    for clients in [most, 1] {
+        if runs.contains(&traced(clients)) && runs.contains(&batch(clients)) {
+            println!(
+                "| batch drain, {clients} client(s), tracing on (every span sampled, OTLP/HTTP to a local sink) ÷ the same drain with tracing off | {} | ≥ 0.8 |",
+                show(
+                    per_round(&|r| Some(
+                        find(r, traced(clients))?.rate() / find(r, batch(clients))?.rate()
+                    )),
+                    2
+                )
+            );
+        }
+        if most == 1 {
+            break;
+        }
     }
     let ws_each = Run {
         kind: Kind::WsEach,

@@ -28,6 +28,11 @@ const MAX_PULL_EXPIRES: Duration = Duration::from_secs(1);
 const MIN_EXPIRES: Duration = Duration::from_millis(10);
 /// Upper bound on pulls open at once, whatever max_waiting allows.
 const MAX_OPEN_PULLS: usize = 256;
+/// How long a pull given up on (no end-of-request status by its give-up time) still counts
+/// toward the pull limit: on a machine too busy to read the status in time the server may
+/// still hold the pull, and opening another in its place would exceed max_waiting. A status
+/// that comes later than this (a pull lives at most 1 s) was lost: the pull no longer counts.
+const SILENT_COUNTS_FOR: Duration = Duration::from_secs(5);
 
 /// The answer channel of a waiting fetch.
 pub(crate) type Answer = oneshot::Sender<Vec<Leased>>;
@@ -75,6 +80,14 @@ struct Pull<R> {
     reader: R,
 }
 
+/// A pull given up on that may still be waiting at the server: it counts toward the pull
+/// limit until its status comes, its batch is filled, or `until`.
+struct SilentPull {
+    id: u64,
+    remaining: usize,
+    until: Instant,
+}
+
 /// A pull the book wants opened for a waiting fetch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct PlannedPull {
@@ -104,6 +117,7 @@ pub(super) struct Book<R> {
     waiters: VecDeque<Waiter>,
     held: VecDeque<Delivery>,
     pulls: HashMap<u64, Pull<R>>,
+    silent: Vec<SilentPull>,
     next_pull_id: u64,
 }
 
@@ -113,6 +127,7 @@ impl<R> Book<R> {
             waiters: VecDeque::new(),
             held: VecDeque::new(),
             pulls: HashMap::new(),
+            silent: Vec::new(),
             next_pull_id: 0,
         }
     }
@@ -160,6 +175,7 @@ impl<R> Book<R> {
     /// The server forgot the open pulls (the connection dropped). Their readers stay until
     /// they give up, so what the pulls already sent still arrives and is held.
     pub(super) fn forget_pulls(&mut self) {
+        self.silent.clear();
         for pull in self.pulls.values_mut() {
             pull.owner = None;
             pull.remaining = 0;
@@ -193,6 +209,14 @@ impl<R> Book<R> {
 
     /// One more message of `pull_id` arrived; returns the fetch it is for.
     pub(super) fn count_delivery(&mut self, pull_id: u64, now: Instant) -> Option<u64> {
+        if let Some(at) = self.silent.iter().position(|silent| silent.id == pull_id) {
+            let silent = &mut self.silent[at];
+            silent.remaining = silent.remaining.saturating_sub(1);
+            if silent.remaining == 0 {
+                self.silent.swap_remove(at);
+            }
+            return None;
+        }
         let pull = self.pulls.get_mut(&pull_id)?;
         pull.remaining = pull.remaining.saturating_sub(1);
         let owner = pull.owner;
@@ -206,7 +230,15 @@ impl<R> Book<R> {
     pub(super) fn end_pull(&mut self, pull_id: u64, refused: bool, now: Instant) {
         if let Some(pull) = self.pulls.remove(&pull_id) {
             self.pull_ended_for(pull.owner, refused, now);
+        } else {
+            // A pull given up on ended after all: it no longer counts.
+            self.silent.retain(|silent| silent.id != pull_id);
         }
+    }
+
+    /// Pulls that count toward the limit: open ones and those given up on lately.
+    fn counted_pulls(&self) -> usize {
+        self.pulls.len() + self.silent.len()
     }
 
     fn pull_ended_for(&mut self, owner: Option<u64>, refused: bool, now: Instant) {
@@ -267,11 +299,20 @@ impl<R> Book<R> {
             .front()
             .map(|delivery| delivery.received_at + hold);
         let pulls = self.pulls.values().map(|pull| pull.give_up_at);
+        // A silent pull that stops counting may let a waiting fetch pull.
+        let silent = (!self.waiters.is_empty())
+            .then(|| self.silent.iter().map(|silent| silent.until).min())
+            .flatten();
         // An expiring lease frees capacity for waiting fetches.
         let lease_expiry = (!self.waiters.is_empty())
             .then(|| next_release().filter(|at| *at > now))
             .flatten();
-        waiters.chain(held).chain(pulls).chain(lease_expiry).min()
+        waiters
+            .chain(held)
+            .chain(pulls)
+            .chain(silent)
+            .chain(lease_expiry)
+            .min()
     }
 
     /// Fetches whose HTTP client went away give their deliveries back.
@@ -289,9 +330,12 @@ impl<R> Book<R> {
     }
 
     /// Pulls past their give-up time without an end-of-request status (a busy machine or a
-    /// lost connection) no longer count; their readers are returned, to keep forwarding
-    /// whatever still arrives: dropping them could strand deliveries for a whole ack_wait.
+    /// lost connection) free their fetches, and keep counting toward the pull limit for
+    /// [`SILENT_COUNTS_FOR`] (unless their status or their batch comes first); their readers
+    /// are returned, to keep forwarding whatever still arrives: dropping them could strand
+    /// deliveries for a whole ack_wait.
     pub(super) fn give_up_silent_pulls(&mut self, now: Instant) -> Vec<R> {
+        self.silent.retain(|silent| silent.until > now);
         let silent: Vec<u64> = self
             .pulls
             .iter()
@@ -303,6 +347,13 @@ impl<R> Book<R> {
             if let Some(pull) = self.pulls.remove(&pull_id) {
                 readers.push(pull.reader);
                 self.pull_ended_for(pull.owner, false, now);
+                if pull.remaining > 0 {
+                    self.silent.push(SilentPull {
+                        id: pull_id,
+                        remaining: pull.remaining,
+                        until: now + SILENT_COUNTS_FOR,
+                    });
+                }
             }
         }
         readers
@@ -368,7 +419,7 @@ impl<R> Book<R> {
         limits: PullLimits,
     ) -> Vec<PlannedPull> {
         let max_pulls = Self::max_pulls(limits);
-        let mut open = self.pulls.len();
+        let mut open = self.counted_pulls();
         let mut planned = Vec::new();
         for waiter in &self.waiters {
             if open >= max_pulls || capacity == 0 {
@@ -407,7 +458,7 @@ impl<R> Book<R> {
 
     /// Whether fetches wait while the pull limit is reached.
     pub(super) fn at_pull_limit(&self, limits: PullLimits) -> bool {
-        !self.waiters.is_empty() && self.pulls.len() >= Self::max_pulls(limits)
+        !self.waiters.is_empty() && self.counted_pulls() >= Self::max_pulls(limits)
     }
 
     fn max_pulls(limits: PullLimits) -> usize {

@@ -13,7 +13,6 @@ use axum::http::request::Parts;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use tracing::Instrument as _;
 
 use super::body::JsonBody;
 use super::client::Connection;
@@ -133,13 +132,15 @@ async fn fetch_from(
     let idempotency = idempotency(&headers, credential.as_deref(), &demand, encoding)?;
     let client = connection.map(|Extension(connection)| connection.client);
     let name = gateway.name();
-    let span = telemetry::spans::receive_span(&name.stream, &name.consumer);
+    // Behind a lock: the answer is rendered by a shared closure.
+    let span = std::sync::Mutex::new(telemetry::spans::receive_span(&name.stream, &name.consumer));
     let fetched = gateway
         .fetch(demand, idempotency, client.as_ref(), |leased| {
-            telemetry::spans::received(&span, &leased);
+            if let Ok(mut span) = span.lock() {
+                telemetry::spans::received(&mut span, &leased);
+            }
             render(leased, encoding)
         })
-        .instrument(span.clone())
         .await?;
     let mut response = json_response(fetched.body);
     if fetched.replayed {

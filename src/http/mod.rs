@@ -275,7 +275,7 @@ async fn edge(
     let span = request_span(&request);
     let log = RequestLog {
         request_id: request_id.clone(),
-        trace: telemetry::spans::ids(&span),
+        trace: telemetry::spans::request_trace(&span),
     };
     let response = if span.is_disabled() {
         logs::within(log, metrics::guard(&edge.guard, request, next)).await

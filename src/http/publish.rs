@@ -10,7 +10,6 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use tracing::Instrument as _;
 
 use super::body::JsonBody;
 use super::dto::{Encoding, HeaderValues, PublishBody, PublishResponse};
@@ -75,13 +74,10 @@ pub(crate) async fn publish(
             headers.append(header_name.clone(), value);
         }
     }
-    let span = telemetry::spans::send_span(&body.subject, &mut headers);
-    let published = gateway
-        .publish(body.subject, headers, payload.into())
-        .instrument(span.clone())
-        .await;
+    let mut span = telemetry::spans::send_span(&body.subject, &mut headers);
+    let published = gateway.publish(body.subject, headers, payload.into()).await;
     telemetry::spans::sent(
-        &span,
+        &mut span,
         published
             .as_ref()
             .map(|ack| (ack.stream.as_str(), ack.sequence))

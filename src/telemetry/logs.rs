@@ -17,12 +17,29 @@ use tracing_subscriber::registry::LookupSpan;
 #[derive(Debug, Clone)]
 pub(crate) struct RequestLog {
     pub(crate) request_id: axum::http::HeaderValue,
-    /// The server span's trace and span ids, when traced.
-    pub(crate) trace: Option<(String, String)>,
+    /// The server span's trace, when traced.
+    pub(crate) trace: Option<RequestTrace>,
+}
+
+/// A traced request's server span: its ids for the log lines, its context for the spans of
+/// the messages it handles.
+#[derive(Debug, Clone)]
+pub(crate) struct RequestTrace {
+    pub(crate) trace_id: String,
+    pub(crate) span_id: String,
+    pub(crate) context: opentelemetry::Context,
 }
 
 tokio::task_local! {
     static REQUEST: RequestLog;
+}
+
+/// The trace context of the request being served, when it is traced.
+pub(crate) fn request_context() -> Option<opentelemetry::Context> {
+    REQUEST
+        .try_with(|log| log.trace.as_ref().map(|trace| trace.context.clone()))
+        .ok()
+        .flatten()
 }
 
 /// Serve a request (`serve`) with the log context `log`.
@@ -65,10 +82,10 @@ where
             .format_event(ctx, Writer::new(&mut line), event)?;
         let request_id = String::from_utf8_lossy(log.request_id.as_bytes());
         let fields: Vec<(&str, &str)> = std::iter::once(("request_id", request_id.as_ref()))
-            .chain(log.trace.iter().flat_map(|(trace_id, span_id)| {
+            .chain(log.trace.iter().flat_map(|trace| {
                 [
-                    ("trace_id", trace_id.as_str()),
-                    ("span_id", span_id.as_str()),
+                    ("trace_id", trace.trace_id.as_str()),
+                    ("span_id", trace.span_id.as_str()),
                 ]
             }))
             .collect();

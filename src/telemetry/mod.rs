@@ -42,6 +42,13 @@ static DROPPED: AtomicU64 = AtomicU64::new(0);
 /// Spans the collector accepted since start.
 static EXPORTED: AtomicU64 = AtomicU64::new(0);
 
+/// The tracer of the per-message spans ([`spans::MessageSpan`]), set with [`ON`].
+static TRACER: std::sync::OnceLock<Tracer> = std::sync::OnceLock::new();
+
+fn tracer() -> Option<&'static Tracer> {
+    TRACER.get()
+}
+
 /// Whether tracing is on (an OTLP endpoint is configured).
 pub(crate) fn on() -> bool {
     ON.load(Ordering::Relaxed)
@@ -146,6 +153,7 @@ pub fn start(flag: Option<&str>) -> anyhow::Result<Option<(Telemetry, Tracer)>> 
         .with_resource(resource())
         .build();
     let tracer = provider.tracer(SERVICE_NAME);
+    let _ = TRACER.set(tracer.clone());
     ON.store(true, Ordering::Relaxed);
     Ok(Some((Telemetry { provider }, tracer)))
 }

@@ -8,7 +8,10 @@
 //! May import: as the rest of `telemetry`.
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator as _};
-use opentelemetry::trace::{SpanContext, TraceContextExt as _};
+use opentelemetry::trace::{
+    Link, Span as _, SpanBuilder, SpanContext, SpanKind, Status, TraceContextExt as _, Tracer as _,
+};
+use opentelemetry::{KeyValue, Value};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use tracing::Span;
 use tracing::field::Empty;
@@ -70,118 +73,175 @@ pub(crate) fn answered(span: &Span, status: axum::http::StatusCode) {
     }
 }
 
-/// The trace and span ids of `span` (hex), when it is part of a trace.
-pub(crate) fn ids(span: &Span) -> Option<(String, String)> {
+/// The trace context of a request's server span, for its log lines and its message spans;
+/// `None` when it is not part of a trace.
+pub(crate) fn request_trace(span: &Span) -> Option<super::logs::RequestTrace> {
+    if span.is_disabled() {
+        return None;
+    }
     let context = span.context();
     let span_context = context.span().span_context().clone();
-    span_context.is_valid().then(|| {
-        (
-            span_context.trace_id().to_string(),
-            span_context.span_id().to_string(),
-        )
+    span_context.is_valid().then(|| super::logs::RequestTrace {
+        trace_id: span_context.trace_id().to_string(),
+        span_id: span_context.span_id().to_string(),
+        context,
     })
+}
+
+/// A span of one message (`send`, `receive`, `settle`), made with the OpenTelemetry API
+/// itself rather than as a `tracing` span: these are made per message, and the registry, the
+/// field visitors and the string conversions of the bridge cost as much again as the span.
+/// Ends when dropped. Does nothing when tracing is off.
+pub(crate) struct MessageSpan(Option<opentelemetry_sdk::trace::Span>);
+
+impl MessageSpan {
+    pub(crate) fn none() -> Self {
+        Self(None)
+    }
+
+    fn set(&mut self, key: &'static str, value: impl Into<Value>) {
+        if let Some(span) = &mut self.0 {
+            span.set_attribute(KeyValue::new(key, value));
+        }
+    }
+
+    fn fail(&mut self) {
+        if let Some(span) = &mut self.0 {
+            span.set_status(Status::error(""));
+        }
+    }
+
+    fn span_context(&self) -> Option<SpanContext> {
+        self.0.as_ref().map(|span| span.span_context().clone())
+    }
+}
+
+/// Start a message span, child of the current request (or of a forwarded settle's context).
+fn start(name: String, kind: SpanKind, attributes: Vec<KeyValue>, links: Vec<Link>) -> MessageSpan {
+    let Some(tracer) = super::tracer() else {
+        return MessageSpan::none();
+    };
+    let parent = parent_context();
+    let builder = SpanBuilder::from_name(name)
+        .with_kind(kind)
+        .with_attributes(attributes)
+        .with_links(links);
+    MessageSpan(Some(tracer.build_with_context(builder, &parent)))
+}
+
+/// The parent of a message span: a forwarded settle's context, else the request's server span
+/// (kept by the request's log context), else the current `tracing` span's.
+fn parent_context() -> opentelemetry::Context {
+    FORWARDED_FROM
+        .try_with(Clone::clone)
+        .ok()
+        .or_else(super::logs::request_context)
+        .unwrap_or_else(|| Span::current().context())
+}
+
+/// `messaging.system`, on every message span.
+fn system() -> KeyValue {
+    KeyValue::new("messaging.system", "nats")
 }
 
 /// A `send {subject}` span (kind PRODUCER) for `POST /publish`; `headers` are the message's
 /// NATS headers, which get the span's `traceparent` (and `tracestate`) unless the publisher
 /// already set one, kept as it is then.
-pub(crate) fn send_span(subject: &str, headers: &mut async_nats::HeaderMap) -> Span {
+pub(crate) fn send_span(subject: &str, headers: &mut async_nats::HeaderMap) -> MessageSpan {
     if !on() {
-        return Span::none();
+        return MessageSpan::none();
     }
-    let message_id = header(headers, MESSAGE_ID).map(str::to_owned);
-    let span = tracing::info_span!(
-        target: MESSAGING,
-        "send",
-        otel.name = format!("send {subject}"),
-        otel.kind = "producer",
-        otel.status_code = Empty,
-        messaging.system = "nats",
-        messaging.operation.type = "send",
-        messaging.operation.name = "publish",
-        messaging.destination.name = subject,
-        messaging.message.id = message_id,
-        messaging.nats.stream = Empty,
-        messaging.nats.stream_sequence = Empty,
-        error.type = Empty,
+    let mut attributes = vec![
+        system(),
+        KeyValue::new("messaging.operation.type", "send"),
+        KeyValue::new("messaging.operation.name", "publish"),
+        KeyValue::new("messaging.destination.name", subject.to_owned()),
+    ];
+    if let Some(id) = header(headers, MESSAGE_ID) {
+        attributes.push(KeyValue::new("messaging.message.id", id.to_owned()));
+    }
+    let span = start(
+        format!("send {subject}"),
+        SpanKind::Producer,
+        attributes,
+        Vec::new(),
     );
-    if header(headers, TRACEPARENT).is_none() {
-        inject_nats(&span, headers);
+    if header(headers, TRACEPARENT).is_none()
+        && let Some(context) = span.span_context()
+    {
+        let context = opentelemetry::Context::new().with_remote_span_context(context);
+        TraceContextPropagator::new().inject_context(&context, &mut NatsHeadersMut(headers));
     }
     span
 }
 
 /// What the stream said of a published message, on its `send` span: where it stored it, or
 /// the HTTP status of the refusal (its `error.type`).
-pub(crate) fn sent(span: &Span, result: Result<(&str, u64), u16>) {
+pub(crate) fn sent(span: &mut MessageSpan, result: Result<(&str, u64), u16>) {
     match result {
         Ok((stream, sequence)) => {
-            span.record("messaging.nats.stream", stream);
-            span.record("messaging.nats.stream_sequence", sequence);
+            span.set("messaging.nats.stream", stream.to_owned());
+            span.set("messaging.nats.stream_sequence", int(sequence));
         }
         Err(status) => {
-            span.record("otel.status_code", "error");
-            span.record("error.type", status.to_string());
+            span.fail();
+            span.set("error.type", status.to_string());
         }
     }
 }
 
 /// A `receive {stream}` span (kind CONSUMER) for one fetch, or one batch written to an open
 /// event stream; [`received`] adds its messages.
-pub(crate) fn receive_span(stream: &str, consumer: &str) -> Span {
+pub(crate) fn receive_span(stream: &str, consumer: &str) -> MessageSpan {
     if !on() {
-        return Span::none();
+        return MessageSpan::none();
     }
-    tracing::info_span!(
-        target: MESSAGING,
-        "receive",
-        otel.name = format!("receive {stream}"),
-        otel.kind = "consumer",
-        messaging.system = "nats",
-        messaging.operation.type = "receive",
-        messaging.operation.name = "fetch",
-        messaging.consumer.group.name = consumer,
-        messaging.nats.stream = stream,
-        messaging.destination.name = Empty,
-        messaging.batch.message_count = Empty,
+    start(
+        format!("receive {stream}"),
+        SpanKind::Consumer,
+        vec![
+            system(),
+            KeyValue::new("messaging.operation.type", "receive"),
+            KeyValue::new("messaging.operation.name", "fetch"),
+            KeyValue::new("messaging.consumer.group.name", consumer.to_owned()),
+            KeyValue::new("messaging.nats.stream", stream.to_owned()),
+        ],
+        Vec::new(),
     )
 }
 
 /// The messages a receive span handed out: their count, a link to each one's own trace
 /// context (its `traceparent` header), and the subject when they all share one.
-pub(crate) fn received(span: &Span, leased: &[Leased]) {
-    if span.is_disabled() {
+pub(crate) fn received(span: &mut MessageSpan, leased: &[Leased]) {
+    let Some(inner) = &mut span.0 else {
         return;
-    }
-    span.record("messaging.batch.message_count", leased.len() as u64);
+    };
+    inner.set_attribute(KeyValue::new(
+        "messaging.batch.message_count",
+        int(leased.len() as u64),
+    ));
     if let Some(first) = leased.first()
         && leased
             .iter()
             .all(|one| one.delivery.subject == first.delivery.subject)
     {
-        span.record(
+        inner.set_attribute(KeyValue::new(
             "messaging.destination.name",
-            first.delivery.subject.as_str(),
-        );
+            first.delivery.subject.to_string(),
+        ));
     }
     for one in leased {
         if let Some(context) = message_context(one.delivery.headers.as_ref()) {
             let key = one.delivery.coordinates.key;
-            span.add_link_with_attributes(
+            inner.add_link(
                 context,
                 vec![
-                    opentelemetry::KeyValue::new(
+                    KeyValue::new(
                         "messaging.destination.name",
                         one.delivery.subject.to_string(),
                     ),
-                    opentelemetry::KeyValue::new(
-                        "messaging.nats.stream_sequence",
-                        i64::try_from(key.stream_sequence).unwrap_or(i64::MAX),
-                    ),
-                    opentelemetry::KeyValue::new(
-                        "messaging.nats.delivered",
-                        i64::try_from(key.delivered).unwrap_or(i64::MAX),
-                    ),
+                    KeyValue::new("messaging.nats.stream_sequence", int(key.stream_sequence)),
+                    KeyValue::new("messaging.nats.delivered", int(key.delivered)),
                 ],
             );
         }
@@ -225,61 +285,75 @@ pub(crate) async fn forwarded_from<F: Future>(
     FORWARDED_FROM.scope(context, serve).await
 }
 
-/// The current span's trace context in a forwarded settle's NATS headers, for the owner's
-/// settle spans to be its children.
+/// The current request's trace context in a forwarded settle's NATS headers, for the
+/// owner's settle spans to be its children.
 pub(crate) fn inject_forward(headers: &mut async_nats::HeaderMap) {
     if on() {
-        inject_nats(&Span::current(), headers);
+        TraceContextPropagator::new()
+            .inject_context(&parent_context(), &mut NatsHeadersMut(headers));
     }
 }
 
 /// A settle span for one lease id: named `{operation} {subject}` (the stream's name when the
-/// id names no lease known here), kind CLIENT, child of the current span (the HTTP request's)
-/// or of a forwarded settle's context, linked to the message's own trace context.
+/// id names no lease known here), kind CLIENT, child of the current request's span or of a
+/// forwarded settle's context, linked to the message's own trace context.
 pub(crate) fn settle_span(
-    operation: &str,
+    operation: &'static str,
     stream: &str,
     consumer: &str,
     lease: Option<&LeaseCoordinates>,
     note: Option<&MessageNote>,
-) -> Span {
+) -> MessageSpan {
     if !on() {
-        return Span::none();
+        return MessageSpan::none();
     }
     let destination = note.map_or(stream, |note| note.subject.as_str());
-    let span = tracing::info_span!(
-        target: MESSAGING,
-        "settle",
-        otel.name = format!("{operation} {destination}"),
-        otel.kind = "client",
-        otel.status_code = Empty,
-        messaging.system = "nats",
-        messaging.operation.type = "settle",
-        messaging.operation.name = operation,
-        messaging.destination.name = destination,
-        messaging.consumer.group.name = consumer,
-        messaging.nats.stream = stream,
-        messaging.message.id = note.and_then(|note| note.message_id.as_deref()),
-        messaging.nats.stream_sequence = lease.map(|lease| lease.key.stream_sequence),
-        messaging.nats.delivered = lease.map(|lease| lease.key.delivered),
-        ruststream.settle.outcome = Empty,
-    );
-    if let Ok(parent) = FORWARDED_FROM.try_with(Clone::clone) {
-        let _ = span.set_parent(parent);
+    let mut attributes = Vec::with_capacity(10);
+    attributes.extend([
+        system(),
+        KeyValue::new("messaging.operation.type", "settle"),
+        KeyValue::new("messaging.operation.name", operation),
+        KeyValue::new("messaging.destination.name", destination.to_owned()),
+        KeyValue::new("messaging.consumer.group.name", consumer.to_owned()),
+        KeyValue::new("messaging.nats.stream", stream.to_owned()),
+    ]);
+    if let Some(id) = note.and_then(|note| note.message_id.clone()) {
+        attributes.push(KeyValue::new("messaging.message.id", id));
     }
-    if let Some(context) = note.and_then(|note| note.context.clone()) {
-        span.add_link(context);
+    if let Some(lease) = lease {
+        attributes.push(KeyValue::new(
+            "messaging.nats.stream_sequence",
+            int(lease.key.stream_sequence),
+        ));
+        attributes.push(KeyValue::new(
+            "messaging.nats.delivered",
+            int(lease.key.delivered),
+        ));
     }
-    span
+    let links = note
+        .and_then(|note| note.context.clone())
+        .map(|context| vec![Link::with_context(context)])
+        .unwrap_or_default();
+    start(
+        format!("{operation} {destination}"),
+        SpanKind::Client,
+        attributes,
+        links,
+    )
 }
 
 /// How the settle ended (the `result` label of the metrics: `ok`, `already_settled`, `gone`,
 /// …); `failed` marks the span an error (the server did not confirm it).
-pub(crate) fn settled(span: &Span, outcome: &'static str, failed: bool) {
-    span.record("ruststream.settle.outcome", outcome);
+pub(crate) fn settled(span: &mut MessageSpan, outcome: &'static str, failed: bool) {
+    span.set("ruststream.settle.outcome", outcome);
     if failed {
-        span.record("otel.status_code", "error");
+        span.fail();
     }
+}
+
+/// A count or sequence as an OTLP integer (signed 64-bit).
+fn int(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
 }
 
 /// The trace context in a message's `traceparent` (and `tracestate`) header, when valid.
@@ -289,10 +363,6 @@ fn message_context(headers: Option<&async_nats::HeaderMap>) -> Option<SpanContex
     let context = TraceContextPropagator::new().extract(&NatsHeaders(headers));
     let span_context = context.span().span_context().clone();
     span_context.is_valid().then_some(span_context)
-}
-
-fn inject_nats(span: &Span, headers: &mut async_nats::HeaderMap) {
-    TraceContextPropagator::new().inject_context(&span.context(), &mut NatsHeadersMut(headers));
 }
 
 /// A NATS header by name, the case of the name aside (the first value).

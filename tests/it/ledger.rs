@@ -1,8 +1,9 @@
 //! The ledger test (anchor: Jepsen's NATS queue workload). Publish K messages with unique ids,
 //! run W HTTP workers against the gateway (a child process, so it can be killed -9) with mixed
 //! behaviour — mostly ack, some batch-ack, some nak with a delay, some term with a recorded
-//! reason, some abandon the lease and let it expire — inject one kind of fault per run, and
-//! keep a ledger of every delivery and every settle answer.
+//! reason, some abandon the lease and let it expire — and two streaming workers, leased to
+//! over SSE and over a WebSocket (acking in band), inject one kind of fault per run, and keep
+//! a ledger of every delivery and every settle answer.
 //!
 //! Per run it prints K, acked, termed, lost, duplicates, redeliveries and the time to recover
 //! after each fault, and asserts:
@@ -327,10 +328,28 @@ fn record_fetched_at(
     ledger: &SharedLedger,
     reply: &Reply,
     owner: usize,
+    generation: (u64, u64),
+) -> Vec<Lease> {
+    let messages = reply
+        .body
+        .get("messages")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten();
+    record_at(ledger, messages, owner, generation)
+}
+
+/// Deliveries leased by replica `owner` (in its `generation` and `life`), recorded in the
+/// ledger: a fetch's, or one written to a stream.
+fn record_at<'m>(
+    ledger: &SharedLedger,
+    messages: impl IntoIterator<Item = &'m Value>,
+    owner: usize,
     (generation, life): (u64, u64),
 ) -> Vec<Lease> {
-    let leases: Vec<Lease> = record_fetched(ledger, reply)
+    let leases: Vec<Lease> = messages
         .into_iter()
+        .filter_map(|message| record_delivery(ledger, message))
         .map(|lease| Lease {
             owner,
             generation,
@@ -492,6 +511,46 @@ async fn term(fleet: &Fleet, ledger: &SharedLedger, lease: &Lease) {
     }
 }
 
+/// Nak with a 300 ms delay, at another replica than the lease's: the message comes back
+/// either way, but anything but 204 (or a lease that just expired) breaks the contract.
+async fn nak_with_delay(fleet: &Fleet, ledger: &SharedLedger, lease: &Lease) {
+    let answer = fleet
+        .settler(lease)
+        .try_settle(
+            &lease.id,
+            Action::Nak,
+            Some(&json!({ "delay_ms": 300 })),
+            None,
+        )
+        .await;
+    let status = answer.as_ref().map(|reply| reply.status).ok();
+    if let Some(status) = status {
+        fleet.check_refusal(ledger, lease, status);
+    }
+    if !matches!(status, Some(204 | 410)) {
+        unexpected(
+            ledger,
+            format!("nak {}: {}", lease.ledger_id, answer_text(&answer)),
+        );
+    }
+}
+
+/// Do with the leases of one fetch (or one streamed batch) what [`behaviour`] says, over
+/// HTTP, each settle at another replica than the lease's.
+async fn settle_leases(fleet: &Fleet, ledger: &SharedLedger, leases: Vec<Lease>) {
+    let mut batch = Vec::new();
+    for lease in leases {
+        match behaviour(&lease) {
+            Behaviour::Ack => ack(fleet, ledger, &lease).await,
+            Behaviour::BatchAck => batch.push(lease),
+            Behaviour::NakWithDelay => nak_with_delay(fleet, ledger, &lease).await,
+            Behaviour::Term => term(fleet, ledger, &lease).await,
+            Behaviour::Abandon => {}
+        }
+    }
+    batch_ack(fleet, ledger, &batch).await;
+}
+
 async fn worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationToken) {
     while !stop.is_cancelled() {
         let owner = fleet.pick();
@@ -509,39 +568,198 @@ async fn worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationToken
             }
         };
         let leases = record_fetched_at(&ledger, &reply, owner, generation);
-        let mut batch = Vec::new();
-        for lease in leases {
-            match behaviour(&lease) {
-                Behaviour::Ack => ack(&fleet, &ledger, &lease).await,
-                Behaviour::BatchAck => batch.push(lease),
-                Behaviour::NakWithDelay => {
-                    let answer = fleet
-                        .settler(&lease)
-                        .try_settle(
-                            &lease.id,
-                            Action::Nak,
-                            Some(&json!({ "delay_ms": 300 })),
-                            None,
-                        )
-                        .await;
-                    // A nak settles nothing for good: the message comes back either way, but
-                    // anything but 204 (or a lease that just expired) breaks the contract.
-                    let status = answer.as_ref().map(|reply| reply.status).ok();
-                    if let Some(status) = status {
-                        fleet.check_refusal(&ledger, &lease, status);
-                    }
-                    if !matches!(status, Some(204 | 410)) {
-                        unexpected(
-                            &ledger,
-                            format!("nak {}: {}", lease.ledger_id, answer_text(&answer)),
-                        );
+        settle_leases(&fleet, &ledger, leases).await;
+    }
+}
+
+/// Credit of the streaming workers: a few leases out at a time, as a fetch worker has.
+const STREAM_CREDIT: &str = "max_in_flight=5&encoding=utf8";
+
+/// A worker leased to over Server-Sent Events (`GET /events`) at a random replica, settling
+/// over HTTP as the fetch workers do. A stream that ends (a fault, a shutdown, the client's
+/// 15 s bound) is opened again; only a refused open counts against the contract.
+///
+/// Deliveries are recorded as they arrive, by a reader apart from the settling: a stream
+/// keeps sending while its client settles, and a delivery read late would look like one
+/// made late (after a newer delivery of the message was settled elsewhere).
+async fn sse_worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationToken) {
+    while !stop.is_cancelled() {
+        let owner = fleet.pick();
+        let client = &fleet.clients[owner];
+        let opened = client
+            .http
+            .get(client.url(&format!("/events?{STREAM_CREDIT}")))
+            .send()
+            .await;
+        let mut response = match opened {
+            Ok(response) if response.status() == 200 => response,
+            other => {
+                let what = match other {
+                    Ok(response) => format!("{}", response.status()),
+                    Err(err) => format!("no answer: {err}"),
+                };
+                unexpected(&ledger, format!("events: {what}"));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let (arrived, mut leases) = tokio::sync::mpsc::unbounded_channel();
+        let (reader_ledger, reader_fleet) = (ledger.clone(), fleet.clone());
+        let reader = tokio::spawn(async move {
+            let mut text = String::new();
+            while let Ok(Some(chunk)) = response.chunk().await {
+                text.push_str(&String::from_utf8_lossy(&chunk));
+                while let Some(end) = text.find("\n\n") {
+                    let event: String = text.drain(..end + 2).collect();
+                    let is_message = event.lines().any(|line| line == "event: message");
+                    let data = event.lines().find_map(|line| line.strip_prefix("data: "));
+                    let (true, Some(data)) = (is_message, data) else {
+                        continue;
+                    };
+                    let Ok(message) = serde_json::from_str::<Value>(data) else {
+                        unexpected(&reader_ledger, format!("events: not JSON: {data}"));
+                        continue;
+                    };
+                    let generation = (reader_fleet.generation(owner), reader_fleet.life(owner));
+                    for lease in record_at(&reader_ledger, [&message], owner, generation) {
+                        let _ = arrived.send(lease);
                     }
                 }
-                Behaviour::Term => term(&fleet, &ledger, &lease).await,
-                Behaviour::Abandon => {}
+            }
+        });
+        loop {
+            let lease = tokio::select! {
+                () = stop.cancelled() => {
+                    reader.abort();
+                    return;
+                }
+                lease = leases.recv() => lease,
+            };
+            let Some(lease) = lease else {
+                break;
+            };
+            settle_leases(&fleet, &ledger, vec![lease]).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// What the reader of a WebSocket passes on.
+enum FromSocket {
+    Lease(Lease),
+    /// A `settled` frame: its `ref` and its first result's status.
+    Settled(Option<u64>, Option<u64>),
+}
+
+/// A worker leased to over a WebSocket (`GET /ws`) at a random replica: what it acks it acks
+/// in band, one `ack` operation at a time, and takes the `settled` frame's status as an
+/// HTTP ack's; its other settles go over HTTP. A socket that ends is opened again.
+/// Deliveries are recorded as they arrive (see [`sse_worker`]).
+async fn ws_worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationToken) {
+    use futures::{SinkExt as _, StreamExt as _};
+    use tokio_tungstenite::tungstenite::Message;
+    let mut next_ref = 0u64;
+    while !stop.is_cancelled() {
+        let owner = fleet.pick();
+        let url = format!(
+            "{}/ws?{STREAM_CREDIT}",
+            fleet.clients[owner].base().replacen("http://", "ws://", 1)
+        );
+        let opened = tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio_tungstenite::connect_async(url),
+        )
+        .await;
+        let Ok(Ok((socket, _))) = opened else {
+            unexpected(&ledger, "ws: the handshake failed".into());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let (mut sink, mut source) = socket.split();
+        let (arrived, mut frames) = tokio::sync::mpsc::unbounded_channel();
+        let (reader_ledger, reader_fleet) = (ledger.clone(), fleet.clone());
+        let reader = tokio::spawn(async move {
+            while let Some(Ok(frame)) = source.next().await {
+                let Message::Text(text) = frame else {
+                    continue;
+                };
+                let Ok(frame) = serde_json::from_str::<Value>(&text) else {
+                    continue;
+                };
+                if frame["type"] == "message" {
+                    let generation = (reader_fleet.generation(owner), reader_fleet.life(owner));
+                    for lease in record_at(&reader_ledger, [&frame], owner, generation) {
+                        let _ = arrived.send(FromSocket::Lease(lease));
+                    }
+                } else if frame["type"] == "settled" {
+                    let status = frame["results"][0]["status"].as_u64();
+                    let _ = arrived.send(FromSocket::Settled(frame["ref"].as_u64(), status));
+                }
+            }
+        });
+        loop {
+            let next = tokio::select! {
+                () = stop.cancelled() => {
+                    reader.abort();
+                    return;
+                }
+                next = frames.recv() => next,
+            };
+            let lease = match next {
+                Some(FromSocket::Lease(lease)) => lease,
+                Some(FromSocket::Settled(..)) => continue,
+                None => break,
+            };
+            if behaviour(&lease) != Behaviour::Ack {
+                settle_leases(&fleet, &ledger, vec![lease]).await;
+                continue;
+            }
+            next_ref += 1;
+            let operation = json!({ "op": "ack", "ids": [lease.id], "ref": next_ref });
+            if sink
+                .send(Message::Text(operation.to_string().into()))
+                .await
+                .is_err()
+            {
+                // Not sent: the lease is as it was; acked over HTTP instead.
+                ack(&fleet, &ledger, &lease).await;
+                break;
+            }
+            // Leases that arrive meanwhile wait their turn.
+            let mut later = Vec::new();
+            let status = loop {
+                match tokio::time::timeout(Duration::from_secs(20), frames.recv()).await {
+                    Ok(Some(FromSocket::Settled(Some(reference), status)))
+                        if reference == next_ref =>
+                    {
+                        break status;
+                    }
+                    Ok(Some(FromSocket::Settled(..))) => {}
+                    Ok(Some(FromSocket::Lease(lease))) => later.push(lease),
+                    Ok(None) | Err(_) => break None,
+                }
+            };
+            match status {
+                Some(204) => confirm(&ledger, &lease, Outcome::Acked),
+                Some(status @ (404 | 409 | 410)) => {
+                    fleet.check_refusal(&ledger, &lease, status as u16);
+                }
+                // 504 or 503 in band, or the socket gone before the answer: it may have
+                // landed; retried over HTTP as an unanswered ack is.
+                _ => {
+                    unexpected(&ledger, format!("ws ack {}: {status:?}", lease.ledger_id));
+                    ack_after(&fleet, &ledger, &lease, true).await;
+                }
+            }
+            for lease in later {
+                settle_leases(&fleet, &ledger, vec![lease]).await;
+            }
+            if status.is_none() {
+                break;
             }
         }
-        batch_ack(&fleet, &ledger, &batch).await;
+        reader.abort();
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -898,6 +1116,20 @@ async fn run(scenario: Scenario) -> Report {
     let mut tasks = Vec::new();
     for _ in 0..W {
         tasks.push(tokio::spawn(worker(
+            fleet.clone(),
+            ledger.clone(),
+            stop.clone(),
+        )));
+    }
+    // Streaming workers among the fetchers: one over SSE, one over a WebSocket (not in the
+    // roll from the previous release, which streams nothing).
+    if !matches!(scenario, Scenario::RollingUpgrade) {
+        tasks.push(tokio::spawn(sse_worker(
+            fleet.clone(),
+            ledger.clone(),
+            stop.clone(),
+        )));
+        tasks.push(tokio::spawn(ws_worker(
             fleet.clone(),
             ledger.clone(),
             stop.clone(),

@@ -362,3 +362,23 @@ async fn a_collector_that_is_down_costs_requests_only_dropped_spans() {
         gateway.log()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_go_out_over_grpc_when_the_protocol_says_so() {
+    let receiver = Receiver::start_grpc().await;
+    let (server, _js) = crate::support::server_with_stream().await;
+    let gateway = traced("traced-grpc", &receiver.endpoint)
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        .env("OTEL_SERVICE_NAME", "gateway-over-grpc")
+        .process(&server.url())
+        .await;
+    publish(&gateway, "over grpc", &[], json!({})).await;
+    let send = receiver
+        .span("the send span, over gRPC", |span| {
+            span.name == "send orders.traced"
+        })
+        .await;
+    assert_eq!(send.kind, SpanKind::Producer);
+    assert_eq!(send.service, "gateway-over-grpc");
+    assert_eq!(server_parent(&receiver, &send).await.name, "POST /publish");
+}

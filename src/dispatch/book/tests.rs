@@ -308,3 +308,43 @@ fn deliveries_of_another_epoch_are_never_answered() {
     assert!(finished[0].got.is_empty());
     assert_eq!(book.held_len(), 1, "kept to be released");
 }
+
+#[test]
+fn a_pull_given_up_on_counts_toward_the_limit_until_its_status_or_a_while() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let limits = PullLimits {
+        max_waiting: 2,
+        ..LIMITS
+    };
+    let (_answered, first_pull) = waiting(&mut book, demand(1, 100), now);
+    let given_up = now + Duration::from_millis(100) + PULL_GRACE;
+    assert_eq!(book.give_up_silent_pulls(given_up).len(), 1);
+    assert_eq!(book.take_finished(given_up, false, EPOCH).len(), 1);
+
+    // The server may still hold it: a second fetch waits for room.
+    let (answer, _second) = oneshot::channel();
+    book.enqueue(2, demand(1, 10_000), answer, given_up);
+    assert!(book.plan_pulls(given_up, 1000, limits).is_empty());
+    assert!(book.at_pull_limit(limits));
+    assert_eq!(
+        book.next_wake(given_up, Duration::from_secs(2), || None),
+        Some(given_up + SILENT_COUNTS_FOR),
+        "woken when it stops counting"
+    );
+    // Its status, late: room again.
+    book.end_pull(first_pull, false, given_up);
+    assert_eq!(book.plan_pulls(given_up, 1000, limits).len(), 1);
+
+    // A status that never comes: it stops counting after a while.
+    let mut book = Book::<()>::new();
+    let (_answered, _pull) = waiting(&mut book, demand(1, 100), now);
+    book.give_up_silent_pulls(given_up);
+    book.take_finished(given_up, false, EPOCH);
+    let (answer, _third) = oneshot::channel();
+    book.enqueue(3, demand(1, 10_000), answer, given_up);
+    assert!(book.plan_pulls(given_up, 1000, limits).is_empty());
+    let later = given_up + SILENT_COUNTS_FOR;
+    book.give_up_silent_pulls(later);
+    assert_eq!(book.plan_pulls(later, 1000, limits).len(), 1);
+}

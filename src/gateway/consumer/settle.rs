@@ -10,7 +10,7 @@ use futures::FutureExt as _;
 use futures::future::join_all;
 use time::OffsetDateTime;
 use tokio::time::Instant;
-use tracing::{Instrument as _, Span, debug, info, warn};
+use tracing::{debug, info, warn};
 
 use crate::domain::finals::MessageKey;
 use crate::domain::lease_id::{DeliveryKey, InstanceId, LeaseCoordinates, SignedLease};
@@ -23,6 +23,7 @@ use crate::nats::dead_letter::Outcome;
 use crate::nats::settle::{self as nats_settle, ConfirmError};
 use crate::nats::{self, Bound};
 use crate::telemetry;
+use crate::telemetry::spans::MessageSpan;
 
 use super::wire::{self, settle_outcome};
 use super::{Consumer, Sent, SettleResult};
@@ -180,19 +181,19 @@ impl Consumer {
         let lease = match lease {
             Ok(lease) => lease,
             Err(err) => {
-                let span = self.settle_span(action, None);
-                self.report(action, id, None, settle_outcome(&err), &span);
+                let mut span = self.settle_span(action, None);
+                self.report(action, id, None, settle_outcome(&err), &mut span);
                 return Err(err);
             }
         };
-        let span = self.settle_span(action, Some(&lease));
-        match act(lease).instrument(span.clone()).await {
+        let mut span = self.settle_span(action, Some(&lease));
+        match act(lease).await {
             Ok((value, outcome)) => {
-                self.report(action, id, Some(&lease), outcome, &span);
+                self.report(action, id, Some(&lease), outcome, &mut span);
                 Ok(value)
             }
             Err(err) => {
-                self.report(action, id, Some(&lease), settle_outcome(&err), &span);
+                self.report(action, id, Some(&lease), settle_outcome(&err), &mut span);
                 Err(err)
             }
         }
@@ -200,9 +201,9 @@ impl Consumer {
 
     /// The trace span of one settle (a disabled one when tracing is off), with what the
     /// lease table kept of the message.
-    fn settle_span(&self, action: SettleAction, lease: Option<&LeaseCoordinates>) -> Span {
+    fn settle_span(&self, action: SettleAction, lease: Option<&LeaseCoordinates>) -> MessageSpan {
         if !telemetry::on() {
-            return Span::none();
+            return MessageSpan::none();
         }
         let note = lease.and_then(|lease| self.state.leases().note(lease.key));
         let name = self.name();
@@ -324,7 +325,7 @@ impl Consumer {
         id: &str,
         lease: Option<&LeaseCoordinates>,
         outcome: SettleOutcome,
-        span: &Span,
+        span: &mut MessageSpan,
     ) {
         self.state.metrics.settled(action, outcome);
         telemetry::spans::settled(

@@ -112,10 +112,10 @@ impl LeaseStream {
                     // A span only for a batch that came: an idle stream exports nothing.
                     if telemetry::on() {
                         let name = self.gateway.name();
-                        let span = self.origin.in_scope(|| {
+                        let mut span = self.origin.in_scope(|| {
                             telemetry::spans::receive_span(&name.stream, &name.consumer)
                         });
-                        telemetry::spans::received(&span, &leased);
+                        telemetry::spans::received(&mut span, &leased);
                     }
                     self.unwritten.extend(leased);
                     continue;

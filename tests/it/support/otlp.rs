@@ -1,6 +1,7 @@
-//! An OTLP/HTTP trace receiver for the tracing tests: `POST /v1/traces` bodies decoded with
-//! the official protobuf definitions (`opentelemetry-proto`), every span kept for the test to
-//! look at. Started on a free port by the test, stopped when dropped.
+//! An OTLP trace receiver for the tracing tests: `POST /v1/traces` bodies (OTLP/HTTP) or
+//! `TraceService/Export` calls (OTLP/gRPC) decoded with the official protobuf definitions
+//! (`opentelemetry-proto`), every span kept for the test to look at. Started on a free port
+//! by the test, stopped when dropped.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -8,6 +9,9 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::routing::post;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
@@ -94,6 +98,27 @@ impl Receiver {
         }
     }
 
+    /// An OTLP/gRPC receiver, on a free port of 127.0.0.1.
+    pub async fn start_grpc() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the OTLP/gRPC receiver");
+        let address = listener.local_addr().expect("receiver address");
+        let spans: Arc<Mutex<Vec<Span>>> = Arc::default();
+        let service = TraceServiceServer::new(Collector(spans.clone()));
+        let task = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+                .await;
+        });
+        Self {
+            endpoint: format!("http://{address}"),
+            spans,
+            task,
+        }
+    }
+
     /// Every span received so far.
     pub fn spans(&self) -> Vec<Span> {
         self.spans.lock().expect("spans").clone()
@@ -125,6 +150,23 @@ impl Receiver {
             (found.len() >= count).then_some(found)
         })
         .await
+    }
+}
+
+/// The gRPC collector service: keeps what it is sent.
+struct Collector(Arc<Mutex<Vec<Span>>>);
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.0
+            .lock()
+            .expect("spans")
+            .extend(flatten(request.into_inner()));
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
     }
 }
 
