@@ -585,6 +585,9 @@ const STREAM_CREDIT: &str = "max_in_flight=5&encoding=utf8";
 async fn sse_worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationToken) {
     while !stop.is_cancelled() {
         let owner = fleet.pick();
+        // As the stream opens: a fault since (a server killed, whose restart may void the
+        // leases) makes a refusal of its leases no breach.
+        let generation = (fleet.generation(owner), fleet.life(owner));
         let client = &fleet.clients[owner];
         let opened = client
             .http
@@ -604,7 +607,7 @@ async fn sse_worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationT
             }
         };
         let (arrived, mut leases) = tokio::sync::mpsc::unbounded_channel();
-        let (reader_ledger, reader_fleet) = (ledger.clone(), fleet.clone());
+        let reader_ledger = ledger.clone();
         let reader = tokio::spawn(async move {
             let mut text = String::new();
             while let Ok(Some(chunk)) = response.chunk().await {
@@ -620,7 +623,6 @@ async fn sse_worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationT
                         unexpected(&reader_ledger, format!("events: not JSON: {data}"));
                         continue;
                     };
-                    let generation = (reader_fleet.generation(owner), reader_fleet.life(owner));
                     for lease in record_at(&reader_ledger, [&message], owner, generation) {
                         let _ = arrived.send(lease);
                     }
@@ -661,6 +663,7 @@ async fn ws_worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationTo
     let mut next_ref = 0u64;
     while !stop.is_cancelled() {
         let owner = fleet.pick();
+        let generation = (fleet.generation(owner), fleet.life(owner));
         let url = format!(
             "{}/ws?{STREAM_CREDIT}",
             fleet.clients[owner].base().replacen("http://", "ws://", 1)
@@ -677,7 +680,7 @@ async fn ws_worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationTo
         };
         let (mut sink, mut source) = socket.split();
         let (arrived, mut frames) = tokio::sync::mpsc::unbounded_channel();
-        let (reader_ledger, reader_fleet) = (ledger.clone(), fleet.clone());
+        let reader_ledger = ledger.clone();
         let reader = tokio::spawn(async move {
             while let Some(Ok(frame)) = source.next().await {
                 let Message::Text(text) = frame else {
@@ -687,7 +690,6 @@ async fn ws_worker(fleet: Arc<Fleet>, ledger: SharedLedger, stop: CancellationTo
                     continue;
                 };
                 if frame["type"] == "message" {
-                    let generation = (reader_fleet.generation(owner), reader_fleet.life(owner));
                     for lease in record_at(&reader_ledger, [&frame], owner, generation) {
                         let _ = arrived.send(FromSocket::Lease(lease));
                     }
