@@ -10,7 +10,7 @@ use ruststream_nats::Config;
 use ruststream_nats::config::LogFormat;
 use ruststream_nats::telemetry;
 use tracing_subscriber::Layer as _;
-use tracing_subscriber::filter::{EnvFilter, FilterExt as _, filter_fn};
+use tracing_subscriber::filter::{EnvFilter, FilterExt as _, LevelFilter, filter_fn};
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
@@ -125,9 +125,13 @@ fn init_tracing(format: LogFormat, tracer: Option<telemetry::Tracer>) {
         .unwrap_or_else(|_| EnvFilter::new("info,async_nats=warn"));
     // The per-message spans are exported, never logged: their attributes on every line of a
     // request would only repeat themselves.
-    let logged = filter.and(filter_fn(|metadata| {
-        !metadata.target().starts_with(telemetry::MESSAGING_TARGET)
-    }));
+    // The hints keep the level the filter names as the global maximum: without one, `log`
+    // records (tungstenite writes several per WebSocket frame) would all reach the
+    // subscriber to be refused there, and every disabled `tracing` callsite be asked again.
+    let logged = filter.and(
+        filter_fn(|metadata| !metadata.target().starts_with(telemetry::MESSAGING_TARGET))
+            .with_max_level_hint(LevelFilter::TRACE),
+    );
     let json = format == LogFormat::Json;
     let logs = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
@@ -152,10 +156,13 @@ fn init_tracing(format: LogFormat, tracer: Option<telemetry::Tracer>) {
             .with_threads(false)
             .with_target(false)
             .with_level(false)
-            .with_filter(filter_fn(|metadata| {
-                metadata.target().starts_with(telemetry::SPANS_TARGET)
-                    || (metadata.is_event() && *metadata.level() <= tracing::Level::WARN)
-            }))
+            .with_filter(
+                filter_fn(|metadata| {
+                    metadata.target().starts_with(telemetry::SPANS_TARGET)
+                        || (metadata.is_event() && *metadata.level() <= tracing::Level::WARN)
+                })
+                .with_max_level_hint(LevelFilter::INFO),
+            )
     });
     tracing_subscriber::registry().with(logs).with(spans).init();
 }

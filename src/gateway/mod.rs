@@ -312,6 +312,14 @@ impl Gateway {
         command: &AckCommand,
         may: May<'_>,
     ) -> Vec<SettleResult> {
+        // One id (a WebSocket client acking each message): the single settle's path.
+        if let [id] = ids {
+            let settled = match self.lease_for(id, may).await {
+                Ok(served) => served.consumer.settle(id, command).await,
+                Err(err) => Err(err),
+            };
+            return vec![settled];
+        }
         let mut groups: Vec<(Arc<Served>, Vec<usize>)> = Vec::new();
         let mut results: Vec<Option<SettleResult>> = vec![None; ids.len()];
         for (at, id) in ids.iter().enumerate() {

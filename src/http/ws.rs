@@ -189,6 +189,9 @@ struct Session {
     max_frame: usize,
 }
 
+/// Most frames written out together before one flush.
+const FRAMES_PER_WRITE: usize = 64;
+
 /// Serve one WebSocket until either side ends it.
 async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
     let (mut sink, mut source) = socket.split();
@@ -204,13 +207,33 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
     loop {
         tokio::select! {
             next = to_write.recv() => {
-                let frame = match next {
-                    Some(Outgoing::Lease(leased)) => lease_frame(*leased, encoding),
-                    Some(Outgoing::Frame(frame)) => frame,
-                    None => break,
-                };
-                let closing = matches!(frame, Message::Close(_));
-                if sink.send(frame).await.is_err() || closing {
+                // Every frame ready goes out in one write: a flush per frame cost a system
+                // call (and a wake-up of the client) per message.
+                let mut next = next;
+                let mut closing = false;
+                let mut failed = false;
+                let mut fed = 0;
+                while let Some(outgoing) = next.take() {
+                    let frame = match outgoing {
+                        Outgoing::Lease(leased) => lease_frame(*leased, encoding),
+                        Outgoing::Frame(frame) => frame,
+                    };
+                    closing = matches!(frame, Message::Close(_));
+                    if sink.feed(frame).await.is_err() {
+                        failed = true;
+                        break;
+                    }
+                    fed += 1;
+                    if closing || fed == FRAMES_PER_WRITE {
+                        break;
+                    }
+                    next = to_write.try_recv().ok();
+                }
+                if fed == 0 && !failed {
+                    // The channel closed: every sender is gone.
+                    break;
+                }
+                if failed || sink.flush().await.is_err() || closing {
                     break;
                 }
             }
@@ -334,7 +357,7 @@ fn take_operation(
     tokio::spawn(
         async move {
             let answer = run_operation(&gateway, operation, &settler).await;
-            let _ = outgoing.send(Outgoing::Frame(text(&answer))).await;
+            let _ = outgoing.send(Outgoing::Frame(answer)).await;
         }
         .instrument(tracing::Span::current()),
     );
@@ -383,51 +406,77 @@ async fn run_operation(
     gateway: &Gateway,
     (operation, command): (Operation, Option<AckCommand>),
     settler: &Settler,
-) -> Value {
+) -> Message {
     let may = |name: &ConsumerName| settler.may(name);
-    let results: Vec<Value> = if !settler.reaches_any() {
+    let outcomes: Vec<Result<Option<time::OffsetDateTime>, Error>> = if !settler.reaches_any() {
         let refusal = Error::Forbidden {
             scope: Scope::Settle.as_str(),
         };
-        operation
-            .ids
-            .iter()
-            .map(|id| result(id, Err(refusal.clone())))
-            .collect()
+        operation.ids.iter().map(|_| Err(refusal.clone())).collect()
     } else if let Some(command) = command {
-        let outcomes = gateway.settle_many(&operation.ids, &command, &may).await;
-        operation
-            .ids
-            .iter()
-            .zip(outcomes)
-            .map(|(id, outcome)| result(id, outcome.map(|()| None)))
+        gateway
+            .settle_many(&operation.ids, &command, &may)
+            .await
+            .into_iter()
+            .map(|outcome| outcome.map(|()| None))
             .collect()
     } else {
         let extensions = operation.ids.iter().map(|id| gateway.extend(id, &may));
-        let outcomes = futures::future::join_all(extensions).await;
-        operation
+        futures::future::join_all(extensions)
+            .await
+            .into_iter()
+            .map(|outcome| outcome.map(Some))
+            .collect()
+    };
+    let frame = SettledFrame {
+        kind: "settled",
+        op: &operation.op,
+        reference: operation.reference.as_ref(),
+        results: operation
             .ids
             .iter()
             .zip(outcomes)
-            .map(|(id, outcome)| result(id, outcome.map(Some)))
-            .collect()
+            .map(|(id, outcome)| SettledResult::of(id, outcome))
+            .collect(),
     };
-    let mut answer = json!({ "type": "settled", "op": operation.op, "results": results });
-    if let Some(reference) = operation.reference {
-        answer["ref"] = reference;
-    }
-    answer
+    // Strings, numbers and JSON values only: cannot fail.
+    Message::Text(serde_json::to_string(&frame).unwrap_or_default().into())
+}
+
+/// A `settled` frame, serialized straight to text (no JSON tree per operation).
+#[derive(serde::Serialize)]
+struct SettledFrame<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    op: &'a str,
+    #[serde(rename = "ref", skip_serializing_if = "Option::is_none")]
+    reference: Option<&'a Value>,
+    results: Vec<SettledResult<'a>>,
 }
 
 /// One id's result: what its HTTP settle would answer (204, or 200 with the new expiry).
-fn result(id: &str, outcome: Result<Option<time::OffsetDateTime>, Error>) -> Value {
-    match outcome {
-        Ok(None) => json!({ "id": id, "status": 204 }),
-        Ok(Some(expires_at)) => {
-            json!({ "id": id, "status": 200, "lease_expires_at": rfc3339(expires_at) })
-        }
-        Err(err) => {
-            json!({ "id": id, "status": err.status().as_u16(), "detail": err.public_detail() })
+#[derive(serde::Serialize)]
+struct SettledResult<'a> {
+    id: &'a str,
+    status: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease_expires_at: Option<String>,
+}
+
+impl<'a> SettledResult<'a> {
+    fn of(id: &'a str, outcome: Result<Option<time::OffsetDateTime>, Error>) -> Self {
+        let (status, detail, lease_expires_at) = match outcome {
+            Ok(None) => (204, None, None),
+            Ok(Some(expires_at)) => (200, None, Some(rfc3339(expires_at))),
+            Err(err) => (err.status().as_u16(), Some(err.public_detail()), None),
+        };
+        Self {
+            id,
+            status,
+            detail,
+            lease_expires_at,
         }
     }
 }
