@@ -215,6 +215,9 @@ enum Kind {
     /// The batch loop with tracing on (every span sampled), exported over OTLP/HTTP to a
     /// sink in this process that takes and drops them.
     Traced,
+    /// One Server-Sent Events stream (`GET /events`, max_in_flight 1000), its leases acked
+    /// over HTTP in batches of 100 ids.
+    SseBatch,
 }
 
 /// One timed run.
@@ -236,6 +239,7 @@ impl Run {
             Kind::WsEach => format!("ws-each x{}", self.clients),
             Kind::WsHundred => format!("ws-100 x{}", self.clients),
             Kind::Traced => format!("traced x{}", self.clients),
+            Kind::SseBatch => format!("sse-batch x{}", self.clients),
         }
     }
 }
@@ -335,7 +339,7 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
             clients: 1,
         });
     }
-    for kind in [Kind::WsEach, Kind::WsHundred] {
+    for kind in [Kind::WsEach, Kind::WsHundred, Kind::SseBatch] {
         if wanted(kind) {
             runs.push(Run { kind, clients: 1 });
         }
@@ -1048,7 +1052,18 @@ async fn drain_gateway(
     let settle_base = settler
         .as_ref()
         .map_or_else(|| base.clone(), |settler| settler.base.clone());
-    if matches!(run.kind, Kind::WsEach | Kind::WsHundred) {
+    if run.kind == Kind::SseBatch {
+        run_loops(run.clients, |_| {
+            sse_loop(
+                base.clone(),
+                http.clone(),
+                tally.clone(),
+                requests.clone(),
+                data_len,
+            )
+        })
+        .await?;
+    } else if matches!(run.kind, Kind::WsEach | Kind::WsHundred) {
         let per_op = if run.kind == Kind::WsEach { 1 } else { 100 };
         run_loops(run.clients, |_| {
             websocket_loop(
@@ -1101,7 +1116,7 @@ async fn drain_gateway(
         status.leases_in_flight
     );
     let stream = js.get_stream(STREAM).await.context("getting the stream")?;
-    if matches!(run.kind, Kind::WsEach | Kind::WsHundred) {
+    if matches!(run.kind, Kind::WsEach | Kind::WsHundred | Kind::SseBatch) {
         // A streaming client leaves with leases on their way (given back, nak'd) and the
         // gateway holding what its last pull brought: the stop releases it all.
         gateway.stop().await?;
@@ -1264,8 +1279,8 @@ async fn gateway_loop(
                 }
                 requests.fetch_add(reply.messages.len() as u64, Ordering::Relaxed);
             }
-            Kind::Native | Kind::WsEach | Kind::WsHundred => {
-                unreachable!("the native and WebSocket runs have loops of their own")
+            Kind::Native | Kind::WsEach | Kind::WsHundred | Kind::SseBatch => {
+                unreachable!("the native and streaming runs have loops of their own")
             }
         }
         tally.acked(&sequences, acks_started.elapsed())?;
@@ -1292,6 +1307,150 @@ async fn send_acks(
     operations.fetch_add(1, Ordering::Relaxed);
     sent_at.push_back(Instant::now());
     Ok(())
+}
+
+/// Ids acked together by [`sse_loop`].
+const SSE_ACK_BATCH: usize = 100;
+
+/// Drain through `GET /events` (max_in_flight 1000): events are read as they come and their
+/// ids acked over HTTP, 100 to a `POST /messages/ack` (what is left when no event came for a
+/// moment); a message counts once its batch result says 204. At the end the client stops
+/// acking, reads what was already written to it, and naks every lease it still holds.
+async fn sse_loop(
+    base: String,
+    http: reqwest::Client,
+    tally: Arc<Tally>,
+    requests: Arc<AtomicU64>,
+    data_len: usize,
+) -> anyhow::Result<()> {
+    let mut response = http
+        .get(format!("{base}/events?max_in_flight=1000"))
+        .timeout(Duration::from_secs(3600))
+        .send()
+        .await
+        .context("GET /events")?;
+    ensure!(
+        response.status() == reqwest::StatusCode::OK,
+        "GET /events answered {}",
+        response.status()
+    );
+    let ack_url = format!("{base}/messages/ack");
+    let mut text = String::new();
+    let mut pending: Vec<(String, u64)> = Vec::with_capacity(SSE_ACK_BATCH);
+    let mut held: Vec<String> = Vec::new();
+    let mut draining = false;
+    loop {
+        if tally.is_done() && !draining {
+            draining = true;
+            held.extend(pending.drain(..).map(|(id, _)| id));
+        }
+        let wait = if draining {
+            Duration::from_millis(300)
+        } else if pending.is_empty() {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_millis(2)
+        };
+        let chunk = match tokio::time::timeout(wait, response.chunk()).await {
+            Ok(chunk) => chunk
+                .context("reading the event stream")?
+                .context("the gateway ended the event stream")?,
+            Err(_) if draining => break,
+            Err(_) => {
+                if pending.is_empty() {
+                    tally.check_stall()?;
+                } else {
+                    let batch = std::mem::take(&mut pending);
+                    ack_streamed(&http, &ack_url, batch, &tally, &requests).await?;
+                }
+                continue;
+            }
+        };
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = text.find("\n\n") {
+            let event: String = text.drain(..end + 2).collect();
+            let is_message = event.lines().any(|line| line == "event: message");
+            let Some(data) = event.lines().find_map(|line| line.strip_prefix("data: ")) else {
+                continue;
+            };
+            if !is_message {
+                continue;
+            }
+            let message: serde_json::Value =
+                serde_json::from_str(data).context("an event's JSON")?;
+            let id = message["id"].as_str().context("a lease id")?.to_owned();
+            if draining {
+                held.push(id);
+                continue;
+            }
+            let sequence = message["stream_sequence"]
+                .as_u64()
+                .context("stream_sequence")?;
+            let payload = message["data"].as_str().unwrap_or_default();
+            ensure!(
+                payload.len() == data_len,
+                "stream sequence {sequence} came with {} data characters, expected {data_len}",
+                payload.len()
+            );
+            tally.fetched(
+                std::iter::once(message["delivered"].as_u64().unwrap_or(1)),
+                Duration::ZERO,
+            );
+            pending.push((id, sequence));
+            if pending.len() >= SSE_ACK_BATCH {
+                let batch = std::mem::replace(&mut pending, Vec::with_capacity(SSE_ACK_BATCH));
+                ack_streamed(&http, &ack_url, batch, &tally, &requests).await?;
+            }
+        }
+    }
+    // Closed before the naks: naks while it is open would free its credit for the
+    // redeliveries. What its last pull still brings, the gateway's stop releases.
+    drop(response);
+    for ids in held.chunks(1000) {
+        http.post(format!("{base}/messages/nak"))
+            .json(&json!({ "ids": ids }))
+            .send()
+            .await
+            .context("POST /messages/nak of the leases left over")?;
+    }
+    Ok(())
+}
+
+/// One batch ack of streamed leases; each must answer 204.
+async fn ack_streamed(
+    http: &reqwest::Client,
+    url: &str,
+    batch: Vec<(String, u64)>,
+    tally: &Tally,
+    requests: &AtomicU64,
+) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let ids: Vec<&str> = batch.iter().map(|(id, _)| id.as_str()).collect();
+    let response = http
+        .post(url)
+        .json(&json!({ "ids": ids }))
+        .send()
+        .await
+        .context("POST /messages/ack")?;
+    requests.fetch_add(1, Ordering::Relaxed);
+    ensure!(
+        response.status() == reqwest::StatusCode::OK,
+        "POST /messages/ack answered {}",
+        response.status()
+    );
+    let reply: BatchReply = response.json().await.context("POST /messages/ack body")?;
+    ensure!(reply.results.len() == batch.len(), "one result per id");
+    for result in &reply.results {
+        ensure!(
+            result.status == 204,
+            "ack of {} answered {}: {:?}",
+            result.id,
+            result.status,
+            result.detail
+        );
+    }
+    let sequences: Vec<u64> = batch.iter().map(|(_, sequence)| *sequence).collect();
+    tally.acked(&sequences, started.elapsed())
 }
 
 /// Drain through `GET /ws`: leases arrive as frames (max_in_flight 1000), and are acked in
@@ -1635,6 +1794,16 @@ fn print_report(args: &Args, version: &str, runs: &[Run], outcomes: &[Outcome]) 
         if most == 1 {
             break;
         }
+    }
+    let sse_batch = Run {
+        kind: Kind::SseBatch,
+        clients: 1,
+    };
+    if runs.contains(&sse_batch) {
+        println!(
+            "| SSE, 1 client, max_in_flight 1000, batch POST acks of {SSE_ACK_BATCH} ids ÷ native | {} | ≥ 0.9 |",
+            show(per_round(&|r| ratio(r, sse_batch)), 2)
+        );
     }
     let ws_each = Run {
         kind: Kind::WsEach,
