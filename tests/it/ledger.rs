@@ -119,6 +119,10 @@ struct Fleet {
     /// Bumped when a replica's process is replaced (killed or stopped, then started again):
     /// which process issued a lease and confirmed a settle.
     lives: Vec<AtomicU64>,
+    /// Replicas out of the rotation, as a balancer's readiness check takes them out: in the
+    /// roll, from the old process' exit until its successor is ready (a replica answers
+    /// HTTP before its NATS connection is up, and its settles 503 until then).
+    out: Vec<std::sync::atomic::AtomicBool>,
 }
 
 impl Fleet {
@@ -127,6 +131,10 @@ impl Fleet {
             clients: bases.iter().map(|base| client(base)).collect(),
             generations: bases.iter().map(|_| AtomicU64::new(0)).collect(),
             lives: bases.iter().map(|_| AtomicU64::new(0)).collect(),
+            out: bases
+                .iter()
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
         })
     }
 
@@ -141,18 +149,36 @@ impl Fleet {
 
     /// A random replica for a fetch.
     fn pick(&self) -> usize {
-        rand::random_range(0..self.clients.len())
+        let count = self.clients.len();
+        let first = rand::random_range(0..count);
+        (0..count)
+            .map(|step| (first + step) % count)
+            .find(|replica| !self.is_out(*replica))
+            .unwrap_or(first)
     }
 
     /// The client for a settle of `lease`: another replica than the one that issued it,
-    /// when there are several.
+    /// when there are several (one in the rotation, when there is one).
     fn settler(&self, lease: &Lease) -> &Client {
         let count = self.clients.len();
         if count == 1 {
             return &self.clients[0];
         }
-        let other = (lease.owner + rand::random_range(1..count)) % count;
+        let first = rand::random_range(1..count);
+        let other = (0..count - 1)
+            .map(|step| (lease.owner + 1 + (first - 1 + step) % (count - 1)) % count)
+            .find(|replica| !self.is_out(*replica))
+            .unwrap_or((lease.owner + first) % count);
         &self.clients[other]
+    }
+
+    fn is_out(&self, replica: usize) -> bool {
+        self.out[replica].load(Ordering::SeqCst)
+    }
+
+    /// Take `replica` out of the rotation, or put it back.
+    fn set_out(&self, replica: usize, out: bool) {
+        self.out[replica].store(out, Ordering::SeqCst);
     }
 
     fn generation(&self, replica: usize) -> u64 {
@@ -1300,7 +1326,9 @@ async fn run(scenario: Scenario) -> Report {
                 );
                 fleet.bump(replica);
                 fleet.replaced(replica);
+                fleet.set_out(replica, true);
                 gateway.upgrade(&["--accept-unsigned-replicas"]).await;
+                fleet.set_out(replica, false);
             }
             faults.push(Fault::healed("rolling upgrade", &bases[2]));
         }
