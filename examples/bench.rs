@@ -1309,6 +1309,25 @@ async fn send_acks(
     Ok(())
 }
 
+/// A lease written to a stream (an SSE event's or a WebSocket frame's message): checked for
+/// its payload's length and counted as fetched; its stream sequence.
+fn streamed(message: &serde_json::Value, data_len: usize, tally: &Tally) -> anyhow::Result<u64> {
+    let sequence = message["stream_sequence"]
+        .as_u64()
+        .context("stream_sequence")?;
+    let data = message["data"].as_str().unwrap_or_default();
+    ensure!(
+        data.len() == data_len,
+        "stream sequence {sequence} came with {} data characters, expected {data_len}",
+        data.len()
+    );
+    tally.fetched(
+        std::iter::once(message["delivered"].as_u64().unwrap_or(1)),
+        Duration::ZERO,
+    );
+    Ok(sequence)
+}
+
 /// Ids acked together by [`sse_loop`].
 const SSE_ACK_BATCH: usize = 100;
 
@@ -1383,19 +1402,7 @@ async fn sse_loop(
                 held.push(id);
                 continue;
             }
-            let sequence = message["stream_sequence"]
-                .as_u64()
-                .context("stream_sequence")?;
-            let payload = message["data"].as_str().unwrap_or_default();
-            ensure!(
-                payload.len() == data_len,
-                "stream sequence {sequence} came with {} data characters, expected {data_len}",
-                payload.len()
-            );
-            tally.fetched(
-                std::iter::once(message["delivered"].as_u64().unwrap_or(1)),
-                Duration::ZERO,
-            );
+            let sequence = streamed(&message, data_len, &tally)?;
             pending.push((id, sequence));
             if pending.len() >= SSE_ACK_BATCH {
                 let batch = std::mem::replace(&mut pending, Vec::with_capacity(SSE_ACK_BATCH));
@@ -1499,19 +1506,7 @@ async fn websocket_loop(
         match value["type"].as_str() {
             Some("message") => {
                 let id = value["id"].as_str().context("a lease id")?.to_owned();
-                let sequence = value["stream_sequence"]
-                    .as_u64()
-                    .context("stream_sequence")?;
-                let data = value["data"].as_str().unwrap_or_default();
-                ensure!(
-                    data.len() == data_len,
-                    "stream sequence {sequence} came with {} data characters, expected {data_len}",
-                    data.len()
-                );
-                tally.fetched(
-                    std::iter::once(value["delivered"].as_u64().unwrap_or(1)),
-                    Duration::ZERO,
-                );
+                let sequence = streamed(&value, data_len, &tally)?;
                 sequences.insert(id.clone(), sequence);
                 pending.push(id);
                 if pending.len() >= per_op {
