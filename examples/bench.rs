@@ -1330,11 +1330,15 @@ fn streamed(message: &serde_json::Value, data_len: usize, tally: &Tally) -> anyh
 
 /// Ids acked together by [`sse_loop`].
 const SSE_ACK_BATCH: usize = 100;
+/// Batch acks [`sse_loop`] has under way at once, as a client keeps reading the stream while
+/// its acks are answered (the WebSocket loop likewise sends operations without waiting).
+const SSE_ACKS_IN_FLIGHT: usize = 4;
 
 /// Drain through `GET /events` (max_in_flight 1000): events are read as they come and their
 /// ids acked over HTTP, 100 to a `POST /messages/ack` (what is left when no event came for a
-/// moment); a message counts once its batch result says 204. At the end the client stops
-/// acking, reads what was already written to it, and naks every lease it still holds.
+/// moment), up to [`SSE_ACKS_IN_FLIGHT`] of those under way while reading goes on; a message
+/// counts once its batch result says 204. At the end the client stops acking, reads what was
+/// already written to it, and naks every lease it still holds.
 async fn sse_loop(
     base: String,
     http: reqwest::Client,
@@ -1353,7 +1357,17 @@ async fn sse_loop(
         "GET /events answered {}",
         response.status()
     );
-    let ack_url = format!("{base}/messages/ack");
+    let ack_url: Arc<str> = format!("{base}/messages/ack").into();
+    let mut acks = tokio::task::JoinSet::new();
+    let ack = |batch: Vec<(String, u64)>| {
+        let (http, url, tally, requests) = (
+            http.clone(),
+            ack_url.clone(),
+            tally.clone(),
+            requests.clone(),
+        );
+        async move { ack_streamed(&http, &url, batch, &tally, &requests).await }
+    };
     let mut text = String::new();
     let mut pending: Vec<(String, u64)> = Vec::with_capacity(SSE_ACK_BATCH);
     let mut held: Vec<String> = Vec::new();
@@ -1380,7 +1394,8 @@ async fn sse_loop(
                     tally.check_stall()?;
                 } else {
                     let batch = std::mem::take(&mut pending);
-                    ack_streamed(&http, &ack_url, batch, &tally, &requests).await?;
+                    under_way(&mut acks, SSE_ACKS_IN_FLIGHT - 1).await?;
+                    acks.spawn(ack(batch));
                 }
                 continue;
             }
@@ -1406,10 +1421,12 @@ async fn sse_loop(
             pending.push((id, sequence));
             if pending.len() >= SSE_ACK_BATCH {
                 let batch = std::mem::replace(&mut pending, Vec::with_capacity(SSE_ACK_BATCH));
-                ack_streamed(&http, &ack_url, batch, &tally, &requests).await?;
+                under_way(&mut acks, SSE_ACKS_IN_FLIGHT - 1).await?;
+                acks.spawn(ack(batch));
             }
         }
     }
+    under_way(&mut acks, 0).await?;
     // Closed before the naks: naks while it is open would free its credit for the
     // redeliveries. What its last pull still brings, the gateway's stop releases.
     drop(response);
@@ -1419,6 +1436,19 @@ async fn sse_loop(
             .send()
             .await
             .context("POST /messages/nak of the leases left over")?;
+    }
+    Ok(())
+}
+
+/// Wait until at most `most` of `acks` are under way; the first that failed fails the loop.
+async fn under_way(
+    acks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
+    most: usize,
+) -> anyhow::Result<()> {
+    while acks.len() > most {
+        if let Some(done) = acks.join_next().await {
+            done.context("a batch ack task")??;
+        }
     }
     Ok(())
 }

@@ -9,10 +9,11 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::Extension;
+use axum::body::Body;
 use axum::extract::State;
-use axum::http::Uri;
-use axum::response::sse::{Event, Sse};
+use axum::http::{HeaderValue, Uri, header};
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use futures::Stream;
 
 use utoipa::IntoParams;
@@ -21,6 +22,7 @@ use super::client::{Client, Connection};
 use super::consumers::ConsumerPath;
 use super::dto::{Encoding, MessageDto};
 use super::responses::{FetchRefusals, Guarded, NamedFetchRefusals, QueryRefusals};
+use crate::domain::delivery::Leased;
 use crate::error::Error;
 use crate::gateway::{Consumer, Gateway, LeaseStream, Step, Target};
 
@@ -28,6 +30,9 @@ use crate::gateway::{Consumer, Gateway, LeaseStream, Step, Target};
 const DEFAULT_MAX_IN_FLIGHT: usize = 100;
 /// The most a client may ask for.
 const MAX_IN_FLIGHT: usize = 1000;
+/// Events written together at most: the leases already leased for the stream go out in one
+/// body chunk (an event per chunk cost a write and a client wake-up per message).
+const EVENTS_PER_WRITE: usize = 64;
 
 /// A stream's query parameters as the spec describes them; [`StreamQuery::parse`] reads them.
 #[derive(IntoParams)]
@@ -182,35 +187,63 @@ fn open(
         client,
         query.encoding,
     );
-    Ok(Sse::new(stream).into_response())
+    Ok((
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            ),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response())
 }
 
-/// The events of `leases`, until the gateway stops or the client goes.
+/// The body chunks of `leases`' events, until the gateway stops or the client goes.
 fn events_of(
     leases: LeaseStream,
     client: Option<Client>,
     encoding: Encoding,
-) -> impl Stream<Item = Result<Event, Infallible>> + Send {
+) -> impl Stream<Item = Result<Bytes, Infallible>> + Send {
     futures::stream::unfold(Some((leases, client)), move |state| async move {
         let (mut leases, client) = state?;
-        let event = match leases.next(client.as_ref()).await {
+        let mut chunk = Vec::new();
+        match leases.next(client.as_ref()).await {
             Step::Lease(leased) => {
-                let id = leased.id.clone();
-                let message = MessageDto::new(*leased, encoding);
-                match serde_json::to_string(&message) {
-                    Ok(data) => Event::default().event("message").id(id).data(data),
-                    // Strings and maps only: cannot fail, and never ends the stream.
-                    Err(_) => Event::default().comment("unencodable message"),
+                write_message(&mut chunk, *leased, encoding);
+                for _ in 1..EVENTS_PER_WRITE {
+                    let Some(ready) = leases.next_ready() else {
+                        break;
+                    };
+                    write_message(&mut chunk, *ready, encoding);
                 }
             }
-            Step::Quiet => Event::default().comment("keep-alive"),
+            Step::Quiet => chunk.extend_from_slice(b": keep-alive\n\n"),
             Step::ShuttingDown => {
-                return Some((Ok(Event::default().event("shutdown").data("{}")), None));
+                let last = Bytes::from_static(b"event: shutdown\ndata: {}\n\n");
+                return Some((Ok(last), None));
             }
             Step::Gone => return None,
-        };
-        Some((Ok(event), Some((leases, client))))
+        }
+        Some((Ok(Bytes::from(chunk)), Some((leases, client))))
     })
+}
+
+/// Append `leased`'s `message` event. Lease ids are URL-safe tokens and serde_json escapes
+/// every line break, so neither field can break the event's lines.
+fn write_message(chunk: &mut Vec<u8>, leased: Leased, encoding: Encoding) {
+    let start = chunk.len();
+    chunk.extend_from_slice(b"event: message\nid: ");
+    chunk.extend_from_slice(leased.id.as_bytes());
+    chunk.extend_from_slice(b"\ndata: ");
+    if serde_json::to_writer(&mut *chunk, &MessageDto::new(leased, encoding)).is_err() {
+        // Strings and maps only: cannot fail, and never ends the stream.
+        chunk.truncate(start);
+        chunk.extend_from_slice(b": unencodable message\n\n");
+        return;
+    }
+    chunk.extend_from_slice(b"\n\n");
 }
 
 #[cfg(test)]

@@ -65,10 +65,8 @@ impl LeaseStream {
     /// The next thing to send; `caller` is the client, noticed when it hangs up mid-wait.
     pub(crate) async fn next<C: Caller>(&mut self, caller: Option<&C>) -> Step {
         loop {
-            if let Some(leased) = self.unwritten.pop_front() {
-                self.written
-                    .push((leased.delivery.coordinates.key, leased.expires_at));
-                return Step::Lease(Box::new(leased));
+            if let Some(leased) = self.next_ready() {
+                return Step::Lease(leased);
             }
             if !self.gateway.accepting.load(Ordering::Relaxed) {
                 return Step::ShuttingDown;
@@ -134,6 +132,15 @@ impl LeaseStream {
                 }
             };
         }
+    }
+
+    /// A lease already leased for the stream and not yet written, taken without waiting:
+    /// what a writer adds to the lease [`LeaseStream::next`] gave before one write.
+    pub(crate) fn next_ready(&mut self) -> Option<Box<Leased>> {
+        let leased = self.unwritten.pop_front()?;
+        self.written
+            .push((leased.delivery.coordinates.key, leased.expires_at));
+        Some(Box::new(leased))
     }
 
     /// Drop the written leases that are no longer live (settled, expired, superseded).
