@@ -218,6 +218,9 @@ enum Kind {
     /// One Server-Sent Events stream (`GET /events`, max_in_flight 1000), its leases acked
     /// over HTTP in batches of 100 ids.
     SseBatch,
+    /// Publish → event: messages published one a millisecond to a stream of their own while
+    /// one `GET /events` stream is open, each timed from its publish to its event's arrival.
+    EventLatency,
 }
 
 /// One timed run.
@@ -240,6 +243,7 @@ impl Run {
             Kind::WsHundred => format!("ws-100 x{}", self.clients),
             Kind::Traced => format!("traced x{}", self.clients),
             Kind::SseBatch => format!("sse-batch x{}", self.clients),
+            Kind::EventLatency => "event-latency".into(),
         }
     }
 }
@@ -352,8 +356,26 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
         .context("a directory for the gateway logs")?;
 
     let mut outcomes = Vec::new();
+    let mut event_latencies = Vec::new();
     let mut n = 0;
     for round in 1..=args.rounds {
+        if wanted(Kind::EventLatency) {
+            eprintln!(
+                "bench: event-latency (round {round}): {} messages published while a stream is open …",
+                args.latency_samples
+            );
+            let (p50, p99) =
+                event_latency(&js, &server.url(), args, round, &gateway_bin, logs.path())
+                    .await
+                    .with_context(|| format!("event-latency (round {round})"))?;
+            let (native_p50, native_p99) = native_event_latency(&js, args, round)
+                .await
+                .with_context(|| format!("native event-latency (round {round})"))?;
+            eprintln!(
+                "bench: event-latency (round {round}): p50 {p50:.3} ms, p99 {p99:.3} ms (native messages(): {native_p50:.3} / {native_p99:.3} ms)"
+            );
+            event_latencies.push(((p50, p99), (native_p50, native_p99)));
+        }
         for &run in &runs {
             n += 1;
             let consumer = format!("c{n}");
@@ -405,6 +427,23 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
     }
 
     print_report(args, &version, &runs, &outcomes);
+    if !event_latencies.is_empty() {
+        let (gateway, native): (Vec<Percentiles>, Vec<Percentiles>) =
+            event_latencies.into_iter().unzip();
+        let show = |pairs: Vec<Percentiles>| {
+            let (p50s, p99s): (Vec<f64>, Vec<f64>) = pairs.into_iter().unzip();
+            let one = |values| median(values).map_or_else(|| "-".into(), |v| format!("{v:.2}"));
+            format!("{} ms / {} ms", one(p50s), one(p99s))
+        };
+        println!(
+            "| publish → event on an open stream, messages flowing (one a ms), p50 / p99 | {} | ≤ 0.5 ms / ≤ 2 ms |",
+            show(gateway)
+        );
+        println!(
+            "| the same, native async-nats `messages()` (each acked), p50 / p99 | {} | |",
+            show(native)
+        );
+    }
     if args.keep_logs {
         let kept = logs.keep();
         println!("gateway logs kept in {}", kept.display());
@@ -1279,7 +1318,7 @@ async fn gateway_loop(
                 }
                 requests.fetch_add(reply.messages.len() as u64, Ordering::Relaxed);
             }
-            Kind::Native | Kind::WsEach | Kind::WsHundred | Kind::SseBatch => {
+            Kind::Native | Kind::WsEach | Kind::WsHundred | Kind::SseBatch | Kind::EventLatency => {
                 unreachable!("the native and streaming runs have loops of their own")
             }
         }
@@ -1346,17 +1385,7 @@ async fn sse_loop(
     requests: Arc<AtomicU64>,
     data_len: usize,
 ) -> anyhow::Result<()> {
-    let mut response = http
-        .get(format!("{base}/events?max_in_flight=1000"))
-        .timeout(Duration::from_secs(3600))
-        .send()
-        .await
-        .context("GET /events")?;
-    ensure!(
-        response.status() == reqwest::StatusCode::OK,
-        "GET /events answered {}",
-        response.status()
-    );
+    let mut response = open_events(&http, &format!("{base}/events?max_in_flight=1000")).await?;
     let ack_url: Arc<str> = format!("{base}/messages/ack").into();
     let mut acks = tokio::task::JoinSet::new();
     let ack = |batch: Vec<(String, u64)>| {
@@ -1401,17 +1430,7 @@ async fn sse_loop(
             }
         };
         text.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(end) = text.find("\n\n") {
-            let event: String = text.drain(..end + 2).collect();
-            let is_message = event.lines().any(|line| line == "event: message");
-            let Some(data) = event.lines().find_map(|line| line.strip_prefix("data: ")) else {
-                continue;
-            };
-            if !is_message {
-                continue;
-            }
-            let message: serde_json::Value =
-                serde_json::from_str(data).context("an event's JSON")?;
+        for message in complete_messages(&mut text)? {
             let id = message["id"].as_str().context("a lease id")?.to_owned();
             if draining {
                 held.push(id);
@@ -1440,6 +1459,216 @@ async fn sse_loop(
     Ok(())
 }
 
+/// A p50 and a p99, in ms.
+type Percentiles = (f64, f64);
+
+/// Messages published before the timed ones, so that the stream's pull is waiting at the
+/// server and the connections are warm when timing starts.
+const EVENT_LATENCY_WARM_UP: u64 = 100;
+
+/// One round of [`Kind::EventLatency`]: a stream and a gateway of their own, one
+/// `GET /events?max_in_flight=1000&encoding=utf8` open, then `--latency-samples` messages
+/// (after a warm-up) published one a millisecond, each carrying its publish time; the client
+/// acks what it read in batches, as [`sse_loop`]. Returns the p50 and p99 in ms.
+async fn event_latency(
+    js: &jetstream::Context,
+    nats_url: &str,
+    args: &Args,
+    round: u32,
+    binary: &Path,
+    logs: &Path,
+) -> anyhow::Result<Percentiles> {
+    let stream = format!("LIVE{round}");
+    let subject = format!("live{round}.msg");
+    js.create_stream(stream::Config {
+        name: stream.clone(),
+        subjects: vec![subject.clone()],
+        ..Default::default()
+    })
+    .await
+    .context("creating the stream")?;
+    let http = http_client()?;
+    let gateway = GatewayChild::start_on(
+        binary,
+        nats_url,
+        (&stream, "live"),
+        &args.gateway_flags,
+        &args.gateway_env,
+        logs.join(format!("live{round}.log")),
+        &http,
+    )
+    .await?;
+    let url = format!("{}/events?max_in_flight=1000&encoding=utf8", gateway.base);
+    let mut response = open_events(&http, &url).await?;
+    let epoch = Instant::now();
+    let total = EVENT_LATENCY_WARM_UP + args.latency_samples;
+    let publisher = publish_paced(js, &subject, total, epoch);
+    let ack_url: Arc<str> = format!("{}/messages/ack", gateway.base).into();
+    let mut acks = tokio::task::JoinSet::new();
+    let ack = |ids: Vec<String>| {
+        let (http, url) = (http.clone(), ack_url.clone());
+        async move {
+            let response = http
+                .post(&*url)
+                .json(&json!({ "ids": ids }))
+                .send()
+                .await
+                .context("POST /messages/ack")?;
+            ensure!(
+                response.status() == reqwest::StatusCode::OK,
+                "POST /messages/ack answered {}",
+                response.status()
+            );
+            Ok(())
+        }
+    };
+    let mut latencies = Vec::with_capacity(args.latency_samples as usize);
+    let mut read = 0;
+    let mut pending = Vec::new();
+    let mut text = String::new();
+    let deadline = Instant::now() + Duration::from_secs(60) + Duration::from_millis(total);
+    while read < total {
+        let chunk = match tokio::time::timeout_at(
+            deadline.min(Instant::now() + Duration::from_millis(5)),
+            response.chunk(),
+        )
+        .await
+        {
+            Ok(chunk) => chunk
+                .context("reading the event stream")?
+                .context("the gateway ended the event stream")?,
+            Err(_) => {
+                ensure!(
+                    Instant::now() < deadline,
+                    "{read} of {total} events came before the deadline"
+                );
+                if !pending.is_empty() {
+                    under_way(&mut acks, SSE_ACKS_IN_FLIGHT - 1).await?;
+                    acks.spawn(ack(std::mem::take(&mut pending)));
+                }
+                continue;
+            }
+        };
+        let arrived = epoch.elapsed().as_micros();
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        for message in complete_messages(&mut text)? {
+            let sent: u128 = message["data"]
+                .as_str()
+                .and_then(|sent| sent.parse().ok())
+                .context("a message's publish time")?;
+            read += 1;
+            if read > EVENT_LATENCY_WARM_UP {
+                latencies.push(u32::try_from(arrived.saturating_sub(sent)).unwrap_or(u32::MAX));
+            }
+            pending.push(message["id"].as_str().context("a lease id")?.to_owned());
+            if pending.len() >= SSE_ACK_BATCH {
+                under_way(&mut acks, SSE_ACKS_IN_FLIGHT - 1).await?;
+                acks.spawn(ack(std::mem::take(&mut pending)));
+            }
+        }
+    }
+    if !pending.is_empty() {
+        acks.spawn(ack(pending));
+    }
+    under_way(&mut acks, 0).await?;
+    publisher.await.context("the publisher")??;
+    drop(response);
+    gateway.stop().await?;
+    js.delete_stream(&stream)
+        .await
+        .with_context(|| format!("deleting stream {stream}"))?;
+    Ok((
+        percentile(&mut latencies, 0.5),
+        percentile(&mut latencies, 0.99),
+    ))
+}
+
+/// Publish `total` messages one a millisecond to `subject`, each carrying its publish time
+/// (µs since `epoch`); done once every publish is acknowledged.
+fn publish_paced(
+    js: &jetstream::Context,
+    subject: &str,
+    total: u64,
+    epoch: Instant,
+) -> JoinHandle<anyhow::Result<()>> {
+    let (js, subject) = (js.clone(), subject.to_owned());
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_millis(1));
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut acks = Vec::with_capacity(total as usize);
+        for _ in 0..total {
+            every.tick().await;
+            let sent = epoch.elapsed().as_micros().to_string();
+            acks.push(
+                js.publish(subject.clone(), sent.into())
+                    .await?
+                    .into_future(),
+            );
+        }
+        for ack in join_all(acks).await {
+            ack.context("publish ack")?;
+        }
+        anyhow::Ok(())
+    })
+}
+
+/// The native figure beside [`event_latency`]: the same paced publishing, read by an
+/// async-nats pull consumer's `messages()` stream (each message acked). p50 and p99 in ms.
+async fn native_event_latency(
+    js: &jetstream::Context,
+    args: &Args,
+    round: u32,
+) -> anyhow::Result<Percentiles> {
+    let stream_name = format!("NATIVE_LIVE{round}");
+    let subject = format!("native-live{round}.msg");
+    let stream = js
+        .create_stream(stream::Config {
+            name: stream_name.clone(),
+            subjects: vec![subject.clone()],
+            ..Default::default()
+        })
+        .await
+        .context("creating the stream")?;
+    let consumer: consumer::PullConsumer = stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("live".into()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await
+        .context("creating the consumer")?;
+    let mut messages = consumer.messages().await.context("consumer messages")?;
+    let epoch = Instant::now();
+    let total = EVENT_LATENCY_WARM_UP + args.latency_samples;
+    let publisher = publish_paced(js, &subject, total, epoch);
+    let mut latencies = Vec::with_capacity(args.latency_samples as usize);
+    for read in 1..=total {
+        let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
+            .await
+            .context("no message for 30 s")?
+            .context("the messages stream ended")?
+            .map_err(|err| anyhow!("messages: {err}"))?;
+        let arrived = epoch.elapsed().as_micros();
+        let sent: u128 = std::str::from_utf8(&message.payload)
+            .ok()
+            .and_then(|sent| sent.parse().ok())
+            .context("a message's publish time")?;
+        if read > EVENT_LATENCY_WARM_UP {
+            latencies.push(u32::try_from(arrived.saturating_sub(sent)).unwrap_or(u32::MAX));
+        }
+        message.ack().await.map_err(|err| anyhow!("ack: {err}"))?;
+    }
+    publisher.await.context("the publisher")??;
+    drop(messages);
+    js.delete_stream(&stream_name)
+        .await
+        .with_context(|| format!("deleting stream {stream_name}"))?;
+    Ok((
+        percentile(&mut latencies, 0.5),
+        percentile(&mut latencies, 0.99),
+    ))
+}
+
 /// Wait until at most `most` of `acks` are under way; the first that failed fails the loop.
 async fn under_way(
     acks: &mut tokio::task::JoinSet<anyhow::Result<()>>,
@@ -1451,6 +1680,40 @@ async fn under_way(
         }
     }
     Ok(())
+}
+
+/// `GET` an event stream at `url`, which must answer 200.
+async fn open_events(http: &reqwest::Client, url: &str) -> anyhow::Result<reqwest::Response> {
+    let response = http
+        .get(url)
+        .timeout(Duration::from_secs(3600))
+        .send()
+        .await
+        .context("GET /events")?;
+    ensure!(
+        response.status() == reqwest::StatusCode::OK,
+        "GET /events answered {}",
+        response.status()
+    );
+    Ok(response)
+}
+
+/// The `message` events complete in `text` (taken out of it), each its `data:` as JSON;
+/// comments and other events are dropped.
+fn complete_messages(text: &mut String) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut messages = Vec::new();
+    while let Some(end) = text.find("\n\n") {
+        let event: String = text.drain(..end + 2).collect();
+        if !event.lines().any(|line| line == "event: message") {
+            continue;
+        }
+        let data = event
+            .lines()
+            .find_map(|line| line.strip_prefix("data: "))
+            .context("a message event without data")?;
+        messages.push(serde_json::from_str(data).context("an event's JSON")?);
+    }
+    Ok(messages)
 }
 
 /// One batch ack of streamed leases; each must answer 204.

@@ -162,11 +162,14 @@ impl<S: Send + Sync> FromRequestParts<S> for FetchHeaders {
     type Rejection = std::convert::Infallible;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        let idempotency_key = parts.headers.get(IDEMPOTENCY_KEY).cloned();
+        // Copies: a clone would share the bytes of the connection's read buffer, and keep
+        // all of it for the poll's whole wait.
+        let copied = |value: &HeaderValue| HeaderValue::from_bytes(value.as_bytes()).ok();
+        let idempotency_key = parts.headers.get(IDEMPOTENCY_KEY).and_then(copied);
         // Read only to scope an Idempotency-Key.
         let authorization = idempotency_key
             .as_ref()
-            .and_then(|_| parts.headers.get(header::AUTHORIZATION).cloned());
+            .and_then(|_| parts.headers.get(header::AUTHORIZATION).and_then(copied));
         Ok(Self {
             idempotency_key,
             authorization,

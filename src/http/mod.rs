@@ -270,8 +270,10 @@ async fn edge(
         response.headers_mut().insert(X_REQUEST_ID, request_id);
         return response;
     }
-    // Cloning the URI shares its bytes; the path is needed only for a problem answer.
-    let uri = request.uri().clone();
+    // The path, copied: a clone of the URI would share the bytes of the connection's read
+    // buffer, and keep all 8 KB of it for as long as a long poll waits. Needed only for a
+    // problem answer.
+    let path: Box<str> = request.uri().path().into();
     let span = request_span(&request);
     let log = RequestLog {
         request_id: request_id.clone(),
@@ -291,7 +293,7 @@ async fn edge(
         })
         .await
     };
-    let mut response = problem::name_instance(response, uri.path());
+    let mut response = problem::name_instance(response, &path);
     response
         .headers_mut()
         .entry(X_REQUEST_ID)
@@ -356,7 +358,9 @@ fn usable_request_id(headers: &mut axum::http::HeaderMap) -> Option<HeaderValue>
     let (first, second) = (values.next(), values.next());
     match (first, second) {
         (None, _) => None,
-        (Some(value), None) if usable(value) => Some(value.clone()),
+        // A copy: a clone would keep the connection's read buffer (8 KB) for as long as
+        // the request lasts, a long poll's whole wait.
+        (Some(value), None) if usable(value) => HeaderValue::from_bytes(value.as_bytes()).ok(),
         _ => {
             headers.remove(X_REQUEST_ID);
             None
