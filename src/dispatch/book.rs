@@ -73,6 +73,8 @@ impl Waiter {
 
 struct Pull<R> {
     owner: Option<u64>,
+    /// The stream it was opened for, whose next demand takes it over.
+    stream: Option<u64>,
     remaining: usize,
     /// When to give up on the server's end-of-request status.
     give_up_at: Instant,
@@ -95,6 +97,9 @@ pub(super) struct PlannedPull {
     pub(super) batch: usize,
     /// `None`: a plain `no_wait` pull.
     pub(super) expires: Option<Duration>,
+    /// Waits at the server until its batch is delivered or it expires (a stream's pull),
+    /// rather than ending once it delivered what there was (`no_wait`). Only with `expires`.
+    pub(super) keep_open: bool,
     pub(super) give_up_at: Instant,
 }
 
@@ -133,6 +138,16 @@ impl<R> Book<R> {
     }
 
     pub(super) fn enqueue(&mut self, id: u64, demand: Demand, answer: Answer, now: Instant) {
+        // A stream's pull still open at the server is its next demand's: the stream's
+        // credit grew by what it settled since, so the pull never asks beyond it.
+        let pull = demand.stream.and_then(|stream| {
+            let (pull_id, pull) = self
+                .pulls
+                .iter_mut()
+                .find(|(_, pull)| pull.stream == Some(stream) && pull.owner.is_none())?;
+            pull.owner = Some(id);
+            Some(*pull_id)
+        });
         self.waiters.push_back(Waiter {
             id,
             deadline: now + demand.wait,
@@ -140,9 +155,9 @@ impl<R> Book<R> {
             got: Vec::new(),
             bytes: 0,
             full: false,
-            pull: None,
+            pull,
             retry_at: None,
-            pulled: false,
+            pulled: pull.is_some(),
             answer,
         });
     }
@@ -444,10 +459,12 @@ impl<R> Book<R> {
             if let Some(max_expires) = limits.max_expires {
                 left = left.min(max_expires);
             }
+            let expires = (left >= MIN_EXPIRES).then_some(left);
             planned.push(PlannedPull {
                 fetch: waiter.id,
                 batch,
-                expires: (left >= MIN_EXPIRES).then_some(left),
+                expires,
+                keep_open: waiter.demand.stream.is_some() && expires.is_some(),
                 give_up_at: now + left + PULL_GRACE,
             });
             capacity -= batch;
@@ -473,20 +490,23 @@ impl<R> Book<R> {
 
     /// A planned pull was opened as `pull_id`, read by `reader`.
     pub(super) fn pull_opened(&mut self, planned: PlannedPull, pull_id: u64, reader: R) {
+        let waiter = self.waiters.iter_mut().find(|w| w.id == planned.fetch);
+        let stream = waiter.as_ref().and_then(|waiter| waiter.demand.stream);
+        if let Some(waiter) = waiter {
+            waiter.pull = Some(pull_id);
+            waiter.pulled = true;
+            waiter.retry_at = None;
+        }
         self.pulls.insert(
             pull_id,
             Pull {
                 owner: Some(planned.fetch),
+                stream: stream.filter(|_| planned.keep_open),
                 remaining: planned.batch,
                 give_up_at: planned.give_up_at,
                 reader,
             },
         );
-        if let Some(waiter) = self.waiters.iter_mut().find(|w| w.id == planned.fetch) {
-            waiter.pull = Some(pull_id);
-            waiter.pulled = true;
-            waiter.retry_at = None;
-        }
     }
 
     /// The fetches done waiting (all answered at once when `shutting_down`), out of the
@@ -504,7 +524,9 @@ impl<R> Book<R> {
             let done = shutting_down
                 || waiter.got.len() >= waiter.demand.batch
                 || waiter.full
-                || (!waiter.got.is_empty() && waiter.pull.is_none())
+                // A stream writes what came at once; its pull stays open for its next step.
+                || (!waiter.got.is_empty()
+                    && (waiter.pull.is_none() || waiter.demand.stream.is_some()))
                 || (waiter.pull.is_none() && now >= waiter.deadline)
                 || now >= waiter.deadline + PULL_GRACE;
             if !done {

@@ -467,8 +467,15 @@ impl Dispatcher {
         for planned in self.book.plan_pulls(now, capacity, limits) {
             let pull_id = self.book.next_pull_id();
             let events = self.inbound.sender();
-            let Some(reader) =
-                pull::open(&bound, pull_id, planned.batch, planned.expires, events).await
+            let Some(reader) = pull::open(
+                &bound,
+                pull_id,
+                planned.batch,
+                planned.expires,
+                planned.keep_open,
+                events,
+            )
+            .await
             else {
                 return;
             };

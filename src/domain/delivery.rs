@@ -66,4 +66,8 @@ pub(crate) struct Demand {
     pub(crate) batch: usize,
     pub(crate) wait: Duration,
     pub(crate) max_bytes: Option<usize>,
+    /// The open stream (SSE or WebSocket) asking, by its id; `None` for a fetch. A stream's
+    /// pull stays open at the server between its demands, its next demand takes it over,
+    /// and each demand is answered as soon as something came.
+    pub(crate) stream: Option<u64>,
 }

@@ -251,5 +251,6 @@ fn demand(body: &FetchBody, config: &Config) -> Result<Demand, Error> {
         batch: batch as usize,
         wait: Duration::from_millis(wait_ms),
         max_bytes,
+        stream: None,
     })
 }

@@ -64,6 +64,7 @@ pub(crate) async fn open(
     pull_id: u64,
     batch: usize,
     expires: Option<Duration>,
+    keep_open: bool,
     events: mpsc::UnboundedSender<PullEvent>,
 ) -> Option<JoinHandle<()>> {
     let inbox = bound.client.new_inbox();
@@ -74,7 +75,7 @@ pub(crate) async fn open(
         warn!("could not subscribe a pull inbox");
         return None;
     };
-    if let Err(err) = request_pull(bound, inbox, batch, expires).await {
+    if let Err(err) = request_pull(bound, inbox, batch, expires, keep_open).await {
         warn!(error = %err, "pull request failed");
         return None;
     }
@@ -89,18 +90,21 @@ pub(crate) async fn open(
 }
 
 /// Ask the server for up to `batch` messages on `inbox`. With `expires`, the request waits up
-/// to that long for a first message; either way it ends as soon as it delivered something
-/// and nothing more is available (`no_wait`), which is exactly a fetch's contract.
+/// to that long for a first message; it ends as soon as it delivered something and nothing
+/// more is available (`no_wait`), which is exactly a fetch's contract — unless `keep_open`
+/// (a stream's pull, always with `expires`): then it delivers messages as they come until
+/// its batch is full or it expires.
 async fn request_pull(
     bound: &Bound,
     inbox: String,
     batch: usize,
     expires: Option<Duration>,
+    keep_open: bool,
 ) -> anyhow::Result<()> {
     let request = consumer::pull::BatchConfig {
         batch,
         expires,
-        no_wait: true,
+        no_wait: !(keep_open && expires.is_some()),
         ..Default::default()
     };
     tokio::time::timeout(

@@ -46,6 +46,7 @@ fn demand(batch: usize, wait_ms: u64) -> Demand {
         batch,
         wait: Duration::from_millis(wait_ms),
         max_bytes: None,
+        stream: None,
     }
 }
 
@@ -84,6 +85,7 @@ fn a_pull_asks_for_the_batch_within_capacity_and_max_pull_expires() {
             fetch: 1,
             batch: 30,
             expires: Some(MAX_PULL_EXPIRES),
+            keep_open: false,
             give_up_at: now + MAX_PULL_EXPIRES + PULL_GRACE,
         }]
     );
@@ -153,6 +155,58 @@ fn a_fetch_is_answered_with_what_its_pull_brought_once_the_pull_ends() {
     assert_eq!(finished.len(), 1);
     assert_eq!(sequences(&finished[0].got), [1, 2, 3]);
     assert_eq!(finished[0].pull, None);
+}
+
+#[test]
+fn a_streams_pull_stays_open_and_its_next_demand_takes_it_over() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let stream = |batch| Demand {
+        stream: Some(42),
+        ..demand(batch, 10_000)
+    };
+    let (_answered, pull_id) = waiting(&mut book, stream(10), now);
+    assert!(
+        book.pulls[&pull_id].stream == Some(42),
+        "a stream's pull waits at the server"
+    );
+    let owner = book.count_delivery(pull_id, now);
+    book.place(owner, delivery(1, 10, now));
+    let finished = book.take_finished(now, false, EPOCH);
+    assert_eq!(finished.len(), 1, "answered at once, its pull still open");
+    assert_eq!(sequences(&finished[0].got), [1]);
+    book.detach_pull(finished[0].pull);
+
+    // Between two demands, what the pull brings is held.
+    let owner = book.count_delivery(pull_id, now);
+    assert_eq!(owner, None);
+    book.place(owner, delivery(2, 10, now));
+
+    // Another stream's demand opens a pull of its own; the same stream's takes this one.
+    let (other, _) = oneshot::channel();
+    book.enqueue(
+        2,
+        Demand {
+            stream: Some(7),
+            ..demand(5, 10_000)
+        },
+        other,
+        now,
+    );
+    let (next, _) = oneshot::channel();
+    book.enqueue(3, stream(9), next, now);
+    let planned = book.plan_pulls(now, 1000, LIMITS);
+    assert_eq!(planned.len(), 1, "{planned:?}");
+    assert_eq!((planned[0].fetch, planned[0].keep_open), (2, true));
+    assert_eq!(book.pulls[&pull_id].owner, Some(3));
+    assert_eq!(book.count_delivery(pull_id, now), Some(3));
+
+    // A fetch's pull is never kept open, nor taken over.
+    let (fetch, _) = oneshot::channel();
+    book.enqueue(4, demand(5, 10_000), fetch, now);
+    let planned = book.plan_pulls(now, 1000, LIMITS);
+    let for_fetch = planned.iter().find(|pull| pull.fetch == 4);
+    assert!(for_fetch.is_some_and(|pull| !pull.keep_open), "{planned:?}");
 }
 
 #[test]

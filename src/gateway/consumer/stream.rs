@@ -1,13 +1,15 @@
-//! Leases for an open stream (Server-Sent Events): a client that keeps one response open is
-//! sent leases as they come, at most `max_in_flight` of them live at once. Each step leases
-//! what the stream's credit allows with one long-polled pull — the same path, fencing and
-//! limits as a fetch — and a lease counts in flight until it is settled (over any transport,
-//! at any replica: a settle elsewhere is forwarded here), expires or is superseded.
+//! Leases for an open stream (Server-Sent Events, WebSocket): a client that keeps one
+//! connection open is sent leases as they come, at most `max_in_flight` of them live at once.
+//! Each step leases what the stream's credit allows — the same path, fencing and limits as a
+//! fetch — from one pull that stays open at the server from step to step, so a message
+//! published to a quiet stream goes out at once rather than after a new pull; a lease counts
+//! in flight until it is settled (over any transport, at any replica: a settle elsewhere is
+//! forwarded here), expires or is superseded.
 //!
 //! May import: as the rest of `gateway`.
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -24,6 +26,10 @@ pub(crate) const QUIET_AT_MOST: Duration = Duration::from_secs(10);
 /// How long a stream waits before asking again while NATS is away or the consumer is full.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
 
+/// The last stream id handed out: unique in the process, so that a stream's pull is only
+/// ever taken over by the same stream.
+static LAST_STREAM_ID: AtomicU64 = AtomicU64::new(0);
+
 /// What a stream sends next.
 pub(crate) enum Step {
     /// One lease, to write to the client.
@@ -39,6 +45,8 @@ pub(crate) enum Step {
 /// One open stream's leases: those written to it and still live, and those leased for it
 /// and not yet written (given back if the stream ends first).
 pub(crate) struct LeaseStream {
+    /// Names the stream to the dispatcher: its pull outlives one demand.
+    id: u64,
     gateway: Consumer,
     /// An open stream keeps its consumer awake.
     _awake: super::idle::Held,
@@ -53,6 +61,7 @@ pub(crate) struct LeaseStream {
 impl LeaseStream {
     pub(crate) fn new(gateway: Consumer, max_in_flight: usize) -> Self {
         Self {
+            id: LAST_STREAM_ID.fetch_add(1, Ordering::Relaxed) + 1,
             _awake: gateway.activity.hold(),
             gateway,
             max_in_flight,
@@ -103,6 +112,7 @@ impl LeaseStream {
                 batch: credit,
                 wait: QUIET_AT_MOST,
                 max_bytes: None,
+                stream: Some(self.id),
             };
             return match self.gateway.lease_for(demand, caller).await {
                 Ok(leased) if leased.is_empty() => Step::Quiet,
