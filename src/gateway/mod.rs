@@ -238,7 +238,10 @@ impl Gateway {
                         "consumer {name} takes no fetches now (removed from the consumers file, or rebound once its settings changed there); its live leases still settle"
                     )));
                 }
-                None => self.bind_existing(name).await?,
+                // Boxed, here and for a settle: binding is rare, and its state (some 5 KB)
+                // would otherwise be part of every request's future — copied whenever one
+                // moves into a task (each WebSocket operation), held by every long poll.
+                None => Box::pin(self.bind_existing(name)).await?,
             },
         };
         served.touch();
@@ -261,7 +264,7 @@ impl Gateway {
                     .decode(id)
                     .is_some() =>
                 {
-                    self.bind_existing(&name).await.ok()
+                    Box::pin(self.bind_existing(&name)).await.ok()
                 }
                 None => None,
             };
@@ -320,6 +323,18 @@ impl Gateway {
             };
             return vec![settled];
         }
+        // Boxed, so that the one-id path's future (a WebSocket operation's task) does not
+        // carry the batch path's state.
+        Box::pin(self.settle_by_consumer(ids, command, may)).await
+    }
+
+    /// [`Gateway::settle_many`] of more than one id: grouped by the consumer each names.
+    async fn settle_by_consumer(
+        &self,
+        ids: &[String],
+        command: &AckCommand,
+        may: May<'_>,
+    ) -> Vec<SettleResult> {
         let mut groups: Vec<(Arc<Served>, Vec<usize>)> = Vec::new();
         let mut results: Vec<Option<SettleResult>> = vec![None; ids.len()];
         for (at, id) in ids.iter().enumerate() {

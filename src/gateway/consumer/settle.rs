@@ -41,7 +41,9 @@ impl Consumer {
     pub(crate) async fn settle(&self, id: &str, command: &AckCommand) -> SettleResult {
         let signed = self.state.signer().decode(id);
         if let Some(owner) = self.owner_elsewhere(signed) {
-            return only_answer(self.forward(owner, &[id], command).await).map(drop);
+            // Boxed: the forward's state would otherwise be part of every settle's future,
+            // copied whole each time one is moved into a task or a set.
+            return only_answer(Box::pin(self.forward(owner, &[id], command)).await).map(drop);
         }
         let deadline = tokio::time::sleep(self.config.settle_timeout);
         self.settle_by(id, signed, command, deadline).await
