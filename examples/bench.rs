@@ -1449,14 +1449,7 @@ async fn sse_loop(
     // Closed before the naks: naks while it is open would free its credit for the
     // redeliveries. What its last pull still brings, the gateway's stop releases.
     drop(response);
-    for ids in held.chunks(1000) {
-        http.post(format!("{base}/messages/nak"))
-            .json(&json!({ "ids": ids }))
-            .send()
-            .await
-            .context("POST /messages/nak of the leases left over")?;
-    }
-    Ok(())
+    nak_leftover(&http, &base, &held).await
 }
 
 /// A p50 and a p99, in ms.
@@ -1507,20 +1500,7 @@ async fn event_latency(
     let mut acks = tokio::task::JoinSet::new();
     let ack = |ids: Vec<String>| {
         let (http, url) = (http.clone(), ack_url.clone());
-        async move {
-            let response = http
-                .post(&*url)
-                .json(&json!({ "ids": ids }))
-                .send()
-                .await
-                .context("POST /messages/ack")?;
-            ensure!(
-                response.status() == reqwest::StatusCode::OK,
-                "POST /messages/ack answered {}",
-                response.status()
-            );
-            Ok(())
-        }
+        async move { post_acks(&http, &url, &ids).await }
     };
     let mut latencies = Vec::with_capacity(args.latency_samples as usize);
     let mut read = 0;
@@ -1726,20 +1706,32 @@ async fn ack_streamed(
 ) -> anyhow::Result<()> {
     let started = Instant::now();
     let ids: Vec<&str> = batch.iter().map(|(id, _)| id.as_str()).collect();
+    post_acks(http, url, &ids).await?;
+    requests.fetch_add(1, Ordering::Relaxed);
+    let sequences: Vec<u64> = batch.iter().map(|(_, sequence)| *sequence).collect();
+    tally.acked(&sequences, started.elapsed())
+}
+
+/// `POST /messages/ack` of `ids`; every one must answer 204.
+async fn post_acks(
+    http: &reqwest::Client,
+    url: &str,
+    ids: &[impl AsRef<str>],
+) -> anyhow::Result<()> {
+    let ids: Vec<&str> = ids.iter().map(AsRef::as_ref).collect();
     let response = http
         .post(url)
         .json(&json!({ "ids": ids }))
         .send()
         .await
         .context("POST /messages/ack")?;
-    requests.fetch_add(1, Ordering::Relaxed);
     ensure!(
         response.status() == reqwest::StatusCode::OK,
         "POST /messages/ack answered {}",
         response.status()
     );
     let reply: BatchReply = response.json().await.context("POST /messages/ack body")?;
-    ensure!(reply.results.len() == batch.len(), "one result per id");
+    ensure!(reply.results.len() == ids.len(), "one result per id");
     for result in &reply.results {
         ensure!(
             result.status == 204,
@@ -1749,8 +1741,20 @@ async fn ack_streamed(
             result.detail
         );
     }
-    let sequences: Vec<u64> = batch.iter().map(|(_, sequence)| *sequence).collect();
-    tally.acked(&sequences, started.elapsed())
+    Ok(())
+}
+
+/// Give back the leases a streaming client still holds at its end, 1000 ids a
+/// `POST /messages/nak`, so that the consumer ends with nothing pending.
+async fn nak_leftover(http: &reqwest::Client, base: &str, ids: &[String]) -> anyhow::Result<()> {
+    for ids in ids.chunks(1000) {
+        http.post(format!("{base}/messages/nak"))
+            .json(&json!({ "ids": ids }))
+            .send()
+            .await
+            .context("POST /messages/nak of the leases left over")?;
+    }
+    Ok(())
 }
 
 /// Drain through `GET /ws`: leases arrive as frames (max_in_flight 1000), and are acked in
@@ -1858,15 +1862,7 @@ async fn websocket_loop(
         }
     }
     let leftover: Vec<String> = sequences.into_keys().collect();
-    let http = http_client()?;
-    for ids in leftover.chunks(1000) {
-        http.post(format!("{base}/messages/nak"))
-            .json(&json!({ "ids": ids }))
-            .send()
-            .await
-            .context("POST /messages/nak of the leases left over")?;
-    }
-    Ok(())
+    nak_leftover(&http_client()?, &base, &leftover).await
 }
 
 // ---------------------------------------------------------------------------------------------

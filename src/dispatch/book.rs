@@ -138,8 +138,10 @@ impl<R> Book<R> {
     }
 
     pub(super) fn enqueue(&mut self, id: u64, demand: Demand, answer: Answer, now: Instant) {
-        // A stream's pull still open at the server is its next demand's: the stream's
-        // credit grew by what it settled since, so the pull never asks beyond it.
+        // A stream's pull still open at the server is its next demand's. It asks for no more
+        // than the stream's credit, which only grew by what it settled since — unless the
+        // stream took held deliveries meanwhile; then the demand's batch still caps what it
+        // takes, and the rest is held for the next fetch.
         let pull = demand.stream.and_then(|stream| {
             let (pull_id, pull) = self
                 .pulls

@@ -144,8 +144,8 @@ impl LeaseStream {
         }
     }
 
-    /// A lease already leased for the stream and not yet written, taken without waiting:
-    /// what a writer adds to the lease [`LeaseStream::next`] gave before one write.
+    /// The next lease already leased for the stream, without waiting: a writer adds these
+    /// to what [`LeaseStream::next`] gave, to write them all at once.
     pub(crate) fn next_ready(&mut self) -> Option<Box<Leased>> {
         let leased = self.unwritten.pop_front()?;
         self.written
