@@ -3,7 +3,7 @@
 //! next — which pulls to open, which fetches to answer, which held deliveries to release.
 //!
 //! No I/O and no clock of its own: the dispatcher's loop ([`super`]) passes `now` in, does
-//! the NATS calls the book asks for, and leases what it hands out. A pull's reader task is
+//! the NATS calls the book asks for, and leases what it hands out. A pull's inbox handle is
 //! kept here only as an opaque `R`, so that it leaves with its pull.
 //!
 //! May import: `domain`.
@@ -78,8 +78,8 @@ struct Pull<R> {
     remaining: usize,
     /// When to give up on the server's end-of-request status.
     give_up_at: Instant,
-    /// Reads the pull's inbox; ends by itself when the server ended the pull.
-    reader: R,
+    /// The handle of the pull's inbox, which ends by itself when the server ended the pull.
+    inbox: R,
 }
 
 /// A pull given up on that may still be waiting at the server: it counts toward the pull
@@ -189,8 +189,8 @@ impl<R> Book<R> {
         }
     }
 
-    /// The server forgot the open pulls (the connection dropped). Their readers stay until
-    /// they give up, so what the pulls already sent still arrives and is held.
+    /// The server forgot the open pulls (the connection dropped). Their inboxes are read
+    /// until they are given up on, so what the pulls already sent still arrives and is held.
     pub(super) fn forget_pulls(&mut self) {
         self.silent.clear();
         for pull in self.pulls.values_mut() {
@@ -202,11 +202,11 @@ impl<R> Book<R> {
         }
     }
 
-    /// Every open pull is of an old binding: forget them, returning their readers.
+    /// Every open pull is of an old binding: forget them, returning their inboxes.
     pub(super) fn close_pulls(&mut self) -> Vec<R> {
-        let readers = self.pulls.drain().map(|(_, pull)| pull.reader).collect();
+        let inboxes = self.pulls.drain().map(|(_, pull)| pull.inbox).collect();
         self.forget_pulls();
-        readers
+        inboxes
     }
 
     /// Whether `pull_id` is an open pull (of the current binding).
@@ -348,8 +348,8 @@ impl<R> Book<R> {
 
     /// Pulls past their give-up time without an end-of-request status (a busy machine or a
     /// lost connection) free their fetches, and keep counting toward the pull limit for
-    /// [`SILENT_COUNTS_FOR`] (unless their status or their batch comes first); their readers
-    /// are returned, to keep forwarding whatever still arrives: dropping them could strand
+    /// [`SILENT_COUNTS_FOR`] (unless their status or their batch comes first); their inboxes
+    /// are returned, to be read for whatever still arrives: dropping them could strand
     /// deliveries for a whole ack_wait.
     pub(super) fn give_up_silent_pulls(&mut self, now: Instant) -> Vec<R> {
         self.silent.retain(|silent| silent.until > now);
@@ -359,10 +359,10 @@ impl<R> Book<R> {
             .filter(|(_, pull)| pull.give_up_at <= now)
             .map(|(id, _)| *id)
             .collect();
-        let mut readers = Vec::with_capacity(silent.len());
+        let mut inboxes = Vec::with_capacity(silent.len());
         for pull_id in silent {
             if let Some(pull) = self.pulls.remove(&pull_id) {
-                readers.push(pull.reader);
+                inboxes.push(pull.inbox);
                 self.pull_ended_for(pull.owner, false, now);
                 if pull.remaining > 0 {
                     self.silent.push(SilentPull {
@@ -373,7 +373,7 @@ impl<R> Book<R> {
                 }
             }
         }
-        readers
+        inboxes
     }
 
     /// Take the held deliveries that match `release` out of the book, in order.
@@ -490,8 +490,8 @@ impl<R> Book<R> {
         self.next_pull_id
     }
 
-    /// A planned pull was opened as `pull_id`, read by `reader`.
-    pub(super) fn pull_opened(&mut self, planned: PlannedPull, pull_id: u64, reader: R) {
+    /// A planned pull was opened as `pull_id`, read through `inbox`.
+    pub(super) fn pull_opened(&mut self, planned: PlannedPull, pull_id: u64, inbox: R) {
         let waiter = self.waiters.iter_mut().find(|w| w.id == planned.fetch);
         let stream = waiter.as_ref().and_then(|waiter| waiter.demand.stream);
         if let Some(waiter) = waiter {
@@ -506,7 +506,7 @@ impl<R> Book<R> {
                 stream: stream.filter(|_| planned.keep_open),
                 remaining: planned.batch,
                 give_up_at: planned.give_up_at,
-                reader,
+                inbox,
             },
         );
     }
@@ -552,9 +552,9 @@ impl<R> Book<R> {
         finished
     }
 
-    /// Every pull's reader, for a stop.
-    pub(super) fn drain_readers(&mut self) -> Vec<R> {
-        self.pulls.drain().map(|(_, pull)| pull.reader).collect()
+    /// Every pull's inbox, for a stop.
+    pub(super) fn drain_inboxes(&mut self) -> Vec<R> {
+        self.pulls.drain().map(|(_, pull)| pull.inbox).collect()
     }
 
     /// Deliveries held now.

@@ -13,8 +13,9 @@
 //! arrives for nobody (in that window, or beyond a fetch's `max_bytes`) is held for the next
 //! fetch while most of its ack_wait is left, then nak'd.
 //!
-//! Pulls, their inboxes and their readers are the NATS boundary's ([`crate::nats::pull`]);
-//! this task decides when to open one and for whom.
+//! Pulls and their inboxes are the NATS boundary's ([`crate::nats::pull`]); this task decides
+//! when to open one and for whom, and reads every open pull's inbox itself: a task per pull
+//! in between cost each fetch a spawn and one more wake-up on its way back to the client.
 //!
 //! May import: `nats`, `state`, `domain`. Never `gateway` or `http`.
 
@@ -24,21 +25,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::Subject;
+use futures::FutureExt as _;
+use futures::StreamExt as _;
+use futures::stream::SelectAll;
 use tokio::sync::{Notify, mpsc, watch};
-use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
 
 use crate::domain::delivery::{Delivery, Demand};
 use crate::domain::finals::Final;
 use crate::nats::Bound;
-use crate::nats::pull::{self, PullEvent};
+use crate::nats::pull::{self, PullEvent, PullHandle, PullInbox};
 use crate::nats::settle as nats_settle;
 use crate::state::LeaseState;
 use book::{Answer, Book, PULL_GRACE, PullLimits};
 
-/// How long the reader of a pull given up on keeps forwarding before it is stopped: the
-/// server's end-of-request status normally comes long before.
+/// How long the inbox of a pull given up on is still read before it is dropped: the server's
+/// end-of-request status normally comes long before.
 const STRAGGLER_READ: Duration = Duration::from_secs(30);
 /// How long a settle the gateway repeats on its own waits for the server's confirmation.
 const SETTLE_AGAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -66,54 +69,15 @@ pub(crate) enum Command {
     Stop,
 }
 
-/// Where the readers of open pulls send what they bring: made with the first pull and let go
-/// once no reader holds it, so that an idle consumer keeps no channel (whose first block
-/// alone, 32 events, is some 10 KB).
-#[derive(Default)]
-struct Inbound(
-    Option<(
-        mpsc::UnboundedSender<PullEvent>,
-        mpsc::UnboundedReceiver<PullEvent>,
-    )>,
-);
-
-impl Inbound {
-    /// A sender for a new pull's reader.
-    fn sender(&mut self) -> mpsc::UnboundedSender<PullEvent> {
-        self.0.get_or_insert_with(mpsc::unbounded_channel).0.clone()
-    }
-
-    /// The next event; pending while there is no channel (no reader to send one).
-    async fn recv(&mut self) -> Option<PullEvent> {
-        match &mut self.0 {
-            Some((_, events)) => events.recv().await,
-            None => std::future::pending().await,
-        }
-    }
-
-    fn try_recv(&mut self) -> Option<PullEvent> {
-        self.0.as_mut()?.1.try_recv().ok()
-    }
-
-    /// Let the channel go when no reader holds a sender any more and nothing is queued.
-    fn let_go_if_unused(&mut self) {
-        if let Some((sender, events)) = &self.0
-            && sender.strong_count() == 1
-            && events.is_empty()
-        {
-            self.0 = None;
-        }
-    }
-}
-
 pub(crate) struct Dispatcher {
     state: Arc<LeaseState>,
     bound: Option<Arc<Bound>>,
-    book: Book<JoinHandle<()>>,
-    inbound: Inbound,
+    book: Book<PullHandle>,
+    /// Every pull's inbox still read: the open pulls' and the stragglers'.
+    inboxes: SelectAll<PullInbox>,
     shutting_down: bool,
-    /// Readers of pulls given up on, still forwarding until the server ends them.
-    stragglers: Vec<(Instant, JoinHandle<()>)>,
+    /// Pulls given up on, whose inboxes are still read until the server ends them.
+    stragglers: Vec<(Instant, PullHandle)>,
     /// A rebind was asked for and has not happened yet.
     rebind_requested: bool,
     /// Reply subjects of messages that were no usable delivery, to nak.
@@ -126,7 +90,7 @@ impl Dispatcher {
             state,
             bound: None,
             book: Book::new(),
-            inbound: Inbound::default(),
+            inboxes: SelectAll::new(),
             shutting_down: false,
             stragglers: Vec::new(),
             rebind_requested: false,
@@ -159,10 +123,12 @@ impl Dispatcher {
                     Some(Command::Reconnected) => {}
                     Some(Command::Stop) | None => break,
                 },
-                Some(inbound) = self.inbound.recv() => {
+                Some(inbound) = self.inboxes.next() => {
+                    // Stamped here, on arrival: the loop never waits long for anything else
+                    // while messages come in (every NATS call it makes is bounded).
                     self.on_inbound(inbound);
                     // A pull's batch arrives in a burst: take all of it before one pump.
-                    while let Some(inbound) = self.inbound.try_recv() {
+                    while let Some(Some(inbound)) = self.inboxes.next().now_or_never() {
                         self.on_inbound(inbound);
                     }
                 }
@@ -177,7 +143,6 @@ impl Dispatcher {
                 () = sleep_until(wake) => {}
             }
             self.pump().await;
-            self.inbound.let_go_if_unused();
         }
         self.shutting_down = true;
         self.pump().await;
@@ -188,40 +153,40 @@ impl Dispatcher {
     /// that nothing sent to the gateway waits out its ack_wait.
     async fn drain_open_pulls(&mut self) {
         let now = Instant::now();
-        self.stragglers.retain(|(_, reader)| !reader.is_finished());
+        self.stragglers.retain(|(_, inbox)| !inbox.is_finished());
         let open_until = self.book.last_give_up();
         let stragglers_until = (!self.stragglers.is_empty()).then_some(now + PULL_GRACE);
         let Some(until) = open_until.into_iter().chain(stragglers_until).max() else {
             return;
         };
         loop {
-            self.stragglers.retain(|(_, reader)| !reader.is_finished());
+            self.stragglers.retain(|(_, inbox)| !inbox.is_finished());
             if (!self.book.has_open_pulls() && self.stragglers.is_empty())
                 || Instant::now() >= until
             {
                 break;
             }
             tokio::select! {
-                Some(inbound) = self.inbound.recv() => self.on_inbound(inbound),
+                Some(inbound) = self.inboxes.next() => self.on_inbound(inbound),
                 () = sleep_until(until) => break,
             }
             self.release_held(|_| true).await;
         }
         self.release_held(|_| true).await;
-        for (_, reader) in self.stragglers.drain(..) {
-            reader.abort();
+        for (_, inbox) in self.stragglers.drain(..) {
+            inbox.abort();
         }
-        for reader in self.book.drain_readers() {
-            reader.abort();
+        for inbox in self.book.drain_inboxes() {
+            inbox.abort();
         }
     }
 
     async fn rebind(&mut self, bound: Option<Arc<Bound>>) {
-        // Readers of the old binding's pulls keep forwarding what they still get: deliveries
-        // of an older epoch are nak'd, never leased or dropped.
+        // The old binding's pulls are still read for what they bring: deliveries of an older
+        // epoch are nak'd, never leased or dropped.
         let reap_at = Instant::now() + STRAGGLER_READ;
-        for reader in self.book.close_pulls() {
-            self.stragglers.push((reap_at, reader));
+        for inbox in self.book.close_pulls() {
+            self.stragglers.push((reap_at, inbox));
         }
         self.rebind_requested = false;
         // Deliveries of a previous binding cannot be leased any more: let the server have them.
@@ -375,15 +340,15 @@ impl Dispatcher {
     }
 
     fn give_up_on_silent_pulls(&mut self, now: Instant) {
-        for reader in self.book.give_up_silent_pulls(now) {
-            self.stragglers.push((now + STRAGGLER_READ, reader));
+        for inbox in self.book.give_up_silent_pulls(now) {
+            self.stragglers.push((now + STRAGGLER_READ, inbox));
         }
-        self.stragglers.retain(|(reap_at, reader)| {
-            if reader.is_finished() {
+        self.stragglers.retain(|(reap_at, inbox)| {
+            if inbox.is_finished() {
                 return false;
             }
             if *reap_at <= now {
-                reader.abort();
+                inbox.abort();
                 return false;
             }
             true
@@ -466,20 +431,19 @@ impl Dispatcher {
         };
         for planned in self.book.plan_pulls(now, capacity, limits) {
             let pull_id = self.book.next_pull_id();
-            let events = self.inbound.sender();
-            let Some(reader) = pull::open(
+            let Some((inbox, handle)) = pull::open(
                 &bound,
                 pull_id,
                 planned.batch,
                 planned.expires,
                 planned.keep_open,
-                events,
             )
             .await
             else {
                 return;
             };
-            self.book.pull_opened(planned, pull_id, reader);
+            self.inboxes.push(inbox);
+            self.book.pull_opened(planned, pull_id, handle);
         }
         if self.book.at_pull_limit(limits) {
             debug!("pull limit reached; fetches wait their turn");

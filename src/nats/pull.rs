@@ -1,18 +1,20 @@
-//! Pulls: a pull request for one waiting fetch, on an inbox of its own, and the task that
-//! reads that inbox — stamping each delivery with its arrival time and parsing it — until
-//! the server ends the pull.
+//! Pulls: a pull request for one waiting fetch, on an inbox of its own, and the stream of
+//! what that inbox brings — each delivery stamped with its arrival and parsed — until the
+//! server ends the pull.
 //!
 //! Each pull has its own inbox subscription (a delivery carries its stream subject, so only
-//! the subscription tells which pull it answers). The reader parses on arrival, which keeps
-//! parsing off the dispatcher's path, and a lease counts from when the delivery arrived,
-//! however busy the dispatcher is. A subject or header block NATS clients cannot parse
-//! arrives (patched client, `vendor/async-nats/PATCHED.md`) as reserved headers; the reader
-//! turns them back into the exact bytes ([`Unparsed`]) so such a message is leased like any
-//! other.
+//! the subscription tells which pull it answers). The dispatcher polls every open pull's
+//! inbox itself rather than through a task per pull: a task in between cost every fetch a
+//! spawn and a wake-up of one more task on its way back to the client. A subject or header
+//! block NATS clients cannot parse arrives (patched client, `vendor/async-nats/PATCHED.md`)
+//! as reserved headers; the inbox turns them back into the exact bytes ([`Unparsed`]) so such
+//! a message is leased like any other.
 //!
 //! May import: `domain`. Nothing of the gateway above the NATS boundary.
 
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -21,8 +23,7 @@ use async_nats::jetstream::consumer;
 use async_nats::{HeaderMap, Subject};
 use bytes::Bytes;
 use futures::StreamExt as _;
-use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use futures::stream::{AbortHandle, Abortable, Stream};
 use tokio::time::Instant;
 use tracing::{info, warn};
 
@@ -34,7 +35,7 @@ use super::{API_TIMEOUT, Bound};
 /// Subscribing only queues a command; it blocks when the queue is full while disconnected.
 const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// What a pull's reader forwards to the dispatcher. Nearly every one is a delivery, so it
+/// What a pull's inbox yields to the dispatcher. Nearly every one is a delivery, so it
 /// travels unboxed: boxing would cost an allocation per message to save space on the rare
 /// end-of-pull status.
 #[allow(clippy::large_enum_variant)]
@@ -56,17 +57,20 @@ pub(crate) enum PullEvent {
     },
 }
 
-/// Open a pull for up to `batch` messages: subscribe a fresh inbox, send the pull request,
-/// and start the task that forwards what arrives on `events`. `None` (logged) when the
-/// subscription or the request could not be made; the caller tries again later.
+/// A pull's inbox as the dispatcher polls it: ends once the server ended the pull, or when
+/// its [`PullHandle`] aborted it.
+pub(crate) type PullInbox = Abortable<Inbox>;
+
+/// Open a pull for up to `batch` messages: subscribe a fresh inbox and send the pull request.
+/// The inbox, to poll for what arrives, and its handle; `None` (logged) when the
+/// subscription or the request could not be made: the caller tries again later.
 pub(crate) async fn open(
     bound: &Bound,
     pull_id: u64,
     batch: usize,
     expires: Option<Duration>,
     keep_open: bool,
-    events: mpsc::UnboundedSender<PullEvent>,
-) -> Option<JoinHandle<()>> {
+) -> Option<(PullInbox, PullHandle)> {
     let inbox = bound.client.new_inbox();
     // Subscribe before asking: the server delivers only where there is interest.
     let subscribed =
@@ -79,14 +83,45 @@ pub(crate) async fn open(
         warn!(error = %err, "pull request failed");
         return None;
     }
-    Some(tokio::spawn(read_pull(
+    let alive = Arc::new(());
+    let handle_alive = Arc::downgrade(&alive);
+    let inbox = Inbox {
         pull_id,
         batch,
-        bound.epoch,
+        epoch: bound.epoch,
+        delivered: 0,
+        ended: false,
         subscriber,
-        bound.jetstream.clone(),
-        events,
-    )))
+        jetstream: Some(bound.jetstream.clone()),
+        _alive: alive,
+    };
+    let (abort, registration) = AbortHandle::new_pair();
+    Some((
+        Abortable::new(inbox, registration),
+        PullHandle {
+            abort,
+            alive: handle_alive,
+        },
+    ))
+}
+
+/// What the dispatcher keeps of an open pull's inbox: stops reading it, and tells whether
+/// it is still read.
+pub(crate) struct PullHandle {
+    abort: AbortHandle,
+    alive: Weak<()>,
+}
+
+impl PullHandle {
+    /// Stop reading the inbox: it ends at its next poll, and unsubscribes.
+    pub(crate) fn abort(&self) {
+        self.abort.abort();
+    }
+
+    /// Whether the inbox ended (the server ended the pull, or it was aborted) and is gone.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.alive.strong_count() == 0
+    }
 }
 
 /// Ask the server for up to `batch` messages on `inbox`. With `expires`, the request waits up
@@ -116,49 +151,59 @@ async fn request_pull(
     .context("sending a pull request")
 }
 
-/// Forward a pull's messages, stamped with their arrival, until the server ended the pull
-/// (a status, or the whole batch delivered); then dropping the subscriber unsubscribes.
-/// Parsing here, on arrival, also keeps it off the dispatcher's path.
-async fn read_pull(
+/// One pull's inbox: yields its messages, stamped with their arrival and parsed, until the
+/// server ended the pull (a status, or the whole batch delivered); dropping it unsubscribes.
+pub(crate) struct Inbox {
     pull_id: u64,
     batch: usize,
     epoch: u32,
-    mut subscriber: async_nats::Subscriber,
-    mut jetstream: async_nats::jetstream::Context,
-    inbound: mpsc::UnboundedSender<PullEvent>,
-) {
-    let mut delivered = 0;
-    while let Some(message) = subscriber.next().await {
-        let received_at = Instant::now();
-        let (forward, ended) = match message.status {
-            Some(status) if status.as_u16() == 100 => (None, false),
-            Some(status) => (
-                Some(PullEvent::Ended {
-                    pull_id,
-                    status: status.as_u16(),
-                    description: message.description.unwrap_or_default(),
-                }),
-                true,
-            ),
-            None => {
-                delivered += 1;
-                let (parsed, lent_back) = delivery(jetstream, epoch, message, received_at);
-                jetstream = lent_back;
-                let forward = match parsed {
-                    Ok(delivery) => PullEvent::Delivery { pull_id, delivery },
-                    Err(reply) => PullEvent::Unusable { pull_id, reply },
-                };
-                let forward = Some(forward);
-                (forward, delivered >= batch)
+    delivered: usize,
+    ended: bool,
+    subscriber: async_nats::Subscriber,
+    /// Lent to each message for its parsing (see [`delivery`]); `None` only meanwhile.
+    jetstream: Option<async_nats::jetstream::Context>,
+    /// Held while the inbox lives; its [`PullHandle`] watches it.
+    _alive: Arc<()>,
+}
+
+impl Stream for Inbox {
+    type Item = PullEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<PullEvent>> {
+        let this = &mut *self;
+        loop {
+            if this.ended {
+                return Poll::Ready(None);
             }
-        };
-        if let Some(forward) = forward
-            && inbound.send(forward).is_err()
-        {
-            return;
-        }
-        if ended {
-            return;
+            let Some(message) = ready!(this.subscriber.poll_next_unpin(cx)) else {
+                return Poll::Ready(None);
+            };
+            let received_at = Instant::now();
+            let pull_id = this.pull_id;
+            match message.status {
+                Some(status) if status.as_u16() == 100 => {}
+                Some(status) => {
+                    this.ended = true;
+                    return Poll::Ready(Some(PullEvent::Ended {
+                        pull_id,
+                        status: status.as_u16(),
+                        description: message.description.unwrap_or_default(),
+                    }));
+                }
+                None => {
+                    this.delivered += 1;
+                    this.ended = this.delivered >= this.batch;
+                    let Some(jetstream) = this.jetstream.take() else {
+                        return Poll::Ready(None);
+                    };
+                    let (parsed, lent_back) = delivery(jetstream, this.epoch, message, received_at);
+                    this.jetstream = Some(lent_back);
+                    return Poll::Ready(Some(match parsed {
+                        Ok(delivery) => PullEvent::Delivery { pull_id, delivery },
+                        Err(reply) => PullEvent::Unusable { pull_id, reply },
+                    }));
+                }
+            }
         }
     }
 }

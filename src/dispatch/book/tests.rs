@@ -320,12 +320,8 @@ fn a_fetch_whose_pull_stays_silent_is_answered_after_the_grace() {
         Some(deadline + PULL_GRACE)
     );
     assert!(book.take_finished(deadline, false, EPOCH).is_empty());
-    let readers = book.give_up_silent_pulls(deadline + PULL_GRACE);
-    assert_eq!(
-        readers.len(),
-        1,
-        "the reader is handed back to keep forwarding"
-    );
+    let inboxes = book.give_up_silent_pulls(deadline + PULL_GRACE);
+    assert_eq!(inboxes.len(), 1, "the inbox is handed back to be read on");
     assert_eq!(
         book.take_finished(deadline + PULL_GRACE, false, EPOCH)
             .len(),
