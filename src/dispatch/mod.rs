@@ -69,12 +69,38 @@ pub(crate) enum Command {
     Stop,
 }
 
+/// Every pull's inbox still read: the open pulls' and the stragglers'. Made with the first
+/// pull and let go after the last, so that an idle consumer keeps no set of them.
+#[derive(Default)]
+struct Inboxes(Option<SelectAll<PullInbox>>);
+
+impl Inboxes {
+    fn push(&mut self, inbox: PullInbox) {
+        self.0.get_or_insert_with(SelectAll::new).push(inbox);
+    }
+
+    /// What the next inbox yields; `None` at once while there is none to read.
+    async fn next(&mut self) -> Option<PullEvent> {
+        self.0.as_mut()?.next().await
+    }
+
+    /// What an inbox yields without waiting, if anything is there.
+    fn next_ready(&mut self) -> Option<PullEvent> {
+        self.0.as_mut()?.next().now_or_never().flatten()
+    }
+
+    fn let_go_if_empty(&mut self) {
+        if self.0.as_ref().is_some_and(SelectAll::is_empty) {
+            self.0 = None;
+        }
+    }
+}
+
 pub(crate) struct Dispatcher {
     state: Arc<LeaseState>,
     bound: Option<Arc<Bound>>,
     book: Book<PullHandle>,
-    /// Every pull's inbox still read: the open pulls' and the stragglers'.
-    inboxes: SelectAll<PullInbox>,
+    inboxes: Inboxes,
     shutting_down: bool,
     /// Pulls given up on, whose inboxes are still read until the server ends them.
     stragglers: Vec<(Instant, PullHandle)>,
@@ -90,7 +116,7 @@ impl Dispatcher {
             state,
             bound: None,
             book: Book::new(),
-            inboxes: SelectAll::new(),
+            inboxes: Inboxes::default(),
             shutting_down: false,
             stragglers: Vec::new(),
             rebind_requested: false,
@@ -128,7 +154,7 @@ impl Dispatcher {
                     // while messages come in (every NATS call it makes is bounded).
                     self.on_inbound(inbound);
                     // A pull's batch arrives in a burst: take all of it before one pump.
-                    while let Some(Some(inbound)) = self.inboxes.next().now_or_never() {
+                    while let Some(inbound) = self.inboxes.next_ready() {
                         self.on_inbound(inbound);
                     }
                 }
@@ -143,6 +169,7 @@ impl Dispatcher {
                 () = sleep_until(wake) => {}
             }
             self.pump().await;
+            self.inboxes.let_go_if_empty();
         }
         self.shutting_down = true;
         self.pump().await;
