@@ -287,8 +287,9 @@ impl Consumer {
             Some(AckCommand::InProgress) => {
                 let extensions = ids.iter().map(|id| async move {
                     let signed = self.own_lease(id);
-                    let deadline = tokio::time::sleep(self.config.settle_timeout);
-                    self.extend_by(id, signed, deadline).await.map(Some)
+                    self.extend_by(id, signed, self.confirmation_deadline())
+                        .await
+                        .map(Some)
                 });
                 futures::future::join_all(extensions).await
             }

@@ -36,6 +36,30 @@ impl Consumer {
             .filter(|owner| *owner != self.process.instance)
     }
 
+    /// How long a settle here waits for the server's confirmation: `--settle-timeout`, or
+    /// until the connection to NATS drops, whichever comes first. A confirmation can no
+    /// longer come once the connection is gone, and a client holding more leases of the
+    /// same fetch should not wait out the timeout to hear so: it settles the rest (each
+    /// refused at once while NATS is away) before their messages come back to others. The
+    /// answer is the same 504 either way: the settle may or may not have landed.
+    pub(super) fn confirmation_deadline(&self) -> impl Future<Output = ()> + Send + 'static {
+        let timeout = tokio::time::sleep(self.config.settle_timeout);
+        let mut nats_up = self.nats_up.clone();
+        async move {
+            let dropped = async move {
+                // The supervisor gone (the consumer stopping) says nothing of the
+                // connection: then only the timeout ends the wait.
+                if nats_up.wait_for(|up| !*up).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                () = timeout => {}
+                () = dropped => {}
+            }
+        }
+    }
+
     /// Ack, nak or term one lease; `Ok` only once the server confirmed it. A lease another
     /// replica issued is settled there.
     pub(crate) async fn settle(&self, id: &str, command: &AckCommand) -> SettleResult {
@@ -45,8 +69,8 @@ impl Consumer {
             // copied whole each time one is moved into a task or a set.
             return only_answer(Box::pin(self.forward(owner, &[id], command)).await).map(drop);
         }
-        let deadline = tokio::time::sleep(self.config.settle_timeout);
-        self.settle_by(id, signed, command, deadline).await
+        self.settle_by(id, signed, command, self.confirmation_deadline())
+            .await
     }
 
     /// Settle every id concurrently (one batch costs about one NATS round trip, not one
@@ -96,7 +120,7 @@ impl Consumer {
         leases: &[(&str, Option<SignedLease>)],
         command: &AckCommand,
     ) -> Vec<SettleResult> {
-        let deadline = Box::pin(tokio::time::sleep(self.config.settle_timeout)).shared();
+        let deadline = Box::pin(self.confirmation_deadline()).shared();
         // An id listed twice is settled (and counted) once; each position gets its answer.
         let mut distinct: Vec<(&str, Option<SignedLease>)> = Vec::with_capacity(leases.len());
         let mut position: HashMap<&str, usize> = HashMap::with_capacity(leases.len());
@@ -385,8 +409,8 @@ impl Consumer {
             let extended = self.forward(owner, &[id], &AckCommand::InProgress).await;
             return only_answer(extended)?.ok_or_else(no_answer);
         }
-        let deadline = tokio::time::sleep(self.config.settle_timeout);
-        self.extend_by(id, signed, deadline).await
+        self.extend_by(id, signed, self.confirmation_deadline())
+            .await
     }
 
     async fn extend_lease(
