@@ -20,10 +20,8 @@ use crate::nats::replicas::{BusyOn, ReplicaRecord};
 use crate::telemetry;
 
 use super::Gateway;
-use super::process::HEARTBEAT_TTL;
+use super::process::{HEARTBEAT_EVERY, HEARTBEAT_TTL};
 
-/// How often a process says it is live, and looks at the others.
-const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 /// How long a process that cannot write its heartbeat waits before it serves without.
 const UNANNOUNCED_AT_MOST: Duration = Duration::from_secs(10);
 impl Gateway {
@@ -46,6 +44,7 @@ impl Gateway {
                 continue;
             };
             if !self.0.process.connection.is_connected() {
+                fleet.heartbeat_stored(false);
                 continue;
             }
             let busy = self.busy_consumers();
@@ -57,12 +56,15 @@ impl Gateway {
                 Ok(()) => {
                     failing = false;
                     fleet.set_announced();
+                    fleet.heartbeat_stored(true);
                 }
-                Err(err) if !failing => {
-                    failing = true;
-                    warn!(error = %format!("{err:#}"), "cannot announce this replica to the others; retrying");
+                Err(err) => {
+                    fleet.heartbeat_stored(false);
+                    if !failing {
+                        failing = true;
+                        warn!(error = %format!("{err:#}"), "cannot announce this replica to the others; retrying");
+                    }
                 }
-                Err(_) => {}
             }
             // A stream it can read but never write to (a NATS user without publish rights
             // on the prefix) must not keep the gateway from serving at all.

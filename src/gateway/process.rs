@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use time::OffsetDateTime;
 use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
 
 use crate::config::Config;
 use crate::domain::consumers::ConsumerName;
@@ -79,6 +80,8 @@ impl Process {
     }
 }
 
+/// How often a process says it is live, and looks at the others.
+pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 /// A replica whose heartbeat is older than this is no longer counted.
 pub(crate) const HEARTBEAT_TTL: Duration = Duration::from_secs(4);
 /// How long [`Fleet::step_now`] waits for the heartbeat loop.
@@ -93,6 +96,10 @@ pub(crate) struct Fleet {
     seen: Mutex<Vec<ReplicaRecord>>,
     /// This process's heartbeat is in the fleet stream (or it gave up waiting for that).
     announced: AtomicBool,
+    /// Since when every heartbeat of this process was stored: while it is, the fleet stream
+    /// takes writes, and another replica's heartbeat missing there is that replica's
+    /// silence, not the stream's.
+    storing_since: Mutex<Option<Instant>>,
     /// It listens for settles forwarded to it.
     listening: AtomicBool,
     /// Rings the heartbeat loop before its tick (a consumer woke or was bound).
@@ -126,6 +133,12 @@ impl Fleet {
         steps.mark_unchanged();
         self.ring();
         let _ = tokio::time::timeout(STEP_WAIT, steps.changed()).await;
+    }
+
+    /// How long every heartbeat of this process has been stored, without a failure.
+    pub(crate) fn stored_for(&self) -> Option<Duration> {
+        let since = *self.storing_since.lock().ok()?;
+        since.map(|since| since.elapsed())
     }
 
     /// Whether `owner` beat in the last heartbeat round.
@@ -172,6 +185,17 @@ impl Fleet {
 impl Fleet {
     pub(super) fn set_announced(&self) {
         self.announced.store(true, Ordering::Relaxed);
+    }
+
+    /// A heartbeat of this process was stored (`true`), or could not be (`false`).
+    pub(super) fn heartbeat_stored(&self, stored: bool) {
+        if let Ok(mut since) = self.storing_since.lock() {
+            match (stored, *since) {
+                (true, None) => *since = Some(Instant::now()),
+                (false, _) => *since = None,
+                (true, Some(_)) => {}
+            }
+        }
     }
 
     pub(super) fn set_listening(&self) {

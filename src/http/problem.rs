@@ -61,7 +61,7 @@ impl Error {
             }
             Self::ConsumerUnsuitable(_) => StatusCode::CONFLICT,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
-            Self::LeaseGone => StatusCode::GONE,
+            Self::LeaseGone | Self::OwnerGone => StatusCode::GONE,
             Self::AlreadySettled { .. } => StatusCode::CONFLICT,
             Self::AtCapacity { .. } | Self::TooManyWaitingFetches { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
@@ -90,7 +90,7 @@ impl Error {
             Self::ConsumerNotFound(_) => ("consumer-not-found", "Consumer not found"),
             Self::ConsumerUnsuitable(_) => ("consumer-unsuitable", "Consumer unsuitable"),
             Self::MethodNotAllowed(_) => ("method-not-allowed", "Method not allowed"),
-            Self::LeaseGone => ("lease-gone", "Lease gone"),
+            Self::LeaseGone | Self::OwnerGone => ("lease-gone", "Lease gone"),
             Self::AlreadySettled { .. } => ("lease-settled", "Lease already settled"),
             Self::AtCapacity { .. } => ("too-many-leases", "Too many leases in flight"),
             Self::Unavailable(_) => ("unavailable", "NATS unavailable"),

@@ -106,7 +106,7 @@ impl ProblemKind {
                 "The lease was already settled with another outcome (the same action repeated answers as the first time did)."
             }
             Self::LeaseGone => {
-                "The lease expired or the message was delivered again (it has a new lease id)."
+                "The lease expired, the message was delivered again (it has a new lease id), or the replica that issued it is gone."
             }
             Self::TooManyLeases => {
                 "All `max_ack_pending` leases are out (or, with authentication on, this token has as many fetches waiting as it may); retry after `Retry-After` seconds."
@@ -155,7 +155,7 @@ impl ProblemKind {
             Self::LeaseSettled => vec![Error::AlreadySettled {
                 settled: SettleKind::Ack,
             }],
-            Self::LeaseGone => vec![Error::LeaseGone],
+            Self::LeaseGone => vec![Error::LeaseGone, Error::OwnerGone],
             Self::TooManyLeases => vec![
                 Error::AtCapacity {
                     max_ack_pending: 1024,

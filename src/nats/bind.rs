@@ -172,6 +172,62 @@ pub(crate) async fn bind(
     })
 }
 
+/// How long the check after a reconnect waits for the consumer's info before asking again:
+/// answered by the consumer's leader, it is quick unless that leader is moving.
+const RECHECK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What the check after a reconnect found.
+pub(crate) enum Recheck {
+    /// The same consumer: `previous` with the server's state and settings read anew.
+    Same(Box<Bound>),
+    /// Another consumer under the name (recreated), or none: bind anew.
+    Changed,
+}
+
+/// After a reconnect, the binding held before only needs the consumer's state read back
+/// (has the server forgotten deliveries? were its settings changed meanwhile?): its stream,
+/// its fleet and advisory streams were set up by the bind that made it, and going through
+/// all of that again costs a JetStream API round trip each — seconds while a cluster's meta
+/// leader moves, though the consumer's own leader answers at once. One request, one second
+/// at most; anything but an answer about the same consumer leaves the caller to bind anew.
+pub(crate) async fn recheck(previous: &Bound) -> Result<Recheck, BindError> {
+    let mut consumer = previous.consumer.clone();
+    let info = match tokio::time::timeout(RECHECK_TIMEOUT, consumer.info()).await {
+        Err(_) => return Err(anyhow::anyhow!("timed out reading consumer info").into()),
+        Ok(Err(err)) if is_not_found(&err) => return Ok(Recheck::Changed),
+        Ok(Err(err)) => {
+            return Err(anyhow::Error::new(err)
+                .context("reading consumer info")
+                .into());
+        }
+        Ok(Ok(info)) => info.clone(),
+    };
+    if info.created != previous.created || info.name != previous.consumer_name {
+        return Ok(Recheck::Changed);
+    }
+    Ok(Recheck::Same(Box::new(Bound {
+        delivered_consumer_sequence: info.delivered.consumer_sequence,
+        ack_wait: info.config.ack_wait,
+        max_ack_pending: usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX),
+        max_waiting: usize::try_from(info.config.max_waiting).unwrap_or(512),
+        max_batch: usize::try_from(info.config.max_batch)
+            .ok()
+            .filter(|max| *max > 0),
+        max_expires: Some(info.config.max_expires).filter(|max| !max.is_zero()),
+        consumer,
+        ..previous.clone()
+    })))
+}
+
+/// Whether the server answered that the consumer (or its stream) does not exist.
+fn is_not_found(err: &jetstream::context::ConsumerInfoError) -> bool {
+    use jetstream::context::ConsumerInfoErrorKind;
+    matches!(
+        err.kind(),
+        ConsumerInfoErrorKind::NotFound | ConsumerInfoErrorKind::StreamNotFound
+    )
+}
+
 /// The streams replicas share (the fleet's; the consumer's own of an earlier release) and
 /// the other live replicas on this consumer they list. Without the fleet stream (a NATS
 /// user not allowed to make it) the gateway still works, and forwards settles; only what

@@ -76,6 +76,13 @@ fn classify(err: &PublishError) -> PublishFailure {
             .source()
             .and_then(|source| source.downcast_ref::<jetstream::Error>())
         {
+            // A retry racing its first attempt (a leader change in between): the first may
+            // still be stored, and a retry with the same id then answers as it did.
+            Some(api) if api.error_code() == ErrorCode::STREAM_DUPLICATE_MESSAGE_CONFLICT => {
+                PublishFailure::Unavailable(format!(
+                    "the stream is still storing an earlier publish with this Nats-Msg-Id; retry: {api}"
+                ))
+            }
             // By the JetStream error code first: the server answers some refusals of the
             // message itself (a rollup the stream does not allow) with a 500.
             Some(api) if EXPECTATIONS.contains(&api.error_code()) => {
@@ -141,4 +148,34 @@ fn source_or_kind(err: &PublishError) -> String {
     err.source()
         .and_then(|source| source.downcast_ref::<jetstream::Error>())
         .map_or_else(|| err.kind().to_string(), ToString::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answered(code: usize, err_code: u64, description: &str) -> PublishFailure {
+        let api: jetstream::Error = serde_json::from_value(serde_json::json!({
+            "code": code, "err_code": err_code, "description": description
+        }))
+        .expect("a JetStream API error");
+        classify(&PublishError::with_source(PublishErrorKind::Other, api))
+    }
+
+    #[test]
+    fn a_retry_racing_its_first_attempt_is_transient_not_the_publishers_fault() {
+        assert!(matches!(
+            answered(409, 10158, "duplicate message id is in process"),
+            PublishFailure::Unavailable(_)
+        ));
+        // Other 4xx refusals stay the publisher's.
+        assert!(matches!(
+            answered(400, 10054, "message size exceeds maximum allowed"),
+            PublishFailure::Refused(_)
+        ));
+        assert!(matches!(
+            answered(400, 10071, "wrong last sequence: 3"),
+            PublishFailure::Expectation(_)
+        ));
+    }
 }

@@ -55,6 +55,9 @@ pub(crate) struct Consumer {
     process: Arc<Process>,
     commands: mpsc::Sender<Command>,
     bound: watch::Receiver<Option<Arc<Bound>>>,
+    /// The binding last made, kept while a rebind is under way: what a publish needs of it
+    /// (the stream's subjects, the connection) does not change with a rebind.
+    latest_binding: watch::Receiver<Option<Arc<Bound>>>,
     /// Whether the NATS connection is up (from its events) and the binding checked since
     /// the last reconnect; waiting fetches watch it.
     nats_up: watch::Receiver<bool>,
@@ -126,6 +129,7 @@ impl Consumer {
         let (commands_tx, commands_rx) = mpsc::channel(1024);
         let (bound_tx, bound_rx) = watch::channel(None);
         let (connected_tx, nats_up) = watch::channel(false);
+        let (latest_tx, latest_binding) = watch::channel(None);
         let (fatal_tx, fatal_rx) = oneshot::channel();
         let stop = CancellationToken::new();
 
@@ -152,6 +156,7 @@ impl Consumer {
                     stop: stop.clone(),
                     state: state.clone(),
                     connected: connected_tx,
+                    latest: latest_tx,
                     process: process.clone(),
                     served_by_earlier_releases: !names_in_ids,
                 };
@@ -177,6 +182,7 @@ impl Consumer {
             process,
             commands: commands_tx,
             bound: bound_rx,
+            latest_binding,
             nats_up,
             accepting: Arc::new(AtomicBool::new(true)),
             next_fetch: Arc::new(AtomicU64::new(1)),
@@ -224,7 +230,7 @@ impl Consumer {
 
     /// Whether the consumer's stream captures `subject`; an error while unbound.
     pub(crate) fn captures(&self, subject: &str) -> Result<bool, Error> {
-        let bound = self.connected()?;
+        let bound = self.publishable()?;
         Ok(bound
             .stream_subjects
             .iter()
@@ -258,14 +264,41 @@ impl Consumer {
     fn bound(&self) -> Result<Arc<Bound>, Error> {
         self.bound.borrow().clone().ok_or_else(|| {
             // No NATS address here: anyone may read /readyz, and the address is no one's business.
-            Error::Unavailable("consumer not bound (NATS unreachable or starting)".into())
+            Error::Unavailable(if self.process.connection.is_connected() {
+                "connected to NATS; binding the consumer (looking up its stream and consumer)"
+                    .into()
+            } else {
+                "consumer not bound (NATS unreachable or starting)".into()
+            })
         })
     }
 
-    /// The binding, once connected and checked since the last reconnect.
+    /// The binding, once connected and checked since the last reconnect; the 503 names
+    /// what is awaited.
     fn connected(&self) -> Result<Arc<Bound>, Error> {
         let bound = self.bound()?;
-        if !bound.is_connected() || !*self.nats_up.borrow() {
+        if !bound.is_connected() {
+            return Err(Error::Unavailable(
+                "the connection to NATS is down; retrying".into(),
+            ));
+        }
+        if !*self.nats_up.borrow() {
+            return Err(Error::Unavailable(
+                "reconnected to NATS; reading the consumer's state back before serving it again"
+                    .into(),
+            ));
+        }
+        Ok(bound)
+    }
+
+    /// The binding a publish goes through: the last one made, whether or not the consumer
+    /// is being bound again (a publish needs the stream's subjects and a connection, not the
+    /// consumer's state).
+    fn publishable(&self) -> Result<Arc<Bound>, Error> {
+        let bound = self.latest_binding.borrow().clone().ok_or_else(|| {
+            Error::Unavailable("the stream is not known yet (NATS unreachable or starting)".into())
+        })?;
+        if !bound.is_connected() {
             return Err(Error::Unavailable(
                 "the connection to NATS is down; retrying".into(),
             ));
@@ -359,7 +392,7 @@ impl Consumer {
         headers: async_nats::HeaderMap,
         payload: bytes::Bytes,
     ) -> Result<async_nats::jetstream::publish::PublishAck, Error> {
-        let bound = self.connected()?;
+        let bound = self.publishable()?;
         if !bound
             .stream_subjects
             .iter()

@@ -13,10 +13,11 @@ use std::time::Duration;
 
 use time::OffsetDateTime;
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, warn};
 
-use super::super::process::HEARTBEAT_TTL;
+use super::super::process::{HEARTBEAT_EVERY, HEARTBEAT_TTL};
 use super::Consumer;
 use super::wire::{
     Settled, command_of, forwarded, from_remote, outcome_of, request_kind, to_remote,
@@ -32,13 +33,27 @@ const STEP_EVERY: Duration = Duration::from_secs(1);
 /// A forwarded settle waits for the owner's answer this much beyond `--settle-timeout`, so
 /// that an owner's own answer at its timeout (504, or a late confirmation) wins the race.
 const FORWARD_GRACE: Duration = Duration::from_millis(250);
-/// How often a forwarded settle still waiting looks whether its owner's heartbeat lapsed.
+/// How often a forwarded settle still waiting looks whether its owner has been silent past
+/// its leases.
 const OWNER_CHECK_EVERY: Duration = Duration::from_millis(500);
+/// Beyond the longest a lease lives, how much longer an owner must have been silent before
+/// its leases are taken for expired: the replicas' and the server's clocks need not agree
+/// to the millisecond.
+const SILENCE_SLACK: Duration = Duration::from_millis(500);
+/// How long a forward finding nobody listening for the owner keeps asking before it calls
+/// the owner gone: longer than a replica takes to reconnect to another node.
+const NO_RESPONDERS_FOR: Duration = Duration::from_secs(2);
 /// How long a forward that found no owner waits before asking once more.
 const NO_RESPONDERS_RETRY: Duration = Duration::from_millis(250);
 /// The kind of a forwarded request that only asks which leases are live (a keyed fetch
 /// retried at another replica replays its first answer only while one is).
 const LIVE: &str = "live";
+
+/// When a forward first found its owner's heartbeat gone from the fleet stream.
+#[derive(Default)]
+struct OwnerSilence {
+    absent_since: Option<Instant>,
+}
 
 /// A live replica, as `GET /consumer` shows it.
 #[derive(Debug, Clone)]
@@ -117,7 +132,7 @@ impl Consumer {
             Ok(results) => results.into_iter().map(from_remote).collect(),
             // Nobody listens for the owner: it is gone, and so are its leases (the server
             // redelivers their messages after ack_wait).
-            Err(ForwardError::OwnerGone) => all(Error::LeaseGone),
+            Err(ForwardError::OwnerGone) => all(Error::OwnerGone),
             Err(ForwardError::TimedOut) => all(Error::TimedOut),
             Err(ForwardError::Unavailable(detail)) => all(Error::Unavailable(detail)),
         };
@@ -166,6 +181,14 @@ impl Consumer {
     }
 
     /// Send `request` to `owner` and wait (bounded) for its answer.
+    ///
+    /// A missing heartbeat alone never makes the owner gone: the fleet stream may have no
+    /// leader, or the owner's node may be stalled for a moment, while the owner itself
+    /// answers. The owner is asked first; [`ForwardError::OwnerGone`] (410) only when
+    /// nobody received the request, or when the owner has been silent so long that every
+    /// lease it issued has expired (nothing of it can still land). A settle whose fate is
+    /// unknown — no answer in time, or this replica's own connection dropping while it
+    /// waits — is [`ForwardError::TimedOut`] (504): the owner may have applied it.
     async fn forward_request(
         &self,
         owner: InstanceId,
@@ -176,80 +199,121 @@ impl Consumer {
                 "not connected to NATS yet; retrying".into(),
             ));
         };
+        let mut silence = OwnerSilence::default();
         // Anyone may listen on the owner's subject (a monitoring tap), so "no responders"
-        // cannot be the only sign of a dead owner: one whose heartbeat lapsed is gone.
-        if !self.owner_beats(owner).await {
+        // cannot be the only sign of a dead owner: one silent past its leases is gone.
+        if !self.process.fleet.has(owner)
+            && self.owner_outlived_its_leases(owner, &mut silence).await
+        {
             return Err(ForwardError::OwnerGone);
         }
         let timeout = self.config.settle_timeout + FORWARD_GRACE;
         let to = (owner, self.subjects.settle(owner));
         let asked = async {
-            match forward::forward(&client, &self.process.trust, to.clone(), &request, timeout)
-                .await
-            {
-                // In a cluster a subscription reaches the other servers a moment after it
-                // is made: ask once more before calling the owner gone (well within 3 s).
-                Err(ForwardError::OwnerGone) => {
-                    tokio::time::sleep(NO_RESPONDERS_RETRY).await;
-                    forward::forward(&client, &self.process.trust, to, &request, timeout).await
-                }
-                other => other,
-            }
-        };
-        // An owner that dies while this waits takes its leases with it: its heartbeat
-        // lapsing ends the wait, 410, rather than a 504 for a lease that no longer exists.
-        let owner_lapsed = async {
+            // Nobody listening is not yet a dead owner: one reconnecting (its node killed)
+            // has no subscription for a moment, and in a cluster a subscription reaches the
+            // other servers a moment after it is made. Asked again for a while (well within
+            // 3 s) before the owner is called gone.
+            let give_up_at = Instant::now() + NO_RESPONDERS_FOR;
             loop {
-                tokio::time::sleep(OWNER_CHECK_EVERY).await;
-                if self.owner_heartbeat(owner).await == Some(false) {
-                    return;
+                match forward::forward(&client, &self.process.trust, to.clone(), &request, timeout)
+                    .await
+                {
+                    Err(ForwardError::OwnerGone) if Instant::now() < give_up_at => {
+                        tokio::time::sleep(NO_RESPONDERS_RETRY).await;
+                    }
+                    other => return other,
                 }
             }
         };
-        tokio::select! {
-            answer = asked => answer,
-            () = owner_lapsed => Err(ForwardError::OwnerGone),
-        }
-    }
-
-    /// Whether `owner` has a heartbeat in the fleet stream now; `None` when that cannot be
-    /// known: no fleet stream, it cannot be read, or replicas of an earlier release may
-    /// still run (the consumer's own shared stream exists). Those beat only there, once a
-    /// second and not sealed, and one late beat must not make their live leases 410 at
-    /// once: the owner's subject decides for them, as it did in their release.
-    async fn owner_heartbeat(&self, owner: InstanceId) -> Option<bool> {
-        let bound = self.bound().ok()?;
-        let found = match bound.shared.as_ref()?.heartbeat_of(owner).await {
-            Ok(found) => found.is_some(),
-            Err(err) => {
-                debug!(error = %format!("{err:#}"), "cannot read the owner's heartbeat");
-                return None;
+        let mut nats_up = self.nats_up.clone();
+        let connection_dropped = async move {
+            if nats_up.wait_for(|up| !*up).await.is_err() {
+                std::future::pending::<()>().await;
             }
         };
-        if found {
-            return Some(true);
-        }
-        match bound.per_consumer.as_ref().filter(|p| !p.is_gone()) {
-            Some(per_consumer) => match per_consumer.heartbeat_of(owner).await {
-                Ok(Some(_)) => Some(true),
-                _ => None,
-            },
-            None => Some(false),
+        let answered = {
+            // An owner that died while this waits took its leases with it: once every one
+            // of them has expired, 410 rather than a 504 for a lease that no longer exists.
+            let outlived = async {
+                loop {
+                    tokio::time::sleep(OWNER_CHECK_EVERY).await;
+                    if self.owner_outlived_its_leases(owner, &mut silence).await {
+                        return;
+                    }
+                }
+            };
+            tokio::select! {
+                answer = asked => answer,
+                () = outlived => return Err(ForwardError::OwnerGone),
+                () = connection_dropped => return Err(ForwardError::TimedOut),
+            }
+        };
+        match answered {
+            Err(ForwardError::TimedOut)
+                if self.owner_outlived_its_leases(owner, &mut silence).await =>
+            {
+                Err(ForwardError::OwnerGone)
+            }
+            other => other,
         }
     }
 
-    /// Whether `owner` is a live replica, as its heartbeat says: seen in the last round of
-    /// heartbeats, or (it may have started since) read from the shared stream now. Without
-    /// a shared stream nothing is known, and the owner is taken to be live.
-    async fn owner_beats(&self, owner: InstanceId) -> bool {
-        let owner_id = owner.to_string();
-        let seen = self.process.fleet.has(owner)
-            || self
-                .replicas
-                .lock()
-                .is_ok_and(|seen| seen.iter().any(|record| record.instance_id == owner_id));
-        // Not known either way (the stream cannot be read): the owner's subject decides.
-        seen || self.owner_heartbeat(owner).await != Some(false)
+    /// Whether `owner` has been silent so long that every lease it issued has expired: a
+    /// lease lives at most ack_wait, and it issued none after its last heartbeat (beats
+    /// come every [`HEARTBEAT_EVERY`]). Its silence is measured only while the fleet stream
+    /// is known to take writes (every heartbeat of this process stored for a TTL), against
+    /// this process's own last heartbeat in the same stream; `false` whenever that cannot
+    /// be known, so that doubt answers 504, never 410.
+    async fn owner_outlived_its_leases(
+        &self,
+        owner: InstanceId,
+        silence: &mut OwnerSilence,
+    ) -> bool {
+        let lease_lifetime = HEARTBEAT_EVERY + self.state.ack_wait() + SILENCE_SLACK;
+        self.owner_silent_for(owner, silence)
+            .await
+            .is_some_and(|silent| silent >= lease_lifetime)
+    }
+
+    /// At least how long `owner` has written no heartbeat, when that can be known.
+    async fn owner_silent_for(
+        &self,
+        owner: InstanceId,
+        silence: &mut OwnerSilence,
+    ) -> Option<Duration> {
+        if self.process.fleet.stored_for()? < HEARTBEAT_TTL {
+            return None;
+        }
+        let bound = self.bound().ok()?;
+        // Replicas of an earlier release may still run (the consumer's own shared stream
+        // exists): they beat only there, once a second and not sealed, and their silence
+        // cannot be told from here.
+        if bound.per_consumer.as_ref().is_some_and(|p| !p.is_gone()) {
+            return None;
+        }
+        let fleet = bound.shared.as_ref()?;
+        let read = |instance| async move {
+            fleet
+                .heartbeat_stored_at(instance)
+                .await
+                .map_err(|err| debug!(error = %format!("{err:#}"), "cannot read a heartbeat"))
+                .ok()
+        };
+        let owner_beat = read(owner).await?;
+        let own_beat = read(self.process.instance).await??;
+        match owner_beat {
+            // Both stamped by the server: no clock of either replica comes into it.
+            Some(owner_beat) => {
+                silence.absent_since = None;
+                Some(Duration::try_from(own_beat - owner_beat).unwrap_or_default())
+            }
+            // Gone from the stream: its last heartbeat was stored a TTL before it went.
+            None => {
+                let absent_since = *silence.absent_since.get_or_insert_with(Instant::now);
+                Some(HEARTBEAT_TTL + absent_since.elapsed())
+            }
+        }
     }
 
     /// Do what another replica forwarded, as if a client had asked here.

@@ -18,10 +18,14 @@ use crate::config::Config;
 use crate::dispatch::Command;
 use crate::domain::subject;
 use crate::metrics::Metrics;
+use crate::nats::bind::Recheck;
 use crate::nats::{self, BindError, Bound, ConnectionEvent};
 use crate::state::LeaseState;
 
 use super::super::process::Process;
+
+/// The longest wait between two checks of the consumer after a reconnect.
+const RECHECK_RETRY_AT_MOST: Duration = Duration::from_millis(250);
 
 /// The gateway's metrics, for a task that outlives a borrow of [`LeaseState`].
 #[derive(Clone)]
@@ -39,6 +43,8 @@ pub(super) struct Background {
     pub(super) state: Arc<LeaseState>,
     /// Whether the connection is up, as its events tell: waiting fetches give up on a loss.
     pub(super) connected: watch::Sender<bool>,
+    /// The binding last made, kept through a rebind (see [`super::Consumer::publishable`]).
+    pub(super) latest: watch::Sender<Option<Arc<Bound>>>,
     /// The process: its connection to NATS, the seal on what replicas share, the fleet
     /// stream.
     pub(super) process: Arc<Process>,
@@ -113,18 +119,38 @@ pub(super) async fn supervise(
                 fleet: &background.process.fleet.stream,
                 served_by_earlier_releases: background.served_by_earlier_releases,
             };
+            // Once bound, a rebind (after a reconnect, or asked for by a pull the server
+            // ended) only needs the consumer's state read back; a first bind, or a consumer
+            // found deleted or made again, goes through everything.
+            let previous = background.latest.borrow().clone();
+            let rechecked = match &previous {
+                Some(previous) => Box::pin(nats::bind::recheck(previous)).await,
+                None => Ok(Recheck::Changed),
+            };
             // Boxed, the future and its result: binding is a deep future and the binding
             // some 5 KB, and held inline they would make this task, which lives as long as
             // the consumer, that large for good (some 25 KB per consumer).
-            let binding = Box::pin(nats::bind(config, &client, &binder))
-                .await
-                .map(Box::new);
+            let binding = match rechecked {
+                Ok(Recheck::Same(bound)) => Ok(bound),
+                Ok(Recheck::Changed) => Box::pin(nats::bind(config, &client, &binder))
+                    .await
+                    .map(Box::new),
+                Err(err) => Err(err),
+            };
+            drop(previous);
             let bound = match binding {
                 Ok(bound) => bound,
                 Err(BindError::Fatal(message)) => anyhow::bail!(message),
                 Err(BindError::Transient(err)) => {
-                    warn!(error = %format!("{err:#}"), retry_in = ?backoff, "cannot bind the consumer yet");
-                    tokio::time::sleep(backoff).await;
+                    // A check after a reconnect is one quick request: asked again soon, so
+                    // that serving resumes within a second of the cluster having leaders.
+                    let retry_in = if background.latest.borrow().is_some() {
+                        backoff.min(RECHECK_RETRY_AT_MOST)
+                    } else {
+                        backoff
+                    };
+                    warn!(error = %format!("{err:#}"), ?retry_in, "cannot bind the consumer yet");
+                    tokio::time::sleep(retry_in).await;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                     continue;
                 }
@@ -160,7 +186,9 @@ pub(super) async fn supervise(
             if !published {
                 let mut bound = bound;
                 bound.epoch = state.epoch();
-                bound_tx.send_replace(Some(Arc::from(bound)));
+                let bound: Arc<Bound> = Arc::from(bound);
+                background.latest.send_replace(Some(bound.clone()));
+                bound_tx.send_replace(Some(bound));
                 published = true;
             }
             // Usable only now that the binding is checked against what the server kept: a

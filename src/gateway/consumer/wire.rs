@@ -93,7 +93,7 @@ pub(super) fn to_remote(result: Settled) -> RemoteResult {
         Err(Error::AlreadySettled { settled }) => RemoteResult::AlreadySettled {
             settled: settled.as_str().to_owned(),
         },
-        Err(Error::LeaseGone) => RemoteResult::Gone,
+        Err(Error::LeaseGone | Error::OwnerGone) => RemoteResult::Gone,
         Err(Error::UnknownLease) => RemoteResult::Unknown,
         Err(Error::TimedOut) => RemoteResult::Timeout,
         Err(other) => RemoteResult::Unavailable {
@@ -131,7 +131,7 @@ pub(super) fn outcome_of(result: &Settled) -> SettleOutcome {
 pub(super) fn settle_outcome(err: &Error) -> SettleOutcome {
     match err {
         Error::AlreadySettled { .. } => SettleOutcome::AlreadySettled,
-        Error::LeaseGone => SettleOutcome::Gone,
+        Error::LeaseGone | Error::OwnerGone => SettleOutcome::Gone,
         Error::UnknownLease => SettleOutcome::Unknown,
         Error::TimedOut => SettleOutcome::Timeout,
         Error::Unavailable(_) | Error::ShuttingDown => SettleOutcome::Unavailable,
