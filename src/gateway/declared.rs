@@ -79,8 +79,11 @@ impl Gateway {
                         self.unserve(name).await;
                         self.serve_declared(spec, false);
                     } else {
-                        // Applied once its live leases have ended.
-                        served.retire();
+                        // Applied once its live leases have ended: its streams end now, so
+                        // that they do not lease on under the old settings.
+                        served.retire(
+                            "the consumers file changed this consumer's settings; open the stream again",
+                        );
                     }
                 }
                 // The default consumer or an existing one of that name is served already.
@@ -93,7 +96,7 @@ impl Gateway {
             }
             if !declared.contains_key(&name) && !served.is_retired() {
                 info!(consumer = %name, "removed from the consumers file: no new fetches; its live leases still settle");
-                served.retire();
+                served.retire("the consumer was removed from the consumers file");
             }
             if served.is_retired() && served.consumer.leases_in_flight() == 0 {
                 self.unserve(&name).await;

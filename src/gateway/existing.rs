@@ -1,6 +1,7 @@
 //! `--serve-existing`: consumers that exist on the server, bound on the first request that
 //! names one (after the checks that decide 404 or 409), and unbound again after
-//! `--idle-unbind` with no live lease and no request, so an idle consumer costs nothing.
+//! `--idle-unbind` with no live lease and no request (an open stream and a waiting fetch are
+//! requests), so an idle consumer costs nothing.
 //!
 //! May import: as the rest of `gateway`.
 
@@ -80,8 +81,16 @@ impl Gateway {
                 _ = tick.tick() => {}
             }
             for (name, served) in self.0.registry.all() {
-                if served.source == Source::Existing
-                    && served.consumer.leases_in_flight() == 0
+                if served.source != Source::Existing {
+                    continue;
+                }
+                // An open stream and a waiting fetch are requests: nothing is unbound under
+                // them, and the idle time counts from when the last of them ended.
+                if served.consumer.has_requests_open() {
+                    served.touch();
+                    continue;
+                }
+                if served.consumer.leases_in_flight() == 0
                     && served.last_used().elapsed() >= idle_after
                 {
                     info!(consumer = %name, idle = ?idle_after, "unbinding an idle existing consumer");

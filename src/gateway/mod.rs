@@ -19,7 +19,7 @@ mod fleet;
 mod process;
 mod registry;
 
-pub(crate) use consumer::{Caller, Idempotency, LeaseStream, Step};
+pub(crate) use consumer::{Caller, EndsWhen, Idempotency, LeaseStream, STREAM_SLICE, Step};
 pub(crate) use consumer::{Consumer, SettleResult};
 pub(crate) use registry::Source;
 
@@ -205,6 +205,13 @@ impl Gateway {
     async fn unserve(&self, name: &ConsumerName) {
         if let Some(served) = self.0.registry.remove(name) {
             self.count_consumers();
+            // A stream still open has nothing left to lease (a retired consumer's streams
+            // were told why already, and no stream opens on it since).
+            if !served.is_retired() {
+                served
+                    .consumer
+                    .end_streams("the consumer is no longer served here");
+            }
             if let Some(tasks) = served.take_tasks() {
                 served.consumer.stop(tasks).await;
             }

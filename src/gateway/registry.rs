@@ -66,8 +66,12 @@ impl Served {
         self.retired.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn retire(&self) {
-        self.retired.store(true, Ordering::Relaxed);
+    /// No new leases from now on: its open streams end, saying `why`; its live leases
+    /// still settle.
+    pub(crate) fn retire(&self, why: &str) {
+        if !self.retired.swap(true, Ordering::Relaxed) {
+            self.consumer.end_streams(why);
+        }
     }
 
     /// Declared again before its last lease ended: it takes fetches again.

@@ -13,6 +13,7 @@
 //! May import: as the rest of `http`.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::time::Duration;
@@ -22,12 +23,14 @@ use axum::extract::{MatchedPath, Request};
 use axum::http::header;
 use sha2::{Digest, Sha256};
 use subtle::{ConditionallySelectable, ConstantTimeEq};
+use tokio::sync::watch;
 
 use super::jwt::Jwt;
 use super::scopes::{Grants, Requirement, Scope, consumer_of, requirement};
 use crate::config::Config;
 use crate::domain::consumers::ConsumerName;
 use crate::error::Error;
+use crate::gateway::EndsWhen;
 use tracing::{error, info};
 
 /// A caller's share of waiting fetches: one per static token, one per JWT subject (however
@@ -67,6 +70,10 @@ pub(crate) struct Principal {
     grants: Arc<Grants>,
     /// A JWT's verified issuer and subject; `None` for a static token.
     subject: Option<Arc<Subject>>,
+    /// A static token's digest: what a reload is checked against.
+    token: Option<[u8; 32]>,
+    /// A JWT's `exp` (Unix seconds).
+    expires_at: Option<i64>,
 }
 
 /// Who a JWT speaks for.
@@ -320,6 +327,9 @@ fn load_tokens(config: &Config) -> anyhow::Result<Option<Tokens>> {
 pub(crate) struct Auth {
     /// Swapped whole when SIGHUP re-reads the token file.
     tokens: Option<Arc<RwLock<Arc<Tokens>>>>,
+    /// Bumped after each re-read of the tokens: open streams look whether theirs still
+    /// allows them.
+    reloaded: Arc<watch::Sender<u64>>,
     jwt: Option<Arc<Jwt>>,
     /// The account of each JWT subject with a request in progress: entries whose last
     /// principal is gone are dropped as the map grows.
@@ -358,6 +368,7 @@ impl Auth {
     pub(crate) fn off() -> Self {
         Self {
             tokens: None,
+            reloaded: Arc::new(watch::channel(0).0),
             jwt: None,
             subjects: Arc::default(),
             default_consumer: None,
@@ -440,6 +451,8 @@ impl Auth {
                         added, removed, rescoped, "re-read the bearer tokens"
                     );
                     *current = Arc::new(fresh);
+                    drop(current);
+                    self.reloaded.send_modify(|count| *count += 1);
                 }
                 Ok(None) => {}
                 Err(err) => error!(
@@ -455,6 +468,61 @@ impl Auth {
         }
     }
 
+    /// Resolves, with why, once `principal` no longer allows `scope` on `name`: a reload
+    /// removed its token or took that scope away, or its JWT expired. Never for a caller
+    /// with nothing to lose (authentication off).
+    pub(crate) fn no_longer_allows(
+        &self,
+        principal: Option<&Principal>,
+        scope: Scope,
+        name: &ConsumerName,
+    ) -> impl Future<Output = String> + Send + 'static {
+        let token = principal.and_then(|principal| principal.token);
+        let expires_at = principal.and_then(|principal| principal.expires_at);
+        let tokens = self.tokens.clone();
+        let mut reloaded = self.reloaded.subscribe();
+        let name = name.clone();
+        async move {
+            let expired = async move {
+                let Some(expires_at) = expires_at else {
+                    return std::future::pending().await;
+                };
+                let now = time::OffsetDateTime::now_utc().unix_timestamp();
+                let left = u64::try_from(expires_at.saturating_sub(now)).unwrap_or(0);
+                tokio::time::sleep(std::time::Duration::from_secs(left)).await;
+                "the token expired".to_owned()
+            };
+            let revoked = async move {
+                let (Some(token), Some(tokens)) = (token, tokens) else {
+                    return std::future::pending().await;
+                };
+                loop {
+                    if reloaded.changed().await.is_err() {
+                        return std::future::pending().await;
+                    }
+                    let current = tokens
+                        .read()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clone();
+                    match current.entries.iter().find(|entry| entry.digest == token) {
+                        None => return "the token was revoked".to_owned(),
+                        Some(entry) if !entry.grants.allows_on(scope, &name) => {
+                            return format!(
+                                "the token no longer has the {} scope on {name}",
+                                scope.as_str()
+                            );
+                        }
+                        Some(_) => {}
+                    }
+                }
+            };
+            tokio::select! {
+                why = expired => why,
+                why = revoked => why,
+            }
+        }
+    }
+
     /// The tokens in force now.
     fn current_tokens(&self) -> Option<Arc<Tokens>> {
         self.tokens.as_ref().map(|tokens| {
@@ -465,11 +533,13 @@ impl Auth {
         })
     }
 
-    /// Check a presented token against what the request's path requires.
+    /// Check a presented token against what the request's path requires; for a stream,
+    /// also what ends it should the token lose that right.
     async fn check_presented(
         &self,
         presented: Option<Presented>,
-    ) -> Result<Option<Principal>, Error> {
+        stream: bool,
+    ) -> Result<Option<(Principal, Option<Revocation>)>, Error> {
         let Some(presented) = presented else {
             return Ok(None);
         };
@@ -481,7 +551,13 @@ impl Auth {
                 scope: scope.as_str(),
             });
         }
-        Ok(Some(principal))
+        let revocation = match (stream, presented.needed, &presented.consumer) {
+            (true, Requirement::Scope(scope), Some(name)) => Some(Revocation::new(Box::pin(
+                self.no_longer_allows(Some(&principal), scope, name),
+            ))),
+            _ => None,
+        };
+        Ok(Some((principal, revocation)))
     }
 
     /// What the request's path requires and the bearer token it presents; `None` when it
@@ -534,6 +610,8 @@ impl Auth {
                 account: entry.account.clone(),
                 grants: entry.grants.clone(),
                 subject: None,
+                token: Some(entry.digest),
+                expires_at: None,
             });
         }
         let Some(jwt) = &self.jwt else {
@@ -559,6 +637,8 @@ impl Auth {
             account,
             grants: Arc::new(verified.grants),
             subject: Some(subject),
+            token: None,
+            expires_at: verified.expires_at,
         })
     }
 }
@@ -589,12 +669,39 @@ pub(crate) async fn admit(auth: &Auth, request: &mut Request) -> Result<(), Erro
     if presented.is_none() {
         return Ok(());
     }
+    let stream = is_stream_path(request.uri().path());
     // Boxed: a check may wait for a JWT key set, and that state, unboxed, would be part of
     // every request's future for the request's whole life (an idle long poll's too).
-    if let Some(principal) = Box::pin(auth.check_presented(presented)).await? {
+    if let Some((principal, revocation)) = Box::pin(auth.check_presented(presented, stream)).await?
+    {
         request.extensions_mut().insert(principal);
+        if let Some(revocation) = revocation {
+            request.extensions_mut().insert(revocation);
+        }
     }
     Ok(())
+}
+
+/// Whether `path` opens a stream (SSE or WebSocket), which outlives the check made at its
+/// start: it is ended when its token loses the right.
+fn is_stream_path(path: &str) -> bool {
+    matches!(path, "/events" | "/ws")
+        || (path.starts_with("/streams/") && (path.ends_with("/events") || path.ends_with("/ws")))
+}
+
+/// What ends a stream once its token no longer allows it (see [`Auth::no_longer_allows`]),
+/// handed to the stream's handler in the request's extensions; taken once.
+#[derive(Clone)]
+pub(crate) struct Revocation(Arc<Mutex<Option<EndsWhen>>>);
+
+impl Revocation {
+    fn new(ends_when: EndsWhen) -> Self {
+        Self(Arc::new(Mutex::new(Some(ends_when))))
+    }
+
+    pub(crate) fn take(&self) -> Option<EndsWhen> {
+        self.0.lock().ok()?.take()
+    }
 }
 
 #[cfg(test)]

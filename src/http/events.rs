@@ -18,6 +18,7 @@ use futures::Stream;
 
 use utoipa::IntoParams;
 
+use super::auth::Revocation;
 use super::client::{Client, Connection};
 use super::consumers::ConsumerPath;
 use super::dto::{Encoding, MessageDto};
@@ -30,6 +31,8 @@ use crate::gateway::{Consumer, Gateway, LeaseStream, Step, Target};
 const DEFAULT_MAX_IN_FLIGHT: usize = 100;
 /// The most a client may ask for.
 const MAX_IN_FLIGHT: usize = 1000;
+/// Why every stream ends when the gateway stops.
+pub(super) const SHUTTING_DOWN: &str = "the gateway is stopping";
 /// Events written together at most: the leases already leased for the stream go out in one
 /// body chunk (an event per chunk cost a write and a client wake-up per message).
 const EVENTS_PER_WRITE: usize = 64;
@@ -119,8 +122,9 @@ impl StreamQuery {
 /// exactly one element of a fetch answer's `messages`. At most `max_in_flight` leases of
 /// this stream are live at once (written, not yet settled over any route at any replica,
 /// expired or superseded); nothing more is sent until one ends. A `: keep-alive` comment
-/// comes at least every 15 s while nothing else does; `event: shutdown` ends the stream
-/// when the gateway stops. A client that goes away keeps the leases already written until
+/// comes at least every 15 s while nothing else does; `event: shutdown` (data `{"reason"}`)
+/// ends the stream at once when the gateway stops, the consumer is no longer served as it
+/// was, or the token no longer allows the stream. A client that goes away keeps the leases already written until
 /// their `lease_expires_at`; `Last-Event-ID` replays nothing.
 #[utoipa::path(
     get,
@@ -131,7 +135,7 @@ impl StreamQuery {
         StreamParams,
     ),
     responses(
-        (status = 200, description = "An endless `text/event-stream`: `message` events (data: one leased message, as in a fetch answer), `: keep-alive` comments, and a final `shutdown` event",
+        (status = 200, description = "An endless `text/event-stream`: `message` events (data: one leased message, as in a fetch answer), `: keep-alive` comments, and a final `shutdown` event (data: `{\"reason\": …}`)",
             content_type = "text/event-stream", body = String),
         Guarded, QueryRefusals, FetchRefusals,
     )
@@ -139,11 +143,12 @@ impl StreamQuery {
 pub(crate) async fn events(
     State(gateway): State<Arc<Gateway>>,
     connection: Option<Extension<Connection>>,
+    revocation: Option<Extension<Revocation>>,
     uri: Uri,
 ) -> Result<Response, Error> {
     let query = StreamQuery::parse(uri.query())?;
     let consumer = gateway.consumer(Target::Default).await?;
-    open(consumer, connection, query)
+    open(consumer, connection, revocation, query)
 }
 
 /// The leases of the consumer the path names, as `GET /events` streams the default one's.
@@ -166,24 +171,27 @@ pub(crate) async fn events_named(
     State(gateway): State<Arc<Gateway>>,
     path: ConsumerPath,
     connection: Option<Extension<Connection>>,
+    revocation: Option<Extension<Revocation>>,
     uri: Uri,
 ) -> Result<Response, Error> {
     let query = StreamQuery::parse(uri.query())?;
     let consumer = gateway.consumer(Target::Named(&path.name())).await?;
-    open(consumer, connection, query)
+    open(consumer, connection, revocation, query)
 }
 
 /// Stream `consumer`'s leases as Server-Sent Events.
 fn open(
     consumer: Consumer,
     connection: Option<Extension<Connection>>,
+    revocation: Option<Extension<Revocation>>,
     query: StreamQuery,
 ) -> Result<Response, Error> {
     // Refuse at once what would only make an endless stream of keep-alives.
     consumer.readiness()?;
     let client = connection.map(|Extension(connection)| connection.client);
+    let ends_when = revocation.and_then(|Extension(revocation)| revocation.take());
     let stream = events_of(
-        LeaseStream::new(consumer, query.max_in_flight),
+        LeaseStream::new(consumer, query.max_in_flight, ends_when),
         client,
         query.encoding,
     );
@@ -220,14 +228,18 @@ fn events_of(
                 }
             }
             Step::Quiet => chunk.extend_from_slice(b": keep-alive\n\n"),
-            Step::ShuttingDown => {
-                let last = Bytes::from_static(b"event: shutdown\ndata: {}\n\n");
-                return Some((Ok(last), None));
-            }
+            Step::ShuttingDown => return Some((Ok(shutdown_event(SHUTTING_DOWN)), None)),
+            Step::Ended(reason) => return Some((Ok(shutdown_event(&reason)), None)),
             Step::Gone => return None,
         }
         Some((Ok(Bytes::from(chunk)), Some((leases, client))))
     })
+}
+
+/// The last event of a stream: `shutdown`, its data `{"reason": …}`.
+fn shutdown_event(reason: &str) -> Bytes {
+    let data = serde_json::json!({ "reason": reason });
+    Bytes::from(format!("event: shutdown\ndata: {data}\n\n"))
 }
 
 /// Append `leased`'s `message` event. Lease ids are URL-safe tokens and serde_json escapes

@@ -51,6 +51,8 @@ pub(crate) struct Verified {
     pub(crate) subject: String,
     pub(crate) issuer: Option<String>,
     pub(crate) grants: Grants,
+    /// `exp`, in Unix seconds: what it allows ends then (an open stream too).
+    pub(crate) expires_at: Option<i64>,
 }
 
 /// One signing key, usable for exactly one algorithm.
@@ -197,6 +199,7 @@ impl Jwt {
             subject: subject.to_owned(),
             issuer: claims.get("iss").and_then(Value::as_str).map(str::to_owned),
             grants: self.scopes(claims.get(&self.scope_claim)),
+            expires_at: claims.get("exp").and_then(Value::as_i64),
         })
     }
 

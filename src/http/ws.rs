@@ -19,13 +19,13 @@ use axum::response::{IntoResponse, Response};
 use futures::{SinkExt as _, StreamExt as _};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 
-use super::auth::Principal;
+use super::auth::{Principal, Revocation};
 use super::consumers::ConsumerPath;
 use super::dto::{MessageDto, rfc3339};
-use super::events::{StreamParams, StreamQuery};
+use super::events::{SHUTTING_DOWN, StreamParams, StreamQuery};
 use super::messages::{Settler, nak_command, term_command};
 use super::responses::{FetchRefusals, Guarded, NamedFetchRefusals, QueryRefusals};
 use super::scopes::Scope;
@@ -35,7 +35,7 @@ use crate::domain::consumers::ConsumerName;
 use crate::domain::delivery::Leased;
 use crate::domain::settle::AckCommand;
 use crate::error::Error;
-use crate::gateway::{Consumer, Gateway, LeaseStream, Step, Target};
+use crate::gateway::{Consumer, EndsWhen, Gateway, LeaseStream, STREAM_SLICE, Step, Target};
 
 /// Most ids one operation may name, as a batch settle.
 const MAX_IDS: usize = 1000;
@@ -97,13 +97,14 @@ struct Operation {
 pub(crate) async fn ws(
     State(gateway): State<Arc<Gateway>>,
     principal: Option<Extension<Principal>>,
+    revocation: Option<Extension<Revocation>>,
     uri: Uri,
     upgrade: Result<WebSocketUpgrade, UpgradeRejection>,
 ) -> Result<Response, Error> {
     let query = StreamQuery::parse(uri.query())?;
     let upgrade = upgrade.map_err(not_an_upgrade)?;
     let consumer = gateway.consumer(Target::Default).await?;
-    open(gateway, consumer, principal, query, upgrade)
+    open(gateway, consumer, (principal, revocation), query, upgrade)
 }
 
 /// The leases of the consumer the path names, with in-band settles, as `GET /ws` for the
@@ -126,13 +127,14 @@ pub(crate) async fn ws_named(
     State(gateway): State<Arc<Gateway>>,
     path: ConsumerPath,
     principal: Option<Extension<Principal>>,
+    revocation: Option<Extension<Revocation>>,
     uri: Uri,
     upgrade: Result<WebSocketUpgrade, UpgradeRejection>,
 ) -> Result<Response, Error> {
     let query = StreamQuery::parse(uri.query())?;
     let upgrade = upgrade.map_err(not_an_upgrade)?;
     let consumer = gateway.consumer(Target::Named(&path.name())).await?;
-    open(gateway, consumer, principal, query, upgrade)
+    open(gateway, consumer, (principal, revocation), query, upgrade)
 }
 
 type UpgradeRejection = axum::extract::ws::rejection::WebSocketUpgradeRejection;
@@ -147,12 +149,13 @@ fn not_an_upgrade(rejection: UpgradeRejection) -> Error {
 fn open(
     gateway: Arc<Gateway>,
     consumer: Consumer,
-    principal: Option<Extension<Principal>>,
+    (principal, revocation): (Option<Extension<Principal>>, Option<Extension<Revocation>>),
     query: StreamQuery,
     upgrade: WebSocketUpgrade,
 ) -> Result<Response, Error> {
     consumer.readiness()?;
     let settler = Arc::new(Settler::of(principal.map(|Extension(principal)| principal)));
+    let ends_when = revocation.and_then(|Extension(revocation)| revocation.take());
     let max_frame = gateway.config().max_body_bytes as usize;
     // Frames up to twice the limit are read, so that one just over it is closed with 1009
     // (larger ones end the connection in the WebSocket library itself).
@@ -172,6 +175,7 @@ fn open(
                     query,
                     settler,
                     max_frame,
+                    ends_when,
                 },
             )
             .instrument(origin)
@@ -187,20 +191,41 @@ struct Session {
     /// The token has the `settle` scope (or auth is off).
     settler: Arc<Settler>,
     max_frame: usize,
+    /// Ends the stream when its token no longer allows it.
+    ends_when: Option<EndsWhen>,
 }
 
 /// Most frames written out together before one flush.
 const FRAMES_PER_WRITE: usize = 64;
+/// How long the close frame to a silent client may take to go out.
+const FAREWELL_AT_MOST: Duration = Duration::from_secs(1);
+
+/// How one write to the client went.
+enum Written {
+    Flushed,
+    /// A close frame went out: the session ends.
+    Closed,
+    /// The client is gone, or nothing is left to write.
+    Failed,
+}
 
 /// Serve one WebSocket until either side ends it.
-async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
+async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session) {
     let (mut sink, mut source) = socket.split();
     let (outgoing, mut to_write) = mpsc::channel::<Outgoing>(OUTGOING);
     let encoding = session.query.encoding;
+    // Lease frames taken and not yet flushed to the client, at most a slice: a client that
+    // stops reading strands no more than that.
+    let unflushed = Arc::new(Semaphore::new(STREAM_SLICE));
     let leases = tokio::spawn(send_leases(
-        LeaseStream::new(session.consumer.clone(), session.query.max_in_flight),
+        LeaseStream::new(
+            session.consumer.clone(),
+            session.query.max_in_flight,
+            session.ends_when.take(),
+        ),
         gateway.config().shutdown_grace,
         outgoing.clone(),
+        unflushed.clone(),
     ));
     let mut ping = tokio::time::interval_at(Instant::now() + PING_EVERY, PING_EVERY);
     let mut heard = Instant::now();
@@ -209,32 +234,45 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
             next = to_write.recv() => {
                 // Every frame ready goes out in one write: a flush per frame cost a system
                 // call (and a wake-up of the client) per message.
-                let mut next = next;
-                let mut closing = false;
-                let mut failed = false;
-                let mut fed = 0;
-                while let Some(outgoing) = next.take() {
-                    let frame = match outgoing {
-                        Outgoing::Lease(leased) => lease_frame(*leased, encoding),
-                        Outgoing::Frame(frame) => frame,
-                    };
-                    closing = matches!(frame, Message::Close(_));
-                    if sink.feed(frame).await.is_err() {
-                        failed = true;
-                        break;
+                let write = async {
+                    let mut next = next;
+                    let mut closing = false;
+                    let mut fed = 0;
+                    let mut leases_fed = 0;
+                    while let Some(outgoing) = next.take() {
+                        let frame = match outgoing {
+                            Outgoing::Lease(leased) => {
+                                leases_fed += 1;
+                                lease_frame(*leased, encoding)
+                            }
+                            Outgoing::Frame(frame) => frame,
+                        };
+                        closing = matches!(frame, Message::Close(_));
+                        if sink.feed(frame).await.is_err() {
+                            return Written::Failed;
+                        }
+                        fed += 1;
+                        if closing || fed == FRAMES_PER_WRITE {
+                            break;
+                        }
+                        next = to_write.try_recv().ok();
                     }
-                    fed += 1;
-                    if closing || fed == FRAMES_PER_WRITE {
-                        break;
+                    if fed == 0 {
+                        // The channel closed: every sender is gone.
+                        return Written::Failed;
                     }
-                    next = to_write.try_recv().ok();
-                }
-                if fed == 0 && !failed {
-                    // The channel closed: every sender is gone.
-                    break;
-                }
-                if failed || sink.flush().await.is_err() || closing {
-                    break;
+                    if sink.flush().await.is_err() {
+                        return Written::Failed;
+                    }
+                    unflushed.add_permits(leases_fed);
+                    if closing { Written::Closed } else { Written::Flushed }
+                };
+                // A client that reads nothing blocks the write: it is closed at the silence
+                // limit all the same (no close frame can reach it), and what it was never
+                // sent goes back.
+                match tokio::time::timeout_at(heard + SILENT_AT_MOST, write).await {
+                    Ok(Written::Flushed) => {}
+                    Ok(Written::Closed | Written::Failed) | Err(_) => break,
                 }
             }
             incoming = source.next() => {
@@ -258,11 +296,14 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, session: Session) {
             }
             _ = ping.tick() => {
                 if heard.elapsed() > SILENT_AT_MOST {
-                    let _ = sink.send(close(close_code::AWAY, "no frame from the client for 45 s")).await;
+                    let farewell = sink.send(close(close_code::AWAY, "no frame from the client for 45 s"));
+                    let _ = tokio::time::timeout(FAREWELL_AT_MOST, farewell).await;
                     break;
                 }
-                if sink.send(Message::Ping(Vec::new().into())).await.is_err() {
-                    break;
+                let ping = sink.send(Message::Ping(Vec::new().into()));
+                match tokio::time::timeout_at(heard + SILENT_AT_MOST, ping).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) | Err(_) => break,
                 }
             }
         }
@@ -303,24 +344,41 @@ fn lease_frame(leased: Leased, encoding: super::dto::Encoding) -> Message {
 
 /// Send leases as frames until the stream stops; at shutdown a `shutdown` frame, then (after
 /// the grace, during which the client may still settle in band) a close with 1001.
-async fn send_leases(mut leases: LeaseStream, grace: Duration, outgoing: mpsc::Sender<Outgoing>) {
+async fn send_leases(
+    mut leases: LeaseStream,
+    grace: Duration,
+    outgoing: mpsc::Sender<Outgoing>,
+    unflushed: Arc<Semaphore>,
+) {
     loop {
-        // A slot first: a lease taken from the stream is then written at once, never lost
-        // to an abort between the two.
+        // Room among the unflushed leases, then a slot: a lease taken from the stream is
+        // then written at once, never lost to an abort between the two.
+        let Ok(room) = unflushed.acquire().await else {
+            return;
+        };
         let Ok(slot) = outgoing.reserve().await else {
             return;
         };
         match leases.next::<super::client::Client>(None).await {
-            Step::Lease(leased) => slot.send(Outgoing::Lease(leased)),
+            Step::Lease(leased) => {
+                // Given back by the writer once flushed.
+                room.forget();
+                slot.send(Outgoing::Lease(leased));
+            }
             Step::Quiet => drop(slot),
             Step::ShuttingDown => {
-                slot.send(Outgoing::Frame(text(&json!({ "type": "shutdown" }))));
+                slot.send(Outgoing::Frame(shutdown_frame(SHUTTING_DOWN)));
                 tokio::time::sleep(grace).await;
                 let _ = outgoing
-                    .send(Outgoing::Frame(close(
-                        close_code::AWAY,
-                        "the gateway is stopping",
-                    )))
+                    .send(Outgoing::Frame(close(close_code::AWAY, SHUTTING_DOWN)))
+                    .await;
+                return;
+            }
+            // Nothing more may flow (or be settled in band): closed at once.
+            Step::Ended(reason) => {
+                slot.send(Outgoing::Frame(shutdown_frame(&reason)));
+                let _ = outgoing
+                    .send(Outgoing::Frame(close(close_code::AWAY, &reason)))
                     .await;
                 return;
             }
@@ -485,9 +543,22 @@ fn text(value: &Value) -> Message {
     Message::Text(value.to_string().into())
 }
 
-fn close(code: u16, reason: &'static str) -> Message {
+/// The `shutdown` frame: the last before the close, with why.
+fn shutdown_frame(reason: &str) -> Message {
+    text(&json!({ "type": "shutdown", "reason": reason }))
+}
+
+/// A close frame; its reason cut to the 123 bytes a close frame can carry.
+fn close(code: u16, reason: &str) -> Message {
+    let mut end = reason.len().min(MAX_CLOSE_REASON);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
     Message::Close(Some(CloseFrame {
         code,
-        reason: reason.into(),
+        reason: reason[..end].into(),
     }))
 }
+
+/// The most bytes a close frame's reason may hold (RFC 6455: 125 less the code's two).
+const MAX_CLOSE_REASON: usize = 123;

@@ -32,6 +32,7 @@ mod settle;
 mod shutdown;
 mod signals;
 mod startup;
+mod stream_ends;
 mod support;
 mod tracing;
 mod websocket;

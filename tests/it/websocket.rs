@@ -5,82 +5,19 @@
 
 use std::time::Duration;
 
-use futures::{SinkExt as _, StreamExt as _};
-use serde_json::{Value, json};
+use futures::SinkExt as _;
+use serde_json::json;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 
-use crate::support::{Client, Setup};
-
-type Socket =
-    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
-
-async fn open(gateway: &Client, query: &str) -> Socket {
-    let url = format!(
-        "{}/ws{query}",
-        gateway.base().replacen("http://", "ws://", 1)
-    );
-    let (socket, response) = tokio_tungstenite::connect_async(url)
-        .await
-        .expect("WebSocket handshake");
-    assert_eq!(response.status(), 101);
-    socket
-}
-
-/// The next text frame as JSON within `within` (pings and pongs skipped); `None` if none.
-async fn frame(socket: &mut Socket, within: Duration) -> Option<Value> {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        let next = tokio::time::timeout_at(deadline, socket.next())
-            .await
-            .ok()??;
-        match next.expect("a frame") {
-            Message::Text(text) => return Some(serde_json::from_str(&text).expect("JSON")),
-            Message::Close(close) => panic!("closed: {close:?}"),
-            _ => {}
-        }
-    }
-}
-
-/// The next frame of `kind` within `within`, skipping others.
-async fn frame_of(socket: &mut Socket, kind: &str, within: Duration) -> Option<Value> {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let frame = frame(socket, left).await?;
-        if frame["type"] == kind {
-            return Some(frame);
-        }
-    }
-}
-
-async fn send(socket: &mut Socket, value: Value) {
-    socket
-        .send(Message::Text(value.to_string().into()))
-        .await
-        .expect("send");
-}
-
-/// The close code the gateway ends with, within `within`.
-async fn closed_with(socket: &mut Socket, within: Duration) -> Option<CloseCode> {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        match tokio::time::timeout_at(deadline, socket.next())
-            .await
-            .ok()??
-        {
-            Ok(Message::Close(close)) => return close.map(|close| close.code),
-            Ok(_) => {}
-            Err(_) => return None,
-        }
-    }
-}
+use crate::support::Setup;
+use crate::support::streams::{closed_with, frame_of, open_socket, send};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_flow_and_settle_in_band() {
     let (_server, js, gateway) = Setup::consumer("ws-flow").ack_wait("30s").start().await;
     js.publish_many("orders.1", 4, "ws").await;
-    let mut socket = open(&gateway, "?max_in_flight=2&encoding=utf8").await;
+    let mut socket = open_socket(&gateway, "?max_in_flight=2&encoding=utf8").await;
     let first = frame_of(&mut socket, "message", Duration::from_secs(5))
         .await
         .expect("a lease");
@@ -157,7 +94,7 @@ async fn bad_frames_get_error_frames_binary_1003_and_oversized_1009() {
         .flag("--max-body-bytes", "1024")
         .start()
         .await;
-    let mut socket = open(&gateway, "").await;
+    let mut socket = open_socket(&gateway, "").await;
     for (bad, status, field) in [
         ("not json", 400, None),
         (r#"{"op":"ack","ids":[]}"#, 422, Some("ids")),
@@ -188,7 +125,7 @@ async fn bad_frames_get_error_frames_binary_1003_and_oversized_1009() {
         closed_with(&mut socket, Duration::from_secs(5)).await,
         Some(CloseCode::Unsupported)
     );
-    let mut socket = open(&gateway, "").await;
+    let mut socket = open_socket(&gateway, "").await;
     let big = format!(r#"{{"op":"ack","ids":["{}"]}}"#, "a".repeat(1100));
     socket.send(Message::Text(big.into())).await.expect("send");
     assert_eq!(
@@ -206,7 +143,7 @@ async fn shutdown_sends_a_shutdown_frame_then_closes_with_1001() {
         .start()
         .await;
     js.publish_many("orders.1", 1, "ws").await;
-    let mut socket = open(&gateway, "").await;
+    let mut socket = open_socket(&gateway, "").await;
     let leased = frame_of(&mut socket, "message", Duration::from_secs(5))
         .await
         .expect("a lease");

@@ -63,6 +63,11 @@ impl Activity {
         Held(self.clone())
     }
 
+    /// Whether a fetch waits or a stream is open now.
+    pub(super) fn is_held(&self) -> bool {
+        self.holders.load(Ordering::Acquire) > 0
+    }
+
     fn touch(&self) {
         if let Ok(mut last) = self.last.lock() {
             *last = Instant::now();

@@ -18,7 +18,8 @@ mod supervisor;
 mod wire;
 
 pub(crate) use fetch::{Caller, Idempotency};
-pub(crate) use stream::{LeaseStream, Step};
+use stream::StreamsEnd;
+pub(crate) use stream::{EndsWhen, LeaseStream, STREAM_SLICE, Step};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,6 +75,8 @@ pub(crate) struct Consumer {
     consumer_full: watch::Receiver<bool>,
     /// What keeps the consumer awake; an idle one does no periodic work.
     activity: Arc<idle::Activity>,
+    /// Ends every open stream at once, with why.
+    streams_end: Arc<watch::Sender<StreamsEnd>>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -192,6 +195,7 @@ impl Consumer {
             replicas: Arc::default(),
             consumer_full,
             activity: Arc::default(),
+            streams_end: Arc::new(watch::channel(StreamsEnd::default()).0),
         };
         tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
         let tasks = Tasks { stop, dispatcher };
@@ -425,7 +429,21 @@ impl Consumer {
     /// Stop taking fetches and answer the waiting ones now.
     pub(crate) async fn begin_shutdown(&self) {
         self.accepting.store(false, Ordering::Relaxed);
+        // At once, whatever an open stream waits for (messages, credit): its client then
+        // settles what it holds within the grace.
+        self.end_streams("the gateway is stopping");
         let _ = self.commands.send(Command::Shutdown).await;
+    }
+
+    /// End every stream open on this consumer now, saying `reason`.
+    pub(crate) fn end_streams(&self, reason: &str) {
+        self.streams_end
+            .send_modify(|end| *end = end.bumped(reason));
+    }
+
+    /// Whether a fetch waits or a stream is open on this consumer now.
+    pub(crate) fn has_requests_open(&self) -> bool {
+        self.activity.is_held()
     }
 
     /// Wait until no lease is in flight, or `grace` has passed.

@@ -9,9 +9,13 @@
 //! May import: as the rest of `gateway`.
 
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{Caller, Consumer};
@@ -25,6 +29,9 @@ use crate::telemetry;
 pub(crate) const QUIET_AT_MOST: Duration = Duration::from_secs(10);
 /// How long a stream waits before asking again while NATS is away or the consumer is full.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
+/// The most a stream leases in one step, whatever its credit: a client that stops reading
+/// strands at most this many (besides what its connection buffers).
+pub(crate) const STREAM_SLICE: usize = 100;
 
 /// The last stream id handed out: unique in the process, so that a stream's pull is only
 /// ever taken over by the same stream.
@@ -38,8 +45,66 @@ pub(crate) enum Step {
     Quiet,
     /// The gateway is stopping: the last thing the stream says.
     ShuttingDown,
+    /// The stream may not go on (its consumer is no longer served, its token no longer
+    /// allows it): the last thing it says, with why.
+    Ended(Arc<str>),
     /// The client is gone.
     Gone,
+}
+
+/// Why every open stream of a consumer ends, told to them all at once: the gateway stopping,
+/// the consumer no longer served as it was. A stream ends when the count moves past the one
+/// it opened under; a stream opened later is not ended by an earlier reason.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StreamsEnd {
+    count: u64,
+    reason: Option<Arc<str>>,
+}
+
+impl StreamsEnd {
+    pub(super) fn bumped(&self, reason: &str) -> Self {
+        Self {
+            count: self.count + 1,
+            reason: Some(Arc::from(reason)),
+        }
+    }
+}
+
+/// Something outside the consumer that ends one stream (its token revoked), with why.
+pub(crate) type EndsWhen = Pin<Box<dyn Future<Output = String> + Send>>;
+
+/// What ends a stream: its consumer's [`StreamsEnd`], and its own [`EndsWhen`].
+struct Ends {
+    consumer: watch::Receiver<StreamsEnd>,
+    opened_at: u64,
+    own: Option<EndsWhen>,
+}
+
+impl Ends {
+    /// Why the stream must end now, if it must.
+    fn now(&self) -> Option<Arc<str>> {
+        let end = self.consumer.borrow();
+        (end.count != self.opened_at).then(|| end.reason.clone().unwrap_or_else(|| Arc::from("")))
+    }
+
+    /// Resolves with why the stream must end, when it must.
+    async fn wait(&mut self) -> Arc<str> {
+        let opened_at = self.opened_at;
+        let consumer = async {
+            match self.consumer.wait_for(|end| end.count != opened_at).await {
+                Ok(end) => end.reason.clone().unwrap_or_else(|| Arc::from("")),
+                // The consumer is gone altogether.
+                Err(_) => Arc::from("the consumer is no longer served"),
+            }
+        };
+        match self.own.as_mut() {
+            Some(own) => tokio::select! {
+                reason = consumer => reason,
+                reason = own => Arc::from(reason),
+            },
+            None => consumer.await,
+        }
+    }
 }
 
 /// One open stream's leases: those written to it and still live, and those leased for it
@@ -53,13 +118,21 @@ pub(crate) struct LeaseStream {
     max_in_flight: usize,
     written: Vec<(DeliveryKey, Instant)>,
     unwritten: VecDeque<Leased>,
+    ends: Ends,
     /// The span of the request that opened the stream: each batch's receive span is its
     /// child (a disabled span when tracing is off).
     origin: tracing::Span,
 }
 
 impl LeaseStream {
-    pub(crate) fn new(gateway: Consumer, max_in_flight: usize) -> Self {
+    /// A stream of `gateway`'s leases; `ends_when`, if given, ends it too (with its reason).
+    pub(crate) fn new(
+        gateway: Consumer,
+        max_in_flight: usize,
+        ends_when: Option<EndsWhen>,
+    ) -> Self {
+        let consumer = gateway.streams_end.subscribe();
+        let opened_at = consumer.borrow().count;
         Self {
             id: LAST_STREAM_ID.fetch_add(1, Ordering::Relaxed) + 1,
             _awake: gateway.activity.hold(),
@@ -67,7 +140,21 @@ impl LeaseStream {
             max_in_flight,
             written: Vec::new(),
             unwritten: VecDeque::new(),
+            ends: Ends {
+                consumer,
+                opened_at,
+                own: ends_when,
+            },
             origin: tracing::Span::current(),
+        }
+    }
+
+    /// The step that ends the stream for `reason`.
+    fn ended(&self, reason: Arc<str>) -> Step {
+        if self.gateway.accepting.load(Ordering::Relaxed) {
+            Step::Ended(reason)
+        } else {
+            Step::ShuttingDown
         }
     }
 
@@ -79,6 +166,9 @@ impl LeaseStream {
             }
             if !self.gateway.accepting.load(Ordering::Relaxed) {
                 return Step::ShuttingDown;
+            }
+            if let Some(reason) = self.ends.now() {
+                return self.ended(reason);
             }
             // Listening before looking: a settle landing in between still wakes the wait.
             let state = self.gateway.state.clone();
@@ -106,15 +196,22 @@ impl LeaseStream {
                         return Step::Quiet;
                     }
                     () = hung_up(caller) => return Step::Gone,
+                    reason = self.ends.wait() => return self.ended(reason),
                 }
             }
             let demand = Demand {
-                batch: credit,
+                // In slices: what a stuck client is sent and never reads is at most one.
+                batch: credit.min(STREAM_SLICE),
                 wait: QUIET_AT_MOST,
                 max_bytes: None,
                 stream: Some(self.id),
             };
-            return match self.gateway.lease_for(demand, caller).await {
+            let leased = tokio::select! {
+                leased = self.gateway.lease_for(demand, caller) => leased,
+                // The fetch dropped is withdrawn: what its pull brings goes to the next.
+                reason = self.ends.wait() => return self.ended(reason),
+            };
+            return match leased {
                 Ok(leased) if leased.is_empty() => Step::Quiet,
                 Ok(leased) => {
                     // A span only for a batch that came: an idle stream exports nothing.
@@ -133,13 +230,16 @@ impl LeaseStream {
                 // The consumer full, NATS away, this replica not yet announced: the stream
                 // stays open and asks again.
                 Err(Error::AtCapacity { retry_after, .. }) => {
-                    tokio::time::sleep(retry_after.clamp(RETRY_EVERY, QUIET_AT_MOST)).await;
-                    Step::Quiet
+                    let pause = retry_after.clamp(RETRY_EVERY, QUIET_AT_MOST);
+                    tokio::select! {
+                        () = tokio::time::sleep(pause) => Step::Quiet,
+                        reason = self.ends.wait() => self.ended(reason),
+                    }
                 }
-                Err(_) => {
-                    tokio::time::sleep(RETRY_EVERY).await;
-                    Step::Quiet
-                }
+                Err(_) => tokio::select! {
+                    () = tokio::time::sleep(RETRY_EVERY) => Step::Quiet,
+                    reason = self.ends.wait() => self.ended(reason),
+                },
             };
         }
     }

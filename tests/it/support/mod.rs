@@ -10,6 +10,7 @@ pub mod nats;
 pub mod otlp;
 pub mod pki;
 pub mod setup;
+pub mod streams;
 
 use std::future::Future;
 use std::time::Duration;
