@@ -5,7 +5,10 @@
 # the 200 (with the lease id) and the 204 from the page. The page may load nothing from
 # anywhere but the gateway. Screenshots are kept in target/browser/: swagger-ui.png (the whole
 # page), swagger-ui-fetchMessages.png and swagger-ui-ackMessage.png (each request as sent and
-# the page's answer), or swagger-ui-failed.png (the page when a step failed).
+# the page's answer), or swagger-ui-failed.png (the page when a step failed). Then
+# tests/browser/stream-tickets.mjs: a page of another origin (the gateway runs with
+# --cors-allow-origin for it) asks for stream tickets with the token, opens an EventSource and
+# a WebSocket with them, and settles a message over each.
 #
 # Chromium is Debian's `chromium` package (/usr/bin/chromium, or CHROMIUM_BIN): under CI
 # (CI=true) as root it is installed with apt-get when missing; elsewhere without it the test
@@ -17,7 +20,7 @@
 # test), starts nats-server (free port, temporary store) and the gateway (--create-stream,
 # one bearer token with the fetch, settle and publish scopes), publishes one message with
 # curl, and always stops everything it started. The last line counts, e.g.
-# `browser: 1 passed, 0 failed`; the exit status is non-zero unless the test passed (or was
+# `browser: 2 passed, 0 failed`; the exit status is non-zero unless the test passed (or was
 # skipped outside CI).
 set -euo pipefail
 
@@ -34,7 +37,7 @@ export CHROMIUM_BIN
 started=$SECONDS
 step() { printf '\n== browser: %s (at %ss)\n' "$*" "$((SECONDS - started))" >&2; }
 
-TESTS=("Swagger UI: authorize, fetch, ack")
+TESTS=("Swagger UI: authorize, fetch, ack" "Stream tickets: EventSource and WebSocket from another origin")
 PASSED=()
 FAILED=()
 SKIPPED=()
@@ -93,7 +96,7 @@ if [[ ! -x "$CHROMIUM_BIN" ]]; then
         die "no Chromium at $CHROMIUM_BIN, and CI never skips the browser test (as root it installs Debian's chromium itself)"
     else
         log "SKIPPED: the Swagger UI browser test, because there is no Chromium at $CHROMIUM_BIN (apt-get install chromium; or CHROMIUM_BIN=...)"
-        SKIPPED+=("${TESTS[0]}")
+        SKIPPED+=("${TESTS[@]}")
         exit 0
     fi
 fi
@@ -122,6 +125,8 @@ NATS_PORT="$(free_port)"
 "$NATS_BIN" -js -a 127.0.0.1 -p "$NATS_PORT" -sd "$WORK" -l "$WORK/nats-server.log" </dev/null &
 NATS_PID=$!
 HTTP_PORT="$(free_port)"
+# The origin of the stream-tickets test's page (served by its script).
+PAGE_PORT="$(free_port)"
 BASE="http://127.0.0.1:$HTTP_PORT"
 TOKEN="browser-$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
 # None of the caller's RUSTSTREAM_* or NATS_* variables may change this run.
@@ -131,7 +136,8 @@ while IFS= read -r name; do
 done < <(compgen -e | grep -E '^(RUSTSTREAM|NATS)_' || true)
 env "${scrub[@]}" RUST_LOG=warn "$GATEWAY_BIN" --nats-url "nats://127.0.0.1:$NATS_PORT" --listen "127.0.0.1:$HTTP_PORT" \
     --create-stream --stream ORDERS --stream-subjects 'orders.>' --consumer browser \
-    --auth-tokens "$TOKEN fetch,settle,publish" </dev/null >"$WORK/gateway.log" 2>&1 &
+    --auth-tokens "$TOKEN fetch,settle,publish" --cors-allow-origin "http://127.0.0.1:$PAGE_PORT" \
+    </dev/null >"$WORK/gateway.log" 2>&1 &
 GATEWAY_PID=$!
 deadline=$((SECONDS + 30))
 until curl -fso /dev/null --max-time 2 "$BASE/readyz"; do
@@ -161,4 +167,20 @@ if timeout --kill-after=10 120 node "$BROWSER_DIR/swagger-ui.mjs" "$BASE" "$TOKE
 else
     FAILED+=("${TESTS[0]}")
     log "FAILED: ${TESTS[0]}"
+fi
+
+step "${TESTS[1]}"
+for n in 1 2; do
+    status="$(curl -sS -o "$WORK/publish.json" -w '%{http_code}' --max-time 10 -X POST "$BASE/publish" \
+        -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' \
+        --data "{\"subject\": \"orders.browser\", \"data\": \"streamed $n\"}")"
+    [[ "$status" == 201 ]] || die "POST /publish answered $status, not 201: $(cat "$WORK/publish.json")"
+done
+mkdir -p "$WORK/profile-tickets"
+if timeout --kill-after=10 90 node "$BROWSER_DIR/stream-tickets.mjs" "$BASE" "$TOKEN" "$PAGE_PORT" "$WORK/profile-tickets"; then
+    PASSED+=("${TESTS[1]}")
+    log "passed: ${TESTS[1]}"
+else
+    FAILED+=("${TESTS[1]}")
+    log "FAILED: ${TESTS[1]}"
 fi

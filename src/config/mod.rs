@@ -235,6 +235,14 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_AUTH_JWT_SCOPE_PREFIX")]
     pub auth_jwt_scope_prefix: Option<String>,
 
+    /// An origin whose browser pages may call the API and open its streams, exactly as a
+    /// browser sends it (`https://app.example.com`, `http://localhost:3000`): preflights are
+    /// answered and answers carry `Access-Control-Allow-Origin` for it. Repeatable (in the
+    /// variable: comma-separated). Browsers authenticate a stream with `POST
+    /// /stream-tickets` and `?ticket=`.
+    #[arg(long = "cors-allow-origin", env = "RUSTSTREAM_CORS_ALLOW_ORIGIN", value_delimiter = ',', value_parser = parse_origin)]
+    pub cors_allow_origins: Vec<String>,
+
     /// File holding the lease-id signing key: at least 32 bytes, raw or as hex or base64
     /// text. A gateway restarted with the same file knows its predecessor's ids as genuine
     /// (410, not 404). Not given: a random key per process.
@@ -570,6 +578,31 @@ fn parse_nats_urls(value: &str) -> Result<String, String> {
     Ok(value.to_owned())
 }
 
+/// An exact origin: `http` or `https`, a host, an optional port — nothing after (a browser's
+/// `Origin` header never has a path), no wildcard.
+fn parse_origin(value: &str) -> Result<String, String> {
+    // Scheme and host are case-insensitive; browsers send them in lower case.
+    let value = value.to_ascii_lowercase();
+    let rest = value
+        .strip_prefix("https://")
+        .or_else(|| value.strip_prefix("http://"))
+        .ok_or_else(|| format!("{value:?}: an origin starts with http:// or https://"))?;
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((host, port)) if !host.ends_with(']') || rest.starts_with('[') => (host, Some(port)),
+        _ => (rest, None),
+    };
+    if host.is_empty()
+        || host.contains(['/', '?', '#', '@', '*', ' '])
+        || port.is_some_and(|port| port.parse::<u16>().is_err())
+        || rest.contains(['/', '?', '#'])
+    {
+        return Err(format!(
+            "{value:?}: an origin is scheme://host[:port] exactly as a browser sends it, with no path, wildcard or user (e.g. https://app.example.com)"
+        ));
+    }
+    Ok(value)
+}
+
 fn parse_patterns(value: &str) -> Result<ConsumerPatterns, String> {
     ConsumerPatterns::parse(value)
 }
@@ -623,6 +656,35 @@ fn parse_otlp_endpoint(value: &str) -> Result<String, String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_origin_is_taken_exactly_and_anything_else_is_refused() {
+        for good in [
+            "https://app.example.com",
+            "http://localhost:3000",
+            "http://127.0.0.1:8080",
+            "http://[::1]:8080",
+        ] {
+            assert_eq!(super::parse_origin(good).as_deref(), Ok(good), "{good}");
+        }
+        assert_eq!(
+            super::parse_origin("HTTPS://App.Example.com").as_deref(),
+            Ok("https://app.example.com")
+        );
+        for bad in [
+            "*",
+            "app.example.com",
+            "https://app.example.com/",
+            "https://app.example.com/path",
+            "https://*.example.com",
+            "https://user@app.example.com",
+            "https://app.example.com:port",
+            "ftp://app.example.com",
+            "https://",
+        ] {
+            assert!(super::parse_origin(bad).is_err(), "{bad}");
+        }
+    }
+
     use super::*;
 
     #[test]

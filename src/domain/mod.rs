@@ -13,6 +13,7 @@ pub(crate) mod leases;
 pub(crate) mod seal;
 pub(crate) mod settle;
 pub(crate) mod subject;
+pub(crate) mod ticket;
 
 use time::OffsetDateTime;
 use tokio::time::Instant;

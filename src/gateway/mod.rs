@@ -23,6 +23,7 @@ pub(crate) use consumer::{Caller, EndsWhen, Idempotency, LeaseStream, STREAM_SLI
 pub(crate) use consumer::{Consumer, SettleResult};
 pub(crate) use registry::Source;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -30,6 +31,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use time::OffsetDateTime;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
@@ -37,6 +39,7 @@ use crate::config::{Config, ConsumerSpec};
 use crate::domain::consumers::ConsumerName;
 use crate::domain::lease_id::{LeaseKey, named_in};
 use crate::domain::settle::AckCommand;
+use crate::domain::ticket::TicketSigner;
 use crate::error::Error;
 use crate::metrics::{CONSUMER_SOURCES, ProcessMetrics};
 use connection::Connection;
@@ -79,6 +82,9 @@ struct Inner {
     /// Stops the heartbeat, before the heartbeat is withdrawn.
     beats: CancellationToken,
     stop: CancellationToken,
+    /// Stream tickets redeemed here, until they expire: single use where no fleet stream
+    /// tells the replicas of each other's.
+    tickets_redeemed: std::sync::Mutex<HashMap<String, Instant>>,
 }
 
 /// What [`Gateway::stop`] stops.
@@ -126,6 +132,7 @@ impl Gateway {
             binding: tokio::sync::Mutex::new(()),
             beats: stop.child_token(),
             stop: stop.clone(),
+            tickets_redeemed: std::sync::Mutex::default(),
         }));
         tokio::spawn(gateway.clone().keep_beating(gateway.0.beats.clone()));
         tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
@@ -155,6 +162,37 @@ impl Gateway {
 
     pub(crate) fn metrics(&self) -> &ProcessMetrics {
         &self.0.process.metrics
+    }
+
+    /// Issues and verifies stream tickets.
+    pub(crate) fn tickets(&self) -> &TicketSigner {
+        &self.0.process.tickets
+    }
+
+    /// Redeem the ticket whose nonce is `nonce`, valid until `until`: `Ok(true)` the first
+    /// time at any replica, `Ok(false)` after. Across replicas through the fleet stream
+    /// (one JetStream publish); where there is none, at this replica alone.
+    pub(crate) async fn redeem_ticket(&self, nonce: &str, until: Instant) -> Result<bool, Error> {
+        {
+            let mut redeemed = self
+                .0
+                .tickets_redeemed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let now = Instant::now();
+            redeemed.retain(|_, expires| *expires > now);
+            if redeemed.insert(nonce.to_owned(), until).is_some() {
+                return Ok(false);
+            }
+        }
+        let Some(fleet) = self.0.process.fleet.stream.get() else {
+            return Ok(true);
+        };
+        let valid_for = until.saturating_duration_since(Instant::now());
+        fleet
+            .claim_once(nonce, valid_for)
+            .await
+            .map_err(|err| Error::Unavailable(format!("cannot redeem the ticket now: {err:#}")))
     }
 
     /// Start serving `name` with `config`; `at_start`: an error that makes it unusable stops

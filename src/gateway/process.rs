@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::domain::consumers::ConsumerName;
 use crate::domain::lease_id::{InstanceId, LeaseKey, LeaseSigner};
 use crate::domain::seal::Sealer;
+use crate::domain::ticket::TicketSigner;
 use crate::metrics::ProcessMetrics;
 use crate::nats::replicas::{FleetStream, ReplicaRecord};
 use crate::nats::trust::Trust;
@@ -38,6 +39,9 @@ pub(crate) struct Process {
     pub(crate) fleet: Fleet,
     /// What its heartbeat says of its lease key: equal between processes with equal keys.
     pub(crate) fleet_fingerprint: String,
+    /// Signs the stream tickets browsers open streams with (valid at every replica with
+    /// the same key).
+    pub(crate) tickets: TicketSigner,
 }
 
 impl Process {
@@ -63,6 +67,7 @@ impl Process {
             .to_owned();
         Self {
             instance,
+            tickets: TicketSigner::new(&key),
             key,
             trust,
             metrics,

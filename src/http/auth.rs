@@ -29,8 +29,9 @@ use super::jwt::Jwt;
 use super::scopes::{Grants, Requirement, Scope, consumer_of, requirement};
 use crate::config::Config;
 use crate::domain::consumers::ConsumerName;
+use crate::domain::ticket::Ticket;
 use crate::error::Error;
-use crate::gateway::EndsWhen;
+use crate::gateway::{EndsWhen, Gateway};
 use tracing::{error, info};
 
 /// A caller's share of waiting fetches: one per static token, one per JWT subject (however
@@ -84,6 +85,16 @@ struct Subject {
 }
 
 impl Principal {
+    /// A static token's digest (hex): what a stream ticket issued for it names.
+    pub(crate) fn token_digest(&self) -> Option<String> {
+        self.token.map(|digest| crate::domain::hex(&digest))
+    }
+
+    /// A JWT's `exp` (Unix seconds).
+    pub(crate) fn expires_at(&self) -> Option<i64> {
+        self.expires_at
+    }
+
     /// Whether the caller's scopes grant `scope` on some consumer.
     pub(crate) fn reaches(&self, scope: Scope) -> bool {
         self.grants.reaches(scope)
@@ -468,6 +479,43 @@ impl Auth {
         }
     }
 
+    /// The caller a stream ticket stands for: the ticket's consumer with what it allows
+    /// there (`fetch`, and `settle` if the token had it), and nothing else; `None` when the
+    /// static token it was issued for is no longer configured.
+    pub(crate) fn ticket_principal(&self, ticket: &Ticket) -> Option<Principal> {
+        let consumer = format!("{}/{}", ticket.stream, ticket.consumer);
+        let mut grants = Grants::default();
+        grants.grant(&format!("fetch:{consumer}")).ok()?;
+        if ticket.settle {
+            grants.grant(&format!("settle:{consumer}")).ok()?;
+        }
+        let grants = Arc::new(grants);
+        match &ticket.token {
+            Some(token) => {
+                let tokens = self.current_tokens()?;
+                let entry = tokens
+                    .entries
+                    .iter()
+                    .find(|entry| crate::domain::hex(&entry.digest) == *token)?;
+                Some(Principal {
+                    account: entry.account.clone(),
+                    grants,
+                    subject: None,
+                    token: Some(entry.digest),
+                    expires_at: None,
+                })
+            }
+            // Issued for a JWT (its expiry goes with it), or by a gateway without tokens.
+            None => ticket.jwt_expires_at.map(|expires_at| Principal {
+                account: Arc::default(),
+                grants,
+                subject: None,
+                token: None,
+                expires_at: Some(expires_at),
+            }),
+        }
+    }
+
     /// Resolves, with why, once `principal` no longer allows `scope` on `name`: a reload
     /// removed its token or took that scope away, or its JWT expired. Never for a caller
     /// with nothing to lose (authentication off).
@@ -537,12 +585,21 @@ impl Auth {
     /// also what ends it should the token lose that right.
     async fn check_presented(
         &self,
+        gateway: &Gateway,
         presented: Option<Presented>,
         stream: bool,
     ) -> Result<Option<(Principal, Option<Revocation>)>, Error> {
         let Some(presented) = presented else {
             return Ok(None);
         };
+        if presented.ticket {
+            let Some(consumer) = &presented.consumer else {
+                return Err(Error::Unauthorized { invalid: true });
+            };
+            let (principal, revocation) =
+                super::tickets::redeem(self, gateway, &presented.token, consumer).await?;
+            return Ok(Some((principal, Some(revocation))));
+        }
         let principal = self.authenticate(&presented.token).await?;
         if let Requirement::Scope(scope) = presented.needed
             && !allowed(&principal.grants, scope, presented.consumer.as_ref())
@@ -572,6 +629,23 @@ impl Auth {
         if needed == Requirement::Open || (needed == Requirement::Authenticated && unmatched) {
             return Ok(None);
         }
+        let path = request.uri().path();
+        let consumer = match path {
+            "/fetch" | "/events" | "/ws" => self.default_consumer.clone(),
+            _ => consumer_of(path),
+        };
+        // A browser's stream: a ticket instead of the header it cannot set.
+        if !request.headers().contains_key(header::AUTHORIZATION)
+            && is_stream_path(path)
+            && let Some(ticket) = ticket_of(request.uri().query())
+        {
+            return Ok(Some(Presented {
+                needed,
+                consumer,
+                token: ticket,
+                ticket: true,
+            }));
+        }
         let mut values = request.headers().get_all(header::AUTHORIZATION).iter();
         let (Some(value), None) = (values.next(), values.next()) else {
             // None, or several (ambiguous: refuse rather than pick one).
@@ -587,15 +661,11 @@ impl Auth {
         let Some(presented) = presented else {
             return Err(Error::Unauthorized { invalid: false });
         };
-        let path = request.uri().path();
-        let consumer = match path {
-            "/fetch" | "/events" | "/ws" => self.default_consumer.clone(),
-            _ => consumer_of(path),
-        };
         Ok(Some(Presented {
             needed,
             consumer,
             token: presented.to_owned(),
+            ticket: false,
         }))
     }
 
@@ -649,6 +719,8 @@ struct Presented {
     /// The consumer the path names (the default one for `/fetch`, `/events`, `/ws`).
     consumer: Option<ConsumerName>,
     token: String,
+    /// `token` is a stream ticket (`?ticket=`), not a bearer token.
+    ticket: bool,
 }
 
 /// Whether `grants` let a request needing `scope` through: on the consumer the path names;
@@ -664,7 +736,11 @@ fn allowed(grants: &Grants, scope: Scope, consumer: Option<&ConsumerName>) -> bo
 
 /// For the router's middleware: refuse (401/403) before the handler or the body is touched;
 /// hand the authenticated caller to the handler as a [`Principal`] extension.
-pub(crate) async fn admit(auth: &Auth, request: &mut Request) -> Result<(), Error> {
+pub(crate) async fn admit(
+    auth: &Auth,
+    gateway: &Gateway,
+    request: &mut Request,
+) -> Result<(), Error> {
     let presented = auth.presented(request)?;
     if presented.is_none() {
         return Ok(());
@@ -672,7 +748,8 @@ pub(crate) async fn admit(auth: &Auth, request: &mut Request) -> Result<(), Erro
     let stream = is_stream_path(request.uri().path());
     // Boxed: a check may wait for a JWT key set, and that state, unboxed, would be part of
     // every request's future for the request's whole life (an idle long poll's too).
-    if let Some((principal, revocation)) = Box::pin(auth.check_presented(presented, stream)).await?
+    if let Some((principal, revocation)) =
+        Box::pin(auth.check_presented(gateway, presented, stream)).await?
     {
         request.extensions_mut().insert(principal);
         if let Some(revocation) = revocation {
@@ -682,9 +759,21 @@ pub(crate) async fn admit(auth: &Auth, request: &mut Request) -> Result<(), Erro
     Ok(())
 }
 
+/// The `ticket` a stream's query string carries, if any.
+fn ticket_of(query: Option<&str>) -> Option<String> {
+    query?
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("ticket="))
+        .map(|value| {
+            percent_encoding::percent_decode_str(value)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+}
+
 /// Whether `path` opens a stream (SSE or WebSocket), which outlives the check made at its
 /// start: it is ended when its token loses the right.
-fn is_stream_path(path: &str) -> bool {
+pub(crate) fn is_stream_path(path: &str) -> bool {
     matches!(path, "/events" | "/ws")
         || (path.starts_with("/streams/") && (path.ends_with("/events") || path.ends_with("/ws")))
 }
@@ -695,7 +784,7 @@ fn is_stream_path(path: &str) -> bool {
 pub(crate) struct Revocation(Arc<Mutex<Option<EndsWhen>>>);
 
 impl Revocation {
-    fn new(ends_when: EndsWhen) -> Self {
+    pub(super) fn new(ends_when: EndsWhen) -> Self {
         Self(Arc::new(Mutex::new(Some(ends_when))))
     }
 

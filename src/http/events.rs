@@ -50,6 +50,9 @@ pub(super) struct StreamParams {
     max_in_flight: Option<u32>,
     /// How `data` is encoded, as in a fetch (default base64).
     encoding: Option<Encoding>,
+    /// A ticket from `POST /stream-tickets`, for a browser that cannot send
+    /// `Authorization`: single use, within 30 s of its making.
+    ticket: Option<String>,
 }
 
 /// What a stream asks for, from its query string.
@@ -101,12 +104,14 @@ impl StreamQuery {
                         }
                     };
                 }
+                // Taken by authentication before the handler (see `POST /stream-tickets`).
+                "ticket" => {}
                 other => {
                     let shown: String = other.chars().take(64).collect();
                     return Err(Error::invalid(
                         shown.as_str(),
                         format!(
-                            "unknown query parameter {shown:?} (known: max_in_flight, encoding)"
+                            "unknown query parameter {shown:?} (known: max_in_flight, encoding, ticket)"
                         ),
                     ));
                 }

@@ -50,7 +50,7 @@ pub(crate) async fn guard(guard: &Guard, mut request: Request, next: Next) -> Re
     let started = Instant::now();
     let method = request.method().clone();
     let route = request.extensions().get::<MatchedPath>().cloned();
-    let response = match super::auth::admit(&guard.auth, &mut request).await {
+    let response = match super::auth::admit(&guard.auth, &guard.gateway, &mut request).await {
         Ok(()) => next.run(request).await,
         Err(refused) => refused.into_response(),
     };

@@ -21,6 +21,7 @@ mod publish;
 pub(crate) mod responses;
 mod scopes;
 pub(crate) mod serve;
+mod tickets;
 pub(crate) mod tls;
 mod ws;
 
@@ -73,6 +74,7 @@ fn api() -> OpenApiRouter<Shared> {
         .routes(routes!(events::events_named))
         .routes(routes!(ws::ws))
         .routes(routes!(ws::ws_named))
+        .routes(routes!(tickets::create))
         .routes(routes!(messages::ack))
         .routes(routes!(messages::nak))
         .routes(routes!(messages::term))
@@ -142,7 +144,7 @@ fn optional_bodies_may_be_absent(spec: &mut utoipa::openapi::OpenApi) {
 fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
     use crate::http::scopes::{Requirement, requirement};
     use utoipa::openapi::security::{
-        HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
+        ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
     };
     let components = spec.components.get_or_insert_with(Default::default);
     components.add_security_scheme(
@@ -156,10 +158,17 @@ fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
                 .build(),
         ),
     );
+    components.add_security_scheme(
+        "ticket",
+        SecurityScheme::ApiKey(ApiKey::Query(ApiKeyValue::with_description(
+            "ticket",
+            "A single-use ticket from POST /stream-tickets (valid 30 s), for a browser's EventSource or WebSocket, which cannot send Authorization.",
+        ))),
+    );
     for (path, item) in spec.paths.paths.iter_mut() {
         // An open route says so with an empty list (no requirement), rather than by omission.
         // Several requirements are alternatives: any one of the scopes suffices.
-        let security = match requirement(path) {
+        let mut security = match requirement(path) {
             Requirement::Open => Vec::new(),
             Requirement::Scope(scope) => scope
                 .granted_by()
@@ -170,6 +179,9 @@ fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
                 vec![SecurityRequirement::new("bearer", Vec::<&str>::new())]
             }
         };
+        if crate::http::auth::is_stream_path(path) {
+            security.push(SecurityRequirement::new("ticket", Vec::<&str>::new()));
+        }
         let operations = [
             &mut item.get,
             &mut item.post,
@@ -212,6 +224,7 @@ type Shared = Arc<Gateway>;
 /// request a boxed future (an idle long poll holds it for its whole wait) and a clone of the
 /// service below it, so there is one.
 fn with_layers(routes: Router<Shared>, gateway: Gateway, auth: Auth) -> Router {
+    let cors = cors_layer(&gateway.config().cors_allow_origins);
     let gateway = Arc::new(gateway);
     // Behind one `Arc`: the middleware clones its state for every request.
     let edge_state = Arc::new(Edge {
@@ -221,13 +234,54 @@ fn with_layers(routes: Router<Shared>, gateway: Gateway, auth: Auth) -> Router {
             auth,
         },
     });
-    routes
+    let app = routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(gateway)
         // Inside the metrics: a handler that panicked is counted (500) under its route.
         .layer(CatchPanicLayer::custom(problem::panic_response))
-        .layer(axum::middleware::from_fn_with_state(edge_state, edge))
+        .layer(axum::middleware::from_fn_with_state(edge_state, edge));
+    // Outermost, and only when asked for: a preflight carries no token, so it is answered
+    // before authentication; every other answer gets its Access-Control-* headers.
+    match cors {
+        Some(cors) => app.layer(cors),
+        None => app,
+    }
+}
+
+/// `--cors-allow-origin`: browser pages of these origins may call the API and open its
+/// streams, with a bearer token (no cookies: credentials are never allowed).
+fn cors_layer(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
+    use axum::http::{HeaderName, HeaderValue, Method, header};
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return None;
+    }
+    let origins: Vec<HeaderValue> = origins
+        .iter()
+        .filter_map(|origin| HeaderValue::from_str(origin).ok())
+        .collect();
+    Some(
+        CorsLayer::new()
+            .allow_origin(AllowOrigin::list(origins))
+            .allow_methods([Method::GET, Method::POST, Method::DELETE])
+            .allow_headers([
+                header::AUTHORIZATION,
+                header::CONTENT_TYPE,
+                HeaderName::from_static("idempotency-key"),
+                HeaderName::from_static("last-event-id"),
+                HeaderName::from_static("traceparent"),
+                HeaderName::from_static("tracestate"),
+                X_REQUEST_ID,
+            ])
+            .expose_headers([
+                header::RETRY_AFTER,
+                header::WWW_AUTHENTICATE,
+                HeaderName::from_static("idempotent-replayed"),
+                X_REQUEST_ID,
+            ])
+            .max_age(std::time::Duration::from_secs(600)),
+    )
 }
 
 /// What [`edge`] needs.

@@ -78,6 +78,8 @@ pub(crate) fn requirement(path: &str) -> Requirement {
         _ if path.starts_with("/messages/") => Requirement::Scope(Scope::Settle),
         "/publish" => Requirement::Scope(Scope::Publish),
         "/consumer" | "/consumers" | "/metrics" => Requirement::Scope(Scope::Admin),
+        // The consumer a ticket is for is in the body: checked by the handler.
+        "/stream-tickets" => Requirement::Authenticated,
         _ => match path.strip_prefix("/streams/").map(named_route) {
             Some(Some(NamedRoute::Fetch)) => Requirement::Scope(Scope::Fetch),
             Some(Some(NamedRoute::Status)) => Requirement::Scope(Scope::Admin),

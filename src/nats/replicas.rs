@@ -488,6 +488,28 @@ impl Shared {
         self.put(&subject, headers, body, ttl).await
     }
 
+    /// Claim `key` (one subject token) for the whole fleet: `true` for the first claim
+    /// within the stream's duplicate window (2 min), `false` for any later one at any
+    /// replica — the stream drops a second message with the same `Nats-Msg-Id`.
+    pub(crate) async fn claim_once(&self, key: &str, ttl: Duration) -> anyhow::Result<bool> {
+        let subject = self.subjects.idempotency(&format!("claim-{key}"));
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", format!("claim-{key}").as_str());
+        let seconds = ttl.as_secs_f64().ceil().max(1.0);
+        headers.insert("Nats-TTL", format!("{seconds}s").as_str());
+        let stored = async {
+            self.js
+                .publish_with_headers(subject.clone(), headers, Bytes::new())
+                .await?
+                .await
+        };
+        let ack = tokio::time::timeout(API_TIMEOUT, stored)
+            .await
+            .context("timed out claiming in the fleet stream")?
+            .with_context(|| format!("storing {subject}"))?;
+        Ok(!ack.duplicate)
+    }
+
     async fn put(
         &self,
         subject: &str,

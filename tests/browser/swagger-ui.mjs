@@ -86,10 +86,12 @@ try {
     await page.locator("button.btn.authorize").first().click();
     const modal = page.locator(".dialog-ux .modal-ux");
     await modal.waitFor();
-    await modal.locator('input[aria-label="auth-bearer-value"]').fill(token);
-    await modal.locator('button[aria-label="Apply credentials"]').click();
-    await modal.locator('button[aria-label="Remove authorization"]').waitFor();
-    await modal.locator("button.btn-done").click();
+    // The bearer scheme's form (the stream ticket has one of its own).
+    const bearer = modal.locator("form").filter({ hasText: "bearer (http, Bearer)" });
+    await bearer.locator('input[aria-label="auth-bearer-value"]').fill(token);
+    await bearer.locator('button[aria-label="Apply credentials"]').click();
+    await bearer.locator('button[aria-label="Remove authorization"]').waitFor();
+    await bearer.locator("button.btn-done").click();
     await modal.waitFor({ state: "detached" });
     if ((await page.locator("button.btn.authorize.locked").count()) === 0) {
         fail("the Authorize button does not show the lock closed after authorizing");

@@ -10,15 +10,9 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::support::{
-    Action, Gateway, GatewayProcess, Js, NatsServer, STREAM, Scrape, Setup, wait_for, wait_until,
+    Action, Gateway, GatewayProcess, Js, NatsServer, STREAM, Scrape, Setup, shared_key, wait_for,
+    wait_until,
 };
-
-/// A lease key file every replica of a test shares.
-fn shared_key() -> tempfile::NamedTempFile {
-    let mut key = tempfile::NamedTempFile::new().expect("temp key file");
-    write!(key, "replicas share this lease key: 0123456789!").expect("write key");
-    key
-}
 
 /// A nats-server with the stream and three in-process replicas of `setup` (given the shared
 /// key), each ready and seeing the other two.

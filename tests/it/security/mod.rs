@@ -9,4 +9,5 @@ mod lease_ids;
 mod limits;
 mod nats_auth;
 mod replica_trust;
+mod tickets;
 mod tls;

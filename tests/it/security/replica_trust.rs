@@ -3,22 +3,15 @@
 //! forwarded answers are dropped and counted; a passive subscriber does not keep a dead
 //! owner's leases "valid".
 
-use std::io::Write as _;
 use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
 use futures::{StreamExt as _, TryStreamExt as _};
 use serde_json::{Value, json};
 
-use crate::support::{Js, STREAM, Scrape, Setup, wait_for, wait_until};
+use crate::support::{Js, STREAM, Scrape, Setup, shared_key, wait_for, wait_until};
 
 const PREFIX: &str = "_RUSTSTREAM";
-
-fn shared_key() -> tempfile::NamedTempFile {
-    let mut key = tempfile::NamedTempFile::new().expect("temp key file");
-    write!(key, "replicas share this lease key: 0123456789!").expect("write key");
-    key
-}
 
 fn rejected(scrape: &Scrape, kind: &str) -> f64 {
     scrape.get(&format!(

@@ -150,3 +150,11 @@ pub async fn fetch_count(gateway: &Client, count: usize, timeout: Duration) -> V
     }
     got
 }
+
+/// A lease-key file for replicas that must know each other's lease ids and seals.
+pub fn shared_key() -> tempfile::NamedTempFile {
+    use std::io::Write as _;
+    let mut key = tempfile::NamedTempFile::new().expect("temp key file");
+    write!(key, "replicas share this lease key: 0123456789!").expect("write key");
+    key
+}

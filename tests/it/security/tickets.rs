@@ -1,0 +1,214 @@
+//! Browsers' streams: `POST /stream-tickets` hands out a single-use ticket for one consumer
+//! (with the token's `fetch` scope there), accepted as `?ticket=` on the stream routes once,
+//! at any replica; and `--cors-allow-origin` answers preflights and marks answers for the
+//! origins it names only.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::support::client::http_client_with_token;
+use crate::support::nats::files_dir;
+use crate::support::streams::{EventStream, frame_of, open_socket_at, send};
+use crate::support::{Client, GatewayProcess, Setup, server_with_stream, shared_key};
+
+/// A ticket for `body`'s consumer (the default one when `None`), as `token` asks for it.
+async fn ticket(gateway: &Client, token: &str, body: Option<Value>) -> Value {
+    let client = Client::with_http(gateway.base(), http_client_with_token(token));
+    let reply = client.post("/stream-tickets", body.as_ref()).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    reply.body
+}
+
+/// The status of opening the stream at `path` (no token).
+async fn open_status(gateway: &Client, path: &str) -> u16 {
+    reqwest::Client::new()
+        .get(gateway.url(path))
+        .send()
+        .await
+        .expect("GET")
+        .status()
+        .as_u16()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_opens_one_stream_once_for_its_consumer_and_carries_only_its_rights() {
+    let (server, js) = server_with_stream().await;
+    let dir = files_dir();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(
+        &tokens,
+        "worker fetch,settle\nreader fetch\nother fetch:ORDERS/elsewhere\n",
+    )
+    .expect("tokens");
+    let gateway = Setup::consumer("ticketed")
+        .auth_tokens_file(&tokens)
+        .ready(&server.url())
+        .await;
+    js.publish("orders.1", "to the event stream").await;
+
+    // Asking: a token is needed, and the fetch scope on the consumer.
+    gateway
+        .post("/stream-tickets", None)
+        .await
+        .assert_problem(401);
+    let other = Client::with_http(gateway.base(), http_client_with_token("other"));
+    other
+        .post("/stream-tickets", None)
+        .await
+        .assert_problem(403);
+    let both = json!({ "stream": "ORDERS" });
+    let worker = Client::with_http(gateway.base(), http_client_with_token("worker"));
+    worker
+        .post("/stream-tickets", Some(&both))
+        .await
+        .assert_invalid("consumer");
+
+    // Redeemed once, on its consumer's streams only.
+    let issued = ticket(&gateway, "worker", None).await;
+    assert_eq!(issued["consumer"], "ticketed", "{issued}");
+    let ticket_text = issued["ticket"].as_str().expect("ticket");
+    assert!(issued["expires_at"].is_string());
+    assert_eq!(
+        open_status(
+            &gateway,
+            "/streams/ORDERS/consumers/elsewhere/events?ticket=x"
+        )
+        .await,
+        401
+    );
+    assert_eq!(
+        open_status(&gateway, &format!("/events?ticket={ticket_text}garbled")).await,
+        401
+    );
+    let events_path = format!(
+        "{}&max_in_flight=1",
+        issued["events"].as_str().expect("events")
+    );
+    let mut events = EventStream::open_at(&gateway, &events_path).await;
+    let leased = events
+        .message(Duration::from_secs(5))
+        .await
+        .expect("a lease over the ticket's stream");
+    assert_eq!(
+        open_status(&gateway, &format!("/events?ticket={ticket_text}")).await,
+        401,
+        "a ticket is used once"
+    );
+    assert_eq!(
+        worker.ack(leased["id"].as_str().expect("id")).await,
+        204,
+        "settled with the token over HTTP"
+    );
+
+    // Over a WebSocket, in band: the ticket settles only if its token could.
+    drop(events);
+    js.publish("orders.1", "to the socket").await;
+    let issued = ticket(&gateway, "reader", None).await;
+    let mut socket = open_socket_at(&gateway, issued["ws"].as_str().expect("ws"), None).await;
+    let held = frame_of(&mut socket, "message", Duration::from_secs(5))
+        .await
+        .expect("a lease");
+    send(&mut socket, json!({ "op": "ack", "ids": [held["id"]] })).await;
+    let refused = frame_of(&mut socket, "settled", Duration::from_secs(5))
+        .await
+        .expect("settled");
+    assert_eq!(refused["results"][0]["status"], 403, "{refused}");
+    let issued = ticket(&gateway, "worker", None).await;
+    let mut socket = open_socket_at(&gateway, issued["ws"].as_str().expect("ws"), None).await;
+    send(&mut socket, json!({ "op": "ack", "ids": [held["id"]] })).await;
+    let settled = frame_of(&mut socket, "settled", Duration::from_secs(5))
+        .await
+        .expect("settled");
+    assert_eq!(settled["results"][0]["status"], 204, "{settled}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_made_at_one_replica_opens_a_stream_at_another_once_in_the_fleet() {
+    let (server, _js) = server_with_stream().await;
+    let key = shared_key();
+    let setup = Setup::consumer("fleet-tickets")
+        .lease_key_file(key.path())
+        .flag("--auth-tokens", "worker fetch,settle");
+    let first = setup.ready(&server.url()).await;
+    let second = setup.ready(&server.url()).await;
+    let issued = ticket(&first, "worker", None).await;
+    let events = issued["events"].as_str().expect("events");
+    let _opened = EventStream::open_at(&second, events).await;
+    assert_eq!(open_status(&first, events).await, 401, "used at the other");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_answers_the_origins_it_names_and_no_other() {
+    let (server, _js) = server_with_stream().await;
+    let gateway = Setup::consumer("cors")
+        .flag("--cors-allow-origin", "http://localhost:9")
+        .flag("--cors-allow-origin", "https://app.example.com")
+        .ready(&server.url())
+        .await;
+    let http = reqwest::Client::new();
+    let preflight = |origin: &'static str| {
+        http.request(reqwest::Method::OPTIONS, gateway.url("/stream-tickets"))
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header(
+                "access-control-request-headers",
+                "authorization,content-type",
+            )
+            .send()
+    };
+    let allowed = preflight("https://app.example.com")
+        .await
+        .expect("preflight");
+    assert!(allowed.status().is_success(), "{allowed:?}");
+    let header = |response: &reqwest::Response, name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned)
+    };
+    assert_eq!(
+        header(&allowed, "access-control-allow-origin").as_deref(),
+        Some("https://app.example.com")
+    );
+    let methods = header(&allowed, "access-control-allow-methods").unwrap_or_default();
+    assert!(methods.contains("POST"), "{methods}");
+    let headers = header(&allowed, "access-control-allow-headers").unwrap_or_default();
+    assert!(headers.contains("authorization"), "{headers}");
+    let stranger = preflight("https://evil.example.com")
+        .await
+        .expect("preflight");
+    assert_eq!(header(&stranger, "access-control-allow-origin"), None);
+    // On answers too, streams included.
+    let stream = http
+        .get(gateway.url("/events"))
+        .header("origin", "http://localhost:9")
+        .send()
+        .await
+        .expect("GET /events");
+    assert_eq!(stream.status(), 200);
+    assert_eq!(
+        header(&stream, "access-control-allow-origin").as_deref(),
+        Some("http://localhost:9")
+    );
+    let plain = http
+        .get(gateway.url("/healthz"))
+        .header("origin", "https://evil.example.com")
+        .send()
+        .await
+        .expect("GET /healthz");
+    assert_eq!(header(&plain, "access-control-allow-origin"), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cors_origin_that_is_not_exact_refuses_to_start() {
+    let (server, _js) = server_with_stream().await;
+    for bad in ["*", "https://app.example.com/", "app.example.com"] {
+        let setup = Setup::consumer("cors-bad").flag("--cors-allow-origin", bad);
+        let mut gateway = GatewayProcess::spawn(&setup, &server.url());
+        let status = gateway.wait_exit(Duration::from_secs(10)).await;
+        assert_eq!(status.code(), Some(2), "{bad}: {}", gateway.log());
+        assert!(gateway.log().contains("origin"), "{bad}: {}", gateway.log());
+    }
+}
