@@ -97,11 +97,30 @@ impl ConsumerPatterns {
     pub(crate) fn matches(&self, name: &ConsumerName) -> bool {
         self.0.iter().any(|pattern| pattern.matches(name))
     }
+
+    /// Whether some consumer of `stream` matches (a pattern names that stream, or any).
+    pub(crate) fn matches_stream(&self, stream: &str) -> bool {
+        self.0
+            .iter()
+            .any(|pattern| pattern.stream.as_ref().is_none_or(|named| named == stream))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stream_matches_when_some_pattern_names_it_or_any() {
+        let patterns = ConsumerPatterns::parse("ORDERS/*").expect("valid");
+        assert!(patterns.matches_stream("ORDERS"));
+        assert!(!patterns.matches_stream("EVENTS"));
+        assert!(
+            ConsumerPatterns::parse("*/audit")
+                .expect("valid")
+                .matches_stream("EVENTS")
+        );
+    }
 
     #[test]
     fn patterns_match_whole_names() {

@@ -14,7 +14,7 @@ use tracing::info;
 use crate::domain::consumers::ConsumerName;
 use crate::domain::subject;
 use crate::error::Error;
-use crate::nats::bind::{Existing, inspect_existing};
+use crate::nats::reconcile::{Existing, inspect_existing};
 
 use super::Gateway;
 use super::registry::{Served, Source};

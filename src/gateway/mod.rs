@@ -19,6 +19,7 @@ mod fleet;
 mod process;
 mod registry;
 
+use consumer::publish_refusal;
 pub(crate) use consumer::{Caller, EndsWhen, Idempotency, LeaseStream, STREAM_SLICE, Step};
 pub(crate) use consumer::{Consumer, SettleResult};
 pub(crate) use registry::Source;
@@ -85,7 +86,12 @@ struct Inner {
     /// Stream tickets redeemed here, until they expire: single use where no fleet stream
     /// tells the replicas of each other's.
     tickets_redeemed: std::sync::Mutex<HashMap<String, Instant>>,
+    /// The consumers `--serve-existing` names on the server, and when they were listed.
+    existing_listed: tokio::sync::Mutex<Option<(Instant, Vec<ConsumerName>)>>,
 }
+
+/// How long `GET /consumers` uses a listing of the existing consumers before reading it anew.
+const EXISTING_LISTED_FOR: Duration = Duration::from_secs(10);
 
 /// What [`Gateway::stop`] stops.
 pub(crate) struct Tasks {
@@ -133,6 +139,7 @@ impl Gateway {
             beats: stop.child_token(),
             stop: stop.clone(),
             tickets_redeemed: std::sync::Mutex::default(),
+            existing_listed: tokio::sync::Mutex::default(),
         }));
         tokio::spawn(gateway.clone().keep_beating(gateway.0.beats.clone()));
         tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
@@ -207,7 +214,7 @@ impl Gateway {
         // The default consumer's ids stay version 2, which releases before this one read.
         let names_in_ids = source != Source::Default;
         let (consumer, tasks, fatal) =
-            Consumer::start(config, self.0.process.clone(), names_in_ids);
+            Consumer::start(config, self.0.process.clone(), names_in_ids, at_start);
         let started = Arc::new(Served::new(consumer, source, tasks));
         let served = self.0.registry.insert(name.clone(), started.clone());
         if !Arc::ptr_eq(&served, &started) {
@@ -295,7 +302,7 @@ impl Gateway {
 
     /// The consumer a lease id names: a version 3 id by its names, a version 2 id (the
     /// default consumer's, or an earlier release's) by whichever served consumer signed it.
-    async fn served_for_lease(&self, id: &str) -> Option<Arc<Served>> {
+    async fn served_for_lease(&self, id: &str, may: May<'_>) -> Result<Arc<Served>, Error> {
         if let Some((stream, consumer)) = named_in(id) {
             let name = ConsumerName::new(&stream, &consumer);
             return match self.0.registry.get(&name) {
@@ -309,13 +316,18 @@ impl Gateway {
                     .decode(id)
                     .is_some() =>
                 {
+                    // Not bound for a caller who may not settle there (403 without a bind).
+                    if !may(&name) {
+                        return Err(Error::Forbidden { scope: "settle" });
+                    }
                     Box::pin(self.bind_existing(&name)).await.ok()
                 }
                 None => None,
-            };
+            }
+            .ok_or(Error::UnknownLease);
         }
         if let Some(served) = self.0.registry.default_consumer() {
-            return Some(served);
+            return Ok(served);
         }
         self.0
             .registry
@@ -323,12 +335,13 @@ impl Gateway {
             .into_iter()
             .map(|(_, served)| served)
             .find(|served| served.consumer.signed(id))
+            .ok_or(Error::UnknownLease)
     }
 
     /// The consumer a lease id names, if the caller `may` settle there: 404 for an id of
     /// no served consumer, 403 for one of a consumer the caller's token does not reach.
     async fn lease_for(&self, id: &str, may: May<'_>) -> Result<Arc<Served>, Error> {
-        let served = self.served_for_lease(id).await.ok_or(Error::UnknownLease)?;
+        let served = self.served_for_lease(id, may).await?;
         if !may(served.consumer.name()) {
             // A forged id is a 404 whoever asks: a 403 would confirm the consumer it names.
             // (Looked at only here: a settle the caller may make verifies its id anyway.)
@@ -450,22 +463,47 @@ impl Gateway {
                 }
             }
         }
+        if let Some(err) = first_refusal {
+            return Err(err);
+        }
+        // A stream --serve-existing names: bound or not, so one rule holds for it (a
+        // stream's publishers should not depend on whether one of its consumers is idle).
+        if let Some(patterns) = &self.config().serve_existing
+            && let Some(client) = self.0.process.connection.get()
+        {
+            let js = async_nats::jetstream::new(client);
+            let stream = crate::nats::publish::stream_capturing(&js, &subject)
+                .await
+                .map_err(publish_refusal)?;
+            if let Some(stream) = stream.filter(|stream| patterns.matches_stream(stream)) {
+                return crate::nats::publish::publish_to(
+                    &js,
+                    &stream,
+                    subject,
+                    headers,
+                    payload,
+                    self.config().settle_timeout,
+                )
+                .await
+                .map_err(publish_refusal);
+            }
+        }
         let Some(first) = served.first() else {
             return Err(Error::invalid(
                 "subject",
                 "this gateway serves no consumer yet, so no stream to publish to",
             ));
         };
-        if let Some(err) = first_refusal {
-            return Err(err);
-        }
         // No stream captures it: the default consumer's own error names its subjects.
         first.consumer.publish(subject, headers, payload).await
     }
 
-    /// What `GET /consumers` lists.
-    pub(crate) fn list(&self) -> Vec<Listing> {
-        self.0
+    /// What `GET /consumers` lists: the served consumers, and with `--serve-existing` the
+    /// consumers on the server its patterns name that are not bound now (`bound: false`; the
+    /// server's list is read at most every [`EXISTING_LISTED_FOR`]).
+    pub(crate) async fn list(&self) -> Vec<Listing> {
+        let mut listed: Vec<Listing> = self
+            .0
             .registry
             .all()
             .into_iter()
@@ -476,7 +514,49 @@ impl Gateway {
                 bound: served.consumer.is_bound(),
                 leases_in_flight: served.consumer.leases_in_flight(),
             })
-            .collect()
+            .collect();
+        for name in self.existing_consumers().await {
+            if !listed.iter().any(|listing| listing.name == name) {
+                listed.push(Listing {
+                    name,
+                    source: Source::Existing,
+                    bound: false,
+                    leases_in_flight: 0,
+                });
+            }
+        }
+        listed.sort_by(|a, b| a.name.cmp(&b.name));
+        listed
+    }
+
+    /// The consumers on the server `--serve-existing` names, as last listed (again once the
+    /// list is [`EXISTING_LISTED_FOR`] old); none where it cannot be read.
+    async fn existing_consumers(&self) -> Vec<ConsumerName> {
+        let Some(patterns) = &self.config().serve_existing else {
+            return Vec::new();
+        };
+        let mut cached = self.0.existing_listed.lock().await;
+        if let Some((at, names)) = cached.as_ref()
+            && at.elapsed() < EXISTING_LISTED_FOR
+        {
+            return names.clone();
+        }
+        let Some(client) = self.0.process.connection.get() else {
+            return Vec::new();
+        };
+        match crate::nats::reconcile::existing_consumers(&client, patterns).await {
+            Ok(names) => {
+                *cached = Some((Instant::now(), names.clone()));
+                names
+            }
+            Err(err) => {
+                tracing::debug!(error = %format!("{err:#}"), "cannot list the existing consumers");
+                cached
+                    .as_ref()
+                    .map(|(_, names)| names.clone())
+                    .unwrap_or_default()
+            }
+        }
     }
 
     /// Why the gateway is not ready, in words safe for anyone: the consumers it serves from

@@ -101,6 +101,7 @@ pub(crate) async fn consumers(State(gateway): State<Arc<Gateway>>) -> Json<Consu
     Json(ConsumersDto {
         consumers: gateway
             .list()
+            .await
             .into_iter()
             .map(|listing| ServedConsumerDto {
                 stream: listing.name.stream,

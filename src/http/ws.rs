@@ -78,7 +78,8 @@ struct Operation {
 /// (`{"op": "ack"|"nak"|"term"|"in_progress", "ids": [1..=1000], "delay_ms"?, "reason"?,
 /// "ref"?}`), once the server confirmed, each status what the HTTP settle would answer;
 /// `{"type": "error", "status", "title", "detail", "field"?}` for a frame it cannot take;
-/// `{"type": "shutdown"}` before closing with 1001. A binary frame closes with 1003, a
+/// `{"type": "shutdown", "reason"}` before closing with 1001. Invalid UTF-8 closes with
+/// 1007, a protocol violation with 1002, a binary frame with 1003, a
 /// frame over `--max-body-bytes` with 1009; a ping every 15 s, and a client silent for 45 s
 /// is closed.
 #[utoipa::path(
@@ -289,7 +290,15 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
                         let _ = sink.send(close(close_code::UNSUPPORTED, "text frames only")).await;
                         break;
                     }
-                    Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
+                    Some(Ok(Message::Close(_))) | None => break,
+                    // RFC 6455: a violation ends the connection with the code that names it.
+                    Some(Err(err)) => {
+                        if let Some((code, reason)) = violation(err) {
+                            let farewell = sink.send(close(code, reason));
+                            let _ = tokio::time::timeout(FAREWELL_AT_MOST, farewell).await;
+                        }
+                        break;
+                    }
                     // Pings are answered by the WebSocket library; a pong only says it is there.
                     Some(Ok(_)) => {}
                 }
@@ -541,6 +550,22 @@ impl<'a> SettledResult<'a> {
 
 fn text(value: &Value) -> Message {
     Message::Text(value.to_string().into())
+}
+
+/// The close code and reason for what the client sent in violation of the protocol; `None`
+/// for a connection simply gone.
+fn violation(err: axum::Error) -> Option<(u16, &'static str)> {
+    let err = err.into_inner().downcast::<tungstenite::Error>().ok()?;
+    match *err {
+        tungstenite::Error::Utf8(_) => {
+            Some((close_code::INVALID, "a text frame that is not UTF-8"))
+        }
+        tungstenite::Error::Protocol(_) => {
+            Some((close_code::PROTOCOL, "a WebSocket protocol violation"))
+        }
+        tungstenite::Error::Capacity(_) => Some((close_code::SIZE, "frame over --max-body-bytes")),
+        _ => None,
+    }
 }
 
 /// The `shutdown` frame: the last before the close, with why.

@@ -22,6 +22,7 @@ pub(crate) mod dead_letter;
 pub(crate) mod forward;
 pub(crate) mod publish;
 pub(crate) mod pull;
+pub(crate) mod reconcile;
 pub(crate) mod replicas;
 pub(crate) mod settle;
 pub(crate) mod trust;

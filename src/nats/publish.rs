@@ -45,16 +45,52 @@ pub(crate) async fn publish(
     payload: Bytes,
     timeout: Duration,
 ) -> Result<jetstream::publish::PublishAck, PublishFailure> {
+    publish_on(&bound.jetstream, subject, headers, payload, timeout).await
+}
+
+/// The stream that captures `subject`, if one does.
+pub(crate) async fn stream_capturing(
+    js: &jetstream::Context,
+    subject: &str,
+) -> Result<Option<String>, PublishFailure> {
+    use jetstream::context::GetStreamByNameErrorKind;
+    match tokio::time::timeout(API_TIMEOUT, js.stream_by_subject(subject)).await {
+        Err(_) => Err(PublishFailure::Unavailable(
+            "timed out looking for the stream of the subject".into(),
+        )),
+        Ok(Ok(stream)) => Ok(Some(stream)),
+        Ok(Err(err)) if matches!(err.kind(), GetStreamByNameErrorKind::NotFound) => Ok(None),
+        Ok(Err(err)) => Err(PublishFailure::Unavailable(format!(
+            "looking for the stream of the subject: {err}"
+        ))),
+    }
+}
+
+/// Publish to `stream` (it must be the one that stores it) and wait for its acknowledgement.
+pub(crate) async fn publish_to(
+    js: &jetstream::Context,
+    stream: &str,
+    subject: String,
+    mut headers: async_nats::HeaderMap,
+    payload: Bytes,
+    timeout: Duration,
+) -> Result<jetstream::publish::PublishAck, PublishFailure> {
+    headers.insert("Nats-Expected-Stream", stream);
+    publish_on(js, subject, headers, payload, timeout).await
+}
+
+async fn publish_on(
+    js: &jetstream::Context,
+    subject: String,
+    headers: async_nats::HeaderMap,
+    payload: Bytes,
+    timeout: Duration,
+) -> Result<jetstream::publish::PublishAck, PublishFailure> {
     let timed_out = |_| PublishFailure::Unavailable("the stream did not answer in time".into());
-    let ack = tokio::time::timeout(
-        timeout,
-        bound
-            .jetstream
-            .publish_with_headers(subject, headers, payload),
-    )
-    .await
-    .map_err(timed_out)?
-    .map_err(|err| classify(&err))?;
+    let ack = tokio::time::timeout(timeout, js.publish_with_headers(subject, headers, payload))
+        .await
+        .map_err(timed_out)?
+        .map_err(|err| classify(&err))?;
     tokio::time::timeout(timeout, ack.into_future())
         .await
         .map_err(timed_out)?

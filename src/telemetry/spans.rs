@@ -67,7 +67,9 @@ pub(crate) fn server_span(
 
 /// The answer's status on the server span; a 5xx marks it failed.
 pub(crate) fn answered(span: &Span, status: axum::http::StatusCode) {
-    span.record("http.response.status_code", status.as_u16());
+    // Signed: the OpenTelemetry bridge exports an unsigned field as a string, and the
+    // semantic conventions (and every trace query) want an integer.
+    span.record("http.response.status_code", i64::from(status.as_u16()));
     if status.is_server_error() {
         span.record("otel.status_code", "error");
     }

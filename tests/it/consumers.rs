@@ -367,11 +367,13 @@ async fn existing_consumers_are_bound_on_first_use_and_unbound_when_idle() {
     bad.assert_problem(404);
     assert!(bad.detail().contains("must not contain"), "{}", bad.text);
 
-    // Idle: unbound (not listed), then bound again by the next request.
-    wait_until("ops is unbound", Duration::from_secs(5), || async {
+    // Idle: unbound (listed with `bound: false`, the unsuitable ones not at all), then bound
+    // again by the next request.
+    wait_until("ops is unbound", Duration::from_secs(15), || async {
         let listed: Value =
             serde_json::from_str(&gateway.get("/consumers").await.text).expect("json");
-        listed["consumers"].as_array().is_some_and(Vec::is_empty)
+        listed["consumers"]
+            == json!([{ "stream": STREAM, "name": "ops", "source": "existing", "bound": false, "leases_in_flight": 0 }])
     })
     .await;
     js.publish("orders.1", "two").await;
@@ -569,4 +571,76 @@ async fn replicas_exchange_one_heartbeat_each_whatever_the_number_of_consumers()
         js.consumer_info(STREAM, "shipping").await.num_ack_pending,
         0
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_consumers_stream_takes_publishes_bound_or_not_and_a_foreign_settle_binds_nothing()
+ {
+    let (server, js) = server_with_stream().await;
+    crate::support::nats::create_stream(&server.url(), "EVENTS", &["events.>"]).await;
+    for (stream, name) in [(STREAM, "ops"), ("EVENTS", "audit")] {
+        js.create_consumer(
+            stream,
+            consumer::pull::Config {
+                durable_name: Some(name.into()),
+                ..Default::default()
+            },
+        )
+        .await;
+    }
+    let dir = files_dir();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(
+        &tokens,
+        "all fetch,settle,publish,admin\nops-only settle:ORDERS/ops\n",
+    )
+    .expect("tokens");
+    let gateway = Setup::defaults()
+        .switch("--no-default-consumer")
+        .flag("--serve-existing", "ORDERS/*,EVENTS/*")
+        .flag("--idle-unbind", "1s")
+        .auth_tokens_file(&tokens)
+        .ready(&server.url())
+        .await;
+    let all = Client::with_http(gateway.base(), http_client_with_token("all"));
+    let publish = |data: &'static str| {
+        let all = &all;
+        async move {
+            all.post(
+                "/publish",
+                Some(&json!({ "subject": "events.login", "data": data })),
+            )
+            .await
+        }
+    };
+    // No consumer of EVENTS bound yet: the stream takes the publish all the same.
+    let reply = publish("before").await;
+    assert_eq!(reply.status, 201, "{}", reply.text);
+    assert_eq!(reply.body["stream"], "EVENTS");
+    let leased = fetch_named_on(&all, "EVENTS", "audit").await;
+    assert_eq!(leased.len(), 1);
+    let reply = publish("while bound").await;
+    assert_eq!(reply.status, 201, "{}", reply.text);
+    assert_eq!(all.ack(&leased[0].id).await, 204);
+
+    // audit falls idle and is unbound; a token for another consumer presents its lease id:
+    // 403, and audit is not bound for it.
+    let bound_existing = || async {
+        crate::support::Scrape::of(&all)
+            .await
+            .get("ruststream_consumers{source=\"existing\"}")
+    };
+    wait_until("audit is unbound", Duration::from_secs(10), || async {
+        bound_existing().await == 0.0
+    })
+    .await;
+    let ops_only = Client::with_http(gateway.base(), http_client_with_token("ops-only"));
+    assert_eq!(ops_only.ack(&leased[0].id).await, 403);
+    assert_eq!(
+        bound_existing().await,
+        0.0,
+        "bound for a caller who may not settle there"
+    );
+    let reply = publish("after").await;
+    assert_eq!(reply.status, 201, "{}", reply.text);
 }

@@ -299,3 +299,83 @@ async fn ids_from_before_the_server_lost_its_deliveries_answer_410() {
     assert_eq!(gateway.ack(&again[0].id).await, 204);
     assert_eq!(server_ack_pending(&js, &gateway).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_consumer_made_again_as_something_else_is_409_naming_the_field_until_fixed() {
+    use async_nats::jetstream::consumer;
+    let (server, js) = crate::support::server_with_stream().await;
+    let pull = || consumer::pull::Config {
+        durable_name: Some("morph".into()),
+        ..Default::default()
+    };
+    js.create_consumer(STREAM, pull()).await;
+    let gateway = Setup::defaults()
+        .switch("--no-default-consumer")
+        .flag("--serve-existing", "ORDERS/*")
+        .process(&server.url())
+        .await;
+    let path = "/streams/ORDERS/consumers/morph/fetch";
+    js.publish("orders.1", "one").await;
+    let first = gateway
+        .post(path, Some(&json!({ "batch": 1, "wait_ms": 2000 })))
+        .await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let stream = js.js.get_stream(STREAM).await.expect("stream");
+    let answers = |says: &'static str| {
+        let gateway = &gateway;
+        move || async move {
+            let reply = gateway.post(path, Some(&json!({ "wait_ms": 0 }))).await;
+            reply.status == 409
+                && reply.body["type"] == "urn:ruststream-nats:problem:consumer-unsuitable"
+                && reply.detail().contains(says)
+        }
+    };
+
+    // Made again with ack_policy none, then as a push consumer: 409 naming the field.
+    stream.delete_consumer("morph").await.expect("delete");
+    js.create_consumer(
+        STREAM,
+        consumer::pull::Config {
+            ack_policy: consumer::AckPolicy::None,
+            ..pull()
+        },
+    )
+    .await;
+    wait_until(
+        "409 naming ack_policy",
+        Duration::from_secs(15),
+        answers("ack_policy"),
+    )
+    .await;
+    stream.delete_consumer("morph").await.expect("delete");
+    stream
+        .create_consumer(consumer::push::Config {
+            durable_name: Some("morph".into()),
+            deliver_subject: "deliver.morph".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("push consumer");
+    wait_until(
+        "409 naming the push consumer",
+        Duration::from_secs(15),
+        answers("push"),
+    )
+    .await;
+
+    // Fixed: served again, the held consumer tried again with its backoff.
+    stream.delete_consumer("morph").await.expect("delete");
+    js.create_consumer(STREAM, pull()).await;
+    js.publish("orders.1", "two").await;
+    wait_until("served again", Duration::from_secs(40), || async {
+        gateway
+            .post(path, Some(&json!({ "batch": 1, "wait_ms": 500 })))
+            .await
+            .status
+            == 200
+    })
+    .await;
+    // Said once per state, not once per try.
+    let held = gateway.log().matches("cannot serve this consumer").count();
+    assert!(held <= 3, "{held} lines: {}", gateway.log());
+}

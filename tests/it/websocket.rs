@@ -162,3 +162,28 @@ async fn shutdown_sends_a_shutdown_frame_then_closes_with_1001() {
         Some(CloseCode::Away)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protocol_violation_ends_the_connection_with_the_code_that_names_it() {
+    use tokio::io::AsyncWriteExt as _;
+    let (_server, _js, gateway) = Setup::consumer("ws-violations").start().await;
+    // Raw frames after the handshake: client frames must be masked (RFC 6455 5.1), text
+    // must be UTF-8 (8.1), opcodes 0x3-0x7 are reserved (5.2).
+    for (frame, code) in [
+        (vec![0x81, 0x02, b'h', b'i'], CloseCode::Protocol),
+        (vec![0x81, 0x82, 0, 0, 0, 0, 0xff, 0xfe], CloseCode::Invalid),
+        (vec![0x83, 0x80, 0, 0, 0, 0], CloseCode::Protocol),
+    ] {
+        let mut socket = open_socket(&gateway, "").await;
+        let raw = match socket.get_mut() {
+            tokio_tungstenite::MaybeTlsStream::Plain(raw) => raw,
+            _ => unreachable!("plain TCP"),
+        };
+        raw.write_all(&frame).await.expect("write a raw frame");
+        assert_eq!(
+            closed_with(&mut socket, Duration::from_secs(5)).await,
+            Some(code),
+            "{frame:02x?}"
+        );
+    }
+}

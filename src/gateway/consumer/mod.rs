@@ -59,6 +59,9 @@ pub(crate) struct Consumer {
     /// The binding last made, kept while a rebind is under way: what a publish needs of it
     /// (the stream's subjects, the connection) does not change with a rebind.
     latest_binding: watch::Receiver<Option<Arc<Bound>>>,
+    /// Why the consumer cannot be served as it is now (made again as a push consumer, say),
+    /// as its requests are answered; `None` while it can.
+    cannot_serve: watch::Receiver<Option<Error>>,
     /// Whether the NATS connection is up (from its events) and the binding checked since
     /// the last reconnect; waiting fetches watch it.
     nats_up: watch::Receiver<bool>,
@@ -91,6 +94,15 @@ const READY_POLL: Duration = Duration::from_millis(2);
 /// What a settle of one lease came to.
 pub(crate) type SettleResult = Result<(), Error>;
 
+/// What a client hears of a publish the stream did not store.
+pub(crate) fn publish_refusal(failure: PublishFailure) -> Error {
+    match failure {
+        PublishFailure::Expectation(detail) => Error::PublishPrecondition(detail),
+        PublishFailure::Refused(detail) => Error::invalid("headers", detail),
+        PublishFailure::Unavailable(detail) => Error::Unavailable(detail),
+    }
+}
+
 /// What a successful settle sent to the server.
 enum Sent {
     /// The settle, confirmed by the server.
@@ -115,6 +127,7 @@ impl Consumer {
         config: Config,
         process: Arc<Process>,
         names_in_ids: bool,
+        at_start: bool,
     ) -> (Self, Tasks, oneshot::Receiver<anyhow::Error>) {
         let mut signer = process.signer(&config.stream, &config.consumer);
         if names_in_ids {
@@ -133,6 +146,7 @@ impl Consumer {
         let (bound_tx, bound_rx) = watch::channel(None);
         let (connected_tx, nats_up) = watch::channel(false);
         let (latest_tx, latest_binding) = watch::channel(None);
+        let (cannot_serve_tx, cannot_serve) = watch::channel(None);
         let (fatal_tx, fatal_rx) = oneshot::channel();
         let stop = CancellationToken::new();
 
@@ -162,6 +176,8 @@ impl Consumer {
                     latest: latest_tx,
                     process: process.clone(),
                     served_by_earlier_releases: !names_in_ids,
+                    exit_on_fatal: at_start,
+                    cannot_serve: cannot_serve_tx,
                 };
                 tokio::select! {
                     result = supervise(&config, &state, bound_tx, commands, background) => {
@@ -186,6 +202,7 @@ impl Consumer {
             commands: commands_tx,
             bound: bound_rx,
             latest_binding,
+            cannot_serve,
             nats_up,
             accepting: Arc::new(AtomicBool::new(true)),
             next_fetch: Arc::new(AtomicU64::new(1)),
@@ -267,6 +284,9 @@ impl Consumer {
 
     fn bound(&self) -> Result<Arc<Bound>, Error> {
         self.bound.borrow().clone().ok_or_else(|| {
+            if let Some(refusal) = self.cannot_serve.borrow().clone() {
+                return refusal;
+            }
             // No NATS address here: anyone may read /readyz, and the address is no one's business.
             Error::Unavailable(if self.process.connection.is_connected() {
                 "connected to NATS; binding the consumer (looking up its stream and consumer)"
@@ -419,11 +439,7 @@ impl Consumer {
             self.config.settle_timeout,
         )
         .await
-        .map_err(|failure| match failure {
-            PublishFailure::Expectation(detail) => Error::PublishPrecondition(detail),
-            PublishFailure::Refused(detail) => Error::invalid("headers", detail),
-            PublishFailure::Unavailable(detail) => Error::Unavailable(detail),
-        })
+        .map_err(publish_refusal)
     }
 
     /// Stop taking fetches and answer the waiting ones now.

@@ -15,7 +15,7 @@ use time::OffsetDateTime;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, warn};
+use tracing::{debug, error, info, warn};
 
 use super::super::process::{HEARTBEAT_EVERY, HEARTBEAT_TTL};
 use super::Consumer;
@@ -469,6 +469,12 @@ impl Consumer {
             }
             self.saw_replicas(others, &mut reported_keys);
             match crate::nats::publish::consumer_info(&bound).await {
+                // Made again under the same name (perhaps as something the gateway cannot
+                // lease) while no pull was open to hear of the deletion: bound anew.
+                Ok(info) if info.created != bound.created => {
+                    info!(consumer = %info.name, "the consumer was made again; binding it anew");
+                    self.state.request_rebind();
+                }
                 Ok(info) => {
                     let max_ack_pending =
                         usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX);

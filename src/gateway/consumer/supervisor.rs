@@ -12,11 +12,12 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{error, info, warn};
 
 use crate::config::Config;
 use crate::dispatch::Command;
 use crate::domain::subject;
+use crate::error::Error;
 use crate::metrics::Metrics;
 use crate::nats::bind::Recheck;
 use crate::nats::{self, BindError, Bound, ConnectionEvent};
@@ -24,6 +25,10 @@ use crate::state::LeaseState;
 
 use super::super::process::Process;
 
+/// How soon a consumer that cannot be served as it is (see [`BindError::Unsuitable`]) is
+/// tried again, doubling to [`HELD_RETRY_AT_MOST`].
+const HELD_RETRY_FIRST: Duration = Duration::from_secs(1);
+const HELD_RETRY_AT_MOST: Duration = Duration::from_secs(60);
 /// The longest wait between two checks of the consumer after a reconnect.
 const RECHECK_RETRY_AT_MOST: Duration = Duration::from_millis(250);
 
@@ -50,6 +55,10 @@ pub(super) struct Background {
     pub(super) process: Arc<Process>,
     /// The default consumer, which an earlier release may have served.
     pub(super) served_by_earlier_releases: bool,
+    /// Served from the start: a first bind that cannot succeed stops the process.
+    pub(super) exit_on_fatal: bool,
+    /// Why the consumer cannot be served now, for its requests; `None` while it can.
+    pub(super) cannot_serve: watch::Sender<Option<Error>>,
 }
 
 /// Keep the gateway bound: connect, bind, and rebind after reconnects or when asked.
@@ -96,6 +105,9 @@ pub(super) async fn supervise(
     let mut identity_seen: Option<(String, OffsetDateTime)> = None;
     let mut published = false;
     let mut backoff = Duration::from_millis(100);
+    // A consumer held (it cannot be served as it is): why, and when it is tried again.
+    let mut held_for: Option<String> = None;
+    let mut held_backoff = HELD_RETRY_FIRST;
     loop {
         // Wait for the connection; async-nats reconnects on its own.
         while !nats::is_connected(&client) {
@@ -140,7 +152,40 @@ pub(super) async fn supervise(
             drop(previous);
             let bound = match binding {
                 Ok(bound) => bound,
-                Err(BindError::Fatal(message)) => anyhow::bail!(message),
+                // At start, what the operator must fix stops the process (exit 2).
+                Err(BindError::Fatal(message) | BindError::Unsuitable(message))
+                    if background.exit_on_fatal && identity_seen.is_none() =>
+                {
+                    anyhow::bail!(message)
+                }
+                // Later (the consumer made again as something else, a stream deleted, a
+                // consumer declared since), it is held, not served: requests hear why (409 or
+                // 503), and it is tried again with a backoff, logged once per reason.
+                Err(err @ (BindError::Fatal(_) | BindError::Unsuitable(_))) => {
+                    let why = err.to_string();
+                    let refusal = match err {
+                        BindError::Unsuitable(_) => Error::ConsumerUnsuitable(why.clone()),
+                        _ => {
+                            Error::Unavailable(format!("the consumer cannot be served now: {why}"))
+                        }
+                    };
+                    if background
+                        .cannot_serve
+                        .send_replace(Some(refusal))
+                        .is_none()
+                        || held_for.as_deref() != Some(why.as_str())
+                    {
+                        error!(consumer = %config.consumer, stream = %config.stream, reason = %why, retry_in = ?held_backoff, "cannot serve this consumer; trying again with a backoff");
+                    }
+                    held_for = Some(why);
+                    if bound_tx.borrow().is_some() {
+                        bound_tx.send_replace(None);
+                        published = false;
+                    }
+                    tokio::time::sleep(held_backoff).await;
+                    held_backoff = (held_backoff * 2).min(HELD_RETRY_AT_MOST);
+                    continue;
+                }
                 Err(BindError::Transient(err)) => {
                     // A check after a reconnect is one quick request: asked again soon, so
                     // that serving resumes within a second of the cluster having leaders.
@@ -156,6 +201,11 @@ pub(super) async fn supervise(
                 }
             };
             backoff = Duration::from_millis(100);
+            held_backoff = HELD_RETRY_FIRST;
+            if let Some(why) = held_for.take() {
+                info!(consumer = %config.consumer, stream = %config.stream, was = %why, "the consumer can be served again");
+            }
+            background.cannot_serve.send_replace(None);
             if let Some(subject) = &config.dead_letter_subject
                 && bound
                     .stream_subjects

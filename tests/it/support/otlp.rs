@@ -32,6 +32,8 @@ pub struct Span {
     /// Empty for a root span.
     pub parent_span_id: String,
     pub attributes: HashMap<String, String>,
+    /// The attributes whose values are integers, as sent.
+    pub integers: HashMap<String, i64>,
     /// (trace id, span id) of each link.
     pub links: Vec<(String, String)>,
     /// The resource's `service.name`.
@@ -187,6 +189,7 @@ fn flatten(request: ExportTraceServiceRequest) -> Vec<Span> {
                     span_id: hex(&span.span_id),
                     parent_span_id: hex(&span.parent_span_id),
                     attributes: attributes(&span.attributes),
+                    integers: integers(&span.attributes),
                     links: span
                         .links
                         .iter()
@@ -213,6 +216,15 @@ fn attributes(list: &[KeyValue]) -> HashMap<String, String> {
                 other => format!("{other:?}"),
             };
             Some((kv.key.clone(), value))
+        })
+        .collect()
+}
+
+fn integers(list: &[KeyValue]) -> HashMap<String, i64> {
+    list.iter()
+        .filter_map(|kv| match kv.value.as_ref()?.value.as_ref()? {
+            AnyValue::IntValue(n) => Some((kv.key.clone(), *n)),
+            _ => None,
         })
         .collect()
 }
