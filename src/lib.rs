@@ -14,7 +14,7 @@
 //! - `state`: the lease state shared by the core and the dispatcher.
 //! - `domain`: lease ids, the lease table, idempotency records, subject rules, the
 //!   delivery values — pure state and time.
-//! - [`config`], `error`, `metrics`, [`telemetry`], `tls_client`: flags → settings, the one
+//! - [`config`], `error`, `metrics`, `telemetry`, `tls_client`: flags → settings, the one
 //!   error a client sees, the Prometheus registry, OpenTelemetry traces and the log lines
 //!   joined to them, TLS for the gateway's own HTTPS clients; usable from every room.
 //! - [`healthcheck`]: `--healthcheck <URL>`, the container HEALTHCHECK without curl.
@@ -32,7 +32,7 @@ pub mod http;
 mod metrics;
 mod nats;
 mod state;
-pub mod telemetry;
+mod telemetry;
 mod tls_client;
 
 /// Dead-letter copies, as their readers see them.
@@ -48,6 +48,18 @@ use tokio::net::TcpListener;
 use tracing::{info, warn};
 
 pub use config::Config;
+pub use telemetry::Telemetry;
+
+/// Start what the process tells of itself: log lines on stderr (`--log-format`, level via
+/// `RUST_LOG`) and, when an OTLP endpoint is configured, spans to it. Returns the exporter to
+/// stop (flushing what is left) at exit, when one runs; an error for an endpoint it cannot
+/// use.
+pub fn start_observing(config: &Config) -> anyhow::Result<Option<Telemetry>> {
+    let started = telemetry::start(config.otlp_endpoint.as_deref())?;
+    let (running, tracer) = started.unzip();
+    telemetry::install(config.log_format, tracer);
+    Ok(running)
+}
 use gateway::Gateway;
 
 /// Connections the admin listener serves at once: probes and scrapes need few, and a full

@@ -7,12 +7,6 @@ use std::time::Duration;
 
 use clap::Parser;
 use ruststream_nats::Config;
-use ruststream_nats::config::LogFormat;
-use ruststream_nats::telemetry;
-use tracing_subscriber::Layer as _;
-use tracing_subscriber::filter::{EnvFilter, FilterExt as _, LevelFilter, filter_fn};
-use tracing_subscriber::layer::SubscriberExt as _;
-use tracing_subscriber::util::SubscriberInitExt as _;
 
 /// jemalloc rather than glibc's malloc: thousands of idle long polls allocate and free many
 /// small per-connection buffers, and glibc kept all of it once they ended (RSS stayed at its
@@ -74,15 +68,13 @@ async fn serve(config: Config) -> ExitCode {
     // (terminate). The gateway's run loop handles it as a reload.
     #[cfg(unix)]
     let _hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
-    let telemetry = match telemetry::start(config.otlp_endpoint.as_deref()) {
+    let telemetry = match ruststream_nats::start_observing(&config) {
         Ok(started) => started,
         Err(err) => {
             eprintln!("error: tracing: {err:#}");
             return ExitCode::from(2);
         }
     };
-    let (telemetry, tracer) = telemetry.unzip();
-    init_tracing(config.log_format, tracer);
     let grace = config.shutdown_grace;
     let listener = match tokio::net::TcpListener::bind(config.listen).await {
         Ok(listener) => listener,
@@ -114,57 +106,6 @@ async fn serve(config: Config) -> ExitCode {
         telemetry.stop();
     }
     code
-}
-
-/// Logs to stderr (text or JSON, each line joined to its request and trace), and spans to an
-/// OTLP collector when one is configured.
-fn init_tracing(format: LogFormat, tracer: Option<telemetry::Tracer>) {
-    // async-nats reports every failed reconnect attempt at info ("IO error"); the gateway
-    // says what matters about the connection itself, at warn.
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,async_nats=warn"));
-    // The per-message spans are exported, never logged: their attributes on every line of a
-    // request would only repeat themselves.
-    // The hints keep the level the filter names as the global maximum: without one, `log`
-    // records (tungstenite writes several per WebSocket frame) would all reach the
-    // subscriber to be refused there, and every disabled `tracing` callsite be asked again.
-    let logged = filter.and(
-        filter_fn(|metadata| !metadata.target().starts_with(telemetry::MESSAGING_TARGET))
-            .with_max_level_hint(LevelFilter::TRACE),
-    );
-    let json = format == LogFormat::Json;
-    let logs = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        // Colour codes only for a person at a terminal, never in a log file or a pipe.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    let logs = if json {
-        logs.json()
-            .map_event_format(|inner| telemetry::logs::Joined::new(inner, true))
-            .with_filter(logged)
-            .boxed()
-    } else {
-        logs.map_event_format(|inner| telemetry::logs::Joined::new(inner, false))
-            .with_filter(logged)
-            .boxed()
-    };
-    // Only the gateway's own spans (none of its libraries'), and the warnings and errors
-    // written inside them, which become span events.
-    let spans = tracer.map(|tracer| {
-        tracing_opentelemetry::layer()
-            .with_tracer(tracer)
-            .with_location(false)
-            .with_threads(false)
-            .with_target(false)
-            .with_level(false)
-            .with_filter(
-                filter_fn(|metadata| {
-                    metadata.target().starts_with(telemetry::SPANS_TARGET)
-                        || (metadata.is_event() && *metadata.level() <= tracing::Level::WARN)
-                })
-                .with_max_level_hint(LevelFilter::INFO),
-            )
-    });
-    tracing_subscriber::registry().with(logs).with(spans).init();
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

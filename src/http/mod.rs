@@ -23,6 +23,7 @@ mod scopes;
 pub(crate) mod serve;
 mod tickets;
 pub(crate) mod tls;
+mod tokens;
 mod ws;
 
 use std::sync::Arc;

@@ -13,6 +13,9 @@
 
 pub mod logs;
 pub(crate) mod spans;
+mod subscriber;
+
+pub(crate) use subscriber::install;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
