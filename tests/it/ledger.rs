@@ -35,6 +35,10 @@
 //!   replica paused 3 s and a nats-server kill -9 (or, on the cluster, the consumer leader's
 //!   node killed): lost = 0, and a settle of a live lease whose owner is alive (not killed or
 //!   stopped since the fetch) is never refused (404/410).
+//! - **two replicas on a 3-node cluster at the default sync**: leader step-downs, the stream
+//!   leader killed -9, the consumer leader's node paused 6 s, a replica's own node killed -9:
+//!   lost = 0 (so no 410 for an ack that landed: its message would never come back), and an
+//!   owner still running is never taken for gone while its lease lives.
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
