@@ -156,26 +156,42 @@ pub(crate) async fn bind(
         max_ack_pending = info.config.max_ack_pending,
         "bound to consumer"
     );
-    Ok(Bound {
+    let mut bound = Bound {
         client: client.clone(),
         jetstream: js,
-        consumer_name: info.name.clone(),
-        created: info.created,
-        delivered_consumer_sequence: info.delivered.consumer_sequence,
+        consumer_name: String::new(),
+        created: time::OffsetDateTime::UNIX_EPOCH,
+        delivered_consumer_sequence: 0,
         epoch: 0,
         stream_subjects,
         deletes_on_term,
-        ack_wait: info.config.ack_wait,
-        max_ack_pending: usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX),
-        max_waiting: usize::try_from(info.config.max_waiting).unwrap_or(512),
-        max_batch: usize::try_from(info.config.max_batch)
-            .ok()
-            .filter(|max| *max > 0),
-        max_expires: Some(info.config.max_expires).filter(|max| !max.is_zero()),
+        ack_wait: Duration::ZERO,
+        max_ack_pending: 0,
+        max_waiting: 0,
+        max_batch: None,
+        max_expires: None,
         consumer,
         shared,
         per_consumer,
-    })
+    };
+    bound.read_back(&info);
+    Ok(bound)
+}
+
+impl Bound {
+    /// What the server has of the consumer, as its info says: identity, position, settings.
+    fn read_back(&mut self, info: &consumer::Info) {
+        self.consumer_name.clone_from(&info.name);
+        self.created = info.created;
+        self.delivered_consumer_sequence = info.delivered.consumer_sequence;
+        self.ack_wait = info.config.ack_wait;
+        self.max_ack_pending = usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX);
+        self.max_waiting = usize::try_from(info.config.max_waiting).unwrap_or(512);
+        self.max_batch = usize::try_from(info.config.max_batch)
+            .ok()
+            .filter(|max| *max > 0);
+        self.max_expires = Some(info.config.max_expires).filter(|max| !max.is_zero());
+    }
 }
 
 /// How long the check after a reconnect waits for the consumer's info before asking again:
@@ -211,18 +227,10 @@ pub(crate) async fn recheck(previous: &Bound) -> Result<Recheck, BindError> {
     if info.created != previous.created || info.name != previous.consumer_name {
         return Ok(Recheck::Changed);
     }
-    Ok(Recheck::Same(Box::new(Bound {
-        delivered_consumer_sequence: info.delivered.consumer_sequence,
-        ack_wait: info.config.ack_wait,
-        max_ack_pending: usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX),
-        max_waiting: usize::try_from(info.config.max_waiting).unwrap_or(512),
-        max_batch: usize::try_from(info.config.max_batch)
-            .ok()
-            .filter(|max| *max > 0),
-        max_expires: Some(info.config.max_expires).filter(|max| !max.is_zero()),
-        consumer,
-        ..previous.clone()
-    })))
+    let mut bound = Box::new(previous.clone());
+    bound.consumer = consumer;
+    bound.read_back(&info);
+    Ok(Recheck::Same(bound))
 }
 
 /// Whether the server answered that the consumer (or its stream) does not exist.

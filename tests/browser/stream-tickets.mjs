@@ -13,14 +13,13 @@
 // scopes; PROFILE_DIR: an empty folder for the browser profile. CHROMIUM_BIN: the browser
 // (default /usr/bin/chromium). Started by scripts/browser.sh.
 import { createServer } from "node:http";
-import { chromium } from "playwright-core";
+import { launch } from "./chromium.mjs";
 
 const [base, token, pagePort, profileDir] = process.argv.slice(2);
 if (!profileDir) {
     console.error("usage: node stream-tickets.mjs BASE TOKEN PAGE_PORT PROFILE_DIR");
     process.exit(2);
 }
-const executablePath = process.env.CHROMIUM_BIN || "/usr/bin/chromium";
 // The page's own origin, on loopback like the gateway (Chromium asks before a page of a
 // public origin may reach a loopback address).
 const PAGE = `http://127.0.0.1:${pagePort}`;
@@ -36,20 +35,7 @@ const say = (text) => console.error(`stream-tickets.mjs: ${text} (at ${((Date.no
 
 const problems = [];
 const gatewayOrigin = new URL(base).origin;
-const context = await chromium.launchPersistentContext(profileDir, {
-    executablePath,
-    headless: true,
-    args: [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ],
-});
+const context = await launch(profileDir);
 let status = 1;
 try {
     const page = context.pages()[0] ?? (await context.newPage());

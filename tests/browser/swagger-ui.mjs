@@ -14,14 +14,13 @@
 // fails, `-failed.png`;
 // PROFILE_DIR: an empty folder for the browser profile. CHROMIUM_BIN: the browser
 // (default /usr/bin/chromium). Started by scripts/browser.sh.
-import { chromium } from "playwright-core";
+import { executablePath, launch } from "./chromium.mjs";
 
 const [base, token, expectedData, screenshot, profileDir] = process.argv.slice(2);
 if (!profileDir) {
     console.error("usage: node swagger-ui.mjs BASE TOKEN EXPECTED_DATA SCREENSHOT PROFILE_DIR");
     process.exit(2);
 }
-const executablePath = process.env.CHROMIUM_BIN || "/usr/bin/chromium";
 // What one step may take; a fetch answers at once here (a message is waiting).
 const STEP_MS = 15_000;
 
@@ -37,21 +36,7 @@ const fail = (text) => {
 const problems = [];
 const origin = new URL(base).origin;
 
-// --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start. The network flags
-// keep Chromium from calling home (the machine's network is closed: each attempt is refused).
-const context = await chromium.launchPersistentContext(profileDir, {
-    executablePath,
-    headless: true,
-    args: [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-    ],
+const context = await launch(profileDir, {
     viewport: { width: 1280, height: 900 },
 });
 let page;

@@ -187,3 +187,39 @@ async fn a_protocol_violation_ends_the_connection_with_the_code_that_names_it() 
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_strands_a_slice_not_its_whole_credit() {
+    let (_server, js, gateway) = Setup::consumer("ws-stuck").ack_wait("30s").start().await;
+    // Frames far larger than the socket buffers (loopback's grow to 4 MB) can hold many of.
+    let payload = vec![b'x'; 64 * 1024];
+    for _ in 0..600 {
+        js.publish("orders.1", payload.clone()).await;
+    }
+    // A client with a tiny receive window that never reads: the gateway's writes block soon.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let address = gateway
+        .base()
+        .trim_start_matches("http://")
+        .parse()
+        .expect("the gateway's address");
+    let stream = socket.connect(address).await.expect("connect");
+    let url = format!("ws://{address}/ws?max_in_flight=1000");
+    let (_socket, _) = tokio_tungstenite::client_async(url, stream)
+        .await
+        .expect("WebSocket handshake");
+    crate::support::wait_until("the stream leased", Duration::from_secs(10), || async {
+        gateway.leases_in_flight().await > 0
+    })
+    .await;
+    // Once the writes block, the stream stops taking leases: at most one slice (100) taken
+    // and not flushed, besides what was flushed into the socket's buffers (a few 64 KB
+    // frames). Leasing into the writer's queue alone (256 frames) strands about 300.
+    crate::support::assert_stays(
+        "fewer than 200 leased to a client that reads nothing",
+        Duration::from_secs(3),
+        || async { gateway.leases_in_flight().await < 200 },
+    )
+    .await;
+}
