@@ -2,6 +2,9 @@
 //! messages to HTTP clients.
 //!
 //! The map, top to bottom; each room imports only from rooms below it:
+//! - `push`: the gateway as an HTTP client — each push consumer's worker leases through the
+//!   core and POSTs to its endpoint, settling as the answer says (it renders a message as a
+//!   fetch does, with `http`'s bodies).
 //! - [`http`]: routes (one file per resource), bearer-token auth, JSON extraction,
 //!   problem+json errors, the accept loop; [`http::openapi`] the spec.
 //! - `gateway`: the core the handlers call — the process-wide part (the consumers served,
@@ -31,6 +34,7 @@ pub mod healthcheck;
 pub mod http;
 mod metrics;
 mod nats;
+mod push;
 mod state;
 mod telemetry;
 mod tls_client;
@@ -113,6 +117,7 @@ pub async fn run(
     };
     let (gateway, tasks, mut fatal_rx) = Gateway::start(config, lease_key, declared);
     let app = http::router(gateway.clone(), auth.clone());
+    let pushers = Arc::new(push::start(&gateway));
     let reloadable_auth = auth.clone();
     let address = listener
         .local_addr()
@@ -123,12 +128,14 @@ pub async fn run(
     let stop_serving = {
         let gateway = gateway.clone();
         let fatal = fatal.clone();
+        let pushers = pushers.clone();
         async move {
             tokio::select! {
                 () = shutdown => {
-                    info!("shutting down: no new fetches; settles accepted for up to {grace:?}");
+                    info!("shutting down: no new fetches or pushes; settles accepted for up to {grace:?}");
                     gateway.begin_shutdown().await;
                     gateway.settle_grace(grace).await;
+                    pushers.finish().await;
                 }
                 Some(err) = fatal_rx.recv() => {
                     if let Ok(mut slot) = fatal.lock() {
@@ -136,6 +143,7 @@ pub async fn run(
                     }
                     // Answer waiting long polls now rather than at their deadlines.
                     gateway.begin_shutdown().await;
+                    pushers.finish().await;
                 }
             }
         }
@@ -247,6 +255,8 @@ mod tests {
         ("dispatch", 4),
         ("gateway", 5),
         ("http", 6),
+        // Renders a pushed message as a fetch does: above `http`, which never names it.
+        ("push", 7),
     ];
 
     fn rank(room: &str) -> Option<u8> {

@@ -166,7 +166,7 @@ impl LeaseState {
     /// How long before the server's own redelivery a lease ends: the server starts its timer
     /// when it sends, a little before the gateway receives.
     pub(crate) fn margin(&self) -> Duration {
-        (self.ack_wait() / 20).min(Duration::from_secs(1))
+        crate::domain::leases::lease_margin(self.ack_wait())
     }
 
     /// How long a delivery nobody waits for is kept for the next fetch before it is nak'd:

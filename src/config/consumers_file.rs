@@ -13,6 +13,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
+use super::push::{PushEntry, PushSpec};
 use super::{DeliverPolicy, parse_ack_wait, parse_dead_letter_subject, parse_filter, parse_name};
 
 /// One `[[consumer]]` of the file: the settings the gateway creates or binds it with.
@@ -26,6 +27,9 @@ pub struct ConsumerSpec {
     pub max_ack_pending: u32,
     pub max_deliver: Option<u32>,
     pub dead_letter_subject: Option<String>,
+    /// Its `[consumer.push]` table: the gateway delivers its messages to an HTTP endpoint.
+    /// Applied live when it changes (the consumer is not bound anew).
+    pub push: Option<PushSpec>,
 }
 
 #[derive(Deserialize)]
@@ -46,17 +50,26 @@ struct Entry {
     max_ack_pending: Option<Spanned<i64>>,
     max_deliver: Option<Spanned<i64>>,
     dead_letter_subject: Option<Spanned<String>>,
+    push: Option<PushEntry>,
 }
 
-/// Read and check the file.
+/// Read and check the file (files it names are found relative to its directory).
 pub fn load(path: &Path) -> Result<Vec<ConsumerSpec>, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|err| format!("--consumers-file {}: {err}", path.display()))?;
-    parse(&text).map_err(|why| format!("--consumers-file {}: {why}", path.display()))
+    let base = path.parent().unwrap_or_else(|| Path::new("."));
+    parse_in(&text, base).map_err(|why| format!("--consumers-file {}: {why}", path.display()))
 }
 
-/// Check the file's text; an error says `line N: key `K`: why`.
+/// [`parse_in`] with files relative to the working directory.
+#[cfg(test)]
 pub(crate) fn parse(text: &str) -> Result<Vec<ConsumerSpec>, String> {
+    parse_in(text, Path::new("."))
+}
+
+/// Check the file's text, reading the files it names relative to `base`; an error says
+/// `line N: key `K`: why` (for a push key, `line N: key `push.K` of consumer S/N: why`).
+pub(crate) fn parse_in(text: &str, base: &Path) -> Result<Vec<ConsumerSpec>, String> {
     let file: File = toml::from_str(text).map_err(|err| {
         let message = err.message().trim_end_matches('\n');
         match err.span() {
@@ -67,7 +80,7 @@ pub(crate) fn parse(text: &str) -> Result<Vec<ConsumerSpec>, String> {
     let mut seen: HashMap<(String, String), usize> = HashMap::new();
     let mut specs = Vec::with_capacity(file.consumer.len());
     for entry in file.consumer {
-        let spec = entry.check(text)?;
+        let spec = entry.check(text, base)?;
         let line = line_of(text, entry.name.span().start);
         if let Some(first) = seen.insert((spec.stream.clone(), spec.name.clone()), line) {
             return Err(at(
@@ -86,7 +99,7 @@ pub(crate) fn parse(text: &str) -> Result<Vec<ConsumerSpec>, String> {
 }
 
 impl Entry {
-    fn check(&self, text: &str) -> Result<ConsumerSpec, String> {
+    fn check(&self, text: &str, base: &Path) -> Result<ConsumerSpec, String> {
         let field =
             |value: &Spanned<String>, key: &str, check: fn(&str) -> Result<String, String>| {
                 check(value.get_ref()).map_err(|why| at(text, &value.span(), key, &why))
@@ -122,9 +135,27 @@ impl Entry {
                 .map_err(|why| at(text, &value.span(), "ack_wait", &why))?,
             None => Duration::from_secs(30),
         };
+        let stream = field(&self.stream, "stream", parse_name)?;
+        let name = field(&self.name, "name", parse_name)?;
+        let push = self
+            .push
+            .as_ref()
+            .map(|push| push.check(ack_wait, base))
+            .transpose()
+            .map_err(|(span, key, why)| {
+                let span = if span.is_empty() {
+                    self.name.span()
+                } else {
+                    span
+                };
+                format!(
+                    "line {}: key `push.{key}` of consumer {stream}/{name}: {why}",
+                    line_of(text, span.start)
+                )
+            })?;
         Ok(ConsumerSpec {
-            stream: field(&self.stream, "stream", parse_name)?,
-            name: field(&self.name, "name", parse_name)?,
+            stream,
+            name,
             filter_subject: optional(&self.filter_subject, "filter_subject", parse_filter)?,
             deliver_policy,
             ack_wait,
@@ -144,6 +175,7 @@ impl Entry {
                 "dead_letter_subject",
                 parse_dead_letter_subject,
             )?,
+            push,
         })
     }
 }
@@ -249,6 +281,54 @@ name = "analytics"
         for (text, line, says) in cases {
             let err = parse(text).expect_err(text);
             assert!(err.contains(line) && err.contains(says), "{text:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_push_table_parses_with_its_defaults_and_every_mistake_names_consumer_and_key() {
+        let file = "[[consumer]]\nstream = \"O\"\nname = \"a\"\n\n[consumer.push]\nurl = \"https://user:pw@example.com/hook?token=s\"\n";
+        let specs = parse(file).expect("valid");
+        let push = specs[0].push.as_ref().expect("a push table");
+        assert_eq!(push.batch, 1);
+        assert_eq!(push.timeout, Duration::from_secs(10));
+        assert_eq!(push.max_in_flight, 64);
+        assert_eq!(push.retry_max, Duration::from_secs(600));
+        assert_eq!(push.shown_url(), "https://example.com/hook");
+        let cases = [
+            ("url = \"ftp://example.com\"", "push.url"),
+            ("url = \"http://e\"\nformat = \"xml\"", "push.format"),
+            (
+                "url = \"http://e\"\nbatch = 5\nformat = \"binary\"",
+                "push.batch",
+            ),
+            ("url = \"http://e\"\nbatch = 1001", "push.batch"),
+            ("url = \"http://e\"\ntimeout = \"30s\"", "push.timeout"),
+            (
+                "url = \"http://e\"\nretry_initial = \"5s\"\nretry_max = \"1s\"",
+                "push.retry_max",
+            ),
+            (
+                "url = \"http://e\"\nsigning_secret_file = \"/nonexistent\"",
+                "push.signing_secret_file",
+            ),
+            (
+                "url = \"http://e\"\nheaders = { webhook-id = \"x\" }",
+                "push.headers.webhook-id",
+            ),
+            (
+                "url = \"http://e\"\nclient_cert_file = \"c.pem\"",
+                "push.client_key_file",
+            ),
+            ("url = \"http://e\"\nretries = 3", "retries"),
+        ];
+        for (table, says) in cases {
+            let text =
+                format!("[[consumer]]\nstream = \"O\"\nname = \"a\"\n\n[consumer.push]\n{table}\n");
+            let err = parse(&text).expect_err(&text);
+            assert!(err.contains(says), "{text:?}: {err}");
+            if says.starts_with("push.") {
+                assert!(err.contains("of consumer O/a"), "{err}");
+            }
         }
     }
 }

@@ -6,10 +6,12 @@
 
 mod consumers_file;
 mod nats_url;
+mod push;
 
 pub use consumers_file::{ConsumerSpec, load as load_consumers_file};
 use nats_url::parse_nats_urls;
 pub use nats_url::{NatsServers, UrlCredentials};
+pub use push::{PushFormat, PushSpec};
 
 use std::fmt;
 use std::net::SocketAddr;

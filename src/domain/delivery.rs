@@ -53,7 +53,7 @@ pub(crate) struct MessageNote {
 }
 
 /// A delivery handed to a client, with its lease.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Leased {
     pub(crate) id: String,
     pub(crate) delivery: Delivery,

@@ -460,6 +460,12 @@ impl LeaseTable {
     }
 }
 
+/// How long before the server's own redelivery a lease ends: the server starts its timer
+/// when it sends, a little before the gateway receives.
+pub(crate) fn lease_margin(ack_wait: Duration) -> Duration {
+    (ack_wait / 20).min(Duration::from_secs(1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

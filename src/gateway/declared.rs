@@ -44,6 +44,7 @@ pub(super) async fn keep_in_force(
             match load_consumers_file(&path) {
                 Ok(specs) => {
                     info!(path = %path.display(), consumers = specs.len(), "the consumers file changed; applying it");
+                    gateway.declare_pushes(&specs);
                     in_force = by_name(specs);
                 }
                 Err(why) => {

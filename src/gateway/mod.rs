@@ -31,12 +31,12 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use time::OffsetDateTime;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
-use crate::config::{Config, ConsumerSpec};
+use crate::config::{Config, ConsumerSpec, PushSpec};
 use crate::domain::consumers::ConsumerName;
 use crate::domain::lease_id::{LeaseKey, named_in};
 use crate::domain::settle::AckCommand;
@@ -88,6 +88,25 @@ struct Inner {
     tickets_redeemed: std::sync::Mutex<HashMap<String, Instant>>,
     /// The consumers `--serve-existing` names on the server, and when they were listed.
     existing_listed: tokio::sync::Mutex<Option<(Instant, Vec<ConsumerName>)>>,
+    /// The push tables of the consumers file in force, by consumer: what the push workers
+    /// follow.
+    pushes: watch::Sender<Pushes>,
+}
+
+/// The consumers that push, with their push settings.
+pub(crate) type Pushes = Arc<HashMap<ConsumerName, PushSpec>>;
+
+/// The push tables of `declared`, by consumer.
+fn pushes_of(declared: &[ConsumerSpec]) -> Pushes {
+    Arc::new(
+        declared
+            .iter()
+            .filter_map(|spec| {
+                let push = spec.push.clone()?;
+                Some((ConsumerName::new(&spec.stream, &spec.name), push))
+            })
+            .collect(),
+    )
 }
 
 /// How long `GET /consumers` uses a listing of the existing consumers before reading it anew.
@@ -140,6 +159,7 @@ impl Gateway {
             stop: stop.clone(),
             tickets_redeemed: std::sync::Mutex::default(),
             existing_listed: tokio::sync::Mutex::default(),
+            pushes: watch::channel(pushes_of(&declared)).0,
         }));
         tokio::spawn(gateway.clone().keep_beating(gateway.0.beats.clone()));
         tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
@@ -273,6 +293,33 @@ impl Gateway {
                 .count();
             self.metrics().consumers(source, count);
         }
+    }
+
+    /// The push tables in force, as they change.
+    pub(crate) fn pushes(&self) -> watch::Receiver<Pushes> {
+        self.0.pushes.subscribe()
+    }
+
+    /// Make `declared`'s push tables the ones in force (a push table changes without the
+    /// consumer being bound anew).
+    pub(super) fn declare_pushes(&self, declared: &[ConsumerSpec]) {
+        let pushes = pushes_of(declared);
+        self.0.pushes.send_if_modified(|now| {
+            let changed = **now != *pushes;
+            if changed {
+                *now = pushes;
+            }
+            changed
+        });
+    }
+
+    /// A consumer served now, as it is (never bound on demand; `None` once it is retired).
+    pub(crate) fn served(&self, name: &ConsumerName) -> Option<Consumer> {
+        self.0
+            .registry
+            .get(name)
+            .filter(|served| !served.is_retired())
+            .map(|served| served.consumer.clone())
     }
 
     /// The consumer a fetch, a stream or a status request is for.

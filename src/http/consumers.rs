@@ -11,7 +11,10 @@ use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use utoipa::IntoParams;
 
-use super::dto::{ConsumerConfigDto, ConsumerDto, ConsumersDto, ReplicaDto, ServedConsumerDto};
+use super::dto::{
+    ConsumerConfigDto, ConsumerDto, ConsumersDto, PushDto, PushFailureDto, ReplicaDto,
+    ServedConsumerDto, rfc3339,
+};
 use super::responses::{Guarded, NamedNatsRefusals, NatsRefusals};
 use crate::domain::consumers::ConsumerName;
 use crate::error::Error;
@@ -159,6 +162,18 @@ async fn describe(consumer: &Consumer) -> Result<ConsumerDto, Error> {
                 this_replica: replica.this_replica,
             })
             .collect(),
+        push: consumer.push_status().map(|push| PushDto {
+            url: push.url,
+            state: push.state.as_str().to_owned(),
+            window: push.window,
+            in_flight: push.in_flight,
+            last_success_at: push.last_success_at.map(rfc3339),
+            last_failure: push.last_failure.map(|failure| PushFailureDto {
+                at: rfc3339(failure.at),
+                status: failure.status,
+                error: failure.error,
+            }),
+        }),
     })
 }
 

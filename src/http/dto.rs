@@ -389,6 +389,41 @@ pub(crate) struct ConsumerDto {
     /// The live replicas on this consumer, this one included, oldest first, as their
     /// heartbeats (every second) say.
     pub(crate) replicas: Vec<ReplicaDto>,
+    /// Its push delivery, as this replica runs it; absent when it has no push table.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub(crate) push: Option<PushDto>,
+}
+
+/// A push consumer's delivery, as one replica runs it.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct PushDto {
+    /// The endpoint, without user, password or query.
+    pub(crate) url: String,
+    /// `running`, `paused`, or `backing_off` (held by a `Retry-After`, or failing since its
+    /// last success).
+    pub(crate) state: String,
+    /// Requests it may have in flight now (its adaptive window).
+    pub(crate) window: usize,
+    /// Requests in flight now.
+    pub(crate) in_flight: usize,
+    /// When an attempt last succeeded (RFC 3339); null before the first.
+    pub(crate) last_success_at: Option<String>,
+    /// The last attempt that failed; null before the first.
+    pub(crate) last_failure: Option<PushFailureDto>,
+}
+
+/// A failed push attempt: the status it was answered with, or why no answer came.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct PushFailureDto {
+    /// RFC 3339.
+    pub(crate) at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub(crate) status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub(crate) error: Option<String>,
 }
 
 /// `GET /consumers` answer.

@@ -19,6 +19,7 @@
 //! May import: nothing of the crate. Usable from every room.
 
 mod consumer;
+mod push;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +31,7 @@ use prometheus::{
 };
 
 pub(crate) use consumer::{Metrics, Snapshot};
+pub(crate) use push::PushFamilies;
 
 /// Leases handed out and not yet settled or expired (gauge).
 pub(crate) const LEASES_IN_FLIGHT: &str = "ruststream_leases_in_flight";
@@ -212,6 +214,7 @@ pub(crate) struct ProcessMetrics {
     consumers: IntGaugeVec,
     trace_spans_dropped: IntCounter,
     trace_spans_exported: IntCounter,
+    push: PushFamilies,
 }
 
 /// What the trace exporter counted, read at each scrape (process-wide counts: the exporter
@@ -285,6 +288,7 @@ impl ProcessMetrics {
             ),
             internal_messages_rejected,
             consumers,
+            push: PushFamilies::register(&reg),
             families,
             registry,
         }
@@ -293,6 +297,11 @@ impl ProcessMetrics {
     /// The series of one consumer, labelled with its stream and name.
     pub(crate) fn for_consumer(&self, stream: &str, consumer: &str) -> Metrics {
         Metrics::new(self.families.clone(), stream, consumer)
+    }
+
+    /// The push series.
+    pub(crate) fn push(&self) -> &PushFamilies {
+        &self.push
     }
 
     /// The counter of rejected internal messages, for whoever opens them.

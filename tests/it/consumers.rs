@@ -10,8 +10,8 @@ use serde_json::{Value, json};
 use crate::support::client::{batch_results, http_client_with_token};
 use crate::support::nats::files_dir;
 use crate::support::{
-    Action, Client, Gateway, NatsServer, STREAM, Scrape, Setup, assert_stays, server_with_stream,
-    wait_until,
+    Action, Client, STREAM, Scrape, Setup, assert_stays, server_with_stream, wait_until,
+    with_consumers_file,
 };
 
 fn fetch_path(stream: &str, consumer: &str) -> String {
@@ -41,18 +41,6 @@ async fn fetch_status(client: &Client, consumer: &str) -> u16 {
         .status
 }
 
-/// A gateway of the default consumer `billing` plus the file's `entries`.
-async fn with_file(server: &NatsServer, entries: &str) -> (Gateway, tempfile::TempDir) {
-    let dir = files_dir();
-    let path = dir.path().join("consumers.toml");
-    std::fs::write(&path, entries).expect("write the consumers file");
-    let gateway = Setup::defaults()
-        .flag("--consumers-file", path.display().to_string())
-        .ready(&server.url())
-        .await;
-    (gateway, dir)
-}
-
 const TWO: &str = r#"
 [[consumer]]
 stream = "ORDERS"
@@ -68,7 +56,7 @@ max_ack_pending = 50
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn declared_consumers_are_served_by_name_and_their_leases_never_cross() {
     let (server, js) = server_with_stream().await;
-    let (gateway, _dir) = with_file(&server, TWO).await;
+    let (gateway, _dir) = with_consumers_file(&server, TWO).await;
     js.publish_many("orders.1", 2, "m").await;
 
     // The same messages, leased through three consumers: the same stream sequences.
@@ -197,7 +185,7 @@ async fn a_lease_of_one_consumer_never_settles_another_with_the_same_key() {
 async fn the_consumers_file_is_followed_as_it_changes() {
     let (server, js) = server_with_stream().await;
     let one = "[[consumer]]\nstream = \"ORDERS\"\nname = \"shipping\"\n";
-    let (gateway, dir) = with_file(&server, one).await;
+    let (gateway, dir) = with_consumers_file(&server, one).await;
     let path = dir.path().join("consumers.toml");
     js.publish_many("orders.1", 3, "m").await;
     let held = fetch_named(&gateway, "shipping", 1).await;
@@ -438,7 +426,7 @@ async fn publish_reaches_every_served_stream() {
     let (server, _js) = server_with_stream().await;
     crate::support::nats::create_stream(&server.url(), "EVENTS", &["events.>"]).await;
     let file = "[[consumer]]\nstream = \"EVENTS\"\nname = \"audit\"\n";
-    let (gateway, _dir) = with_file(&server, file).await;
+    let (gateway, _dir) = with_consumers_file(&server, file).await;
     let reply = gateway
         .post(
             "/publish",
@@ -469,7 +457,7 @@ async fn fetch_named_on(client: &Client, stream: &str, consumer: &str) -> Vec<cr
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idempotency_key_is_scoped_by_consumer() {
     let (server, js) = server_with_stream().await;
-    let (gateway, _dir) = with_file(&server, TWO).await;
+    let (gateway, _dir) = with_consumers_file(&server, TWO).await;
     js.publish_many("orders.1", 2, "m").await;
     let keyed = |consumer: &str| {
         let url = gateway.url(&fetch_path(STREAM, consumer));

@@ -23,6 +23,7 @@ mod metrics;
 mod nats_outage;
 mod poison;
 mod publish;
+mod push;
 mod readme;
 mod rebinding;
 mod replicas;

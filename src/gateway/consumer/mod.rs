@@ -34,6 +34,7 @@ use crate::config::{Config, ConsumerSpec};
 use crate::dispatch::{Command, Dispatcher};
 use crate::domain::consumers::ConsumerName;
 use crate::domain::idempotency::IdempotencyCache;
+use crate::domain::push::PushStatus;
 use crate::domain::subject;
 use crate::error::Error;
 use crate::metrics::{Metrics, Snapshot};
@@ -80,6 +81,8 @@ pub(crate) struct Consumer {
     activity: Arc<idle::Activity>,
     /// Ends every open stream at once, with why.
     streams_end: Arc<watch::Sender<StreamsEnd>>,
+    /// What its push worker says of itself, when it pushes.
+    push: Arc<Mutex<Option<PushStatus>>>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -213,6 +216,7 @@ impl Consumer {
             consumer_full,
             activity: Arc::default(),
             streams_end: Arc::new(watch::channel(StreamsEnd::default()).0),
+            push: Arc::default(),
         };
         tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
         let tasks = Tasks { stop, dispatcher };
@@ -370,6 +374,35 @@ impl Consumer {
 
     pub(crate) fn leases_in_flight(&self) -> usize {
         self.state.in_flight()
+    }
+
+    /// How long a lease issued now lasts: ack_wait less the margin before the server's own
+    /// redelivery.
+    pub(crate) fn lease_lifetime(&self) -> Duration {
+        self.state.ack_wait().saturating_sub(self.state.margin())
+    }
+
+    /// The process's metrics (the push series live there).
+    pub(crate) fn metrics_of_process(&self) -> &crate::metrics::ProcessMetrics {
+        &self.process.metrics
+    }
+
+    /// The state of its push, when it pushes.
+    pub(crate) fn push_status(&self) -> Option<PushStatus> {
+        self.push.lock().ok().and_then(|status| status.clone())
+    }
+
+    /// What its push worker says now (`None`: it no longer pushes).
+    pub(crate) fn show_push(&self, status: Option<PushStatus>) {
+        if let Ok(mut shown) = self.push.lock() {
+            *shown = status;
+        }
+    }
+
+    /// The live replicas serving this consumer, this one included: a fleet-wide limit is
+    /// shared among them.
+    pub(crate) fn live_replicas(&self) -> usize {
+        self.replicas().len().max(1)
     }
 
     /// The gateway's metrics, for recording from the HTTP layer.

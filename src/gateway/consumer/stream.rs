@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -115,8 +115,13 @@ pub(crate) struct LeaseStream {
     gateway: Consumer,
     /// An open stream keeps its consumer awake.
     _awake: super::idle::Held,
-    max_in_flight: usize,
+    /// Its credit: shared with whoever may change it while the stream is open (a push
+    /// worker's window).
+    max_in_flight: Arc<AtomicUsize>,
     written: Vec<(DeliveryKey, Instant)>,
+    /// Whether `written` counts against the credit: not for a push worker, which keeps
+    /// its own count of what is in flight.
+    tracks_written: bool,
     unwritten: VecDeque<Leased>,
     ends: Ends,
     /// The span of the request that opened the stream: each batch's receive span is its
@@ -131,6 +136,20 @@ impl LeaseStream {
         max_in_flight: usize,
         ends_when: Option<EndsWhen>,
     ) -> Self {
+        Self::with_credit(
+            gateway,
+            Arc::new(AtomicUsize::new(max_in_flight)),
+            ends_when,
+        )
+    }
+
+    /// A stream whose `max_in_flight` may change while it is open: the new value counts
+    /// from its next step (a lower one strands nothing: it only leases less).
+    pub(crate) fn with_credit(
+        gateway: Consumer,
+        max_in_flight: Arc<AtomicUsize>,
+        ends_when: Option<EndsWhen>,
+    ) -> Self {
         let consumer = gateway.streams_end.subscribe();
         let opened_at = consumer.borrow().count;
         Self {
@@ -139,6 +158,7 @@ impl LeaseStream {
             gateway,
             max_in_flight,
             written: Vec::new(),
+            tracks_written: true,
             unwritten: VecDeque::new(),
             ends: Ends {
                 consumer,
@@ -147,6 +167,14 @@ impl LeaseStream {
             },
             origin: tracing::Span::current(),
         }
+    }
+
+    /// A stream that leases up to `credit` at each step, whatever it leased before: its
+    /// owner (a push worker) counts what it still holds and sets the credit before each.
+    pub(crate) fn untracked(gateway: Consumer, credit: Arc<AtomicUsize>) -> Self {
+        let mut stream = Self::with_credit(gateway, credit, None);
+        stream.tracks_written = false;
+        stream
     }
 
     /// The step that ends the stream for `reason`.
@@ -176,7 +204,8 @@ impl LeaseStream {
             tokio::pin!(settled);
             settled.as_mut().enable();
             self.forget_ended();
-            let credit = self.max_in_flight.saturating_sub(self.written.len());
+            let max_in_flight = self.max_in_flight.load(Ordering::Relaxed);
+            let credit = max_in_flight.saturating_sub(self.written.len());
             if credit == 0 {
                 let until = self
                     .written
@@ -190,7 +219,7 @@ impl LeaseStream {
                     () = settled => continue,
                     () = tokio::time::sleep_until(until) => {
                         self.forget_ended();
-                        if self.written.len() < self.max_in_flight {
+                        if self.written.len() < max_in_flight {
                             continue;
                         }
                         return Step::Quiet;
@@ -248,8 +277,10 @@ impl LeaseStream {
     /// to what [`LeaseStream::next`] gave, to write them all at once.
     pub(crate) fn next_ready(&mut self) -> Option<Box<Leased>> {
         let leased = self.unwritten.pop_front()?;
-        self.written
-            .push((leased.delivery.coordinates.key, leased.expires_at));
+        if self.tracks_written {
+            self.written
+                .push((leased.delivery.coordinates.key, leased.expires_at));
+        }
         Some(Box::new(leased))
     }
 

@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod cluster;
+pub mod endpoint;
 pub mod gateway;
 pub mod metrics;
 pub mod nats;
@@ -157,4 +158,20 @@ pub fn shared_key() -> tempfile::NamedTempFile {
     let mut key = tempfile::NamedTempFile::new().expect("temp key file");
     write!(key, "replicas share this lease key: 0123456789!").expect("write key");
     key
+}
+
+/// A gateway of the default consumer `billing` plus the consumers file `entries` (written
+/// into the returned directory, as `consumers.toml`, to be changed by the test).
+pub async fn with_consumers_file(
+    server: &NatsServer,
+    entries: &str,
+) -> (Gateway, tempfile::TempDir) {
+    let dir = nats::files_dir();
+    let path = dir.path().join("consumers.toml");
+    std::fs::write(&path, entries).expect("write the consumers file");
+    let gateway = Setup::defaults()
+        .flag("--consumers-file", path.display().to_string())
+        .ready(&server.url())
+        .await;
+    (gateway, dir)
 }

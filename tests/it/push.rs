@@ -1,0 +1,479 @@
+//! Push delivery against real endpoints the tests start: what is sent (each format, the
+//! Standard Webhooks signature), what each class of answer does to the message, the pacing
+//! (a `Retry-After` holding every request, the window shrinking and growing back), batches,
+//! a push table changed live, and SIGTERM mid-push.
+
+use std::time::Duration;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use hmac::{KeyInit as _, Mac as _};
+use serde_json::Value;
+use tokio::time::Instant;
+
+use crate::support::endpoint::{Endpoint, Received, Reply};
+use crate::support::nats::files_dir;
+use crate::support::{
+    Gateway, STREAM, Scrape, Setup, assert_stays, server_with_stream, wait_until,
+    with_consumers_file,
+};
+
+/// The push consumer every test declares.
+const PUSHED: &str = "hooks";
+
+/// A consumers-file entry for the push consumer `name`, delivering to `url`, with `extra`
+/// lines of its push table.
+fn entry(name: &str, url: &str, extra: &str) -> String {
+    format!(
+        "[[consumer]]\nstream = \"{STREAM}\"\nname = \"{name}\"\nack_wait = \"20s\"\n\n[consumer.push]\nurl = \"{url}\"\nretry_initial = \"100ms\"\nretry_max = \"200ms\"\n{extra}\n"
+    )
+}
+
+/// The payload of a json-format push.
+fn payload(received: &Received) -> String {
+    let data = received.json()["data"].as_str().expect("data").to_owned();
+    String::from_utf8(STANDARD.decode(data).expect("base64 data")).expect("UTF-8 payload")
+}
+
+fn delivered(received: &Received) -> u64 {
+    received
+        .header("ruststream-delivered")
+        .expect("Ruststream-Delivered")
+        .parse()
+        .expect("a number")
+}
+
+async fn push_view(gateway: &Gateway) -> Value {
+    let reply = gateway
+        .get(&format!("/streams/{STREAM}/consumers/{PUSHED}"))
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    reply.body
+}
+
+/// Wait until the server has every message of the push consumer acked or terminated.
+async fn wait_all_settled(gateway: &Gateway) {
+    wait_until(
+        "every pushed message settled",
+        Duration::from_secs(15),
+        || async {
+            let view = push_view(gateway).await;
+            view["num_ack_pending"] == 0 && view["num_pending"] == 0
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_are_posted_as_fetch_returns_them_signed_and_acked_on_2xx() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    let dir = files_dir();
+    let secret = b"0123456789abcdef0123456789abcdef";
+    let other = b"fedcba9876543210fedcba9876543210";
+    let secrets = dir.path().join("secrets");
+    std::fs::write(
+        &secrets,
+        format!(
+            "whsec_{}\nwhsec_{}\n",
+            STANDARD.encode(secret),
+            STANDARD.encode(other)
+        ),
+    )
+    .expect("write the secrets");
+    let file = entry(
+        PUSHED,
+        &endpoint.url,
+        &format!(
+            "signing_secret_file = \"{}\"\nheaders = {{ Authorization = \"Bearer endpoint-token\" }}",
+            secrets.display()
+        ),
+    );
+    let (gateway, _dir) = with_consumers_file(&server, &file).await;
+    let mut sequences = Vec::new();
+    for word in ["one", "two", "three"] {
+        sequences.push(js.publish("orders.1", word).await);
+    }
+    let received = endpoint.wait_for(3, Duration::from_secs(10)).await;
+    let mut words: Vec<String> = received.iter().map(payload).collect();
+    words.sort();
+    assert_eq!(words, ["one", "three", "two"]);
+    for request in &received {
+        let body = request.json();
+        let id = request.header("webhook-id").expect("webhook-id");
+        assert_eq!(id, format!("{STREAM}:{}", body["stream_sequence"]));
+        assert!(sequences.contains(&body["stream_sequence"].as_u64().expect("sequence")));
+        assert_eq!(
+            request.header("ruststream-lease-id").as_deref(),
+            body["id"].as_str()
+        );
+        assert_eq!(body["consumer"], PUSHED);
+        assert_eq!(delivered(request), 1);
+        assert_eq!(
+            request.header("content-type").as_deref(),
+            Some("application/json")
+        );
+        assert_eq!(
+            request.header("authorization").as_deref(),
+            Some("Bearer endpoint-token")
+        );
+        // One Standard Webhooks signature per secret, over "{id}.{timestamp}.{body}".
+        let timestamp = request.header("webhook-timestamp").expect("timestamp");
+        let signatures = request.header("webhook-signature").expect("signature");
+        let expected: Vec<String> = [&secret[..], &other[..]]
+            .iter()
+            .map(|key| {
+                let mut mac = <hmac::Hmac<sha2::Sha256>>::new_from_slice(key).expect("key");
+                mac.update(format!("{id}.{timestamp}.").as_bytes());
+                mac.update(&request.body);
+                format!("v1,{}", STANDARD.encode(mac.finalize().into_bytes()))
+            })
+            .collect();
+        assert_eq!(signatures, expected.join(" "));
+    }
+    wait_all_settled(&gateway).await;
+    assert_stays(
+        "no message pushed again",
+        Duration::from_secs(1),
+        || async { endpoint.received().len() == 3 },
+    )
+    .await;
+    let scrape = Scrape::of(&gateway).await;
+    assert_eq!(
+        scrape.of_consumer(
+            "ruststream_push_requests_total",
+            "result=\"ack\"",
+            STREAM,
+            PUSHED
+        ),
+        3.0
+    );
+    let view = push_view(&gateway).await;
+    assert_eq!(view["push"]["url"], endpoint.url);
+    assert_eq!(view["push"]["state"], "running");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_answer_settles_as_it_says_poison_once_failures_again_later_by_hand() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    endpoint.answer(|request, _| {
+        let word = payload(request);
+        match (word.as_str(), delivered(request)) {
+            ("poison", _) => Reply::status(422),
+            ("flaky", 1) => Reply::status(500),
+            ("told", 1) => Reply::status(200).header("Ruststream-Settle", "nak; delay=50"),
+            ("later", _) => Reply::status(200).header("Ruststream-Settle", "later"),
+            _ => Reply::status(204),
+        }
+    });
+    let (gateway, _dir) = with_consumers_file(&server, &entry(PUSHED, &endpoint.url, "")).await;
+    for word in ["poison", "flaky", "told", "later"] {
+        js.publish("orders.1", word).await;
+    }
+    // poison once, flaky twice, told twice, later once.
+    let received = endpoint.wait_for(6, Duration::from_secs(10)).await;
+    wait_until(
+        "the later push is the only lease left",
+        Duration::from_secs(10),
+        || async {
+            let view = push_view(&gateway).await;
+            view["num_ack_pending"] == 1 && view["num_pending"] == 0
+        },
+    )
+    .await;
+    let attempts = |word: &str| -> Vec<u64> {
+        endpoint
+            .received()
+            .iter()
+            .filter(|request| payload(request) == word)
+            .map(delivered)
+            .collect()
+    };
+    assert_eq!(attempts("poison"), [1], "{received:?}");
+    assert_eq!(attempts("flaky"), [1, 2]);
+    assert_eq!(attempts("told"), [1, 2]);
+    assert_eq!(attempts("later"), [1]);
+    // The endpoint settles its `later` lease itself, through the usual route.
+    let later = endpoint
+        .received()
+        .into_iter()
+        .find(|request| payload(request) == "later")
+        .expect("the later push");
+    let lease = later.header("ruststream-lease-id").expect("lease id");
+    assert_eq!(gateway.ack(&lease).await, 204);
+    wait_all_settled(&gateway).await;
+    let scrape = Scrape::of(&gateway).await;
+    let result = |result: &str| {
+        scrape.of_consumer(
+            "ruststream_push_requests_total",
+            &format!("result=\"{result}\""),
+            STREAM,
+            PUSHED,
+        )
+    };
+    assert_eq!(result("term"), 1.0);
+    assert_eq!(result("later"), 1.0);
+    assert_eq!(result("nak"), 2.0);
+    let view = push_view(&gateway).await;
+    let last_failure = view["push"]["last_failure"]["status"].as_u64();
+    assert!(
+        matches!(last_failure, Some(422 | 500)),
+        "the last failure is the 422 or the 500: {view}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_holds_back_every_request_to_the_endpoint() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    endpoint.answer(|request, index| {
+        if index == 0 {
+            Reply::status(429).header("Retry-After", "2")
+        } else {
+            let _ = request;
+            Reply::status(204)
+        }
+    });
+    let (gateway, _dir) = with_consumers_file(&server, &entry(PUSHED, &endpoint.url, "")).await;
+    js.publish("orders.1", "first").await;
+    let refused = endpoint.wait_for(1, Duration::from_secs(10)).await[0].at;
+    // Another message, published right after the refusal, waits out the Retry-After too.
+    js.publish("orders.1", "second").await;
+    wait_until(
+        "the consumer says it backs off",
+        Duration::from_secs(1),
+        || async { push_view(&gateway).await["push"]["state"] == "backing_off" },
+    )
+    .await;
+    let received = endpoint.wait_for(3, Duration::from_secs(10)).await;
+    for request in &received[1..] {
+        assert!(
+            request.at.duration_since(refused) >= Duration::from_millis(1900),
+            "a request {:?} after a Retry-After: 2",
+            request.at.duration_since(refused)
+        );
+    }
+    wait_all_settled(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_window_halves_on_refusals_and_grows_back_on_successes() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    endpoint.answer(|_, index| {
+        if index < 8 {
+            Reply::status(429).after(Duration::from_millis(20))
+        } else {
+            Reply::status(204).after(Duration::from_millis(20))
+        }
+    });
+    let (gateway, _dir) = with_consumers_file(&server, &entry(PUSHED, &endpoint.url, "")).await;
+    js.publish_many("orders.1", 40, "m").await;
+    let mut smallest = u64::MAX;
+    let started = Instant::now();
+    loop {
+        let view = push_view(&gateway).await;
+        if let Some(window) = view["push"]["window"].as_u64() {
+            smallest = smallest.min(window);
+        }
+        if view["num_ack_pending"] == 0 && view["num_pending"] == 0 {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "{view}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(smallest, 1, "the window came down to one");
+    let grown = push_view(&gateway).await["push"]["window"]
+        .as_u64()
+        .expect("window");
+    assert!(grown >= 3, "the window grew back: {grown}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_and_cloudevents_bodies_are_the_exact_bytes_with_metadata_in_headers() {
+    let (server, js) = server_with_stream().await;
+    let binary = Endpoint::start().await;
+    let events = Endpoint::start().await;
+    let file = format!(
+        "{}{}",
+        entry("raw", &binary.url, "format = \"binary\""),
+        entry("events", &events.url, "format = \"cloudevents\"")
+    );
+    let (_gateway, _dir) = with_consumers_file(&server, &file).await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Content-Type", "text/plain");
+    headers.insert("X-Order", "42");
+    let sequence = js
+        .publish_with_headers("orders.new", headers, "exact bytes")
+        .await;
+    let mut own = async_nats::HeaderMap::new();
+    own.insert("ce-specversion", "1.0");
+    own.insert("ce-id", "mine");
+    own.insert("ce-source", "/elsewhere");
+    own.insert("ce-type", "com.example.own");
+    js.publish_with_headers("orders.new", own, "its own event")
+        .await;
+
+    let raw = binary.wait_for(2, Duration::from_secs(10)).await;
+    let first = raw
+        .iter()
+        .find(|request| request.body == b"exact bytes")
+        .expect("the first message");
+    assert_eq!(first.header("content-type").as_deref(), Some("text/plain"));
+    assert_eq!(first.header("x-order").as_deref(), Some("42"));
+    assert_eq!(
+        first.header("ruststream-subject").as_deref(),
+        Some("orders.new")
+    );
+    assert_eq!(first.header("ruststream-stream").as_deref(), Some(STREAM));
+    assert_eq!(
+        first.header("ruststream-stream-sequence"),
+        Some(sequence.to_string())
+    );
+    assert!(first.header("ruststream-published-at").is_some());
+    let other = raw
+        .iter()
+        .find(|request| request.body == b"its own event")
+        .expect("the second message");
+    assert_eq!(
+        other.header("content-type").as_deref(),
+        Some("application/octet-stream")
+    );
+
+    let received = events.wait_for(2, Duration::from_secs(10)).await;
+    let event = received
+        .iter()
+        .find(|request| request.body == b"exact bytes")
+        .expect("the first event");
+    assert_eq!(event.header("ce-specversion").as_deref(), Some("1.0"));
+    assert_eq!(event.header("ce-id"), Some(format!("{STREAM}:{sequence}")));
+    assert_eq!(
+        event.header("ce-source"),
+        Some(format!("/streams/{STREAM}"))
+    );
+    assert_eq!(event.header("ce-type").as_deref(), Some("orders.new"));
+    assert!(event.header("ce-time").is_some());
+    assert_eq!(event.header("content-type").as_deref(), Some("text/plain"));
+    let passed = received
+        .iter()
+        .find(|request| request.body == b"its own event")
+        .expect("the second event");
+    assert_eq!(passed.header("ce-id").as_deref(), Some("mine"));
+    assert_eq!(passed.header("ce-source").as_deref(), Some("/elsewhere"));
+    assert_eq!(passed.header("ce-type").as_deref(), Some("com.example.own"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_settled_per_message_by_its_results() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    endpoint.answer(|request, _| {
+        let messages = request.json()["messages"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let results: Vec<Value> = messages
+            .iter()
+            .map(|message| {
+                let word = String::from_utf8(
+                    STANDARD
+                        .decode(message["data"].as_str().unwrap_or_default())
+                        .unwrap_or_default(),
+                )
+                .unwrap_or_default();
+                match (word.as_str(), message["delivered"].as_u64()) {
+                    ("bad", _) => serde_json::json!({"settle": "term", "reason": "bad order"}),
+                    ("again", Some(1)) => serde_json::json!({"settle": "nak"}),
+                    _ => serde_json::json!({"settle": "ack"}),
+                }
+            })
+            .collect();
+        Reply::status(200).body(&serde_json::json!({ "results": results }).to_string())
+    });
+    let file = entry(PUSHED, &endpoint.url, "batch = 3\nbatch_wait = \"1s\"");
+    let (gateway, _dir) = with_consumers_file(&server, &file).await;
+    for word in ["good", "bad", "again"] {
+        js.publish("orders.1", word).await;
+    }
+    let received = endpoint.wait_for(2, Duration::from_secs(10)).await;
+    let first = received[0].json();
+    assert_eq!(
+        first["messages"].as_array().map(Vec::len),
+        Some(3),
+        "one request of three: {first}"
+    );
+    wait_all_settled(&gateway).await;
+    let again: Vec<Value> = endpoint.received()[1..]
+        .iter()
+        .flat_map(|request| {
+            request.json()["messages"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(
+        again.len(),
+        1,
+        "only the nak'd message came back: {again:?}"
+    );
+    assert_eq!(again[0]["delivered"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_push_table_is_applied_live_and_a_broken_one_refused() {
+    let (server, js) = server_with_stream().await;
+    let before = Endpoint::start().await;
+    let after = Endpoint::start().await;
+    let (gateway, dir) = with_consumers_file(&server, &entry(PUSHED, &before.url, "")).await;
+    js.publish("orders.1", "to the first").await;
+    before.wait_for(1, Duration::from_secs(10)).await;
+    let path = dir.path().join("consumers.toml");
+    // Not below the lease: refused, the table in force stays.
+    std::fs::write(&path, entry(PUSHED, &after.url, "timeout = \"30s\"")).expect("write");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    js.publish("orders.1", "still to the first").await;
+    before.wait_for(2, Duration::from_secs(10)).await;
+    std::fs::write(&path, entry(PUSHED, &after.url, "")).expect("write");
+    wait_until(
+        "the new endpoint is in force",
+        Duration::from_secs(5),
+        || async { push_view(&gateway).await["push"]["url"] == after.url },
+    )
+    .await;
+    js.publish("orders.1", "to the second").await;
+    let received = after.wait_for(1, Duration::from_secs(10)).await;
+    assert_eq!(payload(&received[0]), "to the second");
+    assert_eq!(before.received().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_sigterm_a_push_in_flight_gets_the_grace_then_its_message_goes_back() {
+    let (server, js) = server_with_stream().await;
+    let hanging = Endpoint::start().await;
+    hanging.answer(|_, _| Reply::status(204).after(Duration::from_secs(8)));
+    let dir = files_dir();
+    let path = dir.path().join("consumers.toml");
+    std::fs::write(&path, entry(PUSHED, &hanging.url, "timeout = \"9s\"")).expect("write");
+    let setup = Setup::defaults()
+        .flag("--consumers-file", path.display().to_string())
+        .shutdown_grace("1s");
+    let mut gateway = setup.ready(&server.url()).await;
+    js.publish("orders.1", "stuck").await;
+    hanging.wait_for(1, Duration::from_secs(10)).await;
+    let stopping = Instant::now();
+    gateway.shutdown().await.expect("a clean stop");
+    assert!(
+        stopping.elapsed() < Duration::from_secs(5),
+        "stopped after {:?}",
+        stopping.elapsed()
+    );
+    // Nak'd at the end of the grace: pushed again at once, not after ack_wait (20 s).
+    let answering = Endpoint::start().await;
+    std::fs::write(&path, entry(PUSHED, &answering.url, "")).expect("write");
+    let _gateway = setup.ready(&server.url()).await;
+    let received = answering.wait_for(1, Duration::from_secs(5)).await;
+    assert_eq!(payload(&received[0]), "stuck");
+    assert_eq!(delivered(&received[0]), 2);
+}

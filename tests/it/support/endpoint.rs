@@ -1,0 +1,170 @@
+//! A push endpoint for the push tests: a real HTTP server on a free port that records every
+//! request it receives and answers each as the test says (a status, headers, a body, after
+//! a delay).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode};
+use tokio::time::Instant;
+
+/// One request as the endpoint received it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub headers: HeaderMap,
+    pub body: Vec<u8>,
+    pub at: Instant,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned)
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|err| {
+            panic!("not JSON ({err}): {}", String::from_utf8_lossy(&self.body))
+        })
+    }
+}
+
+/// How the endpoint answers one request.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+    pub delay: Duration,
+}
+
+impl Reply {
+    pub fn status(status: u16) -> Self {
+        Self {
+            status,
+            headers: Vec::new(),
+            body: String::new(),
+            delay: Duration::ZERO,
+        }
+    }
+
+    pub fn header(mut self, name: &str, value: &str) -> Self {
+        self.headers.push((name.to_owned(), value.to_owned()));
+        self
+    }
+
+    pub fn body(mut self, body: &str) -> Self {
+        self.body = body.to_owned();
+        self
+    }
+
+    pub fn after(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
+    }
+}
+
+type Answer = Arc<dyn Fn(&Received, usize) -> Reply + Send + Sync>;
+
+struct Shared {
+    received: Mutex<Vec<Received>>,
+    answer: Mutex<Answer>,
+}
+
+/// The endpoint, served until dropped.
+pub struct Endpoint {
+    pub url: String,
+    shared: Arc<Shared>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+impl Endpoint {
+    /// An endpoint answering 204 to everything, until told otherwise.
+    pub async fn start() -> Self {
+        let shared = Arc::new(Shared {
+            received: Mutex::default(),
+            answer: Mutex::new(Arc::new(|_: &Received, _: usize| Reply::status(204))),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the endpoint");
+        let url = format!("http://{}/hook", listener.local_addr().expect("address"));
+        let app = axum::Router::new()
+            .route("/hook", axum::routing::post(receive))
+            .with_state(shared.clone());
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self {
+            url,
+            shared,
+            server,
+        }
+    }
+
+    /// Answer each request with `answer(request, its index among all received)`.
+    pub fn answer(&self, answer: impl Fn(&Received, usize) -> Reply + Send + Sync + 'static) {
+        *self.shared.answer.lock().expect("answer") = Arc::new(answer);
+    }
+
+    pub fn received(&self) -> Vec<Received> {
+        self.shared.received.lock().expect("received").clone()
+    }
+
+    /// Wait until at least `count` requests came; all received then.
+    pub async fn wait_for(&self, count: usize, within: Duration) -> Vec<Received> {
+        let deadline = Instant::now() + within;
+        loop {
+            let received = self.received();
+            if received.len() >= count {
+                return received;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the endpoint received {} of {count} requests within {within:?}",
+                received.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+async fn receive(
+    axum::extract::State(shared): axum::extract::State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> axum::response::Response {
+    let received = Received {
+        headers,
+        body: body.to_vec(),
+        at: Instant::now(),
+    };
+    let index = {
+        let mut all = shared.received.lock().expect("received");
+        all.push(received.clone());
+        all.len() - 1
+    };
+    let answer = shared.answer.lock().expect("answer").clone();
+    let reply = answer(&received, index);
+    if !reply.delay.is_zero() {
+        tokio::time::sleep(reply.delay).await;
+    }
+    let mut response = axum::response::Response::new(axum::body::Body::from(reply.body));
+    *response.status_mut() = StatusCode::from_u16(reply.status).expect("status");
+    for (name, value) in reply.headers {
+        response.headers_mut().insert(
+            axum::http::HeaderName::from_bytes(name.as_bytes()).expect("name"),
+            value.parse().expect("value"),
+        );
+    }
+    response
+}
