@@ -9,7 +9,10 @@
 #      type-checked by tsc (tests/clients/ts/flow.ts);
 #   4. schemathesis fuzzes every operation of the live gateway from the spec: no 5xx, and
 #      every answer conforms to the spec (status code, content type, headers, schema);
-#   5. the AsyncAPI parser (npm @asyncapi/parser) reads openapi/asyncapi.yaml without error.
+#   5. the AsyncAPI parser (npm @asyncapi/parser) reads openapi/asyncapi.yaml without error;
+#   6. push delivery as an endpoint's author meets it: every signed push verifies with the
+#      official Standard Webhooks library (PyPI standardwebhooks), every CloudEvents push
+#      parses with the official SDK (PyPI cloudevents) (tests/clients/python/push_receiver.py).
 #
 # It installs what it needs inside the repository: the pinned PyPI packages of
 # tests/clients/python/requirements.txt into .tools/ecosystem-venv, and `npm ci` (from
@@ -20,7 +23,7 @@
 # and always stops both.
 #
 # A failed check does not stop the others. The last line counts the checks, e.g.
-# `ecosystem: 5 passed, 0 failed`; a check that could not run (its tools or the gateway failed
+# `ecosystem: 6 passed, 0 failed`; a check that could not run (its tools or the gateway failed
 # to start) counts as failed, and the script exits non-zero unless all four passed.
 #
 # Environment: SCHEMATHESIS_MAX_TIME (seconds, default 75), SCHEMATHESIS_SEED,
@@ -45,7 +48,7 @@ started=$SECONDS
 step() { printf '\n== ecosystem: %s (at %ss)\n' "$*" "$((SECONDS - started))" >&2; }
 
 # The checks, in the order they run; the closing count is over these names.
-CHECKS=("redocly lint" "AsyncAPI parser" "Python client flow" "TypeScript client flow" "schemathesis")
+CHECKS=("redocly lint" "AsyncAPI parser" "Python client flow" "TypeScript client flow" "push verifiers" "schemathesis")
 PASSED=()
 FAILED=()
 
@@ -183,12 +186,34 @@ scrub=()
 while IFS= read -r name; do
     [[ "$name" == RUSTSTREAM_TEST_RUN ]] || scrub+=(-u "$name")
 done < <(compgen -e | grep -E '^(RUSTSTREAM|NATS)_' || true)
-# A named consumer beside the default one: the clients fetch it by name.
-cat >"$WORK/consumers.toml" <<'TOML'
+# A named consumer beside the default one: the clients fetch it by name. Two push consumers
+# deliver to push_receiver.py (started by its check): one signed, one as CloudEvents.
+PUSH_PORT="$(free_port)"
+PUSH_SECRET="whsec_$(python3 -c 'import base64, secrets; print(base64.b64encode(secrets.token_bytes(32)).decode())')"
+echo "$PUSH_SECRET" >"$WORK/push-secret"
+cat >"$WORK/consumers.toml" <<TOML
 [[consumer]]
 stream = "ORDERS"
 name = "clients"
 filter_subject = "orders.named.>"
+
+[[consumer]]
+stream = "ORDERS"
+name = "signed"
+filter_subject = "orders.push.>"
+
+[consumer.push]
+url = "http://127.0.0.1:$PUSH_PORT/signed"
+signing_secret_file = "push-secret"
+
+[[consumer]]
+stream = "ORDERS"
+name = "events"
+filter_subject = "orders.push.>"
+
+[consumer.push]
+url = "http://127.0.0.1:$PUSH_PORT/events"
+format = "cloudevents"
 TOML
 env "${scrub[@]}" RUST_LOG=warn "$GATEWAY_BIN" --nats-url "nats://127.0.0.1:$NATS_PORT" --listen "127.0.0.1:$HTTP_PORT" \
     --create-stream --stream ORDERS --stream-subjects 'orders.>' --consumer ecosystem \
@@ -220,6 +245,11 @@ typescript_flow() {
     node "$TS/dist/flow.js" "$BASE" "$TOKEN"
 }
 check "TypeScript client flow" typescript_flow
+
+push_verifiers() {
+    "$VENV/bin/python" "$CLIENTS/python/push_receiver.py" "$BASE" "$TOKEN" "$PUSH_PORT" "$PUSH_SECRET"
+}
+check "push verifiers" push_verifiers
 
 fuzz_with_schemathesis() {
     # Messages to lease, so that a generated fetch returns at once instead of waiting out its

@@ -63,6 +63,17 @@ pub(crate) enum Error {
     /// The consumer exists but cannot be served (push, or ack policy not explicit).
     #[error("{0}")]
     ConsumerUnsuitable(String),
+    /// The consumer is paused at the server (`pause_until`): nothing is leased or pushed
+    /// until then.
+    #[error(
+        "consumer {consumer} is paused until {}: nothing is fetched, streamed or pushed before then; POST /streams/{{stream}}/consumers/{{consumer}}/push/resume resumes it now",
+        until.map_or_else(|| "it is resumed".to_owned(), |until| until.format(&time::format_description::well_known::Rfc3339).unwrap_or_default())
+    )]
+    ConsumerPaused {
+        consumer: String,
+        /// `None`: until resumed.
+        until: Option<time::OffsetDateTime>,
+    },
     #[error("{0}")]
     MethodNotAllowed(String),
     /// No bearer token, or one that is not configured.

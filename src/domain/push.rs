@@ -357,6 +357,8 @@ pub(crate) struct PushStatus {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum PushState {
     Running,
+    /// Paused at the server (`…/push/pause`): nothing is leased until it is resumed.
+    Paused,
     /// Held back by a `Retry-After`, or failing since its last success.
     BackingOff,
 }
@@ -365,6 +367,7 @@ impl PushState {
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Running => "running",
+            Self::Paused => "paused",
             Self::BackingOff => "backing_off",
         }
     }

@@ -193,6 +193,7 @@ fn open(
 ) -> Result<Response, Error> {
     // Refuse at once what would only make an endless stream of keep-alives.
     consumer.readiness()?;
+    consumer.refuse_if_paused()?;
     let client = connection.map(|Extension(connection)| connection.client);
     let ends_when = revocation.and_then(|Extension(revocation)| revocation.take());
     let stream = events_of(

@@ -18,12 +18,14 @@ mod metrics;
 mod ops;
 pub(crate) mod problem;
 mod publish;
+mod push;
 pub(crate) mod responses;
 mod scopes;
 pub(crate) mod serve;
 mod tickets;
 pub(crate) mod tls;
 mod tokens;
+mod webhooks;
 mod ws;
 
 use std::sync::Arc;
@@ -60,6 +62,7 @@ use responses::ProblemResponses;
         (name = "leases", description = "Fetch messages and settle their leases"),
         (name = "messages", description = "Publish to the stream"),
         (name = "operations", description = "Health, readiness and consumer state"),
+        (name = "push", description = "The requests a push consumer's endpoint receives (webhooks)"),
     ),
     modifiers(&ProblemResponses)
 )]
@@ -89,6 +92,8 @@ fn api() -> OpenApiRouter<Shared> {
         .routes(routes!(consumers::consumer))
         .routes(routes!(consumers::consumers))
         .routes(routes!(consumers::named_consumer))
+        .routes(routes!(push::pause))
+        .routes(routes!(push::resume))
         .routes(routes!(metrics::metrics))
         .routes(routes!(ops::openapi_json))
 }
@@ -98,6 +103,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     let mut spec = api().split_for_parts().1;
     optional_bodies_may_be_absent(&mut spec);
     declare_security(&mut spec);
+    webhooks::declare(&mut spec);
     spec
 }
 

@@ -47,6 +47,10 @@ pub(crate) struct Problem {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1)]
     pub(crate) retry_after: Option<u64>,
+    /// Until when the consumer is paused (RFC 3339), for `consumer-paused`; absent when it
+    /// is paused until resumed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) paused_until: Option<String>,
 }
 
 impl Error {
@@ -59,7 +63,7 @@ impl Error {
             Self::UnknownLease | Self::NotFound(_) | Self::ConsumerNotFound(_) => {
                 StatusCode::NOT_FOUND
             }
-            Self::ConsumerUnsuitable(_) => StatusCode::CONFLICT,
+            Self::ConsumerUnsuitable(_) | Self::ConsumerPaused { .. } => StatusCode::CONFLICT,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::LeaseGone | Self::OwnerGone => StatusCode::GONE,
             Self::AlreadySettled { .. } => StatusCode::CONFLICT,
@@ -89,6 +93,7 @@ impl Error {
             Self::NotFound(_) => ("not-found", "Not found"),
             Self::ConsumerNotFound(_) => ("consumer-not-found", "Consumer not found"),
             Self::ConsumerUnsuitable(_) => ("consumer-unsuitable", "Consumer unsuitable"),
+            Self::ConsumerPaused { .. } => ("consumer-paused", "Consumer paused"),
             Self::MethodNotAllowed(_) => ("method-not-allowed", "Method not allowed"),
             Self::LeaseGone | Self::OwnerGone => ("lease-gone", "Lease gone"),
             Self::AlreadySettled { .. } => ("lease-settled", "Lease already settled"),
@@ -166,6 +171,14 @@ impl Error {
                 _ => None,
             },
             retry_after: self.retry_after_secs(),
+            paused_until: match self {
+                Self::ConsumerPaused {
+                    until: Some(until), ..
+                } => until
+                    .format(&time::format_description::well_known::Rfc3339)
+                    .ok(),
+                _ => None,
+            },
         }
     }
 }
@@ -223,6 +236,7 @@ pub(crate) fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> 
         instance: None,
         field: None,
         retry_after: None,
+        paused_until: None,
     };
     let body = serde_json::to_vec(&problem).unwrap_or_default();
     let mut response = (

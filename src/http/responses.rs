@@ -121,7 +121,7 @@ impl ProblemKind {
                 "The path names a consumer this gateway does not serve: no --serve-existing pattern matches it, the server has no such stream or consumer, it was removed from the consumers file, or a name breaks the NATS name rules; the detail says which."
             }
             Self::ConsumerUnsuitable => {
-                "The consumer exists but cannot be served: a push consumer, a consumer that is not durable, or one whose ack policy is not explicit; the detail names the setting."
+                "The consumer exists but cannot be served: a push consumer, a consumer that is not durable, or one whose ack policy is not explicit (`consumer-unsuitable`; the detail names the setting); or it is paused (`consumer-paused`, with `paused_until` unless it is paused until resumed)."
             }
             Self::PublishPrecondition => {
                 "A `Nats-Expected-*` header did not hold (expected stream, last sequence, last subject sequence or last message id): nothing was stored, and retrying as is cannot succeed."
@@ -174,9 +174,15 @@ impl ProblemKind {
             Self::ConsumerNotFound => vec![Error::ConsumerNotFound(
                 "consumer ORDERS/shipping does not exist on the server".into(),
             )],
-            Self::ConsumerUnsuitable => vec![Error::ConsumerUnsuitable(
-                "consumer ORDERS/shipping is a push consumer (deliver_subject is set); the gateway serves pull consumers only".into(),
-            )],
+            Self::ConsumerUnsuitable => vec![
+                Error::ConsumerUnsuitable(
+                    "consumer ORDERS/shipping is a push consumer (deliver_subject is set); the gateway serves pull consumers only".into(),
+                ),
+                Error::ConsumerPaused {
+                    consumer: "ORDERS/shipping".into(),
+                    until: time::OffsetDateTime::from_unix_timestamp(1_796_126_400).ok(),
+                },
+            ],
             Self::PublishPrecondition => vec![Error::PublishPrecondition(
                 "the stream refused the message: wrong last sequence: 7 (code 400, error code 10071)"
                     .into(),
@@ -299,7 +305,7 @@ refusal_sets! {
     /// An endpoint settling or extending one lease by its id.
     LeaseRefusals = [LeaseNotFound, LeaseSettled, LeaseGone, Unavailable, NotConfirmed];
     /// `POST /fetch` beyond its body: no slot free, or no NATS.
-    FetchRefusals = [TooManyLeases, Unavailable];
+    FetchRefusals = [TooManyLeases, Unavailable, ConsumerUnsuitable];
     /// An endpoint that needs the NATS server.
     NatsRefusals = [Unavailable];
     /// An endpoint reading its query string: a parameter out of range or unknown.

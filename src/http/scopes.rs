@@ -97,7 +97,8 @@ pub(crate) enum NamedRoute {
     Status,
 }
 
-/// `{stream}/consumers/{consumer}[/fetch|/events|/ws]` (the path after `/streams/`), as the route and
+/// `{stream}/consumers/{consumer}[/fetch|/events|/ws|/push/pause|/push/resume]` (the path
+/// after `/streams/`), as the route and
 /// its OpenAPI template (`{stream}` literally) write it.
 fn named_route(rest: &str) -> Option<NamedRoute> {
     let mut segments = rest.split('/');
@@ -105,9 +106,11 @@ fn named_route(rest: &str) -> Option<NamedRoute> {
     else {
         return None;
     };
-    match (segments.next(), segments.next()) {
-        (None, _) => Some(NamedRoute::Status),
-        (Some("fetch" | "events" | "ws"), None) => Some(NamedRoute::Fetch),
+    match (segments.next(), segments.next(), segments.next()) {
+        (None, _, _) => Some(NamedRoute::Status),
+        (Some("fetch" | "events" | "ws"), None, _) => Some(NamedRoute::Fetch),
+        // Pausing and resuming a push consumer: an operator's act, as its status is.
+        (Some("push"), Some("pause" | "resume"), None) => Some(NamedRoute::Status),
         _ => None,
     }
 }

@@ -155,6 +155,7 @@ fn open(
     upgrade: WebSocketUpgrade,
 ) -> Result<Response, Error> {
     consumer.readiness()?;
+    consumer.refuse_if_paused()?;
     let settler = Arc::new(Settler::of(principal.map(|Extension(principal)| principal)));
     let ends_when = revocation.and_then(|Extension(revocation)| revocation.take());
     let max_frame = gateway.config().max_body_bytes as usize;

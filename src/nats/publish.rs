@@ -186,6 +186,31 @@ fn source_or_kind(err: &PublishError) -> String {
         .map_or_else(|| err.kind().to_string(), ToString::to_string)
 }
 
+/// Pause the consumer at the server until `until`, or resume it (`None`): the server's pause
+/// holds for every replica and survives restarts. The pause the server now has (`None`: not
+/// paused).
+pub(crate) async fn pause_consumer(
+    bound: &Bound,
+    stream: &str,
+    until: Option<time::OffsetDateTime>,
+) -> anyhow::Result<Option<time::OffsetDateTime>> {
+    let stream = tokio::time::timeout(API_TIMEOUT, bound.jetstream.get_stream_no_info(stream))
+        .await
+        .context("timed out looking up the stream")?
+        .context("looking up the stream")?;
+    let asked = async {
+        match until {
+            Some(until) => stream.pause_consumer(&bound.consumer_name, until).await,
+            None => stream.resume_consumer(&bound.consumer_name).await,
+        }
+    };
+    let response = tokio::time::timeout(API_TIMEOUT, asked)
+        .await
+        .context("timed out asking the server to pause or resume the consumer")?
+        .context("pausing or resuming the consumer")?;
+    Ok(response.paused.then_some(response.pause_until))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

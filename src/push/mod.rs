@@ -7,7 +7,7 @@
 //!
 //! May import: `gateway` (the core), `http::dto` (a pushed message is rendered as a fetch
 //! renders it) and `http::client` (the core's caller type), `domain`, `config`, `metrics`,
-//! `tls_client`.
+//! `tls_client`, `telemetry`.
 
 mod client;
 mod request;

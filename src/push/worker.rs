@@ -27,6 +27,7 @@ use crate::domain::push::{
 use crate::domain::settle::AckCommand;
 use crate::gateway::{Consumer, Gateway, LeaseStream, Step};
 use crate::http::client::Client;
+use crate::telemetry;
 
 use super::client::{client_for, describe, read_some};
 use super::request;
@@ -189,7 +190,8 @@ impl Worker {
                         attempts.send(request, &self.requests);
                     }
                 }
-                Step::Quiet => {}
+                // Nothing for a while (or paused): what it shows may have changed.
+                Step::Quiet => attempts.show(),
                 // No new push; what is in flight is answered within the grace (or nak'd).
                 Step::ShuttingDown => return false,
                 // No longer served as it was (removed, rebound with new settings): look
@@ -348,7 +350,9 @@ impl Attempts {
             return;
         }
         let started = Instant::now();
-        let request = request::build(&self.spec, &leases, SystemTime::now());
+        let mut request = request::build(&self.spec, &leases, SystemTime::now());
+        let mut span =
+            telemetry::spans::push_span(&self.spec.shown_url(), &leases[0], &mut request.headers);
         let send = self
             .client
             .post(self.spec.url.clone())
@@ -390,6 +394,8 @@ impl Attempts {
             }
         };
         let took = started.elapsed();
+        telemetry::spans::pushed(&mut span, answer.as_ref().ok().map(|(status, ..)| *status));
+        drop(span);
         let retries = Retries {
             initial: self.spec.retry_initial,
             max: self.spec.retry_max,
@@ -532,7 +538,9 @@ impl Attempts {
         let held = control
             .hold_until
             .is_some_and(|until| until > Instant::now());
-        let state = if held || control.failing {
+        let state = if self.consumer.paused().is_some() {
+            PushState::Paused
+        } else if held || control.failing {
             PushState::BackingOff
         } else {
             PushState::Running

@@ -413,3 +413,73 @@ impl Injector for NatsHeadersMut<'_> {
         }
     }
 }
+
+/// A push attempt's span: `POST`, kind CLIENT, linked to the span that sent the message (its
+/// first message's, for a batch); its context goes into the request's `traceparent`.
+/// `endpoint` is the URL as it may be shown (no user, password or query).
+pub(crate) fn push_span(
+    endpoint: &str,
+    leased: &Leased,
+    request_headers: &mut reqwest::header::HeaderMap,
+) -> MessageSpan {
+    if !on() {
+        return MessageSpan::none();
+    }
+    let delivery = &leased.delivery;
+    let attributes = vec![
+        KeyValue::new("http.request.method", "POST"),
+        KeyValue::new("url.full", endpoint.to_owned()),
+        system(),
+        KeyValue::new("messaging.operation.type", "process"),
+        KeyValue::new("messaging.destination.name", delivery.subject.to_string()),
+        KeyValue::new("messaging.consumer.group.name", delivery.consumer.clone()),
+        KeyValue::new("messaging.nats.stream", delivery.stream.clone()),
+        KeyValue::new(
+            "messaging.nats.stream_sequence",
+            int(delivery.coordinates.key.stream_sequence),
+        ),
+        KeyValue::new(
+            "messaging.nats.delivered",
+            int(delivery.coordinates.key.delivered),
+        ),
+    ];
+    let links = message_context(delivery.headers.as_ref())
+        .map(|context| vec![Link::with_context(context)])
+        .unwrap_or_default();
+    let span = start("POST".to_owned(), SpanKind::Client, attributes, links);
+    if let Some(context) = span.span_context() {
+        let context = opentelemetry::Context::new().with_remote_span_context(context);
+        TraceContextPropagator::new()
+            .inject_context(&context, &mut HttpHeadersMut(request_headers));
+    }
+    span
+}
+
+/// How a push attempt ended: the status it was answered with, or none (a failure).
+pub(crate) fn pushed(span: &mut MessageSpan, status: Option<u16>) {
+    match status {
+        Some(status) => {
+            span.set("http.response.status_code", i64::from(status));
+            if status >= 500 {
+                span.fail();
+            }
+        }
+        None => span.fail(),
+    }
+}
+
+struct HttpHeadersMut<'h>(&'h mut reqwest::header::HeaderMap);
+
+impl Injector for HttpHeadersMut<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if value.is_empty() {
+            return;
+        }
+        if let (Ok(name), Ok(value)) = (
+            reqwest::header::HeaderName::from_bytes(key.as_bytes()),
+            reqwest::header::HeaderValue::from_str(&value),
+        ) {
+            self.0.insert(name, value);
+        }
+    }
+}

@@ -477,3 +477,67 @@ async fn at_sigterm_a_push_in_flight_gets_the_grace_then_its_message_goes_back()
     assert_eq!(payload(&received[0]), "stuck");
     assert_eq!(delivered(&received[0]), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_push_consumer_stays_paused_across_a_restart_until_resumed() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    let dir = files_dir();
+    let path = dir.path().join("consumers.toml");
+    std::fs::write(&path, entry(PUSHED, &endpoint.url, "")).expect("write");
+    let setup = Setup::defaults().flag("--consumers-file", path.display().to_string());
+    let mut gateway = setup.ready(&server.url()).await;
+    let named = format!("/streams/{STREAM}/consumers/{PUSHED}");
+
+    // Bad input changes nothing.
+    let past = gateway
+        .post(
+            &format!("{named}/push/pause"),
+            Some(&serde_json::json!({"until": "2001-01-01T00:00:00Z"})),
+        )
+        .await;
+    past.assert_invalid("until");
+    gateway
+        .post(
+            &format!("/streams/{STREAM}/consumers/billing/push/pause"),
+            None,
+        )
+        .await
+        .assert_problem(404);
+
+    let paused = gateway.post(&format!("{named}/push/pause"), None).await;
+    assert_eq!(paused.status, 200, "{}", paused.text);
+    assert_eq!(paused.body["paused"], true);
+    js.publish("orders.1", "held").await;
+    let fetch = gateway
+        .post(
+            &format!("{named}/fetch"),
+            Some(&serde_json::json!({"wait_ms": 0})),
+        )
+        .await;
+    assert_eq!(
+        fetch.assert_problem(409)["type"],
+        "urn:ruststream-nats:problem:consumer-paused"
+    );
+    wait_until(
+        "the push says it is paused",
+        Duration::from_secs(3),
+        || async { push_view(&gateway).await["push"]["state"] == "paused" },
+    )
+    .await;
+
+    // The pause is the server's: a restarted gateway finds it.
+    gateway.shutdown().await.expect("a clean stop");
+    let gateway = setup.ready(&server.url()).await;
+    assert_stays(
+        "nothing pushed while paused",
+        Duration::from_secs(2),
+        || async { endpoint.received().is_empty() },
+    )
+    .await;
+    let resumed = gateway.post(&format!("{named}/push/resume"), None).await;
+    assert_eq!(resumed.status, 200, "{}", resumed.text);
+    assert_eq!(resumed.body["paused"], false);
+    let received = endpoint.wait_for(1, Duration::from_secs(10)).await;
+    assert_eq!(payload(&received[0]), "held");
+}

@@ -387,3 +387,45 @@ async fn spans_go_out_over_grpc_when_the_protocol_says_so() {
     assert_eq!(send.service, "gateway-over-grpc");
     assert_eq!(server_parent(&receiver, &send).await.name, "POST /publish");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_attempt_is_a_client_span_linked_to_the_message_and_named_in_its_request() {
+    let receiver = Receiver::start().await;
+    let endpoint = crate::support::endpoint::Endpoint::start().await;
+    let (server, _js) = crate::support::server_with_stream().await;
+    let dir = crate::support::nats::files_dir();
+    let file = dir.path().join("consumers.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[[consumer]]\nstream = \"ORDERS\"\nname = \"hooks\"\n\n[consumer.push]\nurl = \"{}\"\n",
+            endpoint.url
+        ),
+    )
+    .expect("consumers file");
+    let gateway = traced("traced", &receiver.endpoint)
+        .flag("--consumers-file", file.display().to_string())
+        .process(&server.url())
+        .await;
+    publish(&gateway, "pushed", &[], json!({})).await;
+    let send = receiver
+        .span("the send span", |span| span.name == "send orders.traced")
+        .await;
+    let request = &endpoint.wait_for(1, Duration::from_secs(10)).await[0];
+    let incoming = request.header("traceparent").expect("a traceparent");
+    let (trace, span_id) = ids(&incoming);
+    let push = receiver
+        .span("the push span", |span| span.span_id == span_id)
+        .await;
+    assert_eq!(push.name, "POST");
+    assert_eq!(push.kind, SpanKind::Client);
+    assert_eq!(push.trace_id, trace);
+    assert_eq!(push.attr("url.full"), endpoint.url);
+    assert_eq!(push.integers.get("http.response.status_code"), Some(&204));
+    assert_eq!(push.attr("messaging.consumer.group.name"), "hooks");
+    assert_eq!(
+        push.links,
+        vec![(send.trace_id.clone(), send.span_id.clone())],
+        "linked to the span that sent the message"
+    );
+}

@@ -266,6 +266,7 @@ impl Consumer {
         let _awake = self.activity.hold();
         // A consumer that fell silent beats again (and reads its settings) before it leases.
         self.activity.wake_up().await;
+        self.refuse_if_paused()?;
         self.known_to_replicas()?;
         let max_ack_pending = self.state.max_ack_pending();
         {

@@ -11,6 +11,7 @@
 
 mod fetch;
 mod idle;
+mod pause;
 mod replicas;
 mod settle;
 mod stream;
@@ -83,6 +84,8 @@ pub(crate) struct Consumer {
     streams_end: Arc<watch::Sender<StreamsEnd>>,
     /// What its push worker says of itself, when it pushes.
     push: Arc<Mutex<Option<PushStatus>>>,
+    /// Until when the server has it paused, as last read (`None`: not paused).
+    paused: Arc<Mutex<Option<time::OffsetDateTime>>>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -217,6 +220,7 @@ impl Consumer {
             activity: Arc::default(),
             streams_end: Arc::new(watch::channel(StreamsEnd::default()).0),
             push: Arc::default(),
+            paused: Arc::default(),
         };
         tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
         let tasks = Tasks { stop, dispatcher };
