@@ -55,6 +55,10 @@ mod nats;
 #[path = "bench/consumers.rs"]
 mod consumers;
 
+/// `--push`: push delivery against a native forwarder.
+#[path = "bench/push.rs"]
+mod push;
+
 use std::future::IntoFuture as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -155,6 +159,11 @@ struct Args {
     /// drained beside a gateway of that consumer alone (docs/benchmark.md, "Many consumers").
     #[arg(long)]
     consumers: bool,
+
+    /// Instead of the drains: push delivery (batch 1 and 100) against a native forwarder in
+    /// the same run, and publish → request latency (docs/benchmark.md, "Push delivery").
+    #[arg(long)]
+    push: bool,
 
     /// Consumers of `--consumers`, spread over `--streams`.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -266,6 +275,8 @@ async fn main() -> anyhow::Result<()> {
         result = async {
             if args.footprint {
                 footprint(&args).await
+            } else if args.push {
+                push::run(&args).await
             } else if args.consumers {
                 let scale = consumers::Scale {
                     consumers: args.consumer_count,

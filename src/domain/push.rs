@@ -264,8 +264,9 @@ impl Window {
 }
 
 /// The pace of requests when even a window of one is refused: the gap between two requests
-/// doubles on each refusal at a window of one and shrinks by a thirty-second on each request
-/// taken, so that about one attempt in twenty is refused once it has settled.
+/// grows by half on each refusal at a window of one and shrinks by a tenth on each request
+/// taken. The two balance where one attempt in five is refused (0.2 × ln 1.5 = 0.8 × ln
+/// 1/0.9): an endpoint refusing more is sent less, one refusing less is sent more.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Pacer {
     gap: Duration,
@@ -282,10 +283,13 @@ impl Pacer {
     pub(crate) fn learn(&mut self, pace: Pace, window: usize) {
         match pace {
             Pace::Refused if window <= 1 => {
-                self.gap = (self.gap * 2).clamp(Duration::from_millis(1), MOST_GAP);
+                self.gap = self
+                    .gap
+                    .mul_f64(1.5)
+                    .clamp(Duration::from_millis(1), MOST_GAP);
             }
             Pace::Took => {
-                self.gap = self.gap.saturating_sub(self.gap / 32);
+                self.gap = self.gap.saturating_sub(self.gap / 10);
                 if self.gap < Duration::from_micros(100) {
                     self.gap = Duration::ZERO;
                 }
@@ -507,8 +511,24 @@ mod tests {
         assert_eq!(pacer.gap(), Duration::ZERO);
         pacer.learn(Pace::Refused, 1);
         pacer.learn(Pace::Refused, 1);
-        assert_eq!(pacer.gap(), Duration::from_millis(2));
-        for _ in 0..400 {
+        assert_eq!(pacer.gap(), Duration::from_micros(1500));
+        // Refused one in four: slower and slower; one in six: faster and faster.
+        let settle = |refused_every: usize| {
+            let mut pacer = Pacer::default();
+            pacer.learn(Pace::Refused, 1);
+            for attempt in 1..=600 {
+                let pace = if attempt % refused_every == 0 {
+                    Pace::Refused
+                } else {
+                    Pace::Took
+                };
+                pacer.learn(pace, 1);
+            }
+            pacer.gap()
+        };
+        assert_eq!(settle(4), MOST_GAP);
+        assert!(settle(6) <= Duration::from_millis(2), "{:?}", settle(6));
+        for _ in 0..100 {
             pacer.learn(Pace::Took, 1);
         }
         assert_eq!(pacer.gap(), Duration::ZERO);

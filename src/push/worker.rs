@@ -482,7 +482,10 @@ impl Attempts {
                 },
             };
             if let Err(err) = self.consumer.settle(&leased.id, &command).await {
-                debug!(consumer = %self.name, error = %err, "a push's settle did not land; the message comes back");
+                debug!(consumer = %self.name, error = %err, "a push's settle did not land; its redelivery is settled again from memory");
+                // The endpoint has it: what comes back is settled again, never pushed again
+                // by this process.
+                self.consumer.remember_ended(leased, &command);
             }
         }
     }

@@ -391,9 +391,30 @@ impl Consumer {
         &self.process.metrics
     }
 
+    /// Remember that `leased`'s message ended (`command`: ack or term) although its settle
+    /// did not land: a push the endpoint took whose ack the server never confirmed. Its
+    /// redelivery is then settled again from memory, never pushed again by this process.
+    pub(crate) fn remember_ended(
+        &self,
+        leased: &crate::domain::delivery::Leased,
+        command: &crate::domain::settle::AckCommand,
+    ) {
+        self.state.confirmed(
+            crate::domain::finals::MessageKey::of(&leased.delivery.coordinates),
+            command,
+        );
+    }
+
     /// The state of its push, when it pushes.
     pub(crate) fn push_status(&self) -> Option<PushStatus> {
-        self.push.lock().ok().and_then(|status| status.clone())
+        let mut status = self.push.lock().ok().and_then(|status| status.clone())?;
+        // The pause as of now: the worker's own view lags by up to a step.
+        if self.paused().is_some() {
+            status.state = crate::domain::push::PushState::Paused;
+        } else if status.state == crate::domain::push::PushState::Paused {
+            status.state = crate::domain::push::PushState::Running;
+        }
+        Some(status)
     }
 
     /// What its push worker says now (`None`: it no longer pushes).

@@ -98,17 +98,30 @@ impl Endpoint {
             .await
             .expect("bind the endpoint");
         let url = format!("http://{}/hook", listener.local_addr().expect("address"));
-        let app = axum::Router::new()
-            .route("/hook", axum::routing::post(receive))
-            .with_state(shared.clone());
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let server = serve(listener, shared.clone());
         Self {
             url,
             shared,
             server,
         }
+    }
+
+    /// Stop serving: connections are refused until [`Endpoint::restart`].
+    pub fn stop(&mut self) {
+        self.server.abort();
+    }
+
+    /// Serve again on the same port, with what was received so far.
+    pub async fn restart(&mut self) {
+        let address = self
+            .url
+            .trim_start_matches("http://")
+            .trim_end_matches("/hook")
+            .to_owned();
+        let listener = tokio::net::TcpListener::bind(&address)
+            .await
+            .expect("bind the endpoint again");
+        self.server = serve(listener, self.shared.clone());
     }
 
     /// Answer each request with `answer(request, its index among all received)`.
@@ -136,6 +149,15 @@ impl Endpoint {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) -> tokio::task::JoinHandle<()> {
+    let app = axum::Router::new()
+        .route("/hook", axum::routing::post(receive))
+        .with_state(shared);
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    })
 }
 
 async fn receive(

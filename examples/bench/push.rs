@@ -1,0 +1,345 @@
+//! `scripts/bench.sh --push`: push delivery against a native forwarder in the same run.
+//!
+//! An endpoint in the benchmark process answers every request 204 at once. Each round
+//! drains `--messages` messages (of `--payload-bytes`) four ways, each through a durable
+//! consumer of its own on one stream:
+//!
+//! - **native forwarder, batch 1**: async-nats `messages()` on a pull consumer, an HTTP POST
+//!   per message (the message as JSON, its data base64, as the gateway sends it), 64 in
+//!   flight, then a confirmed ack (`double_ack`) of each;
+//! - **gateway push, batch 1**: a consumer with a `[consumer.push]` table (`max_in_flight`
+//!   64) pushing to the same endpoint;
+//! - **native forwarder, batch 100**: `messages()` in chunks of up to 100, one POST of
+//!   `{"messages": […]}` per chunk, 64 chunks in flight, then the chunk's confirmed acks;
+//! - **gateway push, batch 100**: `batch = 100`.
+//!
+//! A drain is timed from its first request to the last confirmed ack (the consumer's
+//! `num_ack_pending` and `num_pending` both 0 for the gateway; every ack awaited for the
+//! native side). Then the latency row: one message a millisecond for 2 s to a fresh push
+//! consumer, each timed from its publish to its request's arrival (p50, p99).
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context as _, ensure};
+use async_nats::jetstream::{self, consumer, stream};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use futures::StreamExt as _;
+use tokio::time::Instant;
+
+use super::{AbortOnDrop, GatewayChild, gateway_binary, http_client, median, nats, server_version};
+
+const STREAM: &str = "PUSHB";
+const IN_FLIGHT: usize = 64;
+/// Messages of the latency row, one a millisecond.
+const LATENCY_MESSAGES: usize = 2000;
+
+/// What the endpoint has seen: messages (a batch counts each), and when each latency probe
+/// (a payload `probe-<n>`) arrived.
+#[derive(Default)]
+struct Seen {
+    messages: AtomicU64,
+    probes: Mutex<Vec<(usize, Instant)>>,
+}
+
+async fn endpoint(seen: Arc<Seen>) -> anyhow::Result<(String, AbortOnDrop)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding the endpoint")?;
+    let url = format!("http://{}/hook", listener.local_addr()?);
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move |body: axum::body::Bytes| {
+            let seen = seen.clone();
+            async move {
+                let at = Instant::now();
+                let value: serde_json::Value =
+                    serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+                let messages = match value.get("messages").and_then(|m| m.as_array()) {
+                    Some(all) => all.clone(),
+                    None => vec![value],
+                };
+                seen.messages
+                    .fetch_add(messages.len() as u64, Ordering::Relaxed);
+                for message in &messages {
+                    let data = message["data"].as_str().unwrap_or_default();
+                    let payload = STANDARD.decode(data).unwrap_or_default();
+                    if let Some(n) = std::str::from_utf8(&payload)
+                        .ok()
+                        .and_then(|text| text.strip_prefix("probe-"))
+                        .and_then(|n| n.parse().ok())
+                        && let Ok(mut probes) = seen.probes.lock()
+                    {
+                        probes.push((n, at));
+                    }
+                }
+                axum::http::StatusCode::NO_CONTENT
+            }
+        }),
+    );
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((url, AbortOnDrop(task)))
+}
+
+/// A message as the gateway's json format sends it (the fields a forwarder would send).
+fn as_json(message: &jetstream::Message) -> serde_json::Value {
+    let info = message.info().ok();
+    serde_json::json!({
+        "subject": message.subject.as_str(),
+        "data": STANDARD.encode(&message.payload),
+        "encoding": "base64",
+        "stream_sequence": info.as_ref().map(|info| info.stream_sequence),
+        "delivered": info.as_ref().map(|info| info.delivered),
+    })
+}
+
+/// The native forwarder: fetch, POST (one message or a chunk of up to `batch`), confirmed ack.
+async fn native(
+    js: &jetstream::Context,
+    name: &str,
+    url: &str,
+    messages: u64,
+    batch: usize,
+) -> anyhow::Result<Duration> {
+    let stream = js.get_stream(STREAM).await?;
+    let consumer: consumer::PullConsumer = stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some(name.to_owned()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..Default::default()
+        })
+        .await?;
+    let http = http_client()?;
+    let acked = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let incoming = consumer.messages().await?.take(messages as usize);
+    incoming
+        .ready_chunks(batch)
+        .for_each_concurrent(IN_FLIGHT, |chunk| {
+            let (http, acked) = (http.clone(), acked.clone());
+            async move {
+                let chunk: Vec<jetstream::Message> = chunk.into_iter().flatten().collect();
+                let body = if batch == 1 {
+                    chunk.first().map(as_json).unwrap_or_default()
+                } else {
+                    serde_json::json!({ "messages": chunk.iter().map(as_json).collect::<Vec<_>>() })
+                };
+                let answered = http.post(url).json(&body).send().await;
+                if answered.is_ok_and(|answer| answer.status().is_success()) {
+                    let acks = chunk.iter().map(|message| message.double_ack());
+                    let done = futures::future::join_all(acks).await;
+                    acked.fetch_add(
+                        done.iter().filter(|done| done.is_ok()).count() as u64,
+                        Ordering::Relaxed,
+                    );
+                }
+            }
+        })
+        .await;
+    ensure!(
+        acked.load(Ordering::Relaxed) == messages,
+        "the native forwarder acked {} of {messages}",
+        acked.load(Ordering::Relaxed)
+    );
+    Ok(started.elapsed())
+}
+
+/// The gateway pushing `name` (made by the gateway from its consumers file) until every
+/// message is acked.
+#[allow(clippy::too_many_arguments)]
+async fn gateway(
+    args: &super::Args,
+    js: &jetstream::Context,
+    nats_url: &str,
+    name: &str,
+    url: &str,
+    batch: usize,
+    seen: &Seen,
+    messages: u64,
+) -> anyhow::Result<Duration> {
+    let dir = tempfile::Builder::new().prefix("bench-push-").tempdir()?;
+    let file = dir.path().join("consumers.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[[consumer]]\nstream = \"{STREAM}\"\nname = \"{name}\"\n\n[consumer.push]\nurl = \"{url}\"\nbatch = {batch}\nmax_in_flight = {IN_FLIGHT}\n"
+        ),
+    )?;
+    let before = seen.messages.load(Ordering::Relaxed);
+    let gateway = GatewayChild::start_on(
+        &gateway_binary(args)?,
+        nats_url,
+        (STREAM, "unused"),
+        &[
+            "--no-default-consumer".into(),
+            "--consumers-file".into(),
+            file.display().to_string(),
+        ],
+        &args.gateway_env,
+        dir.path().join("gateway.log"),
+        &http_client()?,
+    )
+    .await?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while seen.messages.load(Ordering::Relaxed) == before {
+        ensure!(Instant::now() < deadline, "no push arrived");
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    let started = Instant::now();
+    let stream = js.get_stream(STREAM).await?;
+    loop {
+        let mut consumer: consumer::PullConsumer = stream
+            .get_consumer(name)
+            .await
+            .map_err(|err| anyhow::anyhow!("{err}"))?;
+        let info = consumer.info().await?;
+        if info.num_pending == 0
+            && info.num_ack_pending == 0
+            && info.ack_floor.stream_sequence >= messages
+        {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the push did not finish: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let took = started.elapsed();
+    gateway.stop().await?;
+    Ok(took)
+}
+
+pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
+    let server = nats::NatsServer::start().await;
+    let version = server_version(&nats::nats_server_binary())?;
+    let client = async_nats::connect(server.url()).await?;
+    let js = jetstream::new(client);
+    js.create_stream(stream::Config {
+        name: STREAM.into(),
+        subjects: vec!["pushb.>".into()],
+        ..Default::default()
+    })
+    .await?;
+    let payload = bytes::Bytes::from(vec![b'x'; args.payload_bytes as usize]);
+    let mut acks = Vec::new();
+    for _ in 0..args.messages {
+        acks.push(js.publish("pushb.msg", payload.clone()).await?);
+        if acks.len() == super::PUBLISH_CHUNK {
+            for ack in acks.drain(..) {
+                ack.await?;
+            }
+        }
+    }
+    for ack in acks {
+        ack.await?;
+    }
+    let seen = Arc::new(Seen::default());
+    let (url, _endpoint) = endpoint(seen.clone()).await?;
+    eprintln!(
+        "bench --push: {version}; {} messages a drain",
+        args.messages
+    );
+    let rate = |took: Duration| args.messages as f64 / took.as_secs_f64();
+    let mut ratios: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..args.rounds {
+        for (at, batch) in [1usize, 100].into_iter().enumerate() {
+            let native = native(
+                &js,
+                &format!("native{round}b{batch}"),
+                &url,
+                args.messages,
+                batch,
+            )
+            .await?;
+            let pushed = gateway(
+                args,
+                &js,
+                &server.url(),
+                &format!("push{round}b{batch}"),
+                &url,
+                batch,
+                &seen,
+                args.messages,
+            )
+            .await?;
+            let ratio = rate(pushed) / rate(native);
+            eprintln!(
+                "round {round}, batch {batch}: native {:.0} msg/s, gateway push {:.0} msg/s: {ratio:.2}",
+                rate(native),
+                rate(pushed)
+            );
+            ratios[at].push(ratio);
+        }
+    }
+
+    // Latency: a fresh push consumer delivering new messages only, one published a millisecond.
+    let dir = tempfile::Builder::new()
+        .prefix("bench-push-latency-")
+        .tempdir()?;
+    let file = dir.path().join("consumers.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[[consumer]]\nstream = \"{STREAM}\"\nname = \"latency\"\ndeliver_policy = \"new\"\n\n[consumer.push]\nurl = \"{url}\"\n"
+        ),
+    )?;
+    let gateway = GatewayChild::start_on(
+        &gateway_binary(args)?,
+        &server.url(),
+        (STREAM, "unused"),
+        &[
+            "--no-default-consumer".into(),
+            "--consumers-file".into(),
+            file.display().to_string(),
+        ],
+        &args.gateway_env,
+        dir.path().join("gateway.log"),
+        &http_client()?,
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut sent = Vec::with_capacity(LATENCY_MESSAGES);
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    for n in 0..LATENCY_MESSAGES {
+        tick.tick().await;
+        sent.push(Instant::now());
+        js.publish("pushb.probe", format!("probe-{n}").into())
+            .await?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen.probes.lock().map_or(0, |probes| probes.len()) < LATENCY_MESSAGES {
+        ensure!(Instant::now() < deadline, "not every probe arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gateway.stop().await?;
+    let mut latencies: Vec<f64> = seen
+        .probes
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .iter()
+        .map(|(n, at)| at.duration_since(sent[*n]).as_secs_f64() * 1000.0)
+        .collect();
+    latencies.sort_by(f64::total_cmp);
+    let percentile = |p: usize| latencies[(latencies.len() * p / 100).min(latencies.len() - 1)];
+    println!(
+        "push batch 1 ÷ native forwarder (median of {} rounds): {:.2}",
+        args.rounds,
+        median(ratios[0].clone()).unwrap_or_default()
+    );
+    println!(
+        "push batch 100 ÷ native forwarder batching the same way: {:.2}",
+        median(ratios[1].clone()).unwrap_or_default()
+    );
+    println!(
+        "publish → request received at 1 000 msg/s: p50 {:.2} ms, p99 {:.2} ms",
+        percentile(50),
+        percentile(99)
+    );
+    Ok(())
+}
