@@ -466,26 +466,63 @@ impl Attempts {
         }
         self.learn(&verdicts[0], epoch, failure);
         let metrics = self.consumer.metrics_of_process();
+        // Acks go together (one batch settle: about one round trip for all of them), the
+        // rest alongside, each with its own delay or reason.
+        let mut acks: Vec<(&Leased, String)> = Vec::new();
+        let mut others: Vec<(&Leased, AckCommand)> = Vec::new();
         for (leased, verdict) in leases.iter().zip(&verdicts) {
             metrics
                 .push()
                 .attempt(&self.name.stream, &self.name.consumer, verdict.result, took);
-            let command = match &verdict.settle {
-                Settle::Ack => AckCommand::Ack,
+            match &verdict.settle {
+                Settle::Ack => acks.push((leased, leased.id.clone())),
                 // Left to the endpoint: nothing to do.
-                Settle::Later => continue,
-                Settle::Nak(delay) => AckCommand::Nak {
-                    delay: (!delay.is_zero()).then_some(*delay),
-                },
-                Settle::Term(reason) => AckCommand::Term {
-                    reason: Some(reason.clone()),
-                },
-            };
-            if let Err(err) = self.consumer.settle(&leased.id, &command).await {
+                Settle::Later => {}
+                Settle::Nak(delay) => others.push((
+                    leased,
+                    AckCommand::Nak {
+                        delay: (!delay.is_zero()).then_some(*delay),
+                    },
+                )),
+                Settle::Term(reason) => others.push((
+                    leased,
+                    AckCommand::Term {
+                        reason: Some(reason.clone()),
+                    },
+                )),
+            }
+        }
+        let ids: Vec<String> = acks.iter().map(|(_, id)| id.clone()).collect();
+        let acked = async {
+            if ids.is_empty() {
+                Vec::new()
+            } else {
+                self.consumer.settle_many(&ids, &AckCommand::Ack).await
+            }
+        };
+        let settled_others = futures::future::join_all(
+            others
+                .iter()
+                .map(|(leased, command)| self.consumer.settle(&leased.id, command)),
+        );
+        let (acked, settled_others) = futures::join!(acked, settled_others);
+        let ack = AckCommand::Ack;
+        let outcomes = acks
+            .iter()
+            .map(|(leased, _)| (*leased, &ack))
+            .zip(acked)
+            .chain(
+                others
+                    .iter()
+                    .map(|(leased, command)| (*leased, command))
+                    .zip(settled_others),
+            );
+        for ((leased, command), outcome) in outcomes {
+            if let Err(err) = outcome {
                 debug!(consumer = %self.name, error = %err, "a push's settle did not land; its redelivery is settled again from memory");
                 // The endpoint has it: what comes back is settled again, never pushed again
                 // by this process.
-                self.consumer.remember_ended(leased, &command);
+                self.consumer.remember_ended(leased, command);
             }
         }
     }
