@@ -720,3 +720,100 @@ async fn ledger_push_under_faults_loses_nothing_and_never_pushes_a_taken_message
     );
     let _ = gateway;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_endpoint_holds_back_neither_another_push_consumer_nor_a_fetch() {
+    let (server, js) = server_with_stream().await;
+    let hanging = Endpoint::start().await;
+    hanging.answer(|_, _| Reply::status(204).after(Duration::from_secs(15)));
+    let answering = Endpoint::start().await;
+    let file = format!(
+        "{}{}",
+        entry("stuck", &hanging.url, "timeout = \"10s\""),
+        entry("quick", &answering.url, "")
+    );
+    let (gateway, _dir) = with_consumers_file(&server, &file).await;
+    js.publish("orders.1", "for everyone").await;
+    hanging.wait_for(1, Duration::from_secs(10)).await;
+    // While the first endpoint holds its request, the other consumer's push and a fetch of
+    // the default consumer go on.
+    let received = answering.wait_for(1, Duration::from_secs(5)).await;
+    assert_eq!(payload(&received[0]), "for everyone");
+    let fetched = gateway.fetch_n(1, 0).await;
+    assert_eq!(fetched.len(), 1, "the default consumer's fetch");
+    assert_eq!(
+        hanging.received().len(),
+        1,
+        "the hanging push is still in flight"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_left_for_later_is_settled_at_another_replica() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    endpoint.answer(|_, _| Reply::status(202).header("Ruststream-Settle", "later"));
+    let key = crate::support::shared_key();
+    let dir = files_dir();
+    let path = dir.path().join("consumers.toml");
+    std::fs::write(&path, entry(PUSHED, &endpoint.url, "")).expect("write");
+    let pushing = Setup::defaults()
+        .lease_key_file(key.path())
+        .flag("--consumers-file", path.display().to_string())
+        .ready(&server.url())
+        .await;
+    // Another replica that does not push this consumer, serving it on demand.
+    let other = Setup::defaults()
+        .lease_key_file(key.path())
+        .flag("--serve-existing", "ORDERS/*")
+        .ready(&server.url())
+        .await;
+    js.publish("orders.1", "long work").await;
+    let received = endpoint.wait_for(1, Duration::from_secs(10)).await;
+    let lease = received[0].header("ruststream-lease-id").expect("lease id");
+    assert_eq!(other.ack(&lease).await, 204, "settled at the other replica");
+    wait_all_settled(&pushing).await;
+    assert_stays("not pushed again", Duration::from_secs(1), || async {
+        endpoint.received().len() == 1
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_limit_and_a_retry_after_date_pace_the_requests() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    endpoint.answer(|request, index| {
+        if index == 0 {
+            // An HTTP date two seconds ahead (whole seconds: at least one second away).
+            let at = std::time::SystemTime::now() + Duration::from_secs(2);
+            Reply::status(503).header("Retry-After", &httpdate::fmt_http_date(at))
+        } else {
+            let _ = request;
+            Reply::status(204)
+        }
+    });
+    let (gateway, _dir) =
+        with_consumers_file(&server, &entry(PUSHED, &endpoint.url, "rate_limit = 20")).await;
+    js.publish("orders.1", "refused first").await;
+    let refused = endpoint.wait_for(1, Duration::from_secs(10)).await[0].at;
+    js.publish_many("orders.1", 30, "paced").await;
+    let received = endpoint.wait_for(32, Duration::from_secs(15)).await;
+    assert!(
+        received[1].at.duration_since(refused) >= Duration::from_millis(900),
+        "the next request came {:?} after a Retry-After date",
+        received[1].at.duration_since(refused)
+    );
+    // At most 20 a second (and a burst of two): no second holds more than 22 requests.
+    for (at, request) in received.iter().enumerate().skip(1) {
+        let within = received[at..]
+            .iter()
+            .take_while(|later| later.at.duration_since(request.at) < Duration::from_secs(1))
+            .count();
+        assert!(
+            within <= 22,
+            "{within} requests within a second of request {at}"
+        );
+    }
+    wait_all_settled(&gateway).await;
+}
