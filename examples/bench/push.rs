@@ -101,6 +101,36 @@ fn as_json(message: &jetstream::Message) -> serde_json::Value {
     })
 }
 
+/// A gateway serving only the consumer of `entry` (the lines of one `[[consumer]]` of
+/// stream STREAM after `stream = …`), and the directory of its consumers file and log.
+async fn pushing(
+    args: &super::Args,
+    nats_url: &str,
+    entry: &str,
+) -> anyhow::Result<(GatewayChild, tempfile::TempDir)> {
+    let dir = tempfile::Builder::new().prefix("bench-push-").tempdir()?;
+    let file = dir.path().join("consumers.toml");
+    std::fs::write(
+        &file,
+        format!("[[consumer]]\nstream = \"{STREAM}\"\n{entry}"),
+    )?;
+    let gateway = GatewayChild::start_on(
+        &gateway_binary(args)?,
+        nats_url,
+        (STREAM, "unused"),
+        &[
+            "--no-default-consumer".into(),
+            "--consumers-file".into(),
+            file.display().to_string(),
+        ],
+        &args.gateway_env,
+        dir.path().join("gateway.log"),
+        &http_client()?,
+    )
+    .await?;
+    Ok((gateway, dir))
+}
+
 /// The native forwarder: fetch, POST (one message or a chunk of up to `batch`), confirmed ack.
 async fn native(
     js: &jetstream::Context,
@@ -165,27 +195,11 @@ async fn gateway(
     seen: &Seen,
     messages: u64,
 ) -> anyhow::Result<Duration> {
-    let dir = tempfile::Builder::new().prefix("bench-push-").tempdir()?;
-    let file = dir.path().join("consumers.toml");
-    std::fs::write(
-        &file,
-        format!(
-            "[[consumer]]\nstream = \"{STREAM}\"\nname = \"{name}\"\n\n[consumer.push]\nurl = \"{url}\"\nbatch = {batch}\nmax_in_flight = {IN_FLIGHT}\n"
-        ),
-    )?;
     let before = seen.messages.load(Ordering::Relaxed);
-    let gateway = GatewayChild::start_on(
-        &gateway_binary(args)?,
+    let (gateway, _dir) = pushing(
+        args,
         nats_url,
-        (STREAM, "unused"),
-        &[
-            "--no-default-consumer".into(),
-            "--consumers-file".into(),
-            file.display().to_string(),
-        ],
-        &args.gateway_env,
-        dir.path().join("gateway.log"),
-        &http_client()?,
+        &format!("name = \"{name}\"\n\n[consumer.push]\nurl = \"{url}\"\nbatch = {batch}\nmax_in_flight = {IN_FLIGHT}\n"),
     )
     .await?;
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -282,31 +296,28 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
     }
 
     // Latency: a fresh push consumer delivering new messages only, one published a millisecond (the first 100 a warm-up).
-    let dir = tempfile::Builder::new()
-        .prefix("bench-push-latency-")
-        .tempdir()?;
-    let file = dir.path().join("consumers.toml");
-    std::fs::write(
-        &file,
-        format!(
-            "[[consumer]]\nstream = \"{STREAM}\"\nname = \"latency\"\ndeliver_policy = \"new\"\n\n[consumer.push]\nurl = \"{url}\"\n"
-        ),
-    )?;
-    let gateway = GatewayChild::start_on(
-        &gateway_binary(args)?,
+    let (gateway, _dir) = pushing(
+        args,
         &server.url(),
-        (STREAM, "unused"),
-        &[
-            "--no-default-consumer".into(),
-            "--consumers-file".into(),
-            file.display().to_string(),
-        ],
-        &args.gateway_env,
-        dir.path().join("gateway.log"),
-        &http_client()?,
+        &format!(
+            "name = \"latency\"\ndeliver_policy = \"new\"\n\n[consumer.push]\nurl = \"{url}\"\n"
+        ),
     )
     .await?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Probes published before the consumer exists would never be delivered (policy new).
+    let stream = js.get_stream(STREAM).await?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stream
+        .get_consumer::<consumer::pull::Config>("latency")
+        .await
+        .is_err()
+    {
+        ensure!(
+            Instant::now() < deadline,
+            "the latency consumer was not made"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let mut sent = Vec::with_capacity(LATENCY_MESSAGES);
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     for n in 0..LATENCY_MESSAGES {

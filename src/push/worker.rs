@@ -44,8 +44,6 @@ struct Control {
     rate: RateLimit,
     /// No request before this: a `Retry-After`.
     hold_until: Option<Instant>,
-    /// Messages in requests in flight.
-    messages_in_flight: usize,
     requests_in_flight: usize,
     last_success_at: Option<OffsetDateTime>,
     last_failure: Option<PushFailure>,
@@ -72,6 +70,8 @@ struct Attempts {
     consumer: Consumer,
     name: ConsumerName,
     spec: Arc<PushSpec>,
+    /// The endpoint as it may be shown (logs, status, spans): made once, not per request.
+    endpoint: String,
     client: reqwest::Client,
     control: Arc<Mutex<Control>>,
     /// Rung when a request ends: the worker may lease again.
@@ -127,7 +127,6 @@ impl Worker {
             pacer: Pacer::default(),
             rate: RateLimit::new(f64::from(spec.rate_limit), Instant::now()),
             hold_until: None,
-            messages_in_flight: 0,
             requests_in_flight: 0,
             last_success_at: None,
             last_failure: None,
@@ -138,6 +137,7 @@ impl Worker {
             consumer: consumer.clone(),
             name: self.name.clone(),
             spec: spec.clone(),
+            endpoint: spec.shown_url(),
             client,
             control: control.clone(),
             ended: Arc::new(Notify::new()),
@@ -289,16 +289,13 @@ impl Attempts {
                 return;
             };
             control.requests_in_flight += 1;
-            control.messages_in_flight += leases.len();
             control.window.epoch()
         };
         let attempts = self.clone();
         requests.spawn(async move {
-            let count = leases.len();
             attempts.attempt(leases, epoch).await;
             if let Ok(mut control) = attempts.control.lock() {
                 control.requests_in_flight -= 1;
-                control.messages_in_flight -= count;
             }
             attempts.show();
             attempts.ended.notify_one();
@@ -352,7 +349,7 @@ impl Attempts {
         let started = Instant::now();
         let mut request = request::build(&self.spec, &leases, SystemTime::now());
         let mut span =
-            telemetry::spans::push_span(&self.spec.shown_url(), &leases[0], &mut request.headers);
+            telemetry::spans::push_span(&self.endpoint, &leases[0], &mut request.headers);
         let send = self
             .client
             .post(self.spec.url.clone())
@@ -553,7 +550,7 @@ impl Attempts {
                     .is_none_or(|last| now.duration_since(last) >= LOG_FAILURES_EVERY);
                 if log {
                     control.last_logged = Some(now);
-                    let endpoint = self.spec.shown_url();
+                    let endpoint = &self.endpoint;
                     match (&failure.status, &failure.error) {
                         (Some(status), _) => {
                             error!(consumer = %self.name, %endpoint, status, "the push endpoint refuses messages (logged at most once a minute)");
@@ -586,7 +583,7 @@ impl Attempts {
             PushState::Running
         };
         let status = PushStatus {
-            url: self.spec.shown_url(),
+            url: self.endpoint.clone(),
             state,
             window: control.window.size(),
             in_flight: control.requests_in_flight,

@@ -34,8 +34,11 @@ use tracing::{info, warn};
 use crate::config::{Config, ConsumerSpec};
 use crate::dispatch::{Command, Dispatcher};
 use crate::domain::consumers::ConsumerName;
+use crate::domain::delivery::Leased;
+use crate::domain::finals::MessageKey;
 use crate::domain::idempotency::IdempotencyCache;
-use crate::domain::push::PushStatus;
+use crate::domain::push::{PushState, PushStatus};
+use crate::domain::settle::AckCommand;
 use crate::domain::subject;
 use crate::error::Error;
 use crate::metrics::{Metrics, Snapshot};
@@ -394,15 +397,9 @@ impl Consumer {
     /// Remember that `leased`'s message ended (`command`: ack or term) although its settle
     /// did not land: a push the endpoint took whose ack the server never confirmed. Its
     /// redelivery is then settled again from memory, never pushed again by this process.
-    pub(crate) fn remember_ended(
-        &self,
-        leased: &crate::domain::delivery::Leased,
-        command: &crate::domain::settle::AckCommand,
-    ) {
-        self.state.confirmed(
-            crate::domain::finals::MessageKey::of(&leased.delivery.coordinates),
-            command,
-        );
+    pub(crate) fn remember_ended(&self, leased: &Leased, command: &AckCommand) {
+        self.state
+            .confirmed(MessageKey::of(&leased.delivery.coordinates), command);
     }
 
     /// The state of its push, when it pushes.
@@ -410,9 +407,9 @@ impl Consumer {
         let mut status = self.push.lock().ok().and_then(|status| status.clone())?;
         // The pause as of now: the worker's own view lags by up to a step.
         if self.paused().is_some() {
-            status.state = crate::domain::push::PushState::Paused;
-        } else if status.state == crate::domain::push::PushState::Paused {
-            status.state = crate::domain::push::PushState::Running;
+            status.state = PushState::Paused;
+        } else if status.state == PushState::Paused {
+            status.state = PushState::Running;
         }
         Some(status)
     }
@@ -424,10 +421,10 @@ impl Consumer {
         }
     }
 
-    /// The live replicas serving this consumer, this one included: a fleet-wide limit is
-    /// shared among them.
+    /// The live replicas serving this consumer, this one included, as max_waiting is shared
+    /// among them: a fleet-wide push limit is shared the same way.
     pub(crate) fn live_replicas(&self) -> usize {
-        self.replicas().len().max(1)
+        self.state.replicas()
     }
 
     /// The gateway's metrics, for recording from the HTTP layer.
