@@ -58,6 +58,9 @@ mod consumers;
 /// `--push`: push delivery against a native forwarder.
 #[path = "bench/push.rs"]
 mod push;
+/// `--push`, the overload and idle rows.
+#[path = "bench/push_pacing.rs"]
+mod push_pacing;
 
 use std::future::IntoFuture as _;
 use std::path::{Path, PathBuf};
@@ -165,6 +168,10 @@ struct Args {
     #[arg(long)]
     push: bool,
 
+    /// The rows `--push` measures (all when not given).
+    #[arg(long = "push-row", value_enum)]
+    push_rows: Vec<PushRow>,
+
     /// Consumers of `--consumers`, spread over `--streams`.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     consumer_count: u32,
@@ -195,6 +202,19 @@ fn parse_env(text: &str) -> Result<(String, String), String> {
     text.split_once('=')
         .map(|(key, value)| (key.to_string(), value.to_string()))
         .ok_or_else(|| format!("{text:?} is not KEY=VALUE"))
+}
+
+/// A row of `--push`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum PushRow {
+    /// Batch 1 and 100 against a native forwarder.
+    Throughput,
+    /// Publish → request received at 1 000 msg/s.
+    Latency,
+    /// An endpoint taking 500 msg/s, then 1000.
+    Overload,
+    /// 100 push consumers with nothing to push.
+    Idle,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -17,7 +17,8 @@
 //! `num_ack_pending` and `num_pending` both 0 for the gateway; every ack awaited for the
 //! native side). Then the latency row: one message a millisecond for 2 s to a fresh push
 //! consumer, each timed from its publish to its request's arrival (p50, p99), the first 100
-//! a warm-up left out.
+//! a warm-up left out. The overload and idle rows are `push_pacing`'s; `--push-row` picks
+//! rows.
 
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -31,7 +32,9 @@ use base64::engine::general_purpose::STANDARD;
 use futures::StreamExt as _;
 use tokio::time::Instant;
 
-use super::{AbortOnDrop, GatewayChild, gateway_binary, http_client, median, nats, server_version};
+use super::{
+    AbortOnDrop, GatewayChild, PushRow, gateway_binary, http_client, median, nats, server_version,
+};
 
 const STREAM: &str = "PUSHB";
 const IN_FLIGHT: usize = 64;
@@ -233,6 +236,7 @@ async fn gateway(
 }
 
 pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
+    let wants = |row: PushRow| args.push_rows.is_empty() || args.push_rows.contains(&row);
     let server = nats::NatsServer::start().await;
     let version = server_version(&nats::nats_server_binary())?;
     let client = async_nats::connect(server.url()).await?;
@@ -243,6 +247,35 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
         ..Default::default()
     })
     .await?;
+    let seen = Arc::new(Seen::default());
+    let (url, _endpoint) = endpoint(seen.clone()).await?;
+    eprintln!(
+        "bench --push: {version}; {} messages a drain",
+        args.messages
+    );
+    if wants(PushRow::Throughput) {
+        throughput(args, &js, &server.url(), &url, &seen).await?;
+    }
+    if wants(PushRow::Latency) {
+        latency(args, &js, &server.url(), &url, &seen).await?;
+    }
+    if wants(PushRow::Overload) {
+        super::push_pacing::overload(args, &server.url()).await?;
+    }
+    if wants(PushRow::Idle) {
+        super::push_pacing::idle(args).await?;
+    }
+    Ok(())
+}
+
+/// Batch 1 and 100, the gateway against the native forwarder, round by round.
+async fn throughput(
+    args: &super::Args,
+    js: &jetstream::Context,
+    nats_url: &str,
+    url: &str,
+    seen: &Seen,
+) -> anyhow::Result<()> {
     let payload = bytes::Bytes::from(vec![b'x'; args.payload_bytes as usize]);
     let mut acks = Vec::new();
     for _ in 0..args.messages {
@@ -256,32 +289,26 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
     for ack in acks {
         ack.await?;
     }
-    let seen = Arc::new(Seen::default());
-    let (url, _endpoint) = endpoint(seen.clone()).await?;
-    eprintln!(
-        "bench --push: {version}; {} messages a drain",
-        args.messages
-    );
     let rate = |took: Duration| args.messages as f64 / took.as_secs_f64();
     let mut ratios: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     for round in 0..args.rounds {
         for (at, batch) in [1usize, 100].into_iter().enumerate() {
             let native = native(
-                &js,
+                js,
                 &format!("native{round}b{batch}"),
-                &url,
+                url,
                 args.messages,
                 batch,
             )
             .await?;
             let pushed = gateway(
                 args,
-                &js,
-                &server.url(),
+                js,
+                nats_url,
                 &format!("push{round}b{batch}"),
-                &url,
+                url,
                 batch,
-                &seen,
+                seen,
                 args.messages,
             )
             .await?;
@@ -294,11 +321,30 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
             ratios[at].push(ratio);
         }
     }
+    println!(
+        "push batch 1 ÷ native forwarder (median of {} rounds): {:.2}",
+        args.rounds,
+        median(ratios[0].clone()).unwrap_or_default()
+    );
+    println!(
+        "push batch 100 ÷ native forwarder batching the same way: {:.2}",
+        median(ratios[1].clone()).unwrap_or_default()
+    );
+    Ok(())
+}
 
+/// Publish → request received, one message a millisecond.
+async fn latency(
+    args: &super::Args,
+    js: &jetstream::Context,
+    nats_url: &str,
+    url: &str,
+    seen: &Seen,
+) -> anyhow::Result<()> {
     // Latency: a fresh push consumer delivering new messages only, one published a millisecond (the first 100 a warm-up).
     let (gateway, _dir) = pushing(
         args,
-        &server.url(),
+        nats_url,
         &format!(
             "name = \"latency\"\ndeliver_policy = \"new\"\n\n[consumer.push]\nurl = \"{url}\"\n"
         ),
@@ -343,15 +389,6 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
         .collect();
     latencies.sort_by(f64::total_cmp);
     let percentile = |p: usize| latencies[(latencies.len() * p / 100).min(latencies.len() - 1)];
-    println!(
-        "push batch 1 ÷ native forwarder (median of {} rounds): {:.2}",
-        args.rounds,
-        median(ratios[0].clone()).unwrap_or_default()
-    );
-    println!(
-        "push batch 100 ÷ native forwarder batching the same way: {:.2}",
-        median(ratios[1].clone()).unwrap_or_default()
-    );
     println!(
         "publish → request received at 1 000 msg/s: p50 {:.2} ms, p99 {:.2} ms",
         percentile(50),

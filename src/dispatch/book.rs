@@ -24,6 +24,12 @@ pub(super) const PULL_GRACE: Duration = Duration::from_millis(500);
 const PULL_RETRY: Duration = Duration::from_millis(50);
 /// Longest single pull: bounds how long a withdrawn fetch's pull can still attract messages.
 const MAX_PULL_EXPIRES: Duration = Duration::from_secs(1);
+/// Longest single pull of a patient stream (an idle push worker), which reads what comes
+/// as long as it is open: an idle one costs the server a request and its timeout status a
+/// minute. It waits for a first message and ends once it delivered what there was (it is
+/// not kept open: a message it caught after its worker stepped back and that is nak'd
+/// cannot come back into it); when the worker goes, it is ended with it.
+const MAX_PATIENT_PULL_EXPIRES: Duration = Duration::from_secs(60);
 /// Shorter waits than this are sent as a plain `no_wait` pull.
 const MIN_EXPIRES: Duration = Duration::from_millis(10);
 /// Upper bound on pulls open at once, whatever max_waiting allows.
@@ -75,6 +81,9 @@ struct Pull<R> {
     owner: Option<u64>,
     /// The stream it was opened for, whose next demand takes it over.
     stream: Option<u64>,
+    /// The patient stream it waits for (see [`Demand::patient`]): it may wait at the server
+    /// for a minute, so it is ended here as soon as that stream ends.
+    patient_for: Option<u64>,
     remaining: usize,
     /// When to give up on the server's end-of-request status.
     give_up_at: Instant,
@@ -100,6 +109,9 @@ pub(super) struct PlannedPull {
     /// Waits at the server until its batch is delivered or it expires (a stream's pull),
     /// rather than ending once it delivered what there was (`no_wait`). Only with `expires`.
     pub(super) keep_open: bool,
+    /// A patient stream's long wait for its first message (see [`Demand::patient`]); never
+    /// kept open after it delivered, so nothing it catches is caught twice.
+    pub(super) patient: bool,
     pub(super) give_up_at: Instant,
 }
 
@@ -206,6 +218,30 @@ impl<R> Book<R> {
     pub(super) fn close_pulls(&mut self) -> Vec<R> {
         let inboxes = self.pulls.drain().map(|(_, pull)| pull.inbox).collect();
         self.forget_pulls();
+        inboxes
+    }
+
+    /// Patient stream `stream` ended (`None`: every patient stream, at shutdown). Its pull
+    /// would wait at the server for up to a minute, and what it caught would be held, nak'd,
+    /// and redelivered into it again: it is forgotten here and its inbox returned, to be
+    /// aborted (unsubscribed), so that the server drops it.
+    pub(super) fn end_patient_pulls(&mut self, stream: Option<u64>, now: Instant) -> Vec<R> {
+        let ended: Vec<u64> = self
+            .pulls
+            .iter()
+            .filter(|(_, pull)| {
+                pull.patient_for
+                    .is_some_and(|of| stream.is_none_or(|id| id == of))
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        let mut inboxes = Vec::with_capacity(ended.len());
+        for pull_id in ended {
+            if let Some(pull) = self.pulls.remove(&pull_id) {
+                self.pull_ended_for(pull.owner, false, now);
+                inboxes.push(pull.inbox);
+            }
+        }
         inboxes
     }
 
@@ -454,10 +490,13 @@ impl<R> Book<R> {
             if let Some(max_batch) = limits.max_batch {
                 batch = batch.min(max_batch);
             }
-            let mut left = waiter
-                .deadline
-                .saturating_duration_since(now)
-                .min(MAX_PULL_EXPIRES);
+            let patient = waiter.demand.patient && waiter.demand.stream.is_some();
+            let longest = if patient {
+                MAX_PATIENT_PULL_EXPIRES
+            } else {
+                MAX_PULL_EXPIRES
+            };
+            let mut left = waiter.deadline.saturating_duration_since(now).min(longest);
             if let Some(max_expires) = limits.max_expires {
                 left = left.min(max_expires);
             }
@@ -466,7 +505,8 @@ impl<R> Book<R> {
                 fetch: waiter.id,
                 batch,
                 expires,
-                keep_open: waiter.demand.stream.is_some() && expires.is_some(),
+                keep_open: waiter.demand.stream.is_some() && expires.is_some() && !patient,
+                patient: patient && expires.is_some(),
                 give_up_at: now + left + PULL_GRACE,
             });
             capacity -= batch;
@@ -504,6 +544,7 @@ impl<R> Book<R> {
             Pull {
                 owner: Some(planned.fetch),
                 stream: stream.filter(|_| planned.keep_open),
+                patient_for: planned.patient.then_some(stream).flatten(),
                 remaining: planned.batch,
                 give_up_at: planned.give_up_at,
                 inbox,

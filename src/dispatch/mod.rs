@@ -56,6 +56,8 @@ pub(crate) enum Command {
     /// The fetch's HTTP client went away: free its place at once; what its pull still
     /// brings goes to the next fetch.
     Withdraw { id: u64 },
+    /// A patient stream (a push worker's) ended: end its long pull now.
+    EndStream { id: u64 },
     /// The NATS connection dropped: the server forgot every open pull.
     ConnectionLost,
     /// Deliveries whose leases were given back (the client left): lease them again.
@@ -143,6 +145,11 @@ impl Dispatcher {
                         debug!(fetch = id, "fetch withdrawn: its client hung up");
                         self.book.withdraw(id);
                     }
+                    Some(Command::EndStream { id }) => {
+                        for inbox in self.book.end_patient_pulls(Some(id), Instant::now()) {
+                            inbox.abort();
+                        }
+                    }
                     Some(Command::GiveBack(deliveries)) => self.book.give_back(None, deliveries),
                     Some(Command::ConnectionLost) => self.book.forget_pulls(),
                     Some(Command::Shutdown) => self.shutting_down = true,
@@ -180,6 +187,10 @@ impl Dispatcher {
     /// that nothing sent to the gateway waits out its ack_wait.
     async fn drain_open_pulls(&mut self) {
         let now = Instant::now();
+        // Patient pulls are not short: not waited for (what they caught is nak'd below).
+        for inbox in self.book.end_patient_pulls(None, now) {
+            inbox.abort();
+        }
         self.stragglers.retain(|(_, inbox)| !inbox.is_finished());
         let open_until = self.book.last_give_up();
         let stragglers_until = (!self.stragglers.is_empty()).then_some(now + PULL_GRACE);

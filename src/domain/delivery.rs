@@ -70,4 +70,8 @@ pub(crate) struct Demand {
     /// pull stays open at the server between its demands, its next demand takes it over,
     /// and each demand is answered as soon as something came.
     pub(crate) stream: Option<u64>,
+    /// A stream whose owner reads what comes the moment it comes, for as long as it is
+    /// open (a push worker): its pull may wait at the server for a minute rather than a
+    /// second, so an idle one costs the server two messages a minute, not two a second.
+    pub(crate) patient: bool,
 }

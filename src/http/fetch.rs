@@ -252,5 +252,6 @@ fn demand(body: &FetchBody, config: &Config) -> Result<Demand, Error> {
         wait: Duration::from_millis(wait_ms),
         max_bytes,
         stream: None,
+        patient: false,
     })
 }

@@ -47,6 +47,7 @@ fn demand(batch: usize, wait_ms: u64) -> Demand {
         wait: Duration::from_millis(wait_ms),
         max_bytes: None,
         stream: None,
+        patient: false,
     }
 }
 
@@ -86,6 +87,7 @@ fn a_pull_asks_for_the_batch_within_capacity_and_max_pull_expires() {
             batch: 30,
             expires: Some(MAX_PULL_EXPIRES),
             keep_open: false,
+            patient: false,
             give_up_at: now + MAX_PULL_EXPIRES + PULL_GRACE,
         }]
     );
@@ -207,6 +209,56 @@ fn a_streams_pull_stays_open_and_its_next_demand_takes_it_over() {
     let planned = book.plan_pulls(now, 1000, LIMITS);
     let for_fetch = planned.iter().find(|pull| pull.fetch == 4);
     assert!(for_fetch.is_some_and(|pull| !pull.keep_open), "{planned:?}");
+}
+
+#[test]
+fn an_idle_push_workers_pull_waits_a_minute_is_never_kept_open_and_ends_with_its_stream() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let patient = Demand {
+        stream: Some(42),
+        patient: true,
+        ..demand(4, 120_000)
+    };
+    let (_answered, pull_id) = waiting(&mut book, patient, now);
+    let pull = &book.pulls[&pull_id];
+    assert_eq!(pull.stream, None, "not kept open for the next demand");
+    assert_eq!(pull.patient_for, Some(42));
+    assert_eq!(
+        pull.give_up_at,
+        now + MAX_PATIENT_PULL_EXPIRES + PULL_GRACE,
+        "waits at the server for a minute, not a second"
+    );
+    book.withdraw(1);
+
+    // Another stream's pull stays; this stream's ends with it, and at shutdown every patient one.
+    let (other, _) = oneshot::channel();
+    book.enqueue(
+        2,
+        Demand {
+            stream: Some(7),
+            ..demand(5, 10_000)
+        },
+        other,
+        now,
+    );
+    let plan = book.plan_pulls(now, 1000, LIMITS)[0];
+    let other_pull = book.next_pull_id();
+    book.pull_opened(plan, other_pull, ());
+    assert_eq!(book.end_patient_pulls(Some(7), now).len(), 0);
+    assert_eq!(book.end_patient_pulls(Some(42), now).len(), 1);
+    assert!(!book.is_open(pull_id) && book.is_open(other_pull));
+    let (_answered, again) = waiting(
+        &mut book,
+        Demand {
+            stream: Some(43),
+            patient: true,
+            ..demand(1, 120_000)
+        },
+        now,
+    );
+    assert_eq!(book.end_patient_pulls(None, now).len(), 1);
+    assert!(!book.is_open(again) && book.is_open(other_pull));
 }
 
 #[test]

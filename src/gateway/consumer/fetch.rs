@@ -263,9 +263,14 @@ impl Consumer {
             return Err(Error::ShuttingDown);
         }
         self.connected()?;
-        let _awake = self.activity.hold();
+        // A patient demand (a push worker's) keeps nothing awake while it waits: an idle
+        // push consumer falls silent as any idle consumer does (no reads of its state, out
+        // of the heartbeat) while its pull waits at the server; what arrives wakes it.
+        let _awake = (!demand.patient).then(|| self.activity.hold());
         // A consumer that fell silent beats again (and reads its settings) before it leases.
-        self.activity.wake_up().await;
+        if !demand.patient {
+            self.activity.wake_up().await;
+        }
         self.refuse_if_paused()?;
         self.known_to_replicas()?;
         let max_ack_pending = self.state.max_ack_pending();
@@ -339,11 +344,27 @@ impl Consumer {
             () = became_full => return Err(shared_capacity_reached()),
         };
         pending.answered = None;
+        if demand.patient && !leased.is_empty() {
+            // Its live leases keep it awake from now on; one step first, so that the
+            // other replicas know it before its leases reach anyone who may settle them.
+            self.activity.wake_up().await;
+        }
         Ok(leased)
     }
 
     /// Take back leases whose client left before seeing them: the deliveries go to the
     /// next fetch (or are nak'd), as if never handed out.
+    /// Send the dispatcher `command` from a `drop`, which cannot wait: at once, or from a
+    /// task when its queue is full.
+    pub(super) fn tell_from_drop(&self, command: Command) {
+        let commands = self.commands.clone();
+        if let Err(mpsc::error::TrySendError::Full(command)) = commands.try_send(command) {
+            tokio::spawn(async move {
+                let _ = commands.send(command).await;
+            });
+        }
+    }
+
     pub(super) async fn give_back(&self, leased: Vec<Leased>) {
         let deliveries = self.state.give_back(leased);
         let _ = self.commands.send(Command::GiveBack(deliveries)).await;
@@ -376,11 +397,6 @@ impl Drop for PendingFetch<'_> {
             Ok(leased) => Command::GiveBack(self.gateway.state.give_back(leased)),
             Err(_) => Command::Withdraw { id: self.id },
         };
-        let commands = self.gateway.commands.clone();
-        if let Err(mpsc::error::TrySendError::Full(command)) = commands.try_send(command) {
-            tokio::spawn(async move {
-                let _ = commands.send(command).await;
-            });
-        }
+        self.gateway.tell_from_drop(command);
     }
 }

@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{Caller, Consumer};
+use crate::dispatch::Command;
 use crate::domain::delivery::{Demand, Leased};
 use crate::domain::lease_id::DeliveryKey;
 use crate::error::Error;
@@ -27,6 +28,12 @@ use crate::telemetry;
 /// The longest a stream waits for messages (or for credit) before it says it is alive: well
 /// inside the 15 s a client may expect between two lines.
 pub(crate) const QUIET_AT_MOST: Duration = Duration::from_secs(10);
+/// The same for an idle push worker, which has no client to reassure: as long as its pull
+/// may wait.
+const PATIENT_QUIET_AT_MOST: Duration = Duration::from_secs(60);
+/// A push worker that got messages waits this long for more before it counts as idle and
+/// waits patiently: while busy its pull is an ordinary stream's, kept open between steps.
+const BUSY_QUIET_AFTER: Duration = Duration::from_secs(1);
 /// How long a stream waits before asking again while NATS is away or the consumer is full.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
 /// The most a stream leases in one step, whatever its credit: a client that stops reading
@@ -113,8 +120,9 @@ pub(crate) struct LeaseStream {
     /// Names the stream to the dispatcher: its pull outlives one demand.
     id: u64,
     gateway: Consumer,
-    /// An open stream keeps its consumer awake.
-    _awake: super::idle::Held,
+    /// An open stream keeps its consumer awake; a push worker's does not (its live leases
+    /// do).
+    _awake: Option<super::idle::Held>,
     /// Its credit: shared with whoever may change it while the stream is open (a push
     /// worker's window).
     max_in_flight: Arc<AtomicUsize>,
@@ -122,6 +130,11 @@ pub(crate) struct LeaseStream {
     /// Whether `written` counts against the credit: not for a push worker, which keeps
     /// its own count of what is in flight.
     tracks_written: bool,
+    /// A push worker's: it takes what comes as it comes, so its pull may wait long at the
+    /// server (see [`Demand::patient`]) once it is idle.
+    patient: bool,
+    /// Whether its last demand got nothing (or there was none yet).
+    idle: bool,
     unwritten: VecDeque<Leased>,
     ends: Ends,
     /// The span of the request that opened the stream: each batch's receive span is its
@@ -154,11 +167,13 @@ impl LeaseStream {
         let opened_at = consumer.borrow().count;
         Self {
             id: LAST_STREAM_ID.fetch_add(1, Ordering::Relaxed) + 1,
-            _awake: gateway.activity.hold(),
+            _awake: Some(gateway.activity.hold()),
             gateway,
             max_in_flight,
             written: Vec::new(),
             tracks_written: true,
+            patient: false,
+            idle: true,
             unwritten: VecDeque::new(),
             ends: Ends {
                 consumer,
@@ -174,6 +189,8 @@ impl LeaseStream {
     pub(crate) fn untracked(gateway: Consumer, credit: Arc<AtomicUsize>) -> Self {
         let mut stream = Self::with_credit(gateway, credit, None);
         stream.tracks_written = false;
+        stream.patient = true;
+        stream._awake = None;
         stream
     }
 
@@ -228,18 +245,25 @@ impl LeaseStream {
                     reason = self.ends.wait() => return self.ended(reason),
                 }
             }
+            let patient = self.patient && self.idle;
             let demand = Demand {
                 // In slices: what a stuck client is sent and never reads is at most one.
                 batch: credit.min(STREAM_SLICE),
-                wait: QUIET_AT_MOST,
+                wait: match (self.patient, patient) {
+                    (_, true) => PATIENT_QUIET_AT_MOST,
+                    (true, false) => BUSY_QUIET_AFTER,
+                    (false, _) => QUIET_AT_MOST,
+                },
                 max_bytes: None,
                 stream: Some(self.id),
+                patient,
             };
             let leased = tokio::select! {
                 leased = self.gateway.lease_for(demand, caller) => leased,
                 // The fetch dropped is withdrawn: what its pull brings goes to the next.
                 reason = self.ends.wait() => return self.ended(reason),
             };
+            self.idle = leased.as_ref().is_ok_and(Vec::is_empty);
             return match leased {
                 Ok(leased) if leased.is_empty() => Step::Quiet,
                 Ok(leased) => {
@@ -310,8 +334,13 @@ impl Consumer {
 }
 
 impl Drop for LeaseStream {
-    /// Leases taken for the stream and never written go back, as a withdrawn fetch's do.
+    /// Leases taken for the stream and never written go back, as a withdrawn fetch's do. A
+    /// patient stream's long pull ends with it.
     fn drop(&mut self) {
+        if self.patient {
+            self.gateway
+                .tell_from_drop(Command::EndStream { id: self.id });
+        }
         if self.unwritten.is_empty() {
             return;
         }
