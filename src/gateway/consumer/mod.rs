@@ -308,6 +308,20 @@ impl Consumer {
         })
     }
 
+    /// Wait until the consumer may be served again after a refusal for want of a binding
+    /// or a connection: its binding or the connection changed.
+    pub(crate) async fn binding_or_connection_changed(&self) {
+        // From now on: a clone remembers what its original last saw, which may be old.
+        let mut bound = self.bound.clone();
+        bound.mark_unchanged();
+        let mut nats_up = self.nats_up.clone();
+        nats_up.mark_unchanged();
+        tokio::select! {
+            changed = bound.changed() => if changed.is_err() { std::future::pending::<()>().await },
+            changed = nats_up.changed() => if changed.is_err() { std::future::pending::<()>().await },
+        }
+    }
+
     /// The binding, once connected and checked since the last reconnect; the 503 names
     /// what is awaited.
     fn connected(&self) -> Result<Arc<Bound>, Error> {

@@ -36,6 +36,10 @@ const PATIENT_QUIET_AT_MOST: Duration = Duration::from_secs(60);
 const BUSY_QUIET_AFTER: Duration = Duration::from_secs(1);
 /// How long a stream waits before asking again while NATS is away or the consumer is full.
 const RETRY_EVERY: Duration = Duration::from_secs(1);
+/// The first of those waits when the consumer cannot be served yet (just started: bound but
+/// not yet announced to the other replicas; rebinding): doubled up to [`RETRY_EVERY`], so
+/// that a stream opened at start serves its first message within a few milliseconds.
+const RETRY_FIRST: Duration = Duration::from_millis(25);
 /// The most a stream leases in one step, whatever its credit: a client that stops reading
 /// strands at most this many (besides what its connection buffers).
 pub(crate) const STREAM_SLICE: usize = 100;
@@ -135,6 +139,8 @@ pub(crate) struct LeaseStream {
     patient: bool,
     /// Whether its last demand got nothing (or there was none yet).
     idle: bool,
+    /// How long it waits before asking again after its last demand failed.
+    retry_in: Duration,
     unwritten: VecDeque<Leased>,
     ends: Ends,
     /// The span of the request that opened the stream: each batch's receive span is its
@@ -174,6 +180,7 @@ impl LeaseStream {
             tracks_written: true,
             patient: false,
             idle: true,
+            retry_in: RETRY_FIRST,
             unwritten: VecDeque::new(),
             ends: Ends {
                 consumer,
@@ -264,6 +271,12 @@ impl LeaseStream {
                 reason = self.ends.wait() => return self.ended(reason),
             };
             self.idle = leased.as_ref().is_ok_and(Vec::is_empty);
+            let retry_in = self.retry_in;
+            self.retry_in = if leased.is_ok() {
+                RETRY_FIRST
+            } else {
+                (retry_in * 2).min(RETRY_EVERY)
+            };
             return match leased {
                 Ok(leased) if leased.is_empty() => Step::Quiet,
                 Ok(leased) => {
@@ -289,8 +302,11 @@ impl LeaseStream {
                         reason = self.ends.wait() => self.ended(reason),
                     }
                 }
+                // Not bound yet (just started, rebinding) or NATS away: asks again as soon as
+                // that changes, or in a while.
                 Err(_) => tokio::select! {
-                    () = tokio::time::sleep(RETRY_EVERY) => Step::Quiet,
+                    () = tokio::time::sleep(retry_in) => Step::Quiet,
+                    () = self.gateway.binding_or_connection_changed() => Step::Quiet,
                     reason = self.ends.wait() => self.ended(reason),
                 },
             };
