@@ -829,3 +829,29 @@ async fn the_rate_limit_and_a_retry_after_date_pace_the_requests() {
     }
     wait_all_settled(&gateway).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_longer_than_half_the_lease_keeps_it_alive_past_its_first_end() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    // ack_wait 3 s: a lease of 2.85 s. The answer comes after 1.8 s, past half of it, and
+    // leaves the lease open: only the in-progress sent at half the lease keeps it alive.
+    endpoint.answer(|_, _| {
+        Reply::status(202)
+            .header("Ruststream-Settle", "later")
+            .after(Duration::from_millis(1800))
+    });
+    let entry = format!(
+        "[[consumer]]\nstream = \"{STREAM}\"\nname = \"{PUSHED}\"\nack_wait = \"3s\"\n\n[consumer.push]\nurl = \"{}\"\ntimeout = \"2s\"\n",
+        endpoint.url
+    );
+    let (gateway, _dir) = with_consumers_file(&server, &entry).await;
+    js.publish("orders.1", "long request").await;
+    let received = endpoint.wait_for(1, Duration::from_secs(10)).await;
+    let lease = received[0].header("ruststream-lease-id").expect("lease id");
+    // Past the lease's first end and the server's ack_wait, both counted from the delivery.
+    tokio::time::sleep_until((received[0].at + Duration::from_millis(3300)).into()).await;
+    assert_eq!(gateway.ack(&lease).await, 204, "the lease was extended");
+    wait_all_settled(&gateway).await;
+    assert_eq!(endpoint.received().len(), 1, "never redelivered");
+}
