@@ -110,6 +110,9 @@ pub(crate) struct Dispatcher {
     rebind_requested: bool,
     /// Reply subjects of messages that were no usable delivery, to nak.
     unusable: Vec<Subject>,
+    /// The bound consumer's leader elections: its open pulls may have died with the old
+    /// leader.
+    leader_elections: Option<async_nats::Subscriber>,
 }
 
 impl Dispatcher {
@@ -123,6 +126,7 @@ impl Dispatcher {
             stragglers: Vec::new(),
             rebind_requested: false,
             unusable: Vec::new(),
+            leader_elections: None,
         }
     }
 
@@ -173,6 +177,10 @@ impl Dispatcher {
                     self.rebind(next).await;
                 }
                 () = capacity_freed.notified() => {}
+                Some(_) = next_election(&mut self.leader_elections) => {
+                    info!("a new consumer leader was elected: pulling again, since the open pulls may have died with the old one");
+                    self.book.forget_pulls();
+                }
                 () = sleep_until(wake) => {}
             }
             self.pump().await;
@@ -229,6 +237,10 @@ impl Dispatcher {
         self.rebind_requested = false;
         // Deliveries of a previous binding cannot be leased any more: let the server have them.
         self.release_held(|_| true).await;
+        self.leader_elections = match &bound {
+            Some(bound) => pull::leader_elections(bound).await,
+            None => None,
+        };
         self.bound = bound;
     }
 
@@ -498,5 +510,19 @@ impl Drop for Dispatcher {
                 "dispatcher stopped with unleased deliveries; the server redelivers them after ack_wait"
             );
         }
+    }
+}
+
+/// The next leader election, or never (no subscription, or it ended).
+async fn next_election(elections: &mut Option<async_nats::Subscriber>) -> Option<()> {
+    match elections {
+        Some(subscriber) => match subscriber.next().await {
+            Some(_) => Some(()),
+            None => {
+                *elections = None;
+                std::future::pending().await
+            }
+        },
+        None => std::future::pending().await,
     }
 }

@@ -105,6 +105,28 @@ pub(crate) async fn open(
     ))
 }
 
+/// The consumer's leader elections (`$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED`, on a
+/// cluster): a pull waiting at a leader that died outright (killed: one that steps down ends
+/// its pulls with a status) is gone without a word, and an idle stream's pull waits for up
+/// to a minute. `None` when the subscription cannot be made (no permission): pulls are then
+/// asked again when they expire.
+pub(crate) async fn leader_elections(bound: &Bound) -> Option<async_nats::Subscriber> {
+    let stream = &bound.consumer.cached_info().stream_name;
+    let subject = format!(
+        "$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.{stream}.{}",
+        bound.consumer_name
+    );
+    match tokio::time::timeout(SUBSCRIBE_TIMEOUT, bound.client.subscribe(subject)).await {
+        Ok(Ok(subscriber)) => Some(subscriber),
+        _ => {
+            info!(
+                "cannot follow the consumer's leader elections: a pull lost with a killed leader is asked again when it expires"
+            );
+            None
+        }
+    }
+}
+
 /// What the dispatcher keeps of an open pull's inbox: stops reading it, and tells whether
 /// it is still read.
 pub(crate) struct PullHandle {

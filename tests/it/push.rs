@@ -850,8 +850,103 @@ async fn a_request_longer_than_half_the_lease_keeps_it_alive_past_its_first_end(
     let received = endpoint.wait_for(1, Duration::from_secs(10)).await;
     let lease = received[0].header("ruststream-lease-id").expect("lease id");
     // Past the lease's first end and the server's ack_wait, both counted from the delivery.
-    tokio::time::sleep_until((received[0].at + Duration::from_millis(3300)).into()).await;
+    tokio::time::sleep_until(received[0].at + Duration::from_millis(3300)).await;
     assert_eq!(gateway.ack(&lease).await, 204, "the lease was extended");
     wait_all_settled(&gateway).await;
     assert_eq!(endpoint.received().len(), 1, "never redelivered");
+}
+
+/// The consumer's leader, and how many pulls wait at it.
+async fn leader_and_waiting(js: &async_nats::jetstream::Context) -> Option<(String, usize)> {
+    let stream = js.get_stream(STREAM).await.ok()?;
+    let info = stream.consumer_info(PUSHED).await.ok()?;
+    let leader = info.cluster.as_ref()?.leader.clone()?;
+    Some((leader, info.num_waiting))
+}
+
+/// An idle push consumer's pull waits at its consumer leader for up to a minute. When that
+/// leader is killed outright (no status ends the pull), the leader elected next is asked
+/// again at once: a message published then is pushed in seconds, not after that minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_push_consumer_pulls_again_from_a_new_consumer_leader() {
+    use crate::support::cluster::Cluster;
+    let mut cluster = Cluster::start(3, false).await;
+    // Everyone talks to n1; the consumer's leader is made another node, then killed.
+    let n1 = cluster.nodes[0].1.url();
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect(n1.as_str())
+        .await
+        .expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: STREAM.to_owned(),
+            subjects: vec!["orders.>".to_owned()],
+            num_replicas: 3,
+            ..Default::default()
+        })
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "the R3 stream was not made");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let endpoint = Endpoint::start().await;
+    let dir = files_dir();
+    let path = dir.path().join("consumers.toml");
+    std::fs::write(&path, entry(PUSHED, &endpoint.url, "")).expect("write");
+    let _gateway = Setup::defaults()
+        .flag("--consumers-file", path.display().to_string())
+        .ready(&n1)
+        .await;
+    // Moved off n1 if it is there; then one pull waits at it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let leader = loop {
+        match leader_and_waiting(&js).await {
+            Some((at, _)) if at == "n1" => {
+                let api = format!("$JS.API.CONSUMER.LEADER.STEPDOWN.{STREAM}.{PUSHED}");
+                let _: Result<Value, _> = js.request(api, &serde_json::json!({})).await;
+            }
+            Some((at, waiting)) if waiting > 0 => break at,
+            _ => {}
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no pull of the idle push consumer waits at a leader other than n1"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    cluster.node(&leader).kill();
+    wait_until(
+        "another consumer leader",
+        Duration::from_secs(20),
+        || async {
+            leader_and_waiting(&js)
+                .await
+                .is_some_and(|(at, _)| at != leader)
+        },
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let published = match js.publish("orders.1", "after the kill".into()).await {
+            Ok(ack) => ack.await.is_ok(),
+            Err(_) => false,
+        };
+        match published {
+            true => break,
+            false => {
+                assert!(
+                    Instant::now() < deadline,
+                    "could not publish after the kill"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    let received = endpoint.wait_for(1, Duration::from_secs(15)).await;
+    assert_eq!(payload(&received[0]), "after the kill");
+    cluster.node(&leader).restart().await;
 }
