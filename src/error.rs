@@ -76,6 +76,9 @@ pub(crate) enum Error {
     },
     #[error("{0}")]
     MethodNotAllowed(String),
+    /// The NATS server lacks what the request needs (its version named).
+    #[error("{0}")]
+    NotImplemented(String),
     /// No bearer token, or one that is not configured.
     #[error("{}", if *invalid { "the bearer token is not valid" } else { "this endpoint needs a bearer token (Authorization: Bearer <token>)" })]
     Unauthorized { invalid: bool },

@@ -239,6 +239,14 @@ impl LeaseState {
         self.finals().get(MessageKey::of(coordinates))
     }
 
+    /// The consumer was moved on purpose (a seek): every live lease is void, and what
+    /// ended through this gateway before may be delivered again as meant, not settled again.
+    pub(crate) fn moved(&self) {
+        *self.finals() = Finals::new(LEASE_MEMORY_MAX);
+        self.new_epoch();
+        self.request_rebind();
+    }
+
     fn finals(&self) -> MutexGuard<'_, Finals> {
         // As for the lease table: keep going with a table a panic left behind.
         self.finals

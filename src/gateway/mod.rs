@@ -21,7 +21,7 @@ mod registry;
 
 use consumer::publish_refusal;
 pub(crate) use consumer::{Caller, EndsWhen, Idempotency, LeaseStream, STREAM_SLICE, Step};
-pub(crate) use consumer::{Consumer, SettleResult};
+pub(crate) use consumer::{Consumer, SeekTarget, SettleResult};
 pub(crate) use registry::Source;
 
 use std::collections::HashMap;

@@ -21,6 +21,7 @@ mod publish;
 mod push;
 pub(crate) mod responses;
 mod scopes;
+mod seek;
 pub(crate) mod serve;
 mod tickets;
 pub(crate) mod tls;
@@ -94,6 +95,7 @@ fn api() -> OpenApiRouter<Shared> {
         .routes(routes!(consumers::named_consumer))
         .routes(routes!(push::pause))
         .routes(routes!(push::resume))
+        .routes(routes!(seek::seek))
         .routes(routes!(metrics::metrics))
         .routes(routes!(ops::openapi_json))
 }

@@ -65,6 +65,7 @@ impl Error {
             }
             Self::ConsumerUnsuitable(_) | Self::ConsumerPaused { .. } => StatusCode::CONFLICT,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             Self::LeaseGone | Self::OwnerGone => StatusCode::GONE,
             Self::AlreadySettled { .. } => StatusCode::CONFLICT,
             Self::AtCapacity { .. } | Self::TooManyWaitingFetches { .. } => {
@@ -95,6 +96,7 @@ impl Error {
             Self::ConsumerUnsuitable(_) => ("consumer-unsuitable", "Consumer unsuitable"),
             Self::ConsumerPaused { .. } => ("consumer-paused", "Consumer paused"),
             Self::MethodNotAllowed(_) => ("method-not-allowed", "Method not allowed"),
+            Self::NotImplemented(_) => ("server-too-old", "NATS server too old"),
             Self::LeaseGone | Self::OwnerGone => ("lease-gone", "Lease gone"),
             Self::AlreadySettled { .. } => ("lease-settled", "Lease already settled"),
             Self::AtCapacity { .. } => ("too-many-leases", "Too many leases in flight"),

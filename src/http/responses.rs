@@ -42,10 +42,11 @@ pub(crate) enum ProblemKind {
     PublishPrecondition,
     ConsumerNotFound,
     ConsumerUnsuitable,
+    ServerTooOld,
 }
 
 impl ProblemKind {
-    const ALL: [Self; 15] = [
+    const ALL: [Self; 16] = [
         Self::Unauthorized,
         Self::Forbidden,
         Self::BodyTimeout,
@@ -61,6 +62,7 @@ impl ProblemKind {
         Self::PublishPrecondition,
         Self::ConsumerNotFound,
         Self::ConsumerUnsuitable,
+        Self::ServerTooOld,
     ];
 
     fn name(self) -> &'static str {
@@ -80,6 +82,7 @@ impl ProblemKind {
             Self::PublishPrecondition => "PublishPrecondition",
             Self::ConsumerNotFound => "ConsumerNotFound",
             Self::ConsumerUnsuitable => "ConsumerUnsuitable",
+            Self::ServerTooOld => "ServerTooOld",
         }
     }
 
@@ -122,6 +125,9 @@ impl ProblemKind {
             }
             Self::ConsumerUnsuitable => {
                 "The consumer exists but cannot be served: a push consumer, a consumer that is not durable, or one whose ack policy is not explicit (`consumer-unsuitable`; the detail names the setting); or it is paused (`consumer-paused`, with `paused_until` unless it is paused until resumed)."
+            }
+            Self::ServerTooOld => {
+                "The NATS server lacks what this needs (a consumer reset needs nats-server 2.14 or later); the detail names its version."
             }
             Self::PublishPrecondition => {
                 "A `Nats-Expected-*` header did not hold (expected stream, last sequence, last subject sequence or last message id): nothing was stored, and retrying as is cannot succeed."
@@ -183,6 +189,9 @@ impl ProblemKind {
                     until: time::OffsetDateTime::from_unix_timestamp(1_796_126_400).ok(),
                 },
             ],
+            Self::ServerTooOld => vec![Error::NotImplemented(
+                "moving a consumer needs nats-server 2.14 or later (its consumer reset); this server is 2.11.9".into(),
+            )],
             Self::PublishPrecondition => vec![Error::PublishPrecondition(
                 "the stream refused the message: wrong last sequence: 7 (code 400, error code 10071)"
                     .into(),
@@ -316,6 +325,9 @@ refusal_sets! {
     NamedFetchRefusals = [TooManyLeases, Unavailable, ConsumerNotFound, ConsumerUnsuitable];
     /// A route naming its consumer that needs the NATS server.
     NamedNatsRefusals = [Unavailable, ConsumerNotFound, ConsumerUnsuitable];
+    /// `POST …/seek` beyond its body: a server without the consumer reset, or as
+    /// [`NamedNatsRefusals`].
+    SeekRefusals = [Unavailable, ConsumerNotFound, ConsumerUnsuitable, ServerTooOld];
 }
 
 #[cfg(test)]

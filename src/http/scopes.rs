@@ -97,7 +97,7 @@ pub(crate) enum NamedRoute {
     Status,
 }
 
-/// `{stream}/consumers/{consumer}[/fetch|/events|/ws|/push/pause|/push/resume]` (the path
+/// `{stream}/consumers/{consumer}[/fetch|/events|/ws|/push/pause|/push/resume|/seek]` (the path
 /// after `/streams/`), as the route and
 /// its OpenAPI template (`{stream}` literally) write it.
 fn named_route(rest: &str) -> Option<NamedRoute> {
@@ -111,6 +111,8 @@ fn named_route(rest: &str) -> Option<NamedRoute> {
         (Some("fetch" | "events" | "ws"), None, _) => Some(NamedRoute::Fetch),
         // Pausing and resuming a push consumer: an operator's act, as its status is.
         (Some("push"), Some("pause" | "resume"), None) => Some(NamedRoute::Status),
+        // Moving a consumer: an operator's act.
+        (Some("seek"), None, _) => Some(NamedRoute::Status),
         _ => None,
     }
 }

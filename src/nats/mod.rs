@@ -24,6 +24,7 @@ pub(crate) mod publish;
 pub(crate) mod pull;
 pub(crate) mod reconcile;
 pub(crate) mod replicas;
+pub(crate) mod seek;
 pub(crate) mod settle;
 pub(crate) mod trust;
 

@@ -29,6 +29,7 @@ mod rebinding;
 mod replicas;
 mod robustness;
 mod security;
+mod seek;
 mod settle;
 mod shutdown;
 mod signals;

@@ -13,12 +13,14 @@ mod fetch;
 mod idle;
 mod pause;
 mod replicas;
+mod seek;
 mod settle;
 mod stream;
 mod supervisor;
 mod wire;
 
 pub(crate) use fetch::{Caller, Idempotency};
+pub(crate) use seek::SeekTarget;
 use stream::StreamsEnd;
 pub(crate) use stream::{EndsWhen, LeaseStream, STREAM_SLICE, Step};
 
@@ -89,6 +91,9 @@ pub(crate) struct Consumer {
     push: Arc<Mutex<Option<PushStatus>>>,
     /// Until when the server has it paused, as last read (`None`: not paused).
     paused: Arc<Mutex<Option<time::OffsetDateTime>>>,
+    /// The mark of the last move (seek) of the consumer this replica knows of; `None`
+    /// until its first read of the consumer.
+    seek_mark: Arc<Mutex<Option<Option<String>>>>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -224,6 +229,7 @@ impl Consumer {
             streams_end: Arc::new(watch::channel(StreamsEnd::default()).0),
             push: Arc::default(),
             paused: Arc::default(),
+            seek_mark: Arc::default(),
         };
         tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
         let tasks = Tasks { stop, dispatcher };

@@ -480,6 +480,7 @@ impl Consumer {
                         usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX);
                     self.follow_settings(info.config.ack_wait, max_ack_pending);
                     self.follow_pause(info.paused, info.config.pause_until);
+                    self.follow_moves(&info);
                     // Other replicas hold slots this one does not count: the server's count
                     // of unacknowledged deliveries says when all of them together are full.
                     let full = self.state.replicas() > 1

@@ -1,0 +1,156 @@
+//! `POST /streams/{stream}/consumers/{consumer}/seek`: a consumer moved to a sequence, a
+//! time, its stream's beginning and end (dry runs first), the acked messages it re-delivers
+//! leased again, its live leases void (410) here and at another replica, and bad input
+//! refused with nothing changed.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::support::{STREAM, Setup, shared_key, wait_until};
+
+fn seek_path(consumer: &str) -> String {
+    format!("/streams/{STREAM}/consumers/{consumer}/seek")
+}
+
+/// The stream sequences of everything a fetch leases now, acked.
+async fn fetch_all_and_ack(gateway: &crate::support::Client, expected: usize) -> Vec<u64> {
+    let mut sequences = Vec::new();
+    let deadline = crate::support::Deadline::after(
+        format!("{expected} messages are leased"),
+        Duration::from_secs(10),
+    );
+    while sequences.len() < expected {
+        for message in gateway.fetch_n(100, 300).await {
+            assert_eq!(gateway.ack(&message.id).await, 204);
+            sequences.push(message.stream_sequence);
+        }
+        deadline.tick_seeing(format_args!("{sequences:?}")).await;
+    }
+    sequences.sort_unstable();
+    sequences
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_moves_to_a_sequence_a_time_its_beginning_and_its_end() {
+    let consumer = "rewound";
+    let (_server, js, gateway) = Setup::consumer(consumer).start().await;
+    js.publish_many("orders.1", 10, "m").await;
+    let leased = gateway.fetch_n(10, 2000).await;
+    assert_eq!(leased.len(), 10);
+    let sixth_published_at = leased[5].published_at.clone();
+    for message in &leased {
+        assert_eq!(gateway.ack(&message.id).await, 204);
+    }
+    let path = seek_path(consumer);
+    let seek = |body: Value| {
+        let gateway = &gateway;
+        let path = path.clone();
+        async move {
+            let reply = gateway.post(&path, Some(&body)).await;
+            assert_eq!(reply.status, 200, "{body}: {}", reply.text);
+            reply.body
+        }
+    };
+
+    // A dry run says where and what, and moves nothing.
+    let dry = seek(json!({"sequence": 3, "dry_run": true})).await;
+    assert_eq!(
+        (
+            &dry["sequence"],
+            &dry["redelivers"],
+            &dry["skips"],
+            &dry["dry_run"]
+        ),
+        (&json!(3), &json!(8), &json!(0), &json!(true))
+    );
+    assert!(gateway.fetch_n(10, 300).await.is_empty(), "nothing moved");
+
+    // Back to 3: what was acked here is leased again, as the move means.
+    let moved = seek(json!({"sequence": 3})).await;
+    assert_eq!(
+        (&moved["sequence"], &moved["dry_run"]),
+        (&json!(3), &json!(false))
+    );
+    assert_eq!(
+        fetch_all_and_ack(&gateway, 8).await,
+        (3..=10).collect::<Vec<_>>()
+    );
+
+    // To a time: the first message stored at or after it.
+    let at = seek(json!({"time": sixth_published_at, "dry_run": true})).await;
+    assert_eq!((&at["sequence"], &at["redelivers"]), (&json!(6), &json!(5)));
+    seek(json!({"time": sixth_published_at})).await;
+    assert_eq!(
+        fetch_all_and_ack(&gateway, 5).await,
+        (6..=10).collect::<Vec<_>>()
+    );
+
+    let beginning = seek(json!({"position": "beginning", "dry_run": true})).await;
+    assert_eq!(
+        (&beginning["sequence"], &beginning["redelivers"]),
+        (&json!(1), &json!(10))
+    );
+
+    // To the end: what waits is skipped, what comes next is delivered.
+    js.publish_many("orders.1", 3, "skipped").await;
+    let end = seek(json!({"position": "end", "dry_run": true})).await;
+    assert_eq!((&end["sequence"], &end["skips"]), (&json!(14), &json!(3)));
+    seek(json!({"position": "end"})).await;
+    js.publish("orders.1", "after the end").await;
+    assert_eq!(fetch_all_and_ack(&gateway, 1).await, vec![14]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seek_voids_live_leases_here_and_at_another_replica_and_bad_input_changes_nothing() {
+    let consumer = "rewound-fleet";
+    let key = shared_key();
+    let setup = Setup::consumer(consumer).lease_key_file(key.path());
+    let (server, js, here) = setup.start().await;
+    let there = setup.ready(&server.url()).await;
+    js.publish_many("orders.1", 4, "m").await;
+    let held_here = here.fetch_n(2, 2000).await;
+    let held_there = there.fetch_n(2, 2000).await;
+    assert_eq!((held_here.len(), held_there.len()), (2, 2));
+    let path = seek_path(consumer);
+
+    for bad in [
+        json!({}),
+        json!({"sequence": 2, "position": "end"}),
+        json!({"sequence": 0}),
+        json!({"position": "middle"}),
+        json!({"time": "yesterday"}),
+        json!({"sequence": 1, "rewind": true}),
+    ] {
+        let reply = here.post(&path, Some(&bad)).await;
+        assert_eq!(reply.status, 422, "{bad}: {}", reply.text);
+    }
+    here.post(
+        &format!("/streams/{STREAM}/consumers/nobody/seek"),
+        Some(&json!({"sequence": 1})),
+    )
+    .await
+    .assert_problem(404);
+    assert_eq!(
+        here.leases_in_flight().await,
+        2,
+        "bad input changed nothing"
+    );
+
+    let moved = here
+        .post(&path, Some(&json!({"position": "beginning"})))
+        .await;
+    assert_eq!(moved.status, 200, "{}", moved.text);
+    assert_eq!(here.ack(&held_here[0].id).await, 410, "void at once here");
+    wait_until(
+        "the other replica sees the move",
+        Duration::from_secs(3),
+        || async { there.leases_in_flight().await == 0 },
+    )
+    .await;
+    assert_eq!(there.ack(&held_there[0].id).await, 410, "void there too");
+    // Everything comes again, once, to whoever fetches.
+    let mut again = fetch_all_and_ack(&here, 4).await;
+    again.dedup();
+    assert_eq!(again, vec![1, 2, 3, 4]);
+}
