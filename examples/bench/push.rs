@@ -111,16 +111,30 @@ async fn pushing(
     nats_url: &str,
     entry: &str,
 ) -> anyhow::Result<(GatewayChild, tempfile::TempDir)> {
+    gateway_with(
+        args,
+        nats_url,
+        STREAM,
+        &format!("[[consumer]]\nstream = \"{STREAM}\"\n{entry}"),
+    )
+    .await
+}
+
+/// A gateway serving the consumers of `entries` (a consumers file's text, on `stream`) and
+/// no default one, and the directory of its consumers file and log.
+pub(crate) async fn gateway_with(
+    args: &super::Args,
+    nats_url: &str,
+    stream: &str,
+    entries: &str,
+) -> anyhow::Result<(GatewayChild, tempfile::TempDir)> {
     let dir = tempfile::Builder::new().prefix("bench-push-").tempdir()?;
     let file = dir.path().join("consumers.toml");
-    std::fs::write(
-        &file,
-        format!("[[consumer]]\nstream = \"{STREAM}\"\n{entry}"),
-    )?;
+    std::fs::write(&file, entries)?;
     let gateway = GatewayChild::start_on(
         &gateway_binary(args)?,
         nats_url,
-        (STREAM, "unused"),
+        (stream, "unused"),
         &[
             "--no-default-consumer".into(),
             "--consumers-file".into(),

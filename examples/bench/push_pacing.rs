@@ -107,24 +107,7 @@ async fn gateway_with(
     nats_url: &str,
     entries: &str,
 ) -> anyhow::Result<(GatewayChild, tempfile::TempDir)> {
-    let dir = tempfile::Builder::new().prefix("bench-pacing-").tempdir()?;
-    let file = dir.path().join("consumers.toml");
-    std::fs::write(&file, entries)?;
-    let gateway = GatewayChild::start_on(
-        &gateway_binary(args)?,
-        nats_url,
-        (STREAM, "unused"),
-        &[
-            "--no-default-consumer".into(),
-            "--consumers-file".into(),
-            file.display().to_string(),
-        ],
-        &args.gateway_env,
-        dir.path().join("gateway.log"),
-        &http_client()?,
-    )
-    .await?;
-    Ok((gateway, dir))
+    super::push::gateway_with(args, nats_url, STREAM, entries).await
 }
 
 pub(crate) async fn overload(args: &super::Args, nats_url: &str) -> anyhow::Result<()> {

@@ -117,13 +117,12 @@ pub(crate) async fn pending_from(
         num_replicas: 1,
         ..Default::default()
     };
-    let mut made = tokio::time::timeout(API_TIMEOUT, stream.create_consumer(counter))
+    let made = tokio::time::timeout(API_TIMEOUT, stream.create_consumer(counter))
         .await
         .context("timed out counting the messages")?
         .context("counting the messages")?;
     let pending = made.cached_info().num_pending;
     let name = made.cached_info().name.clone();
-    let _ = made.info().await;
     let _ = tokio::time::timeout(API_TIMEOUT, stream.delete_consumer(&name)).await;
     Ok(pending)
 }
