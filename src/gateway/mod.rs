@@ -13,6 +13,7 @@
 
 mod connection;
 mod consumer;
+mod dead_letters;
 mod declared;
 mod existing;
 mod fleet;
@@ -22,6 +23,7 @@ mod registry;
 use consumer::publish_refusal;
 pub(crate) use consumer::{Caller, EndsWhen, Idempotency, LeaseStream, STREAM_SLICE, Step};
 pub(crate) use consumer::{Consumer, SeekTarget, SettleResult};
+pub(crate) use dead_letters::{Cursor, DeadLetterId, Listing as DeadLetterListing};
 pub(crate) use registry::Source;
 
 use std::collections::HashMap;

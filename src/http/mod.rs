@@ -8,6 +8,7 @@ pub(crate) mod auth;
 mod body;
 pub(crate) mod client;
 mod consumers;
+mod dead_letters;
 mod docs;
 pub(crate) mod dto;
 mod events;
@@ -96,6 +97,8 @@ fn api() -> OpenApiRouter<Shared> {
         .routes(routes!(push::pause))
         .routes(routes!(push::resume))
         .routes(routes!(seek::seek))
+        .routes(routes!(dead_letters::list))
+        .routes(routes!(dead_letters::one))
         .routes(routes!(metrics::metrics))
         .routes(routes!(ops::openapi_json))
 }

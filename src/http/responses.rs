@@ -43,10 +43,11 @@ pub(crate) enum ProblemKind {
     ConsumerNotFound,
     ConsumerUnsuitable,
     ServerTooOld,
+    DeadLetterNotFound,
 }
 
 impl ProblemKind {
-    const ALL: [Self; 16] = [
+    const ALL: [Self; 17] = [
         Self::Unauthorized,
         Self::Forbidden,
         Self::BodyTimeout,
@@ -63,6 +64,7 @@ impl ProblemKind {
         Self::ConsumerNotFound,
         Self::ConsumerUnsuitable,
         Self::ServerTooOld,
+        Self::DeadLetterNotFound,
     ];
 
     fn name(self) -> &'static str {
@@ -83,6 +85,7 @@ impl ProblemKind {
             Self::ConsumerNotFound => "ConsumerNotFound",
             Self::ConsumerUnsuitable => "ConsumerUnsuitable",
             Self::ServerTooOld => "ServerTooOld",
+            Self::DeadLetterNotFound => "DeadLetterNotFound",
         }
     }
 
@@ -125,6 +128,9 @@ impl ProblemKind {
             }
             Self::ConsumerUnsuitable => {
                 "The consumer exists but cannot be served: a push consumer, a consumer that is not durable, or one whose ack policy is not explicit (`consumer-unsuitable`; the detail names the setting); or it is paused (`consumer-paused`, with `paused_until` unless it is paused until resumed)."
+            }
+            Self::DeadLetterNotFound => {
+                "No dead letter has this id in a dead-letter stream of this gateway: it was redriven (and removed), removed by the stream's limits, or never was."
             }
             Self::ServerTooOld => {
                 "The NATS server lacks what this needs (a consumer reset needs nats-server 2.14 or later); the detail names its version."
@@ -192,6 +198,7 @@ impl ProblemKind {
             Self::ServerTooOld => vec![Error::NotImplemented(
                 "moving a consumer needs nats-server 2.14 or later (its consumer reset); this server is 2.11.9".into(),
             )],
+            Self::DeadLetterNotFound => vec![Error::NotFound("no dead letter DLQ:17".into())],
             Self::PublishPrecondition => vec![Error::PublishPrecondition(
                 "the stream refused the message: wrong last sequence: 7 (code 400, error code 10071)"
                     .into(),
@@ -328,6 +335,8 @@ refusal_sets! {
     /// `POST …/seek` beyond its body: a server without the consumer reset, or as
     /// [`NamedNatsRefusals`].
     SeekRefusals = [Unavailable, ConsumerNotFound, ConsumerUnsuitable, ServerTooOld];
+    /// `GET /dead-letters/{id}`: no such dead letter, or no NATS.
+    DeadLetterRefusals = [Unavailable, DeadLetterNotFound];
 }
 
 #[cfg(test)]

@@ -78,6 +78,9 @@ pub(crate) fn requirement(path: &str) -> Requirement {
         _ if path.starts_with("/messages/") => Requirement::Scope(Scope::Settle),
         "/publish" => Requirement::Scope(Scope::Publish),
         "/consumer" | "/consumers" | "/metrics" => Requirement::Scope(Scope::Admin),
+        // Dead letters: what failed, and sending it back, is an operator's business.
+        "/dead-letters" => Requirement::Scope(Scope::Admin),
+        _ if path.starts_with("/dead-letters/") => Requirement::Scope(Scope::Admin),
         // The consumer a ticket is for is in the body: checked by the handler.
         "/stream-tickets" => Requirement::Authenticated,
         _ => match path.strip_prefix("/streams/").map(named_route) {

@@ -8,6 +8,7 @@
 //! - [`settle`]: ack/nak/term/in-progress with the server's confirmation; release.
 //! - [`publish`]: publish to the stream; the consumer's server-side state.
 //! - [`dead_letter`]: advisories of exhausted or terminated messages → dead-letter copies.
+//! - [`dead_letter_reader`]: the dead-letter stream read (found by subject), never changed.
 //! - [`advisories`]: the stream capturing those advisories, drained by a durable consumer.
 //! - [`replicas`]: what replicas on one consumer share: heartbeats, keyed fetch answers.
 //! - [`forward`]: settles forwarded to the replica that issued the lease.
@@ -19,6 +20,7 @@ pub(crate) mod advisories;
 pub(crate) mod bind;
 pub(crate) mod connect;
 pub(crate) mod dead_letter;
+pub(crate) mod dead_letter_reader;
 pub(crate) mod forward;
 pub(crate) mod publish;
 pub(crate) mod pull;

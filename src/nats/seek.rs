@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
-use async_nats::jetstream::consumer;
+use async_nats::jetstream::{self, consumer};
 use serde_json::{Value, json};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
@@ -69,13 +69,13 @@ pub(crate) async fn position(bound: &Bound) -> anyhow::Result<(Position, consume
 
 /// The sequence of the first message stored at or after `at`; `None`: none is.
 pub(crate) async fn first_at_or_after(
-    bound: &Bound,
+    js: &jetstream::Context,
     stream: &str,
     at: OffsetDateTime,
 ) -> anyhow::Result<Option<u64>> {
     let start_time = at.format(&Rfc3339).context("formatting the time")?;
     let answer: Value = api(
-        bound,
+        js,
         format!("STREAM.MSG.GET.{stream}"),
         json!({ "start_time": start_time }),
     )
@@ -130,7 +130,7 @@ pub(crate) async fn pending_from(
 /// Move the consumer so that `sequence` is the next stream sequence it delivers.
 pub(crate) async fn reset(bound: &Bound, stream: &str, sequence: u64) -> anyhow::Result<()> {
     let answer: Value = api(
-        bound,
+        &bound.jetstream,
         format!("CONSUMER.RESET.{stream}.{}", bound.consumer_name),
         json!({ "seq": sequence }),
     )
@@ -160,7 +160,7 @@ pub(crate) async fn leave_mark(
         "action": "update",
     });
     let answer: Value = api(
-        bound,
+        &bound.jetstream,
         format!(
             "CONSUMER.CREATE.{}.{}",
             info.stream_name, bound.consumer_name
@@ -182,9 +182,9 @@ pub(crate) fn mark_of(info: &consumer::Info) -> Option<&str> {
     info.config.metadata.get(SEEK_MARK).map(String::as_str)
 }
 
-async fn api(bound: &Bound, subject: String, body: Value) -> anyhow::Result<Value> {
+async fn api(js: &jetstream::Context, subject: String, body: Value) -> anyhow::Result<Value> {
     let answer: Result<Value, _> =
-        tokio::time::timeout(API_TIMEOUT, bound.jetstream.request(subject.clone(), &body))
+        tokio::time::timeout(API_TIMEOUT, js.request(subject.clone(), &body))
             .await
             .with_context(|| format!("timed out asking {subject}"))?;
     // The API's own errors come back as a body with "error", which this parses as JSON

@@ -8,6 +8,7 @@ mod concurrency;
 mod consumers;
 mod containers;
 mod dead_letter;
+mod dead_letters_read;
 mod delivery_guarantees;
 mod doc_links;
 mod docs;

@@ -63,10 +63,12 @@ impl Consumer {
             SeekTarget::Sequence(sequence) => sequence,
             SeekTarget::Beginning => position.first.max(1),
             SeekTarget::End => after_last,
-            SeekTarget::Time(at) => seek::first_at_or_after(&bound, &info.stream_name, at)
-                .await
-                .map_err(unavailable)?
-                .unwrap_or(after_last),
+            SeekTarget::Time(at) => {
+                seek::first_at_or_after(&bound.jetstream, &info.stream_name, at)
+                    .await
+                    .map_err(unavailable)?
+                    .unwrap_or(after_last)
+            }
         };
         let from_target = if sequence > position.last {
             0
