@@ -906,8 +906,13 @@ async fn an_idle_push_consumer_pulls_again_from_a_new_consumer_leader() {
     let leader = loop {
         match leader_and_waiting(&js).await {
             Some((at, _)) if at == "n1" => {
-                let api = format!("$JS.API.CONSUMER.LEADER.STEPDOWN.{STREAM}.{PUSHED}");
-                let _: Result<Value, _> = js.request(api, &serde_json::json!({})).await;
+                // The JetStream context puts `$JS.API.` before the subject itself.
+                let api = format!("CONSUMER.LEADER.STEPDOWN.{STREAM}.{PUSHED}");
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    js.request::<_, Value, Value>(api, &serde_json::json!({})),
+                )
+                .await;
             }
             Some((at, waiting)) if waiting > 0 => break at,
             _ => {}
