@@ -8,7 +8,11 @@
 # the page's answer), or swagger-ui-failed.png (the page when a step failed). Then
 # tests/browser/stream-tickets.mjs: a page of another origin (the gateway runs with
 # --cors-allow-origin for it) asks for stream tickets with the token, opens an EventSource and
-# a WebSocket with them, and settles a message over each.
+# a WebSocket with them, and settles a message over each. Last tests/browser/console.mjs: the
+# console (GET /console) asks for a token, shows a publish in its table without a reload, draws
+# a consumer's chart, and redrives a terminated message by its buttons; no request leaves the
+# gateway's origin, and axe-core (pinned) finds no serious or critical violation. Its
+# screenshot, target/browser/console.png, is the one docs/console.png copies.
 #
 # Chromium is Debian's `chromium` package (/usr/bin/chromium, or CHROMIUM_BIN): under CI
 # (CI=true) as root it is installed with apt-get when missing; elsewhere without it the test
@@ -18,9 +22,10 @@
 #
 # It builds the gateway as scripts/ecosystem.sh does (a no-op after scripts/test.sh's cargo
 # test), starts nats-server (free port, temporary store) and the gateway (--create-stream,
-# one bearer token with the fetch, settle and publish scopes), publishes one message with
+# a bearer token with the fetch, settle and publish scopes and one with admin, dead letters to
+# dlq.orders), publishes one message with
 # curl, and always stops everything it started. The last line counts, e.g.
-# `browser: 2 passed, 0 failed`; the exit status is non-zero unless the test passed (or was
+# `browser: 3 passed, 0 failed`; the exit status is non-zero unless the test passed (or was
 # skipped outside CI).
 set -euo pipefail
 
@@ -37,7 +42,7 @@ export CHROMIUM_BIN
 started=$SECONDS
 step() { printf '\n== browser: %s (at %ss)\n' "$*" "$((SECONDS - started))" >&2; }
 
-TESTS=("Swagger UI: authorize, fetch, ack" "Stream tickets: EventSource and WebSocket from another origin")
+TESTS=("Swagger UI: authorize, fetch, ack" "Stream tickets: EventSource and WebSocket from another origin" "Console: live table, redrive by its buttons, only its origin, axe-core")
 PASSED=()
 FAILED=()
 SKIPPED=()
@@ -129,6 +134,7 @@ HTTP_PORT="$(free_port)"
 PAGE_PORT="$(free_port)"
 BASE="http://127.0.0.1:$HTTP_PORT"
 TOKEN="browser-$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
+ADMIN_TOKEN="admin-$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
 # None of the caller's RUSTSTREAM_* or NATS_* variables may change this run.
 scrub=()
 while IFS= read -r name; do
@@ -136,7 +142,8 @@ while IFS= read -r name; do
 done < <(compgen -e | grep -E '^(RUSTSTREAM|NATS)_' || true)
 env "${scrub[@]}" RUST_LOG=warn "$GATEWAY_BIN" --nats-url "nats://127.0.0.1:$NATS_PORT" --listen "127.0.0.1:$HTTP_PORT" \
     --create-stream --stream ORDERS --stream-subjects 'orders.>' --consumer browser \
-    --auth-tokens "$TOKEN fetch,settle,publish" --cors-allow-origin "http://127.0.0.1:$PAGE_PORT" \
+    --auth-tokens "$TOKEN fetch,settle,publish;$ADMIN_TOKEN admin" --cors-allow-origin "http://127.0.0.1:$PAGE_PORT" \
+    --dead-letter-subject dlq.orders \
     </dev/null >"$WORK/gateway.log" 2>&1 &
 GATEWAY_PID=$!
 deadline=$((SECONDS + 30))
@@ -183,4 +190,17 @@ if timeout --kill-after=10 90 node "$BROWSER_DIR/stream-tickets.mjs" "$BASE" "$T
 else
     FAILED+=("${TESTS[1]}")
     log "FAILED: ${TESTS[1]}"
+fi
+
+step "${TESTS[2]}"
+mkdir -p "$WORK/profile-console"
+rm -f "$ARTEFACTS/console.png"
+if timeout --kill-after=10 120 node "$BROWSER_DIR/console.mjs" "$BASE" "$NATS_PORT" "$TOKEN" "$ADMIN_TOKEN" \
+    "$ARTEFACTS/console.png" "$WORK/profile-console"; then
+    [[ -s "$ARTEFACTS/console.png" ]] || die "the console test passed but wrote no screenshot"
+    PASSED+=("${TESTS[2]}")
+    log "passed: ${TESTS[2]}; screenshot ${ARTEFACTS#"$ROOT"/}/console.png (docs/console.png is a copy)"
+else
+    FAILED+=("${TESTS[2]}")
+    log "FAILED: ${TESTS[2]}"
 fi

@@ -115,7 +115,7 @@ impl Gateway {
         subjects
     }
 
-    fn jetstream(&self) -> Result<async_nats::jetstream::Context, Error> {
+    pub(super) fn jetstream(&self) -> Result<async_nats::jetstream::Context, Error> {
         let client = self
             .0
             .process

@@ -18,12 +18,17 @@ mod declared;
 mod existing;
 mod fleet;
 mod process;
+mod redrive;
 mod registry;
 
 use consumer::publish_refusal;
 pub(crate) use consumer::{Caller, EndsWhen, Idempotency, LeaseStream, STREAM_SLICE, Step};
 pub(crate) use consumer::{Consumer, SeekTarget, SettleResult};
 pub(crate) use dead_letters::{Cursor, DeadLetterId, Listing as DeadLetterListing};
+pub(crate) use redrive::{
+    DEFAULT_RATE as REDRIVE_DEFAULT_RATE, MAX_RATE as REDRIVE_MAX_RATE, Redrive, RedriveRequest,
+    Selection,
+};
 pub(crate) use registry::Source;
 
 use std::collections::HashMap;
@@ -93,6 +98,8 @@ struct Inner {
     /// The push tables of the consumers file in force, by consumer: what the push workers
     /// follow.
     pushes: watch::Sender<Pushes>,
+    /// The redrive tasks run here.
+    redrives: redrive::Redrives,
 }
 
 /// The consumers that push, with their push settings.
@@ -162,7 +169,9 @@ impl Gateway {
             tickets_redeemed: std::sync::Mutex::default(),
             existing_listed: tokio::sync::Mutex::default(),
             pushes: watch::channel(pushes_of(&declared)).0,
+            redrives: redrive::Redrives::default(),
         }));
+        tokio::spawn(gateway.clone().keep_redriving(stop.clone()));
         tokio::spawn(gateway.clone().keep_beating(gateway.0.beats.clone()));
         tokio::spawn(gateway.clone().serve_forwarded(stop.clone()));
         if let Some(name) = default {
@@ -671,6 +680,7 @@ impl Gateway {
             }
         }))
         .await;
+        self.0.redrives.stop().await;
         self.0.beats.cancel();
         self.withdraw().await;
         tasks.stop.cancel();

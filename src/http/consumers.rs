@@ -1,6 +1,6 @@
 //! The consumer resources: `GET /consumer` (the default one), `GET /consumers` (every
-//! served one) and `GET /streams/{stream}/consumers/{consumer}`, and the path segments that
-//! name a consumer, for these and the named fetch.
+//! served one), `GET /streams/{stream}/consumers/{consumer}` and its recent activity
+//! (`…/history`), and the path segments that name a consumer, for these and the named fetch.
 //!
 //! May import: as the rest of `http`.
 
@@ -9,7 +9,8 @@ use std::sync::Arc;
 use axum::Json;
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
-use utoipa::IntoParams;
+use serde::Serialize;
+use utoipa::{IntoParams, ToSchema};
 
 use super::dto::{
     ConsumerConfigDto, ConsumerDto, ConsumersDto, PushDto, PushFailureDto, ReplicaDto,
@@ -86,6 +87,75 @@ pub(crate) async fn named_consumer(
 ) -> Result<Json<ConsumerDto>, Error> {
     let consumer = gateway.consumer(Target::Named(&path.name())).await?;
     describe(&consumer).await.map(Json)
+}
+
+/// A consumer's activity at this replica over the last fifteen minutes.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct HistoryDto {
+    stream: String,
+    consumer: String,
+    /// Each bucket's span (10).
+    bucket_seconds: u64,
+    /// Oldest first; the last one is the current, unfinished one. Fewer than 90 while the
+    /// replica is younger than fifteen minutes.
+    buckets: Vec<HistoryBucketDto>,
+}
+
+/// What one ten-second bucket counted at this replica.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(example = json!({"starts_at": "2026-12-04T08:00:00Z", "delivered": 120, "acked": 112, "naked": 6, "terminated": 2, "dead_lettered": 2}))]
+pub(crate) struct HistoryBucketDto {
+    /// RFC 3339.
+    starts_at: String,
+    /// Deliveries received from the server (redeliveries among them).
+    delivered: u64,
+    /// Acks, naks and terms confirmed by the server.
+    acked: u64,
+    naked: u64,
+    terminated: u64,
+    /// Messages copied to the dead-letter subject.
+    dead_lettered: u64,
+}
+
+/// What a consumer did at this replica over the last fifteen minutes, in ten-second
+/// buckets: deliveries, acks, naks, terms and dead letters (the console's chart).
+#[utoipa::path(
+    get,
+    path = "/streams/{stream}/consumers/{consumer}/history",
+    operation_id = "getConsumerHistory",
+    tag = "operations",
+    params(ConsumerPath),
+    responses(
+        (status = 200, description = "Its recent activity here", body = HistoryDto),
+        Guarded, NamedNatsRefusals,
+    )
+)]
+pub(crate) async fn history(
+    State(gateway): State<Arc<Gateway>>,
+    path: ConsumerPath,
+) -> Result<Json<HistoryDto>, Error> {
+    let name = path.name();
+    let consumer = gateway.consumer(Target::Named(&name)).await?;
+    let buckets = consumer
+        .metrics()
+        .history()
+        .buckets()
+        .into_iter()
+        .map(|bucket| HistoryBucketDto {
+            starts_at: rfc3339(bucket.starts_at),
+            delivered: bucket.delivered,
+            acked: bucket.acked,
+            naked: bucket.naked,
+            terminated: bucket.terminated,
+            dead_lettered: bucket.dead_lettered,
+        })
+        .collect();
+    Ok(Json(HistoryDto {
+        stream: name.stream,
+        consumer: name.consumer,
+        bucket_seconds: crate::metrics::history::BUCKET.as_secs(),
+        buckets,
+    }))
 }
 
 /// The consumers this gateway serves: the default one, those of the consumers file, and

@@ -14,15 +14,13 @@ use axum::http::request::Parts;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use serde::Serialize;
-use time::OffsetDateTime;
-use time::format_description::well_known::Rfc3339;
 use utoipa::{IntoParams, ToSchema};
 
 use super::dto::{Encoding, rfc3339};
 use super::responses::{DeadLetterRefusals, Guarded, NatsRefusals, QueryRefusals};
 use crate::error::Error;
 use crate::gateway::{Cursor, DeadLetterId, DeadLetterListing, Gateway};
-use crate::nats::dead_letter_reader::{DeadLetter, Filter, Order, Reason, TermReason};
+use crate::nats::dead_letter_reader::{DeadLetter, Filter, FilterWords, Order};
 
 /// Dead letters on one page unless the query says otherwise, and the most it may say.
 const DEFAULT_LIMIT: usize = 100;
@@ -70,7 +68,7 @@ struct ListQuery {
 
 impl ListQuery {
     fn parse(query: Option<&str>) -> Result<Self, Error> {
-        let mut filter = Filter::default();
+        let mut words = FilterWords::default();
         let mut order = Order::default();
         let mut limit = DEFAULT_LIMIT;
         let mut encoding = Encoding::default();
@@ -90,30 +88,12 @@ impl ListQuery {
                         }
                     }
                 }
-                "stream" => filter.stream = Some(value.to_owned()),
-                "consumer" => filter.consumer = Some(value.to_owned()),
-                "reason" => {
-                    filter.reason = Some(match value {
-                        "max_deliveries" => Reason::MaxDeliveries,
-                        "terminated" => Reason::Terminated,
-                        other => {
-                            return Err(Error::invalid(
-                                "reason",
-                                format!(
-                                    "reason: must be max_deliveries or terminated, got {other:?}"
-                                ),
-                            ));
-                        }
-                    });
-                }
-                "term_reason" => {
-                    filter.term_reason = Some(match value.strip_suffix('*') {
-                        Some(prefix) => TermReason::StartingWith(prefix.to_owned()),
-                        None => TermReason::Exactly(value.to_owned()),
-                    });
-                }
-                "since" => filter.since = Some(time("since", value)?),
-                "until" => filter.until = Some(time("until", value)?),
+                "stream" => words.stream = Some(value.to_owned()),
+                "consumer" => words.consumer = Some(value.to_owned()),
+                "reason" => words.reason = Some(value.to_owned()),
+                "term_reason" => words.term_reason = Some(value.to_owned()),
+                "since" => words.since = Some(value.to_owned()),
+                "until" => words.until = Some(value.to_owned()),
                 "limit" => {
                     limit = value
                         .parse::<usize>()
@@ -145,11 +125,7 @@ impl ListQuery {
                 }
             }
         }
-        if let (Some(since), Some(until)) = (filter.since, filter.until)
-            && since > until
-        {
-            return Err(Error::invalid("until", "until: it is before since"));
-        }
+        let filter = filter_of(&words)?;
         Ok(Self {
             listing: DeadLetterListing {
                 order,
@@ -180,9 +156,9 @@ fn pairs(query: Option<&str>) -> impl Iterator<Item = (String, String)> + '_ {
         })
 }
 
-fn time(field: &str, value: &str) -> Result<OffsetDateTime, Error> {
-    OffsetDateTime::parse(value, &Rfc3339)
-        .map_err(|err| Error::invalid(field, format!("{field}: not an RFC 3339 time: {err}")))
+/// The filter `words` say, or a 422 naming the word that means nothing.
+pub(super) fn filter_of(words: &FilterWords) -> Result<Filter, Error> {
+    Filter::from_words(words).map_err(|bad| Error::invalid(bad.field, bad.detail))
 }
 
 fn encoding_of(value: &str) -> Result<Encoding, Error> {
@@ -252,7 +228,7 @@ pub(crate) struct DeadLetterDto {
 }
 
 impl DeadLetterDto {
-    fn new(letter: DeadLetter, wanted: Encoding) -> Self {
+    pub(super) fn new(letter: DeadLetter, wanted: Encoding) -> Self {
         let (data, encoding) = match (wanted, std::str::from_utf8(&letter.payload)) {
             (Encoding::Utf8, Ok(text)) => (text.to_owned(), Encoding::Utf8),
             _ => (STANDARD.encode(&letter.payload), Encoding::Base64),

@@ -7,6 +7,7 @@
 pub(crate) mod auth;
 mod body;
 pub(crate) mod client;
+mod console;
 mod consumers;
 mod dead_letters;
 mod docs;
@@ -20,6 +21,7 @@ mod ops;
 pub(crate) mod problem;
 mod publish;
 mod push;
+mod redrive;
 pub(crate) mod responses;
 mod scopes;
 mod seek;
@@ -94,11 +96,15 @@ fn api() -> OpenApiRouter<Shared> {
         .routes(routes!(consumers::consumer))
         .routes(routes!(consumers::consumers))
         .routes(routes!(consumers::named_consumer))
+        .routes(routes!(consumers::history))
         .routes(routes!(push::pause))
         .routes(routes!(push::resume))
         .routes(routes!(seek::seek))
         .routes(routes!(dead_letters::list))
         .routes(routes!(dead_letters::one))
+        .routes(routes!(redrive::redrive))
+        .routes(routes!(redrive::task, redrive::cancel))
+        .routes(routes!(console::page))
         .routes(routes!(metrics::metrics))
         .routes(routes!(ops::openapi_json))
 }
@@ -210,7 +216,11 @@ fn declare_security(spec: &mut utoipa::openapi::OpenApi) {
 /// The complete application; `auth` guards every route but health, readiness and the docs.
 pub(crate) fn router(gateway: Gateway, auth: Auth) -> Router {
     with_layers(
-        api().split_for_parts().0.merge(docs::routes()),
+        api()
+            .split_for_parts()
+            .0
+            .merge(docs::routes())
+            .merge(console::assets()),
         gateway,
         auth,
     )

@@ -44,10 +44,11 @@ pub(crate) enum ProblemKind {
     ConsumerUnsuitable,
     ServerTooOld,
     DeadLetterNotFound,
+    RedriveTaskNotFound,
 }
 
 impl ProblemKind {
-    const ALL: [Self; 17] = [
+    const ALL: [Self; 18] = [
         Self::Unauthorized,
         Self::Forbidden,
         Self::BodyTimeout,
@@ -65,6 +66,7 @@ impl ProblemKind {
         Self::ConsumerUnsuitable,
         Self::ServerTooOld,
         Self::DeadLetterNotFound,
+        Self::RedriveTaskNotFound,
     ];
 
     fn name(self) -> &'static str {
@@ -86,6 +88,7 @@ impl ProblemKind {
             Self::ConsumerUnsuitable => "ConsumerUnsuitable",
             Self::ServerTooOld => "ServerTooOld",
             Self::DeadLetterNotFound => "DeadLetterNotFound",
+            Self::RedriveTaskNotFound => "RedriveTaskNotFound",
         }
     }
 
@@ -131,6 +134,9 @@ impl ProblemKind {
             }
             Self::DeadLetterNotFound => {
                 "No dead letter has this id in a dead-letter stream of this gateway: it was redriven (and removed), removed by the stream's limits, or never was."
+            }
+            Self::RedriveTaskNotFound => {
+                "No redrive task has this id (a finished task's record is kept for 7 days)."
             }
             Self::ServerTooOld => {
                 "The NATS server lacks what this needs (a consumer reset needs nats-server 2.14 or later); the detail names its version."
@@ -199,6 +205,9 @@ impl ProblemKind {
                 "moving a consumer needs nats-server 2.14 or later (its consumer reset); this server is 2.11.9".into(),
             )],
             Self::DeadLetterNotFound => vec![Error::NotFound("no dead letter DLQ:17".into())],
+            Self::RedriveTaskNotFound => {
+                vec![Error::NotFound("no redrive task \"5f1e0c2a9b7d4e11\"".into())]
+            }
             Self::PublishPrecondition => vec![Error::PublishPrecondition(
                 "the stream refused the message: wrong last sequence: 7 (code 400, error code 10071)"
                     .into(),
@@ -337,6 +346,8 @@ refusal_sets! {
     SeekRefusals = [Unavailable, ConsumerNotFound, ConsumerUnsuitable, ServerTooOld];
     /// `GET /dead-letters/{id}`: no such dead letter, or no NATS.
     DeadLetterRefusals = [Unavailable, DeadLetterNotFound];
+    /// `GET` or `DELETE /dead-letters/redrive/{task}`: no such task, or no NATS.
+    RedriveTaskRefusals = [Unavailable, RedriveTaskNotFound];
 }
 
 #[cfg(test)]

@@ -72,6 +72,10 @@ pub(crate) fn requirement(path: &str) -> Requirement {
     match path {
         "/healthz" | "/readyz" | "/openapi.json" => Requirement::Open,
         "/docs" => Requirement::Open,
+        // The console's page and files: static, nothing secret; what it shows comes from the
+        // API under the token the page asks for.
+        "/console" => Requirement::Open,
+        _ if path.starts_with("/console/") => Requirement::Open,
         _ if path.starts_with("/docs/") => Requirement::Open,
         "/fetch" | "/events" | "/ws" => Requirement::Scope(Scope::Fetch),
         "/messages" => Requirement::Scope(Scope::Settle),
@@ -100,7 +104,7 @@ pub(crate) enum NamedRoute {
     Status,
 }
 
-/// `{stream}/consumers/{consumer}[/fetch|/events|/ws|/push/pause|/push/resume|/seek]` (the path
+/// `{stream}/consumers/{consumer}[/fetch|/events|/ws|/push/pause|/push/resume|/seek|/history]` (the path
 /// after `/streams/`), as the route and
 /// its OpenAPI template (`{stream}` literally) write it.
 fn named_route(rest: &str) -> Option<NamedRoute> {
@@ -114,8 +118,8 @@ fn named_route(rest: &str) -> Option<NamedRoute> {
         (Some("fetch" | "events" | "ws"), None, _) => Some(NamedRoute::Fetch),
         // Pausing and resuming a push consumer: an operator's act, as its status is.
         (Some("push"), Some("pause" | "resume"), None) => Some(NamedRoute::Status),
-        // Moving a consumer: an operator's act.
-        (Some("seek"), None, _) => Some(NamedRoute::Status),
+        // Moving a consumer: an operator's act; its recent activity, as its status.
+        (Some("seek" | "history"), None, _) => Some(NamedRoute::Status),
         _ => None,
     }
 }

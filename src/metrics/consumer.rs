@@ -10,6 +10,7 @@ use std::time::Duration;
 use prometheus::core::{MetricVec, MetricVecBuilder};
 use prometheus::{GaugeVec, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 
+use super::history::{Activity, History};
 use super::*;
 
 /// The labels every per-consumer series starts with.
@@ -236,6 +237,8 @@ pub(crate) struct Metrics {
     settles_forwarded: ByOutcome,
     forwarded_settles_received: ByOutcome,
     replicas: IntGauge,
+    /// The last fifteen minutes of deliveries and settles, for the console's chart.
+    history: History,
 }
 
 /// Counts one fetch in `ruststream_fetches_in_progress` while it lives.
@@ -290,6 +293,7 @@ impl Metrics {
                 counter(&f.forwarded_settles_received, &[ok])
             }),
             replicas: gauge(&f.replicas),
+            history: History::default(),
             families: families.clone(),
         };
         metrics.replicas(1);
@@ -406,6 +410,14 @@ impl Metrics {
     }
 
     pub(crate) fn settled(&self, action: SettleAction, outcome: SettleOutcome) {
+        if outcome == SettleOutcome::Ok {
+            match action {
+                SettleAction::Ack => self.history.record(Activity::Acked, 1),
+                SettleAction::Nak => self.history.record(Activity::Naked, 1),
+                SettleAction::Term => self.history.record(Activity::Terminated, 1),
+                SettleAction::InProgress => {}
+            }
+        }
         let series = &self.leases_settled[action as usize][outcome as usize];
         let labels = [action.as_str(), outcome.as_str()];
         self.labelled(series, &self.families.leases_settled, &labels)
@@ -415,6 +427,7 @@ impl Metrics {
     /// A delivery arrived from the server; `delivered` is its delivery count.
     pub(crate) fn delivery_received(&self, delivered: u64) {
         self.deliveries_received.inc();
+        self.history.record(Activity::Delivered, 1);
         if delivered > 1 {
             self.redeliveries.inc();
         }
@@ -463,6 +476,12 @@ impl Metrics {
     /// A message was stored in the dead-letter stream.
     pub(crate) fn dead_lettered(&self) {
         self.dead_lettered.inc();
+        self.history.record(Activity::DeadLettered, 1);
+    }
+
+    /// The last fifteen minutes of this consumer's activity here.
+    pub(crate) fn history(&self) -> &History {
+        &self.history
     }
 
     /// A dead-letter advisory named a message no longer in the stream.

@@ -19,6 +19,7 @@
 //! May import: nothing of the crate. Usable from every room.
 
 mod consumer;
+pub(crate) mod history;
 mod push;
 
 use std::sync::Arc;

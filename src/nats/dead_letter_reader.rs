@@ -176,6 +176,80 @@ impl Filter {
     }
 }
 
+/// A filter in the words a query or a request body gives it (what a redrive task keeps).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct FilterWords {
+    pub(crate) stream: Option<String>,
+    pub(crate) consumer: Option<String>,
+    /// `max_deliveries` or `terminated`.
+    pub(crate) reason: Option<String>,
+    /// Exactly, or a prefix before a trailing `*`.
+    pub(crate) term_reason: Option<String>,
+    /// RFC 3339.
+    pub(crate) since: Option<String>,
+    pub(crate) until: Option<String>,
+}
+
+/// A word of a filter that means nothing: the field, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct BadWord {
+    pub(crate) field: &'static str,
+    pub(crate) detail: String,
+}
+
+impl Filter {
+    /// The filter `words` say.
+    pub(crate) fn from_words(words: &FilterWords) -> Result<Self, BadWord> {
+        let reason = match words.reason.as_deref() {
+            None => None,
+            Some(REASON_MAX_DELIVERIES) => Some(Reason::MaxDeliveries),
+            Some(REASON_TERMINATED) => Some(Reason::Terminated),
+            Some(other) => {
+                return Err(BadWord {
+                    field: "reason",
+                    detail: format!("reason: must be max_deliveries or terminated, got {other:?}"),
+                });
+            }
+        };
+        let term_reason = words
+            .term_reason
+            .as_ref()
+            .map(|reason| match reason.strip_suffix('*') {
+                Some(prefix) => TermReason::StartingWith(prefix.to_owned()),
+                None => TermReason::Exactly(reason.clone()),
+            });
+        let time = |field: &'static str, value: &Option<String>| {
+            value
+                .as_deref()
+                .map(|value| {
+                    OffsetDateTime::parse(value, &time::format_description::well_known::Rfc3339)
+                        .map_err(|err| BadWord {
+                            field,
+                            detail: format!("{field}: not an RFC 3339 time: {err}"),
+                        })
+                })
+                .transpose()
+        };
+        let (since, until) = (time("since", &words.since)?, time("until", &words.until)?);
+        if let (Some(since), Some(until)) = (since, until)
+            && since > until
+        {
+            return Err(BadWord {
+                field: "until",
+                detail: "until: it is before since".into(),
+            });
+        }
+        Ok(Self {
+            stream: words.stream.clone(),
+            consumer: words.consumer.clone(),
+            reason,
+            term_reason,
+            since,
+            until,
+        })
+    }
+}
+
 /// Which end a listing starts from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) enum Order {
@@ -289,6 +363,39 @@ pub(crate) async fn page(
     }
 }
 
+/// A dead-letter stream's last sequence now, and how many replicas it has.
+pub(crate) async fn extent(js: &jetstream::Context, store: &str) -> anyhow::Result<(u64, usize)> {
+    let stream = tokio::time::timeout(API_TIMEOUT, js.get_stream(store))
+        .await
+        .context("timed out reading the dead-letter stream's info")?
+        .context("reading the dead-letter stream's info")?;
+    let info = stream.cached_info();
+    Ok((info.state.last_sequence, info.config.num_replicas))
+}
+
+/// How many dead letters of `store` up to `last` `filter` takes (every one is looked at).
+pub(crate) async fn count(
+    js: &jetstream::Context,
+    store: &str,
+    filter: &Filter,
+    last: u64,
+) -> anyhow::Result<u64> {
+    let stream = tokio::time::timeout(API_TIMEOUT, js.get_stream(store))
+        .await
+        .context("timed out reading the dead-letter stream's info")?
+        .context("reading the dead-letter stream's info")?;
+    let first = stream.cached_info().state.first_sequence;
+    if stream.cached_info().state.messages == 0 || first > last {
+        return Ok(0);
+    }
+    let reader = Reader { stream, store };
+    let mut budget = usize::MAX;
+    let pass = reader
+        .pass(first, last + 1, filter, Keep::Last(0), &mut budget)
+        .await?;
+    Ok(pass.matched)
+}
+
 /// What reads one dead-letter stream.
 struct Reader<'a> {
     stream: jetstream::stream::Stream,
@@ -306,6 +413,8 @@ struct Pass {
     past_bound: bool,
     /// The budget ran out before the run did.
     out_of_budget: bool,
+    /// How many matched, kept or not.
+    matched: u64,
 }
 
 impl Reader<'_> {
@@ -434,6 +543,7 @@ impl Reader<'_> {
             reached: 0,
             past_bound: false,
             out_of_budget: false,
+            matched: 0,
         };
         loop {
             if *budget == 0 {
@@ -486,6 +596,7 @@ impl Reader<'_> {
                         _ => {}
                     }
                     if filter.matches(&letter) {
+                        pass.matched += 1;
                         pass.found.push_back(letter);
                         match keep {
                             Keep::First(limit) if pass.found.len() >= limit => return Ok(pass),

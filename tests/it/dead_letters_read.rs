@@ -12,10 +12,10 @@ use serde_json::Value;
 
 use crate::support::{Client, Js, Setup, wait_until};
 
-const DLQ: &str = "DLQ";
+pub(crate) const DLQ: &str = "DLQ";
 const WRITTEN: usize = 5_000;
 
-async fn dlq_messages(js: &Js) -> u64 {
+pub(crate) async fn dlq_messages(js: &Js) -> u64 {
     let mut stream = js.js.get_stream(DLQ).await.expect("DLQ stream");
     stream.info().await.expect("DLQ info").state.messages
 }
@@ -57,7 +57,7 @@ fn sequences(letters: &[Value]) -> Vec<u64> {
 
 /// Write `count` dead letters as the gateway writes them, from `consumer`, every third a
 /// term for "malformed: <n>", the others exhausted deliveries.
-async fn write_dead_letters(js: &Js, consumer: &str, count: usize) {
+pub(crate) async fn write_dead_letters(js: &Js, consumer: &str, count: usize) {
     let mut acks = Vec::with_capacity(count);
     for n in 0..count {
         let mut written = HeaderMap::new();

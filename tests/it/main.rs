@@ -27,6 +27,7 @@ mod publish;
 mod push;
 mod readme;
 mod rebinding;
+mod redrive;
 mod replicas;
 mod robustness;
 mod security;

@@ -325,6 +325,16 @@ impl Client {
         Reply::read(response).await
     }
 
+    pub async fn delete(&self, path: &str) -> Reply {
+        let response = self
+            .http
+            .delete(self.url(path))
+            .send()
+            .await
+            .unwrap_or_else(|err| panic!("DELETE {path}: {err}"));
+        Reply::read(response).await
+    }
+
     /// POST a JSON body (`None`: no body at all).
     pub async fn post(&self, path: &str, body: Option<&Value>) -> Reply {
         let mut request = self.http.post(self.url(path));
