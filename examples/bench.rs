@@ -62,6 +62,10 @@ mod push;
 #[path = "bench/push_pacing.rs"]
 mod push_pacing;
 
+/// `--day-two`: dead letters listed and redriven, the console's first load.
+#[path = "bench/day_two.rs"]
+mod day_two;
+
 use std::future::IntoFuture as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -167,6 +171,12 @@ struct Args {
     /// the same run, and publish → request latency (docs/benchmark.md, "Push delivery").
     #[arg(long)]
     push: bool,
+
+    /// Instead of the drains: `--messages` dead letters listed a page of 1 000 at a time and
+    /// redriven at rate 10 000 against a native loop, and the console's first load
+    /// (docs/benchmark.md, "Dead letters and the console").
+    #[arg(long)]
+    day_two: bool,
 
     /// The rows `--push` measures (all when not given).
     #[arg(long = "push-row", value_enum)]
@@ -297,6 +307,8 @@ async fn main() -> anyhow::Result<()> {
                 footprint(&args).await
             } else if args.push {
                 push::run(&args).await
+            } else if args.day_two {
+                day_two::run(&args).await
             } else if args.consumers {
                 let scale = consumers::Scale {
                     consumers: args.consumer_count,

@@ -89,6 +89,9 @@ pub(super) struct Redrives {
     running: std::sync::Mutex<HashSet<String>>,
     tracker: TaskTracker,
     stop: CancellationToken,
+    /// The bucket once found: reading a task is then one direct get, never a stream-info
+    /// request queued behind a running redrive's removals at the server's API.
+    bucket: std::sync::Mutex<Option<async_nats::jetstream::kv::Store>>,
 }
 
 impl Redrives {
@@ -188,9 +191,13 @@ impl Gateway {
             }
             None => 1,
         };
-        let bucket = redrive::bucket_or_make(&js, replicas)
-            .await
-            .map_err(unavailable)?;
+        let bucket = match self.known_bucket() {
+            Some(bucket) => bucket,
+            None => redrive::bucket_or_make(&js, replicas)
+                .await
+                .map_err(unavailable)?,
+        };
+        self.keep_bucket(&bucket);
         let task = format!("{:016x}", rand::random::<u64>());
         let (filter, ids) = match request.selection {
             Selection::Filter(words) => (words, None),
@@ -230,38 +237,63 @@ impl Gateway {
 
     /// A redrive task as it stands.
     pub(crate) async fn redrive_task(&self, task: &str) -> Result<TaskRecord, Error> {
-        let js = self.jetstream()?;
-        let not_found = || Error::NotFound(format!("no redrive task {task:?}"));
-        if !is_task_id(task) {
-            return Err(not_found());
-        }
-        let Some(bucket) = redrive::bucket(&js).await.map_err(unavailable)? else {
-            return Err(not_found());
-        };
+        let bucket = self.bucket_of(task).await?;
         redrive::read(&bucket, task)
             .await
             .map_err(unavailable)?
             .map(|versioned| versioned.record)
-            .ok_or_else(not_found)
+            .ok_or_else(|| task_not_found(task))
+    }
+
+    /// The bucket that would hold `task`; 404 when `task` cannot be a task's id or there is
+    /// no bucket (no task was ever made).
+    async fn bucket_of(&self, task: &str) -> Result<async_nats::jetstream::kv::Store, Error> {
+        let js = self.jetstream()?;
+        if !is_task_id(task) {
+            return Err(task_not_found(task));
+        }
+        if let Some(bucket) = self.known_bucket() {
+            return Ok(bucket);
+        }
+        let bucket = redrive::bucket(&js)
+            .await
+            .map_err(unavailable)?
+            .ok_or_else(|| task_not_found(task))?;
+        self.keep_bucket(&bucket);
+        Ok(bucket)
+    }
+
+    fn known_bucket(&self) -> Option<async_nats::jetstream::kv::Store> {
+        self.bucket_mut(|bucket| bucket.clone())
+    }
+
+    fn keep_bucket(&self, found: &async_nats::jetstream::kv::Store) {
+        self.bucket_mut(|bucket| *bucket = Some(found.clone()));
+    }
+
+    fn bucket_mut<T>(
+        &self,
+        change: impl FnOnce(&mut Option<async_nats::jetstream::kv::Store>) -> T,
+    ) -> T {
+        let mut bucket = self
+            .0
+            .redrives
+            .bucket
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        change(&mut bucket)
     }
 
     /// Cancel a running task: its holder finishes the chunk in hand (published and removed),
     /// ends the task as cancelled and is waited for, so the answer's counts are final. A task
     /// nobody holds (its holder killed) is ended at once; a finished one is answered as it is.
     pub(crate) async fn cancel_redrive(&self, task: &str) -> Result<TaskRecord, Error> {
-        let js = self.jetstream()?;
-        let not_found = || Error::NotFound(format!("no redrive task {task:?}"));
-        if !is_task_id(task) {
-            return Err(not_found());
-        }
-        let Some(bucket) = redrive::bucket(&js).await.map_err(unavailable)? else {
-            return Err(not_found());
-        };
+        let bucket = self.bucket_of(task).await?;
         let deadline = Instant::now() + CANCEL_WAIT;
         loop {
             let Some(mut versioned) = redrive::read(&bucket, task).await.map_err(unavailable)?
             else {
-                return Err(not_found());
+                return Err(task_not_found(task));
             };
             let record = &mut versioned.record;
             if record.state != TaskState::Running {
@@ -297,7 +329,10 @@ impl Gateway {
         let me = self.0.process.instance.to_string();
         loop {
             let bucket = match self.jetstream() {
-                Ok(js) => redrive::bucket(&js).await.ok().flatten(),
+                Ok(js) => match self.known_bucket() {
+                    Some(bucket) => Some(bucket),
+                    None => redrive::bucket(&js).await.ok().flatten(),
+                },
                 Err(_) => None,
             };
             let Some(bucket) = bucket else {
@@ -408,6 +443,10 @@ impl Gateway {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         change(&mut running)
     }
+}
+
+fn task_not_found(task: &str) -> Error {
+    Error::NotFound(format!("no redrive task {task:?}"))
 }
 
 /// Whether `task` could be a task's id (what a bucket key may be).
@@ -624,10 +663,7 @@ impl Run {
     async fn remove_pending(&mut self, js: &async_nats::jetstream::Context) -> anyhow::Result<()> {
         let pending = std::mem::take(&mut self.versioned.record.removing);
         let removals = futures::stream::iter(pending.into_iter().map(|removal| async move {
-            let removed = match js.get_stream_no_info(&removal.store).await {
-                Ok(stream) => redrive::remove(&stream, removal.sequence).await,
-                Err(err) => Err(anyhow::Error::new(err).context("removing the dead letter")),
-            };
+            let removed = redrive::remove(js, &removal.store, removal.sequence).await;
             (removal, removed)
         }))
         .buffer_unordered(REMOVALS_AT_ONCE)
