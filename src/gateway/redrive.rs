@@ -349,6 +349,8 @@ impl Gateway {
             let mut watch = match bucket.watch_with_history(">").await {
                 Ok(watch) => watch,
                 Err(err) => {
+                    // Perhaps deleted: found again (or not) from scratch.
+                    self.bucket_mut(|bucket| *bucket = None);
                     warn!(error = %err, "cannot watch the redrive bucket; trying again");
                     tokio::select! {
                         () = stop.cancelled() => return,
