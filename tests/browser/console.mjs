@@ -148,6 +148,8 @@ try {
     await accessible("the token dialog");
     await page.fill("#token-input", adminToken);
     await page.click("#token-form button");
+    // Closed, and not opened again by a poll that was sent before the token.
+    await page.locator("#token-dialog").waitFor({ state: "hidden" });
     const row = page.locator('tr[data-consumer="ORDERS/browser"]');
     await row.waitFor();
     const pending = async () => Number((await row.locator("td").nth(3).innerText()).replace(/\D/g, "") || "0");
@@ -158,6 +160,7 @@ try {
     say(`pending ${before} → ${before + 1} without a reload`);
     await accessible("the consumers");
 
+    if (await page.locator("#token-dialog").isVisible()) throw new Error("the token dialog opened again");
     await page.click('tr[data-consumer="ORDERS/browser"] a');
     await page.locator("figure.chart svg polyline").first().waitFor();
     await page.locator("#seek-form").waitFor();

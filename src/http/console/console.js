@@ -25,7 +25,8 @@ class ApiError extends Error {
 
 async function api(method, path, body) {
   const headers = { Accept: "application/json" };
-  if (token) headers.Authorization = `Bearer ${token}`;
+  const sentWith = token;
+  if (sentWith) headers.Authorization = `Bearer ${sentWith}`;
   const init = { method, headers };
   if (body !== undefined) {
     headers["Content-Type"] = "application/json";
@@ -39,7 +40,8 @@ async function api(method, path, body) {
   } catch (_) {
     json = null;
   }
-  if (response.status === 401) askForToken();
+  // A 401 to an earlier token (a poll sent before one was entered) asks nothing.
+  if (response.status === 401 && sentWith === token) askForToken();
   if (!response.ok) throw new ApiError(response.status, json);
   return json;
 }
