@@ -67,6 +67,12 @@ pub(crate) struct RedriveRequest {
     pub(crate) dry_run: bool,
 }
 
+/// A selection, checked.
+enum Chosen<'a> {
+    Filter(Filter),
+    Ids(&'a [DeadLetterId]),
+}
+
 /// What a redrive request came to.
 #[derive(Debug)]
 pub(crate) enum Redrive {
@@ -120,20 +126,28 @@ fn unavailable(err: anyhow::Error) -> Error {
 impl Gateway {
     /// Start (or, dry, count) a redrive.
     pub(crate) async fn redrive(&self, request: RedriveRequest) -> Result<Redrive, Error> {
+        // Bad input is refused before anything is asked of NATS.
+        let chosen = match &request.selection {
+            Selection::Filter(words) => Chosen::Filter(
+                Filter::from_words(words).map_err(|bad| Error::invalid(bad.field, bad.detail))?,
+            ),
+            Selection::Ids(ids) => Chosen::Ids(ids),
+        };
         let js = self.jetstream()?;
         let stores = self.dead_letter_stores().await?;
-        let (matched, first, progress) = match &request.selection {
-            Selection::Filter(words) => {
-                let filter = Filter::from_words(words)
-                    .map_err(|bad| Error::invalid(bad.field, bad.detail))?;
+        // The bucket gets as many replicas as the dead-letter streams have.
+        let mut replicas = None;
+        let (matched, first, progress) = match &chosen {
+            Chosen::Filter(filter) => {
                 let mut matched = 0;
                 let mut first = Vec::new();
                 let mut progress = Vec::new();
                 for store in &stores {
-                    let (last, _) = dead_letter_reader::extent(&js, store)
+                    let (last, store_replicas) = dead_letter_reader::extent(&js, store)
                         .await
                         .map_err(unavailable)?;
-                    matched += dead_letter_reader::count(&js, store, &filter, last)
+                    replicas = replicas.max(Some(store_replicas));
+                    matched += dead_letter_reader::count(&js, store, filter, last)
                         .await
                         .map_err(unavailable)?;
                     if first.len() < DRY_RUN_SHOWS {
@@ -143,7 +157,7 @@ impl Gateway {
                             store,
                             Order::OldestFirst,
                             None,
-                            &filter,
+                            filter,
                             DRY_RUN_SHOWS - first.len(),
                             &mut budget,
                         )
@@ -159,10 +173,10 @@ impl Gateway {
                 }
                 (matched, first, progress)
             }
-            Selection::Ids(ids) => {
+            Chosen::Ids(ids) => {
                 let mut matched = 0;
                 let mut first = Vec::new();
-                for id in ids {
+                for id in *ids {
                     if !stores.contains(&id.store) {
                         continue;
                     }
@@ -182,20 +196,23 @@ impl Gateway {
         if request.dry_run {
             return Ok(Redrive::DryRun { matched, first });
         }
-        let replicas = match stores.first() {
-            Some(store) => {
-                dead_letter_reader::extent(&js, store)
-                    .await
-                    .map_err(unavailable)?
-                    .1
-            }
-            None => 1,
-        };
         let bucket = match self.known_bucket() {
             Some(bucket) => bucket,
-            None => redrive::bucket_or_make(&js, replicas)
-                .await
-                .map_err(unavailable)?,
+            None => {
+                let replicas = match (replicas, stores.first()) {
+                    (Some(replicas), _) => replicas,
+                    (None, Some(store)) => {
+                        dead_letter_reader::extent(&js, store)
+                            .await
+                            .map_err(unavailable)?
+                            .1
+                    }
+                    (None, None) => 1,
+                };
+                redrive::bucket_or_make(&js, replicas)
+                    .await
+                    .map_err(unavailable)?
+            }
         };
         self.keep_bucket(&bucket);
         let task = format!("{:016x}", rand::random::<u64>());

@@ -157,7 +157,7 @@ fn pairs(query: Option<&str>) -> impl Iterator<Item = (String, String)> + '_ {
 }
 
 /// The filter `words` say, or a 422 naming the word that means nothing.
-pub(super) fn filter_of(words: &FilterWords) -> Result<Filter, Error> {
+fn filter_of(words: &FilterWords) -> Result<Filter, Error> {
     Filter::from_words(words).map_err(|bad| Error::invalid(bad.field, bad.detail))
 }
 

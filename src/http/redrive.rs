@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::body::JsonBody;
-use super::dead_letters::{DeadLetterDto, filter_of};
+use super::dead_letters::DeadLetterDto;
 use super::dto::Encoding;
 use super::responses::{BodyRefusals, Guarded, NatsRefusals, RedriveTaskRefusals};
 use crate::domain::subject::validate_publish_subject;
@@ -187,8 +187,8 @@ fn request_of(body: RedriveBody) -> Result<RedriveRequest, Error> {
         since: body.since,
         until: body.until,
     };
-    // Checked here whichever selection it is: a bad word is refused, never ignored.
-    filter_of(&words)?;
+    // Filters are checked where they are read (a bad word is 422 there); with ids none may
+    // be given at all.
     let selection = match body.ids {
         None => Selection::Filter(words),
         Some(_) if words != FilterWords::default() => {
