@@ -15,6 +15,7 @@ use crate::domain::delivery::{Delivery, Leased};
 use crate::domain::finals::{Final, Finals, MessageKey};
 use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
 use crate::domain::leases::LeaseTable;
+use crate::domain::ordering::{KeyOf, OrderingGate, OrderingKeySpec};
 use crate::domain::settle::AckCommand;
 use crate::metrics::Metrics;
 use crate::telemetry;
@@ -51,7 +52,15 @@ pub(crate) struct LeaseState {
     /// The replicas counted for the share of max_waiting, and since when: the most seen in
     /// the last [`SHARE_HOLD`].
     sharing: Mutex<(usize, Instant)>,
+    /// Ordering per key, on a consumer that has an ordering key.
+    ordering: Option<KeyOrder>,
     pub(crate) metrics: Metrics,
+}
+
+/// A consumer's ordering key and its gate.
+struct KeyOrder {
+    spec: OrderingKeySpec,
+    gate: Mutex<OrderingGate>,
 }
 
 impl LeaseState {
@@ -59,6 +68,7 @@ impl LeaseState {
         signer: LeaseSigner,
         ack_wait: Duration,
         max_ack_pending: usize,
+        ordering_key: Option<OrderingKeySpec>,
         metrics: Metrics,
     ) -> Self {
         let state = Self {
@@ -79,6 +89,10 @@ impl LeaseState {
             starved: AtomicBool::new(false),
             replicas: AtomicUsize::new(1),
             sharing: Mutex::new((1, Instant::now())),
+            ordering: ordering_key.map(|spec| KeyOrder {
+                spec,
+                gate: Mutex::default(),
+            }),
             metrics,
         };
         state.apply_settings(ack_wait, max_ack_pending);
@@ -229,6 +243,9 @@ impl LeaseState {
     pub(crate) fn confirmed(&self, message: MessageKey, command: &AckCommand) {
         if let Some(outcome) = Final::of(command) {
             self.finals().record(message, outcome);
+            self.with_gate(|gate| gate.finished(message.stream_sequence));
+        } else if matches!(command, AckCommand::Nak { .. }) {
+            self.with_gate(|gate| gate.unleased(message.stream_sequence));
         }
     }
 
@@ -258,6 +275,7 @@ impl LeaseState {
     pub(crate) fn released(&self, key: DeliveryKey) {
         self.metrics.delivery_released();
         self.leases().note_unleased(key, Instant::now());
+        self.with_gate(|gate| gate.unleased(key.stream_sequence));
     }
 
     /// A settle freed a slot: wake the dispatcher only if fetches wait for one (a batch ack
@@ -282,6 +300,11 @@ impl LeaseState {
     pub(crate) fn lease(&self, deliveries: Vec<Delivery>) -> Vec<Leased> {
         let lifetime = self.ack_wait().saturating_sub(self.margin());
         self.metrics.leases_granted(deliveries.len());
+        self.with_gate(|gate| {
+            for delivery in &deliveries {
+                gate.leased(delivery.coordinates.key.stream_sequence);
+            }
+        });
         let mut leases = self.leases();
         deliveries
             .into_iter()
@@ -305,6 +328,11 @@ impl LeaseState {
     /// Take back leases whose client never got them.
     pub(crate) fn give_back(&self, leased: Vec<Leased>) -> Vec<Delivery> {
         self.metrics.leases_given_back(leased.len());
+        self.with_gate(|gate| {
+            for leased in &leased {
+                gate.unleased(leased.delivery.coordinates.key.stream_sequence);
+            }
+        });
         let mut leases = self.leases();
         leased
             .into_iter()
@@ -313,6 +341,127 @@ impl LeaseState {
                 leased.delivery
             })
             .collect()
+    }
+}
+
+/// Ordering per key: the gate between what arrives and what is leased (see
+/// [`OrderingGate`]). Without an ordering key every call is a no-op.
+impl LeaseState {
+    /// The consumer's ordering key, if it has one.
+    pub(crate) fn ordering_key(&self) -> Option<&OrderingKeySpec> {
+        self.ordering.as_ref().map(|ordering| &ordering.spec)
+    }
+
+    /// Run `act` on the gate (when there is one), then publish its figures; when it made
+    /// messages ready, wake the dispatcher to lease them.
+    fn with_gate<T: Default>(&self, act: impl FnOnce(&mut OrderingGate) -> T) -> T {
+        let Some(ordering) = &self.ordering else {
+            return T::default();
+        };
+        let mut gate = ordering
+            .gate
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let result = act(&mut gate);
+        self.metrics.ordering(gate.held(), gate.busy_keys());
+        if gate.has_ready() {
+            self.capacity_freed.notify_one();
+        }
+        result
+    }
+
+    /// A delivery arrived: `Some` to lease it now, `None` when the gate holds it for its key.
+    pub(crate) fn admit(&self, delivery: Delivery) -> Option<Delivery> {
+        let Some(ordering) = &self.ordering else {
+            return Some(delivery);
+        };
+        match ordering
+            .spec
+            .key_of(delivery.subject.as_str(), delivery.headers.as_ref())
+        {
+            KeyOf::Unordered => Some(delivery),
+            KeyOf::TooLong => {
+                self.metrics.ordering_key_rejected();
+                Some(delivery)
+            }
+            KeyOf::Key(key) => self.with_gate(|gate| gate.admit(key, delivery)),
+        }
+    }
+
+    /// Held messages whose key became free, to lease now.
+    pub(crate) fn take_ready(&self) -> Vec<Delivery> {
+        self.with_gate(OrderingGate::take_ready)
+    }
+
+    /// How often a held message is kept alive: well within ack_wait.
+    fn keep_alive_every(&self) -> Duration {
+        self.ack_wait() / 3
+    }
+
+    /// Reply subjects of held messages due a `+WPI` now.
+    pub(crate) fn keep_alive_due(&self, now: Instant) -> Vec<Arc<str>> {
+        let every = self.keep_alive_every();
+        self.with_gate(|gate| gate.keep_alive_due(now, every))
+    }
+
+    /// When the next held message is due a `+WPI`.
+    pub(crate) fn next_keep_alive(&self) -> Option<Instant> {
+        let every = self.keep_alive_every();
+        self.with_gate(|gate| gate.next_keep_alive(every))
+    }
+
+    /// Messages held for a busy key (they count against max_ack_pending).
+    pub(crate) fn ordering_held(&self) -> usize {
+        self.with_gate(|gate| gate.held())
+    }
+
+    /// Keys with a message out.
+    pub(crate) fn busy_keys(&self) -> usize {
+        self.with_gate(|gate| gate.busy_keys())
+    }
+
+    /// The keys holding the most messages, most first.
+    pub(crate) fn hottest_keys(&self, n: usize) -> Vec<(Arc<str>, usize)> {
+        self.with_gate(|gate| gate.hottest(n))
+    }
+
+    /// Heads the server will not deliver again (their `max_deliver`-th lease ended) free
+    /// their keys, as a dead-lettered message does.
+    pub(crate) fn free_sidelined(&self, max_deliver: u64) {
+        let now = Instant::now();
+        self.with_gate(|gate| {
+            let sidelined = gate.sidelined(max_deliver, |stream_sequence, delivered| {
+                self.leases().is_live(
+                    DeliveryKey {
+                        stream_sequence,
+                        delivered,
+                    },
+                    now,
+                )
+            });
+            for stream_sequence in sidelined {
+                gate.finished(stream_sequence);
+            }
+        });
+    }
+
+    /// Everything the gate holds, to nak back; `forget_heads` when every lease was voided.
+    pub(crate) fn release_ordered(&self, forget_heads: bool) -> Vec<Delivery> {
+        self.with_gate(|gate| gate.release(forget_heads))
+    }
+
+    /// Hold what arrives past `stream_sequence` (see [`OrderingGate::set_fence`]).
+    pub(crate) fn fence_ordered(&self, stream_sequence: u64) {
+        self.with_gate(|gate| gate.set_fence(stream_sequence));
+    }
+
+    /// The stream sequence the gate is fenced at, if it is.
+    pub(crate) fn ordering_fence(&self) -> Option<u64> {
+        self.with_gate(|gate| gate.fence())
+    }
+
+    pub(crate) fn lift_ordering_fence(&self) {
+        self.with_gate(OrderingGate::lift_fence);
     }
 }
 
@@ -325,7 +474,7 @@ mod tests {
     fn state() -> LeaseState {
         let metrics = ProcessMetrics::new().for_consumer("ORDERS", "billing");
         let signer = LeaseSigner::with_key(&[7; 32], "ORDERS", "billing", InstanceId::random());
-        LeaseState::new(signer, Duration::from_secs(30), 1024, metrics)
+        LeaseState::new(signer, Duration::from_secs(30), 1024, None, metrics)
     }
 
     #[tokio::test(start_paused = true)]

@@ -14,7 +14,10 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::push::{PushEntry, PushSpec};
-use super::{DeliverPolicy, parse_ack_wait, parse_dead_letter_subject, parse_filter, parse_name};
+use super::{
+    DeliverPolicy, OrderingKeySpec, parse_ack_wait, parse_dead_letter_subject, parse_filter,
+    parse_name,
+};
 
 /// One `[[consumer]]` of the file: the settings the gateway creates or binds it with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +30,8 @@ pub struct ConsumerSpec {
     pub max_ack_pending: u32,
     pub max_deliver: Option<u32>,
     pub dead_letter_subject: Option<String>,
+    /// Where its messages carry their ordering key: leased one at a time per key.
+    pub ordering_key: Option<OrderingKeySpec>,
     /// Its `[consumer.push]` table: the gateway delivers its messages to an HTTP endpoint.
     /// Applied live when it changes (the consumer is not bound anew).
     pub push: Option<PushSpec>,
@@ -50,6 +55,7 @@ struct Entry {
     max_ack_pending: Option<Spanned<i64>>,
     max_deliver: Option<Spanned<i64>>,
     dead_letter_subject: Option<Spanned<String>>,
+    ordering_key: Option<Spanned<String>>,
     push: Option<PushEntry>,
 }
 
@@ -175,6 +181,14 @@ impl Entry {
                 "dead_letter_subject",
                 parse_dead_letter_subject,
             )?,
+            ordering_key: self
+                .ordering_key
+                .as_ref()
+                .map(|value| {
+                    OrderingKeySpec::from_str(value.get_ref())
+                        .map_err(|why| at(text, &value.span(), "ordering_key", &why))
+                })
+                .transpose()?,
             push,
         })
     }

@@ -23,6 +23,7 @@ use clap::Parser;
 use time::OffsetDateTime;
 
 use crate::domain::consumers::ConsumerPatterns;
+pub use crate::domain::ordering::OrderingKeySpec;
 use time::format_description::well_known::Rfc3339;
 
 /// The default of `--max-body-bytes`: 256 KiB fits a 1000-id batch settle.
@@ -119,6 +120,12 @@ pub struct Config {
     /// (with their headers and delivery metadata); a stream must capture it. Not given: off.
     #[arg(long, env = "RUSTSTREAM_DEAD_LETTER_SUBJECT", value_parser = parse_dead_letter_subject)]
     pub dead_letter_subject: Option<String>,
+
+    /// Lease the default consumer's messages one at a time per key, in stream order:
+    /// `subject:<n>` (the n-th subject token, from 1), `header:<Name>`, or `header`
+    /// (the Ruststream-Ordering-Key header). Not given: unordered.
+    #[arg(long, env = "RUSTSTREAM_ORDERING_KEY")]
+    pub ordering_key: Option<OrderingKeySpec>,
 
     /// Use an ephemeral consumer (no durable name); the server removes it after the gateway is gone.
     #[arg(long, env = "RUSTSTREAM_EPHEMERAL")]
@@ -419,6 +426,7 @@ impl Config {
             filter_subject: None,
             max_deliver: None,
             dead_letter_subject: None,
+            ordering_key: None,
             ephemeral: false,
             create_stream: false,
             adopt_existing: true,
@@ -438,6 +446,7 @@ impl Config {
             max_ack_pending: spec.max_ack_pending,
             max_deliver: spec.max_deliver,
             dead_letter_subject: spec.dead_letter_subject.clone(),
+            ordering_key: spec.ordering_key.clone(),
             ephemeral: false,
             // The default consumer's stream may be made by either: the same config.
             create_stream: self.create_stream && spec.stream == self.stream,

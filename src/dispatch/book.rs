@@ -55,6 +55,10 @@ struct Waiter {
     retry_at: Option<Instant>,
     /// A pull was sent for this fetch at least once.
     pulled: bool,
+    /// Deliveries of its pull the ordering gate held (their keys were busy) since its last
+    /// pull: a fetch short of its batch for that pulls again at once, so that a busy key
+    /// never stands between it and other keys' messages.
+    diverted: usize,
     answer: Answer,
 }
 
@@ -74,6 +78,16 @@ impl Waiter {
     fn take(&mut self, delivery: Delivery) {
         self.bytes += delivery.payload.len();
         self.got.push(delivery);
+    }
+
+    /// A fetch (not a stream: its pull stays open) whose pull brought deliveries the
+    /// ordering gate held, with room and time left: it pulls again rather than answer.
+    fn pulls_again(&self, now: Instant) -> bool {
+        self.diverted > 0
+            && self.demand.stream.is_none()
+            && !self.full
+            && self.got.len() < self.demand.batch
+            && now < self.deadline
     }
 }
 
@@ -136,6 +150,9 @@ pub(super) struct Book<R> {
     pulls: HashMap<u64, Pull<R>>,
     silent: Vec<SilentPull>,
     next_pull_id: u64,
+    /// Whether the last planning had capacity and pull slots left: a fetch waits to pull
+    /// again (see [`Waiter::pulls_again`]) only then.
+    pull_room: bool,
 }
 
 impl<R> Book<R> {
@@ -146,6 +163,7 @@ impl<R> Book<R> {
             pulls: HashMap::new(),
             silent: Vec::new(),
             next_pull_id: 0,
+            pull_room: false,
         }
     }
 
@@ -172,6 +190,7 @@ impl<R> Book<R> {
             pull,
             retry_at: None,
             pulled: pull.is_some(),
+            diverted: 0,
             answer,
         });
     }
@@ -322,6 +341,15 @@ impl<R> Book<R> {
         }
     }
 
+    /// A delivery of fetch `owner`'s pull was held by the ordering gate.
+    pub(super) fn diverted(&mut self, owner: Option<u64>) {
+        if let Some(waiter) =
+            owner.and_then(|owner| self.waiters.iter_mut().find(|w| w.id == owner))
+        {
+            waiter.diverted += 1;
+        }
+    }
+
     /// Hold a delivery nobody may take (one of an earlier binding): only ever released.
     pub(super) fn hold(&mut self, delivery: Delivery) {
         self.held.push_back(delivery);
@@ -466,27 +494,28 @@ impl<R> Book<R> {
     /// for than `capacity` (free max_ack_pending slots). Open them in order and report each
     /// with [`Book::pull_opened`]; stop at the first that fails.
     pub(super) fn plan_pulls(
-        &self,
+        &mut self,
         now: Instant,
         mut capacity: usize,
         limits: PullLimits,
     ) -> Vec<PlannedPull> {
         let max_pulls = Self::max_pulls(limits);
         let mut open = self.counted_pulls();
+        self.pull_room = capacity > 0 && open < max_pulls;
         let mut planned = Vec::new();
         for waiter in &self.waiters {
             if open >= max_pulls || capacity == 0 {
                 break;
             }
             let ready = waiter.pull.is_none()
-                && waiter.got.is_empty()
+                && (waiter.got.is_empty() || waiter.pulls_again(now))
                 && waiter.retry_at.is_none_or(|at| at <= now)
                 // A zero-wait fetch still gets one no_wait pull: "what is there right now".
                 && (waiter.deadline > now || (waiter.demand.wait.is_zero() && !waiter.pulled));
             if !ready {
                 continue;
             }
-            let mut batch = waiter.demand.batch.min(capacity);
+            let mut batch = (waiter.demand.batch - waiter.got.len()).min(capacity);
             if let Some(max_batch) = limits.max_batch {
                 batch = batch.min(max_batch);
             }
@@ -500,7 +529,8 @@ impl<R> Book<R> {
             if let Some(max_expires) = limits.max_expires {
                 left = left.min(max_expires);
             }
-            let expires = (left >= MIN_EXPIRES).then_some(left);
+            // Pulling again with something in hand: only what is there right now.
+            let expires = (left >= MIN_EXPIRES && waiter.got.is_empty()).then_some(left);
             planned.push(PlannedPull {
                 fetch: waiter.id,
                 batch,
@@ -513,6 +543,11 @@ impl<R> Book<R> {
             open += 1;
         }
         planned
+    }
+
+    /// No pull can be opened now (no binding, no connection).
+    pub(super) fn no_pull_room(&mut self) {
+        self.pull_room = false;
     }
 
     /// Whether fetches wait while the pull limit is reached.
@@ -538,6 +573,7 @@ impl<R> Book<R> {
             waiter.pull = Some(pull_id);
             waiter.pulled = true;
             waiter.retry_at = None;
+            waiter.diverted = 0;
         }
         self.pulls.insert(
             pull_id,
@@ -569,7 +605,8 @@ impl<R> Book<R> {
                 || waiter.full
                 // A stream writes what came at once; its pull stays open for its next step.
                 || (!waiter.got.is_empty()
-                    && (waiter.pull.is_none() || waiter.demand.stream.is_some()))
+                    && (waiter.pull.is_none() || waiter.demand.stream.is_some())
+                    && !(self.pull_room && waiter.pulls_again(now)))
                 || (waiter.pull.is_none() && now >= waiter.deadline)
                 || now >= waiter.deadline + PULL_GRACE;
             if !done {

@@ -45,6 +45,12 @@ use book::{Answer, Book, PULL_GRACE, PullLimits};
 const STRAGGLER_READ: Duration = Duration::from_secs(30);
 /// How long a settle the gateway repeats on its own waits for the server's confirmation.
 const SETTLE_AGAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a fenced ordered consumer reads its ack floor (see [`watch_fence`]).
+const FENCE_POLL: Duration = Duration::from_millis(500);
+/// How often at most the WARN about hot ordering keys is logged.
+const HOT_KEYS_WARN_EVERY: Duration = Duration::from_secs(60);
+/// How many of the hottest keys that WARN names.
+const HOT_KEYS_NAMED: usize = 5;
 
 pub(crate) enum Command {
     Fetch {
@@ -113,6 +119,12 @@ pub(crate) struct Dispatcher {
     /// The bound consumer's leader elections: its open pulls may have died with the old
     /// leader.
     leader_elections: Option<async_nats::Subscriber>,
+    /// Ordering per key: the epoch whose heads the gate knows, the consumer's max_deliver,
+    /// the task that lifts the gate's fence, and when hot keys were last warned of.
+    ordered_epoch: Option<u32>,
+    max_deliver: Option<u64>,
+    fence_watch: Option<tokio::task::JoinHandle<()>>,
+    hot_keys_warned: Option<Instant>,
 }
 
 impl Dispatcher {
@@ -127,6 +139,10 @@ impl Dispatcher {
             rebind_requested: false,
             unusable: Vec::new(),
             leader_elections: None,
+            ordered_epoch: None,
+            max_deliver: None,
+            fence_watch: None,
+            hot_keys_warned: None,
         }
     }
 
@@ -219,6 +235,7 @@ impl Dispatcher {
             self.release_held(|_| true).await;
         }
         self.release_held(|_| true).await;
+        self.release_ordered(false).await;
         for (_, inbox) in self.stragglers.drain(..) {
             inbox.abort();
         }
@@ -237,11 +254,123 @@ impl Dispatcher {
         self.rebind_requested = false;
         // Deliveries of a previous binding cannot be leased any more: let the server have them.
         self.release_held(|_| true).await;
+        let new_epoch = bound
+            .as_ref()
+            .is_some_and(|bound| self.ordered_epoch != Some(bound.epoch));
+        self.release_ordered(new_epoch).await;
         self.leader_elections = match &bound {
             Some(bound) => pull::leader_elections(bound).await,
             None => None,
         };
+        if let Some(bound) = &bound {
+            self.bind_ordering(bound, new_epoch);
+        }
         self.bound = bound;
+    }
+
+    /// An ordered consumer was bound. Under a new epoch (the first binding, a recreated
+    /// consumer) the gate knows nothing of what is out: if the server counts messages
+    /// pending, another process (an earlier run, another replica) may still hold some, so
+    /// what comes past them waits until they are acked or their ack_wait has run out.
+    fn bind_ordering(&mut self, bound: &Arc<Bound>, new_epoch: bool) {
+        if self.state.ordering_key().is_none() {
+            return;
+        }
+        let info = bound.consumer.cached_info();
+        self.max_deliver = u64::try_from(info.config.max_deliver)
+            .ok()
+            .filter(|max| *max > 0);
+        if !new_epoch {
+            return;
+        }
+        self.ordered_epoch = Some(bound.epoch);
+        if let Some(watch) = self.fence_watch.take() {
+            watch.abort();
+        }
+        if info.num_ack_pending == 0 {
+            self.state.lift_ordering_fence();
+            return;
+        }
+        let fence = info.delivered.stream_sequence;
+        info!(
+            fence,
+            pending = info.num_ack_pending,
+            "ordered consumer bound with messages pending elsewhere: what comes past them waits until they are acked or their ack_wait ran out"
+        );
+        self.state.fence_ordered(fence);
+        let until = Instant::now() + bound.ack_wait + Duration::from_secs(1);
+        self.fence_watch = Some(tokio::spawn(watch_fence(
+            self.state.clone(),
+            bound.clone(),
+            fence,
+            until,
+        )));
+    }
+
+    /// Nak back what the ordering gate holds (see [`LeaseState::release_ordered`]).
+    async fn release_ordered(&mut self, forget_heads: bool) {
+        let released = self.state.release_ordered(forget_heads);
+        if let Some(bound) = &self.bound {
+            for delivery in &released {
+                nats_settle::release(bound, &delivery.reply).await;
+            }
+        }
+        for delivery in released {
+            self.state.released(delivery.coordinates.key);
+        }
+    }
+
+    /// Keep the ordering gate's held messages alive, and lease those whose key is free.
+    async fn tend_ordered(&mut self, now: Instant) {
+        if self.state.ordering_key().is_none() {
+            return;
+        }
+        if let Some(max_deliver) = self.max_deliver {
+            self.state.free_sidelined(max_deliver);
+        }
+        let Some(bound) = self.bound.clone() else {
+            return;
+        };
+        for reply in self.state.keep_alive_due(now) {
+            nats_settle::keep_alive(&bound, &reply).await;
+        }
+        let mut ready = self.state.take_ready();
+        for delivery in &mut ready {
+            // Its last `+WPI` may be a while ago: restart its timer, so that it is held for
+            // the next fetch as long as any delivery, and leased with most of its ack_wait.
+            nats_settle::keep_alive(&bound, &delivery.reply).await;
+            delivery.received_at = now;
+        }
+        if !ready.is_empty() {
+            self.book.give_back(None, ready);
+        }
+    }
+
+    /// When held messages fill max_ack_pending, say which keys hold them (once a minute).
+    fn warn_of_hot_keys(&mut self, now: Instant, capacity: usize) {
+        let held = self.state.ordering_held();
+        if capacity > 0 || held == 0 || held < self.state.max_ack_pending() / 2 {
+            return;
+        }
+        if self
+            .hot_keys_warned
+            .is_some_and(|at| now < at + HOT_KEYS_WARN_EVERY)
+        {
+            return;
+        }
+        self.hot_keys_warned = Some(now);
+        let hottest: Vec<String> = self
+            .state
+            .hottest_keys(HOT_KEYS_NAMED)
+            .into_iter()
+            .map(|(key, held)| format!("{key} ({held} held)"))
+            .collect();
+        warn!(
+            held,
+            max_ack_pending = self.state.max_ack_pending(),
+            hottest = hottest.join(", "),
+            "messages held behind busy ordering keys fill max_ack_pending: every other key waits until these keys' heads are settled"
+        );
     }
 
     fn on_inbound(&mut self, inbound: PullEvent) {
@@ -296,6 +425,11 @@ impl Dispatcher {
             self.book.hold(delivery);
             return;
         }
+        // An ordered consumer's gate holds what comes for a busy key.
+        let Some(delivery) = self.state.admit(delivery) else {
+            self.book.diverted(owner);
+            return;
+        };
         self.book.place(owner, delivery);
     }
 
@@ -367,7 +501,12 @@ impl Dispatcher {
             .book
             .next_wake(now, self.state.hold(), || self.state.next_release());
         let reaps = self.stragglers.iter().map(|(reap_at, _)| *reap_at);
-        book.into_iter().chain(reaps).min().unwrap_or(far)
+        let keep_alive = self.state.next_keep_alive();
+        book.into_iter()
+            .chain(reaps)
+            .chain(keep_alive)
+            .min()
+            .unwrap_or(far)
     }
 
     async fn pump(&mut self) {
@@ -378,6 +517,11 @@ impl Dispatcher {
         let shutting_down = self.shutting_down;
         self.release_held(|delivery| shutting_down || delivery.received_at + hold <= now)
             .await;
+        if shutting_down {
+            self.release_ordered(false).await;
+        } else {
+            self.tend_ordered(now).await;
+        }
         self.book.hand_out_held();
         if !self.shutting_down {
             self.issue_pulls(now).await;
@@ -459,9 +603,11 @@ impl Dispatcher {
 
     async fn issue_pulls(&mut self, now: Instant) {
         let Some(bound) = self.bound.clone() else {
+            self.book.no_pull_room();
             return;
         };
         if !bound.is_connected() {
+            self.book.no_pull_room();
             return;
         }
         // Ask to be woken by the next settle while fetches wait for a pull; flagged before
@@ -469,10 +615,14 @@ impl Dispatcher {
         if self.book.is_starving() {
             self.state.starving();
         }
+        // Messages the ordering gate holds are out of the server's hands too.
         let capacity = self
             .state
             .max_ack_pending()
-            .saturating_sub(self.state.taken() + self.book.reserved());
+            .saturating_sub(self.state.taken() + self.book.reserved() + self.state.ordering_held());
+        if self.state.ordering_key().is_some() {
+            self.warn_of_hot_keys(now, capacity);
+        }
         let limits = PullLimits {
             // The consumer's max_waiting counts every replica's pulls together.
             max_waiting: bound.max_waiting / self.state.sharing_replicas(),
@@ -510,6 +660,32 @@ impl Drop for Dispatcher {
                 "dispatcher stopped with unleased deliveries; the server redelivers them after ack_wait"
             );
         }
+    }
+}
+
+/// Lift the ordering gate's fence at `fence` once the consumer's ack floor reached it (every
+/// message delivered up to it was acked or terminated) or at `until` (an ack_wait after the
+/// binding: whatever another process still held has been given back to the server by then,
+/// and the server delivers it again before anything new).
+async fn watch_fence(state: Arc<LeaseState>, bound: Arc<Bound>, fence: u64, until: Instant) {
+    loop {
+        tokio::time::sleep(FENCE_POLL).await;
+        if Instant::now() >= until {
+            break;
+        }
+        if pull::ack_floor(&bound)
+            .await
+            .is_some_and(|floor| floor >= fence)
+        {
+            break;
+        }
+    }
+    if state.ordering_fence() == Some(fence) {
+        info!(
+            fence,
+            "ordered consumer: nothing delivered before the fence is out any more; leasing past it"
+        );
+        state.lift_ordering_fence();
     }
 }
 

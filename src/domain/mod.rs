@@ -10,6 +10,7 @@ pub(crate) mod finals;
 pub(crate) mod idempotency;
 pub(crate) mod lease_id;
 pub(crate) mod leases;
+pub(crate) mod ordering;
 pub(crate) mod push;
 pub(crate) mod seal;
 pub(crate) mod settle;

@@ -216,6 +216,9 @@ async fn describe(consumer: &Consumer) -> Result<ConsumerDto, Error> {
         num_redelivered: info.num_redelivered,
         num_waiting: info.num_waiting,
         leases_in_flight: status.leases_in_flight,
+        ordering_key: status.ordering_key,
+        held: status.held,
+        busy_keys: status.busy_keys,
         instance_id: consumer.instance().to_string(),
         replicas: consumer
             .replicas()

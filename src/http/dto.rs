@@ -298,6 +298,10 @@ pub(crate) struct PublishBody {
     /// NATS headers (e.g. `Nats-Msg-Id` for de-duplication).
     #[serde(default)]
     pub(crate) headers: BTreeMap<String, HeaderValues>,
+    /// The message's ordering key (1 to 1024 bytes), written as its
+    /// `Ruststream-Ordering-Key` header: a consumer ordered by `header` leases the messages
+    /// of one key one at a time, in stream order.
+    pub(crate) ordering_key: Option<String>,
 }
 
 /// `POST /publish` answer.
@@ -351,6 +355,9 @@ pub(crate) struct ConsumerConfigDto {
     "num_redelivered": 0,
     "num_waiting": 0,
     "leases_in_flight": 3,
+    "ordering_key": "subject:2",
+    "held": 4,
+    "busy_keys": 3,
     "instance_id": "5f0c2a9e41d3b7c8",
     "replicas": [
         {
@@ -384,6 +391,15 @@ pub(crate) struct ConsumerDto {
     pub(crate) num_waiting: usize,
     /// Live leases held by clients of this gateway.
     pub(crate) leases_in_flight: usize,
+    /// Where its messages carry their ordering key (`subject:<n>` or `header:<Name>`):
+    /// then at most one message per key is leased at a time, in stream order. `null`:
+    /// unordered.
+    pub(crate) ordering_key: Option<String>,
+    /// Messages this replica holds until their key is free (they count against
+    /// max_ack_pending); 0 when unordered.
+    pub(crate) held: usize,
+    /// Keys with a message out (leased, or due again after a nak or an expiry).
+    pub(crate) busy_keys: usize,
     /// This replica: the instance its lease ids name (random per process).
     pub(crate) instance_id: String,
     /// The live replicas on this consumer, this one included, oldest first, as their

@@ -14,6 +14,7 @@ use base64::engine::general_purpose::STANDARD;
 use super::body::JsonBody;
 use super::dto::{Encoding, HeaderValues, PublishBody, PublishResponse};
 use super::responses::{BodyRefusals, Guarded, PublishRefusals};
+use crate::domain::ordering::{MAX_KEY_BYTES, ORDERING_KEY_HEADER};
 use crate::domain::subject::validate_publish_subject;
 use crate::error::Error;
 use crate::gateway::Gateway;
@@ -73,6 +74,20 @@ pub(crate) async fn publish(
             })?;
             headers.append(header_name.clone(), value);
         }
+    }
+    if let Some(key) = body.ordering_key {
+        if key.is_empty() || key.len() > MAX_KEY_BYTES || key.chars().any(char::is_control) {
+            return Err(Error::invalid(
+                "ordering_key",
+                format!(
+                    "ordering_key: must be 1 to {MAX_KEY_BYTES} bytes without control characters"
+                ),
+            ));
+        }
+        let value = async_nats::HeaderValue::from_str(&key).map_err(|_| {
+            Error::invalid("ordering_key", "ordering_key: not a valid header value")
+        })?;
+        headers.insert(ORDERING_KEY_HEADER, value);
     }
     let mut span = telemetry::spans::send_span(&body.subject, &mut headers);
     let published = gateway.publish(body.subject, headers, payload.into()).await;

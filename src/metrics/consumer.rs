@@ -49,6 +49,9 @@ pub(super) struct Families {
     settles_forwarded: IntCounterVec,
     forwarded_settles_received: IntCounterVec,
     replicas: IntGaugeVec,
+    ordering_held: IntGaugeVec,
+    ordering_busy_keys: IntGaugeVec,
+    ordering_keys_rejected: IntCounterVec,
 }
 
 fn labels(extra: &[&'static str]) -> Vec<&'static str> {
@@ -169,6 +172,21 @@ impl Families {
                 "Live replicas on the consumer, this one included, as their heartbeats say",
                 &plain,
             ),
+            ordering_held: reg.gauge_vec(
+                ORDERING_HELD,
+                "Messages of an ordered consumer held until their key is free (they count against max_ack_pending)",
+                &plain,
+            ),
+            ordering_busy_keys: reg.gauge_vec(
+                ORDERING_BUSY_KEYS,
+                "Ordering keys of an ordered consumer with a message out",
+                &plain,
+            ),
+            ordering_keys_rejected: reg.counter_vec(
+                ORDERING_KEYS_REJECTED,
+                "Messages whose ordering key was longer than 1 KiB, leased unordered",
+                &plain,
+            ),
         }
     }
 }
@@ -237,6 +255,9 @@ pub(crate) struct Metrics {
     settles_forwarded: ByOutcome,
     forwarded_settles_received: ByOutcome,
     replicas: IntGauge,
+    ordering_held: IntGauge,
+    ordering_busy_keys: IntGauge,
+    ordering_keys_rejected: IntCounter,
     /// The last fifteen minutes of deliveries and settles, for the console's chart.
     history: History,
 }
@@ -293,6 +314,9 @@ impl Metrics {
                 counter(&f.forwarded_settles_received, &[ok])
             }),
             replicas: gauge(&f.replicas),
+            ordering_held: gauge(&f.ordering_held),
+            ordering_busy_keys: gauge(&f.ordering_busy_keys),
+            ordering_keys_rejected: counter(&f.ordering_keys_rejected, &[]),
             history: History::default(),
             families: families.clone(),
         };
@@ -321,6 +345,9 @@ impl Metrics {
         remove(&f.delayed_naks, &pair, &[]);
         remove(&f.dead_lettered, &pair, &[]);
         remove(&f.replicas, &pair, &[]);
+        remove(&f.ordering_held, &pair, &[]);
+        remove(&f.ordering_busy_keys, &pair, &[]);
+        remove(&f.ordering_keys_rejected, &pair, &[]);
         for action in SettleAction::ALL {
             for outcome in SettleOutcome::ALL {
                 remove(
@@ -402,6 +429,19 @@ impl Metrics {
         let series = &self.forwarded_settles_received[outcome as usize];
         let family = &self.families.forwarded_settles_received;
         self.labelled(series, family, &[outcome.as_str()]).inc();
+    }
+
+    /// An ordered consumer's held messages and busy keys.
+    pub(crate) fn ordering(&self, held: usize, busy_keys: usize) {
+        self.ordering_held
+            .set(i64::try_from(held).unwrap_or(i64::MAX));
+        self.ordering_busy_keys
+            .set(i64::try_from(busy_keys).unwrap_or(i64::MAX));
+    }
+
+    /// A message's ordering key was too long to be one.
+    pub(crate) fn ordering_key_rejected(&self) {
+        self.ordering_keys_rejected.inc();
     }
 
     /// How many replicas are live, this one included.

@@ -92,6 +92,12 @@ pub(crate) const SETTLES_FORWARDED: &str = "ruststream_settles_forwarded_total";
 pub(crate) const FORWARDED_SETTLES_RECEIVED: &str = "ruststream_forwarded_settles_received_total";
 /// Live replicas on the consumer, this one included, as their heartbeats say (gauge).
 pub(crate) const REPLICAS: &str = "ruststream_replicas";
+/// Messages of an ordered consumer held until their key is free (gauge).
+pub(crate) const ORDERING_HELD: &str = "ruststream_ordering_held";
+/// Ordering keys of an ordered consumer with a message out (gauge).
+pub(crate) const ORDERING_BUSY_KEYS: &str = "ruststream_ordering_busy_keys";
+/// Messages whose ordering key was longer than 1 KiB, leased unordered (counter).
+pub(crate) const ORDERING_KEYS_REJECTED: &str = "ruststream_ordering_keys_rejected_total";
 /// Messages under the internal prefix dropped because their seal did not verify (forged,
 /// replayed, another lease key, or unsealed), by `kind` (counter).
 pub(crate) const INTERNAL_MESSAGES_REJECTED: &str = "ruststream_internal_messages_rejected_total";
@@ -452,6 +458,9 @@ mod tests {
             DELAYED_NAKS,
             BUILD_INFO,
             CONSUMERS,
+            ORDERING_HELD,
+            ORDERING_BUSY_KEYS,
+            ORDERING_KEYS_REJECTED,
         ] {
             assert!(
                 text.contains(&format!("# TYPE {name} ")),

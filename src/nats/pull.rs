@@ -127,6 +127,16 @@ pub(crate) async fn leader_elections(bound: &Bound) -> Option<async_nats::Subscr
     }
 }
 
+/// The stream sequence below which the consumer has every message acked (its ack floor), as
+/// the server has it now; `None` when it cannot be read.
+pub(crate) async fn ack_floor(bound: &Bound) -> Option<u64> {
+    let info = tokio::time::timeout(SUBSCRIBE_TIMEOUT, bound.consumer.get_info()).await;
+    match info {
+        Ok(Ok(info)) => Some(info.ack_floor.stream_sequence),
+        _ => None,
+    }
+}
+
 /// What the dispatcher keeps of an open pull's inbox: stops reading it, and tells whether
 /// it is still read.
 pub(crate) struct PullHandle {

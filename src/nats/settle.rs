@@ -75,11 +75,27 @@ pub(crate) async fn confirm(
 
 /// Tell the server to redeliver a message the gateway will not lease, without waiting.
 pub(crate) async fn release(bound: &Bound, reply: &str) {
-    let payload = payload(&AckCommand::Nak { delay: None });
-    // Publishing only queues, but blocks once the queue is full while disconnected.
-    let published =
-        tokio::time::timeout(API_TIMEOUT, bound.client.publish(reply.to_owned(), payload)).await;
-    if !matches!(published, Ok(Ok(()))) {
+    if !send(bound, reply, &AckCommand::Nak { delay: None }).await {
         warn!("could not nak an unleased message; the server redelivers it after ack_wait");
     }
+}
+
+/// Restart the ack timer of a message the gateway holds (for its ordering key), without
+/// waiting: should it be lost, the server delivers the message again and the newer
+/// delivery takes the held one's place.
+pub(crate) async fn keep_alive(bound: &Bound, reply: &str) {
+    if !send(bound, reply, &AckCommand::InProgress).await {
+        warn!("could not keep a held message alive; the server redelivers it after ack_wait");
+    }
+}
+
+/// Publish `command` on `reply` without asking for a confirmation.
+async fn send(bound: &Bound, reply: &str, command: &AckCommand) -> bool {
+    // Publishing only queues, but blocks once the queue is full while disconnected.
+    let published = tokio::time::timeout(
+        API_TIMEOUT,
+        bound.client.publish(reply.to_owned(), payload(command)),
+    )
+    .await;
+    matches!(published, Ok(Ok(())))
 }

@@ -22,6 +22,7 @@ mod ledger;
 mod logs;
 mod metrics;
 mod nats_outage;
+mod ordering;
 mod poison;
 mod publish;
 mod push;

@@ -129,6 +129,12 @@ enum Sent {
 pub(crate) struct ConsumerStatus {
     pub(crate) info: async_nats::jetstream::consumer::Info,
     pub(crate) leases_in_flight: usize,
+    /// Its ordering key, when it is ordered per key.
+    pub(crate) ordering_key: Option<String>,
+    /// Messages held until their key is free.
+    pub(crate) held: usize,
+    /// Keys with a message out.
+    pub(crate) busy_keys: usize,
 }
 
 impl Consumer {
@@ -151,6 +157,7 @@ impl Consumer {
             signer,
             config.ack_wait,
             config.max_ack_pending as usize,
+            config.ordering_key.clone(),
             process
                 .metrics
                 .for_consumer(&config.stream, &config.consumer),
@@ -254,6 +261,7 @@ impl Consumer {
             && have.max_ack_pending == spec.max_ack_pending
             && have.max_deliver == spec.max_deliver
             && have.dead_letter_subject == spec.dead_letter_subject
+            && have.ordering_key == spec.ordering_key
     }
 
     /// Whether `id` is a genuine lease id of this consumer (any replica's).
@@ -481,6 +489,9 @@ impl Consumer {
         Ok(ConsumerStatus {
             info,
             leases_in_flight: self.leases_in_flight(),
+            ordering_key: self.state.ordering_key().map(ToString::to_string),
+            held: self.state.ordering_held(),
+            busy_keys: self.state.busy_keys(),
         })
     }
 

@@ -1,0 +1,359 @@
+//! Ordering per key: which part of a message is its key, and the gate that lets at most one
+//! message of a key be out (leased, or on its way back to be leased again) at a time, in
+//! stream order.
+//!
+//! JetStream has no per-key limit on ack-pending messages, so the gateway keeps one. What
+//! arrives for a busy key is held here (the dispatcher keeps it alive with `+WPI`) and
+//! becomes ready the moment its key's head is acked or terminated. A head that was nak'd,
+//! expired or given back stays its key's head: the server delivers it again, and only that
+//! delivery is let through.
+//!
+//! Pure state: no clock of its own, no I/O. May import: the rest of `domain` only.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use tokio::time::Instant;
+
+use super::SequenceMap;
+use super::delivery::Delivery;
+
+/// The header `POST /publish` writes a message's `ordering_key` to, and the one
+/// `ordering_key = "header"` reads.
+pub(crate) const ORDERING_KEY_HEADER: &str = "Ruststream-Ordering-Key";
+/// A longer key is no key: the message is leased unordered (and counted).
+pub(crate) const MAX_KEY_BYTES: usize = 1024;
+
+/// Where a consumer's messages carry their ordering key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OrderingKeySpec {
+    /// The n-th token of the subject, 1-based (`orders.<customer>.created` → 2).
+    SubjectToken(usize),
+    /// A message header, by name.
+    Header(String),
+}
+
+impl FromStr for OrderingKeySpec {
+    type Err = String;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        const EXPECTED: &str = "expected `subject:<n>` (the n-th subject token, from 1), \
+                                `header:<Name>`, or `header` (Ruststream-Ordering-Key)";
+        if value == "header" {
+            return Ok(Self::Header(ORDERING_KEY_HEADER.to_owned()));
+        }
+        if let Some(token) = value.strip_prefix("subject:") {
+            return match token.parse::<usize>() {
+                Ok(n) if n >= 1 => Ok(Self::SubjectToken(n)),
+                _ => Err(format!(
+                    "`{value}`: the subject token must be a number from 1 ({EXPECTED})"
+                )),
+            };
+        }
+        if let Some(name) = value.strip_prefix("header:") {
+            let valid = !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|byte| byte.is_ascii_graphic() && byte != b':');
+            return if valid {
+                Ok(Self::Header(name.to_owned()))
+            } else {
+                Err(format!(
+                    "`{value}`: a header name is printable ASCII without `:` or spaces ({EXPECTED})"
+                ))
+            };
+        }
+        Err(format!("`{value}`: {EXPECTED}"))
+    }
+}
+
+impl fmt::Display for OrderingKeySpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::SubjectToken(n) => write!(f, "subject:{n}"),
+            Self::Header(name) => write!(f, "header:{name}"),
+        }
+    }
+}
+
+/// A message's ordering key, as its consumer's spec finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum KeyOf {
+    /// No key (the token or header is missing): leased unordered.
+    Unordered,
+    /// A key longer than [`MAX_KEY_BYTES`]: leased unordered, and counted.
+    TooLong,
+    Key(Arc<str>),
+}
+
+impl OrderingKeySpec {
+    pub(crate) fn key_of(&self, subject: &str, headers: Option<&HeaderMap>) -> KeyOf {
+        let key = match self {
+            Self::SubjectToken(n) => subject.split('.').nth(n - 1),
+            Self::Header(name) => headers
+                .and_then(|headers| headers.get(name.as_str()))
+                .map(async_nats::HeaderValue::as_str),
+        };
+        match key {
+            None | Some("") => KeyOf::Unordered,
+            Some(key) if key.len() > MAX_KEY_BYTES => KeyOf::TooLong,
+            Some(key) => KeyOf::Key(key.into()),
+        }
+    }
+}
+
+/// Where a key's head (its one message out) is.
+#[derive(Debug)]
+struct Head {
+    key: Arc<str>,
+    delivered: u64,
+    /// Leased to a client now (not waiting in the dispatcher, nor back at the server).
+    leased: bool,
+}
+
+#[derive(Debug, Default)]
+struct Key {
+    /// The stream sequence of the message of this key that is out.
+    head: Option<u64>,
+    /// Its later messages the gateway received, by stream sequence.
+    held: BTreeMap<u64, Delivery>,
+}
+
+/// The gate: each key's head and held messages.
+#[derive(Debug, Default)]
+pub(crate) struct OrderingGate {
+    keys: HashMap<Arc<str>, Key>,
+    heads: SequenceMap<u64, Head>,
+    held: usize,
+    /// Held messages whose key became free: to be leased next.
+    ready: Vec<Delivery>,
+    /// After a start or a change of replica: messages past this stream sequence wait, since
+    /// one of their key delivered before it may still be out with somebody else.
+    fence: Option<u64>,
+    /// When the oldest held message needs its next `+WPI`.
+    next_keep_alive: Option<Instant>,
+}
+
+impl OrderingGate {
+    /// A delivery of key `key` arrived: `Some` to lease it now (it is its key's head),
+    /// `None` when it is held until its key is free.
+    pub(crate) fn admit(&mut self, key: Arc<str>, delivery: Delivery) -> Option<Delivery> {
+        let sequence = delivery.coordinates.key.stream_sequence;
+        let fenced = self.fence.is_some_and(|fence| sequence > fence);
+        let entry = self.keys.entry(key.clone()).or_default();
+        let first_held = entry.held.keys().next().copied();
+        let is_head = match entry.head {
+            Some(head) => head == sequence,
+            None => !fenced && first_held.is_none_or(|first| sequence < first),
+        };
+        if is_head {
+            entry.head = Some(sequence);
+            self.heads.insert(
+                sequence,
+                Head {
+                    key,
+                    delivered: delivery.coordinates.key.delivered,
+                    leased: false,
+                },
+            );
+            return Some(delivery);
+        }
+        let received_at = delivery.received_at;
+        // Delivered again while held (a `+WPI` lost): the newer delivery replaces it.
+        if entry.held.insert(sequence, delivery).is_none() {
+            self.held += 1;
+        }
+        self.next_keep_alive = Some(
+            self.next_keep_alive
+                .map_or(received_at, |at| at.min(received_at)),
+        );
+        None
+    }
+
+    /// The head `stream_sequence` was handed to a client.
+    pub(crate) fn leased(&mut self, stream_sequence: u64) {
+        if let Some(head) = self.heads.get_mut(&stream_sequence) {
+            head.leased = true;
+        }
+    }
+
+    /// The head `stream_sequence` is no longer with a client (given back, nak'd, expired):
+    /// it stays its key's head, to be delivered again.
+    pub(crate) fn unleased(&mut self, stream_sequence: u64) {
+        if let Some(head) = self.heads.get_mut(&stream_sequence) {
+            head.leased = false;
+        }
+    }
+
+    /// The message `stream_sequence` ended (acked or terminated, confirmed; or sidelined by
+    /// max_deliver): if it was a head, its key's next held message is ready.
+    pub(crate) fn finished(&mut self, stream_sequence: u64) {
+        let Some(head) = self.heads.remove(&stream_sequence) else {
+            return;
+        };
+        if let Some(entry) = self.keys.get_mut(&head.key) {
+            entry.head = None;
+        }
+        self.promote(&head.key);
+    }
+
+    /// Make `key`'s first held message its head, if it has none and the fence allows.
+    fn promote(&mut self, key: &Arc<str>) {
+        let Some(entry) = self.keys.get_mut(key) else {
+            return;
+        };
+        if entry.head.is_some() {
+            return;
+        }
+        let Some(first) = entry.held.keys().next().copied() else {
+            self.keys.remove(key);
+            return;
+        };
+        if self.fence.is_some_and(|fence| first > fence) {
+            return;
+        }
+        let Some(delivery) = entry.held.remove(&first) else {
+            return;
+        };
+        self.held -= 1;
+        entry.head = Some(first);
+        self.heads.insert(
+            first,
+            Head {
+                key: key.clone(),
+                delivered: delivery.coordinates.key.delivered,
+                leased: false,
+            },
+        );
+        self.ready.push(delivery);
+    }
+
+    /// Held messages past `stream_sequence` wait until [`OrderingGate::lift_fence`].
+    pub(crate) fn set_fence(&mut self, stream_sequence: u64) {
+        self.fence = Some(stream_sequence);
+    }
+
+    pub(crate) fn fence(&self) -> Option<u64> {
+        self.fence
+    }
+
+    /// Nothing delivered before the fence can be out elsewhere any more.
+    pub(crate) fn lift_fence(&mut self) {
+        if self.fence.take().is_none() {
+            return;
+        }
+        let waiting: Vec<Arc<str>> = self
+            .keys
+            .iter()
+            .filter(|(_, entry)| entry.head.is_none())
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in waiting {
+            self.promote(&key);
+        }
+    }
+
+    /// Whether held messages wait to be leased since their key became free.
+    pub(crate) fn has_ready(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    /// Held messages whose key became free, to lease.
+    pub(crate) fn take_ready(&mut self) -> Vec<Delivery> {
+        std::mem::take(&mut self.ready)
+    }
+
+    /// Reply subjects of held messages whose last `+WPI` (or delivery) is `every` old;
+    /// each counts as kept alive from `now` on.
+    pub(crate) fn keep_alive_due(&mut self, now: Instant, every: Duration) -> Vec<Arc<str>> {
+        if self.next_keep_alive.is_none_or(|at| at + every > now) {
+            return Vec::new();
+        }
+        let mut due = Vec::new();
+        let mut oldest: Option<Instant> = None;
+        for entry in self.keys.values_mut() {
+            for delivery in entry.held.values_mut() {
+                if delivery.received_at + every <= now {
+                    // The server restarts its ack timer when the `+WPI` arrives, after now:
+                    // a lease of it counted from now ends early, never late.
+                    delivery.received_at = now;
+                    due.push(delivery.reply.clone());
+                }
+                oldest =
+                    Some(oldest.map_or(delivery.received_at, |at| at.min(delivery.received_at)));
+            }
+        }
+        self.next_keep_alive = oldest;
+        due
+    }
+
+    /// When the next `+WPI` is due, given `every`.
+    pub(crate) fn next_keep_alive(&self, every: Duration) -> Option<Instant> {
+        self.next_keep_alive.map(|at| at + every)
+    }
+
+    /// Heads that are back at the server after their `max_deliver`-th delivery: the server
+    /// will not deliver them again. `leased` says whether the lease of a leased head still
+    /// lives.
+    pub(crate) fn sidelined(&self, max_deliver: u64, live: impl Fn(u64, u64) -> bool) -> Vec<u64> {
+        self.heads
+            .iter()
+            .filter(|(sequence, head)| {
+                head.delivered >= max_deliver && head.leased && !live(**sequence, head.delivered)
+            })
+            .map(|(sequence, _)| *sequence)
+            .collect()
+    }
+
+    /// Everything held and ready, out of the gate (to nak back); with `forget_heads`, the
+    /// heads too (every lease was voided).
+    pub(crate) fn release(&mut self, forget_heads: bool) -> Vec<Delivery> {
+        let mut released: Vec<Delivery> = std::mem::take(&mut self.ready);
+        for entry in self.keys.values_mut() {
+            released.extend(std::mem::take(&mut entry.held).into_values());
+        }
+        self.held = 0;
+        self.next_keep_alive = None;
+        // A ready message was a head not yet leased: back at the server it stays the head.
+        for delivery in &released {
+            self.unleased(delivery.coordinates.key.stream_sequence);
+        }
+        if forget_heads {
+            self.heads.clear();
+            self.keys.clear();
+        } else {
+            self.keys.retain(|_, entry| entry.head.is_some());
+        }
+        released
+    }
+
+    /// Messages held for a busy key.
+    pub(crate) fn held(&self) -> usize {
+        self.held + self.ready.len()
+    }
+
+    /// Keys with a message out.
+    pub(crate) fn busy_keys(&self) -> usize {
+        self.heads.len()
+    }
+
+    /// The `n` keys with the most held messages, most first.
+    pub(crate) fn hottest(&self, n: usize) -> Vec<(Arc<str>, usize)> {
+        let mut keys: Vec<(Arc<str>, usize)> = self
+            .keys
+            .iter()
+            .filter(|(_, entry)| !entry.held.is_empty())
+            .map(|(key, entry)| (key.clone(), entry.held.len()))
+            .collect();
+        keys.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        keys.truncate(n);
+        keys
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,190 @@
+//! The gate's unit tests: heads, held messages, the fence and keep-alives, driven by hand.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use time::OffsetDateTime;
+
+use super::*;
+use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates};
+
+fn delivery(stream_sequence: u64, delivered: u64, received_at: Instant) -> Delivery {
+    Delivery {
+        coordinates: LeaseCoordinates {
+            epoch: 1,
+            key: DeliveryKey {
+                stream_sequence,
+                delivered,
+            },
+            consumer_sequence: stream_sequence,
+            published_unix_nanos: 0,
+        },
+        reply: Arc::from(format!("$JS.ACK.S.C.{delivered}.{stream_sequence}.0.0.0")),
+        subject: "orders.c1.created".into(),
+        payload: Bytes::new(),
+        headers: None,
+        unparsed: Default::default(),
+        stream: "S".into(),
+        consumer: "C".into(),
+        pending: 0,
+        published_at: OffsetDateTime::UNIX_EPOCH,
+        received_at,
+    }
+}
+
+fn key(name: &str) -> Arc<str> {
+    Arc::from(name)
+}
+
+fn sequences(deliveries: &[Delivery]) -> Vec<u64> {
+    deliveries
+        .iter()
+        .map(|delivery| delivery.coordinates.key.stream_sequence)
+        .collect()
+}
+
+fn leases(admitted: Option<Delivery>) -> bool {
+    admitted.is_some()
+}
+
+#[test]
+fn specs_parse_and_print_back() {
+    assert_eq!(
+        "subject:2".parse::<OrderingKeySpec>(),
+        Ok(OrderingKeySpec::SubjectToken(2))
+    );
+    assert_eq!(
+        "header".parse::<OrderingKeySpec>(),
+        Ok(OrderingKeySpec::Header(ORDERING_KEY_HEADER.into()))
+    );
+    assert_eq!(
+        "header:Customer-Id".parse::<OrderingKeySpec>(),
+        Ok(OrderingKeySpec::Header("Customer-Id".into()))
+    );
+    for bad in [
+        "",
+        "subject:0",
+        "subject:x",
+        "subject:",
+        "header:",
+        "header:a b",
+        "key",
+    ] {
+        assert!(bad.parse::<OrderingKeySpec>().is_err(), "{bad:?} parsed");
+    }
+    assert_eq!(OrderingKeySpec::SubjectToken(3).to_string(), "subject:3");
+}
+
+#[test]
+fn keys_come_from_a_subject_token_or_a_header() {
+    let token = OrderingKeySpec::SubjectToken(2);
+    assert_eq!(
+        token.key_of("orders.c1.created", None),
+        KeyOf::Key(key("c1"))
+    );
+    assert_eq!(token.key_of("orders", None), KeyOf::Unordered);
+    let header = OrderingKeySpec::Header(ORDERING_KEY_HEADER.into());
+    let mut headers = HeaderMap::new();
+    headers.insert(ORDERING_KEY_HEADER, "c9");
+    assert_eq!(
+        header.key_of("orders.x", Some(&headers)),
+        KeyOf::Key(key("c9"))
+    );
+    assert_eq!(header.key_of("orders.x", None), KeyOf::Unordered);
+    let mut long = HeaderMap::new();
+    long.insert(ORDERING_KEY_HEADER, "k".repeat(MAX_KEY_BYTES + 1).as_str());
+    assert_eq!(header.key_of("orders.x", Some(&long)), KeyOf::TooLong);
+}
+
+#[test]
+fn one_message_of_a_key_is_out_at_a_time_and_the_next_follows_a_final_settle() {
+    let now = Instant::now();
+    let mut gate = OrderingGate::default();
+    assert!(leases(gate.admit(key("a"), delivery(1, 1, now))));
+    assert!(!leases(gate.admit(key("a"), delivery(2, 1, now))));
+    assert!(!leases(gate.admit(key("a"), delivery(3, 1, now))));
+    // Another key is not held back.
+    assert!(leases(gate.admit(key("b"), delivery(4, 1, now))));
+    assert_eq!((gate.held(), gate.busy_keys()), (2, 2));
+    gate.leased(1);
+    // A nak or an expiry keeps the head: its redelivery, and only it, goes out.
+    gate.unleased(1);
+    assert!(gate.take_ready().is_empty());
+    assert!(leases(gate.admit(key("a"), delivery(1, 2, now))));
+    gate.finished(1);
+    assert_eq!(sequences(&gate.take_ready()), [2]);
+    assert_eq!(gate.held(), 1);
+    gate.finished(2);
+    assert_eq!(sequences(&gate.take_ready()), [3]);
+    gate.finished(3);
+    gate.finished(4);
+    assert!(gate.take_ready().is_empty());
+    assert_eq!((gate.held(), gate.busy_keys()), (0, 0));
+}
+
+#[test]
+fn an_earlier_message_arriving_late_goes_before_the_held_ones() {
+    let now = Instant::now();
+    let mut gate = OrderingGate::default();
+    gate.set_fence(5);
+    // Past the fence: held even though the key is free.
+    assert!(!leases(gate.admit(key("a"), delivery(7, 1, now))));
+    // Before the fence (a redelivery of what an earlier process leased): goes out first.
+    assert!(leases(gate.admit(key("a"), delivery(3, 2, now))));
+    gate.finished(3);
+    // Still fenced: 7 waits.
+    assert!(gate.take_ready().is_empty());
+    gate.lift_fence();
+    assert_eq!(sequences(&gate.take_ready()), [7]);
+}
+
+#[test]
+fn held_messages_are_kept_alive_and_count_as_received_then() {
+    let start = Instant::now();
+    let every = Duration::from_secs(10);
+    let mut gate = OrderingGate::default();
+    assert!(leases(gate.admit(key("a"), delivery(1, 1, start))));
+    assert!(!leases(gate.admit(key("a"), delivery(2, 1, start))));
+    assert!(
+        gate.keep_alive_due(start + Duration::from_secs(9), every)
+            .is_empty()
+    );
+    let later = start + Duration::from_secs(10);
+    assert_eq!(gate.keep_alive_due(later, every).len(), 1);
+    assert_eq!(gate.next_keep_alive(every), Some(later + every));
+    gate.finished(1);
+    let ready = gate.take_ready();
+    assert_eq!(ready[0].received_at, later);
+}
+
+#[test]
+fn a_head_past_max_deliver_whose_lease_ended_frees_its_key() {
+    let now = Instant::now();
+    let mut gate = OrderingGate::default();
+    assert!(leases(gate.admit(key("a"), delivery(1, 3, now))));
+    assert!(!leases(gate.admit(key("a"), delivery(2, 1, now))));
+    gate.leased(1);
+    assert!(gate.sidelined(3, |_, _| true).is_empty());
+    assert!(gate.sidelined(4, |_, _| false).is_empty());
+    assert_eq!(gate.sidelined(3, |_, _| false), [1]);
+}
+
+#[test]
+fn released_messages_leave_the_heads_in_place_unless_forgotten() {
+    let now = Instant::now();
+    let mut gate = OrderingGate::default();
+    assert!(leases(gate.admit(key("a"), delivery(1, 1, now))));
+    assert!(!leases(gate.admit(key("a"), delivery(2, 1, now))));
+    assert_eq!(sequences(&gate.release(false)), [2]);
+    assert_eq!((gate.held(), gate.busy_keys()), (0, 1));
+    // Delivered again while 1 is out: held again.
+    assert!(!leases(gate.admit(key("a"), delivery(2, 2, now))));
+    assert_eq!(sequences(&gate.release(true)), [2]);
+    assert_eq!(gate.busy_keys(), 0);
+    assert!(leases(gate.admit(key("a"), delivery(2, 3, now))));
+    assert_eq!(
+        gate.hottest(3),
+        Vec::<(Arc<str>, usize)>::new(),
+        "nothing held"
+    );
+}
