@@ -54,6 +54,11 @@ pub(crate) struct LeaseState {
     sharing: Mutex<(usize, Instant)>,
     /// Ordering per key, on a consumer that has an ordering key.
     ordering: Option<KeyOrder>,
+    /// See [`LeaseState::set_dispatcher_holding`].
+    dispatcher_holding: AtomicUsize,
+    /// An ordered consumer's pin (priority group `pinned_client`): the id the server gave
+    /// this process, while it has it.
+    pin: Mutex<Option<Arc<str>>>,
     pub(crate) metrics: Metrics,
 }
 
@@ -93,6 +98,8 @@ impl LeaseState {
                 spec,
                 gate: Mutex::default(),
             }),
+            dispatcher_holding: AtomicUsize::new(0),
+            pin: Mutex::new(None),
             metrics,
         };
         state.apply_settings(ack_wait, max_ack_pending);
@@ -450,18 +457,54 @@ impl LeaseState {
         self.with_gate(|gate| gate.release(forget_heads))
     }
 
-    /// Hold what arrives past `stream_sequence` (see [`OrderingGate::set_fence`]).
-    pub(crate) fn fence_ordered(&self, stream_sequence: u64) {
-        self.with_gate(|gate| gate.set_fence(stream_sequence));
+    /// Hold every keyed message until nothing is out elsewhere (see [`OrderingGate::fence`]).
+    pub(crate) fn fence_ordered(&self) {
+        self.with_gate(OrderingGate::fence);
     }
 
-    /// The stream sequence the gate is fenced at, if it is.
-    pub(crate) fn ordering_fence(&self) -> Option<u64> {
-        self.with_gate(|gate| gate.fence())
+    pub(crate) fn ordering_fenced(&self) -> bool {
+        self.with_gate(|gate| gate.is_fenced())
     }
 
     pub(crate) fn lift_ordering_fence(&self) {
         self.with_gate(OrderingGate::lift_fence);
+    }
+
+    /// The pin the server gave this process, to name in its pulls.
+    pub(crate) fn pin(&self) -> Option<Arc<str>> {
+        self.pin.lock().ok().and_then(|pin| pin.clone())
+    }
+
+    /// A delivery carried pin `id`: `true` when this process did not have it (it was just
+    /// pinned, or pinned anew).
+    pub(crate) fn pinned(&self, id: &str) -> bool {
+        let Ok(mut pin) = self.pin.lock() else {
+            return false;
+        };
+        if pin.as_deref() == Some(id) {
+            return false;
+        }
+        *pin = Some(id.into());
+        true
+    }
+
+    /// The server refused this process's pull: another is pinned.
+    pub(crate) fn unpinned(&self) {
+        if let Ok(mut pin) = self.pin.lock() {
+            *pin = None;
+        }
+    }
+
+    /// Deliveries the dispatcher holds outside the gate (for fetches, or for the next one),
+    /// as it last counted.
+    pub(crate) fn set_dispatcher_holding(&self, count: usize) {
+        self.dispatcher_holding.store(count, Ordering::Relaxed);
+    }
+
+    /// Messages this process has out of the server's hands: leased (delayed naks included),
+    /// held by the ordering gate, or held by the dispatcher.
+    pub(crate) fn holding(&self) -> usize {
+        self.taken() + self.ordering_held() + self.dispatcher_holding.load(Ordering::Relaxed)
     }
 }
 

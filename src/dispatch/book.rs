@@ -635,6 +635,11 @@ impl<R> Book<R> {
         self.pulls.drain().map(|(_, pull)| pull.inbox).collect()
     }
 
+    /// Deliveries held or taken by waiting fetches: out of the server's hands, not leased.
+    pub(super) fn holding(&self) -> usize {
+        self.held.len() + self.waiters.iter().map(|w| w.got.len()).sum::<usize>()
+    }
+
     /// Deliveries held now.
     pub(super) fn held_len(&self) -> usize {
         self.held.len()

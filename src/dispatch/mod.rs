@@ -34,8 +34,9 @@ use tracing::{debug, info, warn};
 
 use crate::domain::delivery::{Delivery, Demand};
 use crate::domain::finals::Final;
+use crate::domain::ordering::PIN_GROUP;
 use crate::nats::Bound;
-use crate::nats::pull::{self, PullEvent, PullHandle, PullInbox};
+use crate::nats::pull::{self, PinRequest, PullEvent, PullHandle, PullInbox};
 use crate::nats::settle as nats_settle;
 use crate::state::LeaseState;
 use book::{Answer, Book, PULL_GRACE, PullLimits};
@@ -45,8 +46,11 @@ use book::{Answer, Book, PULL_GRACE, PullLimits};
 const STRAGGLER_READ: Duration = Duration::from_secs(30);
 /// How long a settle the gateway repeats on its own waits for the server's confirmation.
 const SETTLE_AGAIN_TIMEOUT: Duration = Duration::from_secs(5);
-/// How often a fenced ordered consumer reads its ack floor (see [`watch_fence`]).
-const FENCE_POLL: Duration = Duration::from_millis(500);
+/// How often a fenced ordered consumer reads the server's count of pending messages (see
+/// [`watch_fence`]).
+const FENCE_POLL: Duration = Duration::from_millis(100);
+/// The header in which the server names the pin of a priority-group consumer's delivery.
+const PIN_HEADER: &str = "Nats-Pin-Id";
 /// How often at most the WARN about hot ordering keys is logged.
 const HOT_KEYS_WARN_EVERY: Duration = Duration::from_secs(60);
 /// How many of the hottest keys that WARN names.
@@ -271,7 +275,7 @@ impl Dispatcher {
     /// An ordered consumer was bound. Under a new epoch (the first binding, a recreated
     /// consumer) the gate knows nothing of what is out: if the server counts messages
     /// pending, another process (an earlier run, another replica) may still hold some, so
-    /// what comes past them waits until they are acked or their ack_wait has run out.
+    /// keyed messages wait until nothing is out elsewhere.
     fn bind_ordering(&mut self, bound: &Arc<Bound>, new_epoch: bool) {
         if self.state.ordering_key().is_none() {
             return;
@@ -291,20 +295,28 @@ impl Dispatcher {
             self.state.lift_ordering_fence();
             return;
         }
-        let fence = info.delivered.stream_sequence;
         info!(
-            fence,
             pending = info.num_ack_pending,
-            "ordered consumer bound with messages pending elsewhere: what comes past them waits until they are acked or their ack_wait ran out"
+            "ordered consumer bound with messages pending elsewhere: keyed messages wait until nothing is out with another process"
         );
-        self.state.fence_ordered(fence);
-        let until = Instant::now() + bound.ack_wait + Duration::from_secs(1);
-        self.fence_watch = Some(tokio::spawn(watch_fence(
-            self.state.clone(),
-            bound.clone(),
-            fence,
-            until,
-        )));
+        self.fence_ordered(bound);
+    }
+
+    /// [`Dispatcher::fence_ordered`] under the current binding.
+    fn fence_ordered_now(&mut self) {
+        if let Some(bound) = self.bound.clone() {
+            self.fence_ordered(&bound);
+        }
+    }
+
+    /// Hold every keyed message until nothing is out with another process (see
+    /// [`watch_fence`]).
+    fn fence_ordered(&mut self, bound: &Arc<Bound>) {
+        if let Some(watch) = self.fence_watch.take() {
+            watch.abort();
+        }
+        self.state.fence_ordered();
+        self.fence_watch = Some(tokio::spawn(watch_fence(self.state.clone(), bound.clone())));
     }
 
     /// Nak back what the ordering gate holds (see [`LeaseState::release_ordered`]).
@@ -349,7 +361,12 @@ impl Dispatcher {
     /// When held messages fill max_ack_pending, say which keys hold them (once a minute).
     fn warn_of_hot_keys(&mut self, now: Instant, capacity: usize) {
         let held = self.state.ordering_held();
-        if capacity > 0 || held == 0 || held < self.state.max_ack_pending() / 2 {
+        // While fenced everything is held, behind no key in particular.
+        if capacity > 0
+            || held == 0
+            || held < self.state.max_ack_pending() / 2
+            || self.state.ordering_fenced()
+        {
             return;
         }
         if self
@@ -390,7 +407,14 @@ impl Dispatcher {
                 description,
             } => {
                 debug!(status, description, "pull request ended");
-                let refused = matches!(status, 408 | 409) && description != "Request Timeout";
+                let refused = matches!(status, 408 | 409 | 423) && description != "Request Timeout";
+                if status == 423 && self.book.is_open(pull_id) && self.state.pin().is_some() {
+                    info!(
+                        description,
+                        "another replica is pinned to the ordered consumer: this one stops pulling it"
+                    );
+                    self.state.unpinned();
+                }
                 // Only a pull of the current binding says anything about it.
                 let current = self.book.is_open(pull_id);
                 if current && status == 409 && description.contains("Consumer Deleted") {
@@ -424,6 +448,16 @@ impl Dispatcher {
             // This delivery, of the old epoch now, is released and comes back.
             self.book.hold(delivery);
             return;
+        }
+        if let Some(pin) = pin_of(&delivery)
+            && self.state.pinned(pin)
+        {
+            // Pinned (again): another replica may have had the pin meanwhile, and may
+            // still have messages of some keys out.
+            info!(
+                "pinned to the ordered consumer: keyed messages wait until nothing is out with another replica"
+            );
+            self.fence_ordered_now();
         }
         // An ordered consumer's gate holds what comes for a busy key.
         let Some(delivery) = self.state.admit(delivery) else {
@@ -523,6 +557,7 @@ impl Dispatcher {
             self.tend_ordered(now).await;
         }
         self.book.hand_out_held();
+        self.state.set_dispatcher_holding(self.book.holding());
         if !self.shutting_down {
             self.issue_pulls(now).await;
         }
@@ -629,6 +664,12 @@ impl Dispatcher {
             max_batch: bound.max_batch,
             max_expires: bound.max_expires,
         };
+        // An ordered consumer's pulls name its priority group, and this process's pin.
+        let pin_id = self.state.pin();
+        let pin = self.state.ordering_key().map(|_| PinRequest {
+            group: PIN_GROUP,
+            id: pin_id.as_deref(),
+        });
         for planned in self.book.plan_pulls(now, capacity, limits) {
             let pull_id = self.book.next_pull_id();
             let Some((inbox, handle)) = pull::open(
@@ -637,6 +678,7 @@ impl Dispatcher {
                 planned.batch,
                 planned.expires,
                 planned.keep_open,
+                pin.as_ref(),
             )
             .await
             else {
@@ -663,27 +705,34 @@ impl Drop for Dispatcher {
     }
 }
 
-/// Lift the ordering gate's fence at `fence` once the consumer's ack floor reached it (every
-/// message delivered up to it was acked or terminated) or at `until` (an ack_wait after the
-/// binding: whatever another process still held has been given back to the server by then,
-/// and the server delivers it again before anything new).
-async fn watch_fence(state: Arc<LeaseState>, bound: Arc<Bound>, fence: u64, until: Instant) {
+/// The pin a delivery of a priority-group consumer carries.
+fn pin_of(delivery: &Delivery) -> Option<&str> {
+    delivery
+        .headers
+        .as_ref()?
+        .get(PIN_HEADER)
+        .map(async_nats::HeaderValue::as_str)
+}
+
+/// Lift the ordering gate's fence once nothing is out with another process: the server
+/// counts no more messages pending than this process holds (a killed process's leases came
+/// back after their ack_wait; a replica that lost its pin settled or gave back what it had).
+/// Counted only between two reads that saw no delivery arrive here, so that a delivery on
+/// its way in is never taken for one of this process's.
+async fn watch_fence(state: Arc<LeaseState>, bound: Arc<Bound>) {
     loop {
+        let arrived_before = state.highest_consumer_sequence();
+        if let Some(pending) = pull::ack_pending(&bound).await {
+            let holding = state.holding();
+            if state.highest_consumer_sequence() == arrived_before && pending <= holding {
+                break;
+            }
+        }
         tokio::time::sleep(FENCE_POLL).await;
-        if Instant::now() >= until {
-            break;
-        }
-        if pull::ack_floor(&bound)
-            .await
-            .is_some_and(|floor| floor >= fence)
-        {
-            break;
-        }
     }
-    if state.ordering_fence() == Some(fence) {
+    if state.ordering_fenced() {
         info!(
-            fence,
-            "ordered consumer: nothing delivered before the fence is out any more; leasing past it"
+            "ordered consumer: nothing is out with another process any more; leasing by key again"
         );
         state.lift_ordering_fence();
     }

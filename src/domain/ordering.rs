@@ -25,6 +25,12 @@ use super::delivery::Delivery;
 /// The header `POST /publish` writes a message's `ordering_key` to, and the one
 /// `ordering_key = "header"` reads.
 pub(crate) const ORDERING_KEY_HEADER: &str = "Ruststream-Ordering-Key";
+/// The priority group an ordered consumer is made with (policy `pinned_client`): one
+/// replica at a time is pinned and pulls, so one gate sees every message.
+pub(crate) const PIN_GROUP: &str = "ruststream";
+/// How long the server keeps a replica pinned that stopped pulling: when it dies, another
+/// is pinned this much later.
+pub(crate) const PIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// A longer key is no key: the message is leased unordered (and counted).
 pub(crate) const MAX_KEY_BYTES: usize = 1024;
 
@@ -131,9 +137,9 @@ pub(crate) struct OrderingGate {
     held: usize,
     /// Held messages whose key became free: to be leased next.
     ready: Vec<Delivery>,
-    /// After a start or a change of replica: messages past this stream sequence wait, since
-    /// one of their key delivered before it may still be out with somebody else.
-    fence: Option<u64>,
+    /// After a start or a change of pinned replica: every message waits, since one of its
+    /// key may still be out with another process; lifted once nothing is.
+    fenced: bool,
     /// When the oldest held message needs its next `+WPI`.
     next_keep_alive: Option<Instant>,
 }
@@ -143,24 +149,32 @@ impl OrderingGate {
     /// `None` when it is held until its key is free.
     pub(crate) fn admit(&mut self, key: Arc<str>, delivery: Delivery) -> Option<Delivery> {
         let sequence = delivery.coordinates.key.stream_sequence;
-        let fenced = self.fence.is_some_and(|fence| sequence > fence);
         let entry = self.keys.entry(key.clone()).or_default();
         let first_held = entry.held.keys().next().copied();
-        let is_head = match entry.head {
-            Some(head) => head == sequence,
-            None => !fenced && first_held.is_none_or(|first| sequence < first),
-        };
-        if is_head {
-            entry.head = Some(sequence);
-            self.heads.insert(
-                sequence,
-                Head {
-                    key,
-                    delivered: delivery.coordinates.key.delivered,
-                    leased: false,
-                },
-            );
-            return Some(delivery);
+        if self.fenced {
+            // Its head came back while fenced: held like the rest, and first of its key
+            // once the fence is lifted.
+            if entry.head == Some(sequence) {
+                entry.head = None;
+                self.heads.remove(&sequence);
+            }
+        } else {
+            let is_head = match entry.head {
+                Some(head) => head == sequence,
+                None => first_held.is_none_or(|first| sequence < first),
+            };
+            if is_head {
+                entry.head = Some(sequence);
+                self.heads.insert(
+                    sequence,
+                    Head {
+                        key,
+                        delivered: delivery.coordinates.key.delivered,
+                        leased: false,
+                    },
+                );
+                return Some(delivery);
+            }
         }
         let received_at = delivery.received_at;
         // Delivered again while held (a `+WPI` lost): the newer delivery replaces it.
@@ -213,7 +227,7 @@ impl OrderingGate {
             self.keys.remove(key);
             return;
         };
-        if self.fence.is_some_and(|fence| first > fence) {
+        if self.fenced {
             return;
         }
         let Some(delivery) = entry.held.remove(&first) else {
@@ -232,18 +246,20 @@ impl OrderingGate {
         self.ready.push(delivery);
     }
 
-    /// Held messages past `stream_sequence` wait until [`OrderingGate::lift_fence`].
-    pub(crate) fn set_fence(&mut self, stream_sequence: u64) {
-        self.fence = Some(stream_sequence);
+    /// Hold every message that comes until [`OrderingGate::lift_fence`]: another process
+    /// may still have one of its key out. What this process has out stays its key's head.
+    pub(crate) fn fence(&mut self) {
+        self.fenced = true;
     }
 
-    pub(crate) fn fence(&self) -> Option<u64> {
-        self.fence
+    pub(crate) fn is_fenced(&self) -> bool {
+        self.fenced
     }
 
-    /// Nothing delivered before the fence can be out elsewhere any more.
+    /// Nothing of any key is out with another process any more: each key goes on from its
+    /// oldest held message.
     pub(crate) fn lift_fence(&mut self) {
-        if self.fence.take().is_none() {
+        if !std::mem::take(&mut self.fenced) {
             return;
         }
         let waiting: Vec<Arc<str>> = self

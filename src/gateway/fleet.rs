@@ -94,11 +94,14 @@ impl Gateway {
             .registry
             .all()
             .into_iter()
-            .filter(|(_, served)| served.consumer.is_busy())
+            // The replica pinned to an ordered consumer is listed even while idle: the
+            // others forward to it.
+            .filter(|(_, served)| served.consumer.is_busy() || served.consumer.is_pinned())
             .map(|(name, served)| BusyOn {
                 stream: name.stream.clone(),
                 consumer: name.consumer.clone(),
                 leases_in_flight: served.consumer.leases_in_flight(),
+                pinned: served.consumer.is_pinned(),
             })
             .collect()
     }
@@ -200,6 +203,23 @@ impl Gateway {
                 });
             let served = name.and_then(|name| self.0.registry.get(&name));
             let (client, trust) = (client.clone(), process.trust.clone());
+            let fetch = serde_json::from_slice::<ForwardedSettle>(&message.payload)
+                .ok()
+                .and_then(|request| request.fetch);
+            if let Some(demand) = fetch {
+                tokio::spawn(async move {
+                    let leased = match served {
+                        Some(served) => served.consumer.fetch_forwarded(demand).await,
+                        None => Err("the consumer is not served by this replica".to_owned()),
+                    };
+                    let (results, leases) = match leased {
+                        Ok(leases) => (Vec::new(), Some(leases)),
+                        Err(detail) => (vec![RemoteResult::Unavailable { detail }], None),
+                    };
+                    forward::answer(&client, &trust, reply, results, leases).await;
+                });
+                continue;
+            }
             tokio::spawn(async move {
                 let results = match served {
                     // The owner's settle spans are children of the forwarding replica's.
@@ -215,7 +235,7 @@ impl Gateway {
                         .map(|request| request.ids.iter().map(|_| RemoteResult::Gone).collect())
                         .unwrap_or_default(),
                 };
-                forward::answer(&client, &trust, reply, results).await;
+                forward::answer(&client, &trust, reply, results, None).await;
             });
         }
     }

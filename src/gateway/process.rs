@@ -158,6 +158,14 @@ impl Fleet {
             .is_ok_and(|seen| seen.iter().any(|record| record.instance_id == instance))
     }
 
+    /// The replica pinned to ordered consumer `name`, as the last heartbeat round said.
+    pub(crate) fn pinned_on(&self, name: &ConsumerName) -> Option<InstanceId> {
+        let seen = self.seen.lock().ok()?;
+        seen.iter()
+            .find(|record| record.pinned_to(&name.stream, &name.consumer))
+            .and_then(|record| InstanceId::parse(&record.instance_id))
+    }
+
     /// The other replicas busy on `name`, each with its leases of that consumer; a
     /// replica with the process's lease key is shown with `fingerprint`, the consumer's.
     pub(crate) fn busy_on(

@@ -233,6 +233,7 @@ async fn describe(consumer: &Consumer) -> Result<ConsumerDto, Error> {
                 listen: replica.listen,
                 lease_key_matches: replica.lease_key_matches,
                 this_replica: replica.this_replica,
+                pinned: replica.pinned,
             })
             .collect(),
         push: consumer.push_status().map(|push| PushDto {

@@ -366,7 +366,8 @@ pub(crate) struct ConsumerConfigDto {
             "leases_in_flight": 3,
             "listen": "0.0.0.0:8080",
             "lease_key_matches": true,
-            "this_replica": true
+            "this_replica": true,
+            "pinned": true
         },
         {
             "instance_id": "a17e03c95b6d2f18",
@@ -374,7 +375,8 @@ pub(crate) struct ConsumerConfigDto {
             "leases_in_flight": 5,
             "listen": "0.0.0.0:8080",
             "lease_key_matches": true,
-            "this_replica": false
+            "this_replica": false,
+            "pinned": false
         }
     ]
 }))]
@@ -484,6 +486,9 @@ pub(crate) struct ReplicaDto {
     pub(crate) lease_key_matches: bool,
     /// This entry is the replica that answered.
     pub(crate) this_replica: bool,
+    /// It is pinned to this ordered consumer: it leases its messages, and the others
+    /// forward fetches and streams to it. Always false on an unordered consumer.
+    pub(crate) pinned: bool,
 }
 
 /// `GET /healthz` and `GET /readyz` answer (a readiness failure is a problem: 503).

@@ -115,6 +115,15 @@ pub(crate) async fn bind(
     client: &Client,
     binder: &Binder<'_>,
 ) -> Result<Bound, BindError> {
+    if config.ordering_key.is_some() {
+        let version = client.server_info().version;
+        if !super::seek::at_least(&version, (2, 11)) {
+            return Err(BindError::Fatal(format!(
+                "consumer {}/{} has an ordering key, which needs nats-server 2.11 or later (priority groups with pinned_client); the server is {version}",
+                config.stream, config.consumer
+            )));
+        }
+    }
     let js = jetstream::new(client.clone());
     let stream = get_or_create_stream(config, &js).await?;
     let stream_subjects = stream.cached_info().config.subjects.clone();

@@ -35,6 +35,49 @@ pub(crate) struct ForwardedSettle {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) reason: Option<String>,
     pub(crate) ids: Vec<String>,
+    /// Kind `fetch`: a fetch forwarded to the replica pinned to an ordered consumer, which
+    /// alone leases its messages (`ids` is empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) fetch: Option<ForwardedDemand>,
+}
+
+/// The kind of a forwarded fetch.
+pub(crate) const FETCH: &str = "fetch";
+
+/// What a forwarded fetch asks for.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct ForwardedDemand {
+    pub(crate) batch: usize,
+    pub(crate) wait_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) max_bytes: Option<usize>,
+}
+
+/// A lease the pinned replica issued for a forwarded fetch, as it travels back: the
+/// message, its lease id, and how long the lease has left (clocks of two replicas need
+/// not agree; the time a message spends on the wire only shortens it).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct RemoteLease {
+    pub(crate) id: String,
+    pub(crate) subject: String,
+    /// The subject's exact bytes (base64), when they are not UTF-8.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) subject_raw: Option<String>,
+    /// The payload, base64.
+    pub(crate) payload: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) headers: Vec<(String, Vec<String>)>,
+    /// The header block's exact bytes (base64), when it could not be parsed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) headers_raw: Option<String>,
+    pub(crate) stream: String,
+    pub(crate) consumer: String,
+    pub(crate) stream_sequence: u64,
+    pub(crate) consumer_sequence: u64,
+    pub(crate) delivered: u64,
+    pub(crate) pending: u64,
+    pub(crate) published_unix_nanos: i64,
+    pub(crate) expires_in_ms: u64,
 }
 
 /// The owner's answer for one id, in the order of the request's ids.
@@ -62,6 +105,9 @@ pub(crate) enum RemoteResult {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct ForwardedResults {
     pub(crate) results: Vec<RemoteResult>,
+    /// A forwarded fetch's leases; absent when it failed (then `results` says why).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) leases: Option<Vec<RemoteLease>>,
 }
 
 /// Why a forwarded settle got no answer from its owner.
@@ -80,10 +126,58 @@ pub(crate) enum ForwardError {
 pub(crate) async fn forward(
     client: &Client,
     trust: &Trust,
-    (owner, subject): (InstanceId, String),
+    to: (InstanceId, String),
     settle: &ForwardedSettle,
     timeout: Duration,
 ) -> Result<Vec<RemoteResult>, ForwardError> {
+    let results = ask(client, trust, to, settle, timeout).await?;
+    if results.results.len() != settle.ids.len() {
+        return Err(ForwardError::Unavailable(format!(
+            "the owning replica answered {} results for {} ids",
+            results.results.len(),
+            settle.ids.len()
+        )));
+    }
+    Ok(results.results)
+}
+
+/// Send a fetch to the replica pinned to an ordered consumer and wait up to `timeout` for
+/// the leases it issued.
+pub(crate) async fn forward_fetch(
+    client: &Client,
+    trust: &Trust,
+    to: (InstanceId, String),
+    demand: ForwardedDemand,
+    timeout: Duration,
+) -> Result<Vec<RemoteLease>, ForwardError> {
+    let request = ForwardedSettle {
+        kind: FETCH.to_owned(),
+        delay_ms: None,
+        reason: None,
+        ids: Vec::new(),
+        fetch: Some(demand),
+    };
+    let answer = ask(client, trust, to, &request, timeout).await?;
+    match (answer.leases, answer.results.into_iter().next()) {
+        (Some(leases), _) => Ok(leases),
+        (None, Some(RemoteResult::Unavailable { detail })) => {
+            Err(ForwardError::Unavailable(detail))
+        }
+        (None, Some(RemoteResult::Timeout)) => Err(ForwardError::TimedOut),
+        (None, _) => Err(ForwardError::Unavailable(
+            "the pinned replica does not serve forwarded fetches (an earlier release?)".into(),
+        )),
+    }
+}
+
+/// Send `request` to its owner, sealed, and read its sealed answer.
+async fn ask(
+    client: &Client,
+    trust: &Trust,
+    (owner, subject): (InstanceId, String),
+    settle: &ForwardedSettle,
+    timeout: Duration,
+) -> Result<ForwardedResults, ForwardError> {
     if !super::is_connected(client) {
         return Err(ForwardError::Unavailable(
             "the connection to NATS is down; retrying".into(),
@@ -119,19 +213,11 @@ pub(crate) async fn forward(
             "the answer to a forwarded settle was not sealed by the replica that issued the lease; retrying is safe".into(),
         ));
     }
-    let results: ForwardedResults = serde_json::from_slice(&answer.payload).map_err(|err| {
+    serde_json::from_slice(&answer.payload).map_err(|err| {
         ForwardError::Unavailable(format!(
             "the owning replica answered something unreadable: {err}"
         ))
-    })?;
-    if results.results.len() != settle.ids.len() {
-        return Err(ForwardError::Unavailable(format!(
-            "the owning replica answered {} results for {} ids",
-            results.results.len(),
-            settle.ids.len()
-        )));
-    }
-    Ok(results.results)
+    })
 }
 
 /// Listen for settles forwarded to this replica. async-nats renews the subscription after
@@ -155,14 +241,15 @@ pub(crate) fn believe(trust: &Trust, message: &async_nats::Message) -> bool {
     )
 }
 
-/// Answer a forwarded settle.
+/// Answer a forwarded settle (or, with `leases`, a forwarded fetch).
 pub(crate) async fn answer(
     client: &Client,
     trust: &Trust,
     reply: async_nats::Subject,
     results: Vec<RemoteResult>,
+    leases: Option<Vec<RemoteLease>>,
 ) {
-    let payload = match serde_json::to_vec(&ForwardedResults { results }) {
+    let payload = match serde_json::to_vec(&ForwardedResults { results, leases }) {
         Ok(payload) => payload,
         Err(err) => {
             tracing::error!(error = %err, "could not encode the answer to a forwarded settle");

@@ -70,6 +70,7 @@ pub(crate) async fn open(
     batch: usize,
     expires: Option<Duration>,
     keep_open: bool,
+    pin: Option<&PinRequest<'_>>,
 ) -> Option<(PullInbox, PullHandle)> {
     let inbox = bound.client.new_inbox();
     // Subscribe before asking: the server delivers only where there is interest.
@@ -79,7 +80,7 @@ pub(crate) async fn open(
         warn!("could not subscribe a pull inbox");
         return None;
     };
-    if let Err(err) = request_pull(bound, inbox, batch, expires, keep_open).await {
+    if let Err(err) = request_pull(bound, inbox, batch, expires, keep_open, pin).await {
         warn!(error = %err, "pull request failed");
         return None;
     }
@@ -127,12 +128,12 @@ pub(crate) async fn leader_elections(bound: &Bound) -> Option<async_nats::Subscr
     }
 }
 
-/// The stream sequence below which the consumer has every message acked (its ack floor), as
-/// the server has it now; `None` when it cannot be read.
-pub(crate) async fn ack_floor(bound: &Bound) -> Option<u64> {
+/// How many messages the server counts delivered and not yet acked on the consumer, now;
+/// `None` when it cannot be read.
+pub(crate) async fn ack_pending(bound: &Bound) -> Option<usize> {
     let info = tokio::time::timeout(SUBSCRIBE_TIMEOUT, bound.consumer.get_info()).await;
     match info {
-        Ok(Ok(info)) => Some(info.ack_floor.stream_sequence),
+        Ok(Ok(info)) => Some(info.num_ack_pending),
         _ => None,
     }
 }
@@ -167,16 +168,73 @@ async fn request_pull(
     batch: usize,
     expires: Option<Duration>,
     keep_open: bool,
+    pin: Option<&PinRequest<'_>>,
 ) -> anyhow::Result<()> {
+    let no_wait = !(keep_open && expires.is_some());
+    if let Some(pin) = pin {
+        return request_pinned_pull(bound, inbox, batch, expires, no_wait, pin).await;
+    }
     let request = consumer::pull::BatchConfig {
         batch,
         expires,
-        no_wait: !(keep_open && expires.is_some()),
+        no_wait,
         ..Default::default()
     };
     tokio::time::timeout(
         API_TIMEOUT,
         bound.consumer.request_batch(request, inbox.into()),
+    )
+    .await
+    .context("timed out sending a pull request")?
+    .context("sending a pull request")
+}
+
+/// The priority group an ordered consumer's pulls name, and the pin this process holds.
+pub(crate) struct PinRequest<'a> {
+    pub(crate) group: &'a str,
+    pub(crate) id: Option<&'a str>,
+}
+
+/// A pull request naming a priority group, and the pin id once the server gave one
+/// (async-nats' `BatchConfig` has no field for the id).
+#[derive(serde::Serialize)]
+struct PinnedPull<'a> {
+    batch: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expires: Option<u64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    no_wait: bool,
+    group: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+}
+
+async fn request_pinned_pull(
+    bound: &Bound,
+    inbox: String,
+    batch: usize,
+    expires: Option<Duration>,
+    no_wait: bool,
+    pin: &PinRequest<'_>,
+) -> anyhow::Result<()> {
+    let info = bound.consumer.cached_info();
+    let subject = format!(
+        "$JS.API.CONSUMER.MSG.NEXT.{}.{}",
+        info.stream_name, info.name
+    );
+    let request = PinnedPull {
+        batch,
+        expires: expires.map(|expires| u64::try_from(expires.as_nanos()).unwrap_or(u64::MAX)),
+        no_wait,
+        group: pin.group,
+        id: pin.id,
+    };
+    let payload = serde_json::to_vec(&request).context("encoding a pull request")?;
+    tokio::time::timeout(
+        API_TIMEOUT,
+        bound
+            .client
+            .publish_with_reply(subject, inbox, payload.into()),
     )
     .await
     .context("timed out sending a pull request")?

@@ -11,6 +11,7 @@ use tracing::{info, warn};
 
 use crate::config::{Config, DeliverPolicy};
 use crate::domain::consumers::{ConsumerName, ConsumerPatterns};
+use crate::domain::ordering::{PIN_GROUP, PIN_TIMEOUT};
 
 use super::API_TIMEOUT;
 use super::bind::BindError;
@@ -23,6 +24,7 @@ pub(super) fn desired_config(
     config: &Config,
     durable_name: Option<String>,
 ) -> consumer::pull::Config {
+    let ordered = config.ordering_key.is_some();
     consumer::pull::Config {
         durable_name,
         ack_policy: consumer::AckPolicy::Explicit,
@@ -31,6 +33,23 @@ pub(super) fn desired_config(
         max_deliver: config.max_deliver.map(i64::from).unwrap_or_default(),
         filter_subject: config.filter_subject.clone().unwrap_or_default(),
         deliver_policy: deliver_policy(&config.deliver_policy),
+        // Ordered per key: one replica at a time pulls (the pinned one), so that one gate
+        // sees every message of a key.
+        priority_policy: if ordered {
+            consumer::PriorityPolicy::PinnedClient
+        } else {
+            consumer::PriorityPolicy::default()
+        },
+        priority_groups: if ordered {
+            vec![PIN_GROUP.to_owned()]
+        } else {
+            Vec::new()
+        },
+        priority_timeout: if ordered {
+            PIN_TIMEOUT
+        } else {
+            std::time::Duration::ZERO
+        },
         ..Default::default()
     }
 }
@@ -91,6 +110,12 @@ pub(super) async fn bind_durable(
     check_immutable(config, &current, &wanted)?;
 
     let mut updated = current.clone();
+    // An ordering key turned on or off changes how the consumer is pulled.
+    if config.ordering_key.is_some() || current.priority_groups == [PIN_GROUP] {
+        updated.priority_policy = wanted.priority_policy.clone();
+        updated.priority_groups = wanted.priority_groups.clone();
+        updated.priority_timeout = wanted.priority_timeout;
+    }
     updated.ack_wait = wanted.ack_wait;
     updated.max_ack_pending = wanted.max_ack_pending;
     if config.max_deliver.is_some() {

@@ -110,6 +110,13 @@ pub(crate) struct ReplicaRecord {
 }
 
 impl ReplicaRecord {
+    /// Whether it is pinned to `stream`/`consumer` (an ordered consumer).
+    pub(crate) fn pinned_to(&self, stream: &str, consumer: &str) -> bool {
+        self.consumers
+            .iter()
+            .any(|busy| busy.pinned && busy.stream == stream && busy.consumer == consumer)
+    }
+
     /// Its leases of `stream`/`consumer`, if it is busy on that consumer.
     pub(crate) fn busy_on(&self, stream: &str, consumer: &str) -> Option<usize> {
         self.consumers
@@ -125,6 +132,10 @@ pub(crate) struct BusyOn {
     pub(crate) stream: String,
     pub(crate) consumer: String,
     pub(crate) leases_in_flight: usize,
+    /// It is the replica pinned to this ordered consumer: the one that leases it, to which
+    /// the others forward fetches and streams.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) pinned: bool,
 }
 
 /// Header carrying a remembered fetch answer's request fingerprint.

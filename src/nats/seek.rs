@@ -40,11 +40,16 @@ pub(crate) fn server_version(bound: &Bound) -> String {
 
 /// Whether `version` (`2.15.1`, `2.14.0-RC.1`) has the consumer reset.
 pub(crate) fn supports_reset(version: &str) -> bool {
+    at_least(version, RESET_SINCE)
+}
+
+/// Whether server `version` is `since` (major, minor) or later.
+pub(crate) fn at_least(version: &str, since: (u64, u64)) -> bool {
     let mut parts = version
         .split(['.', '-'])
         .map(|part| part.parse::<u64>().ok());
     match (parts.next().flatten(), parts.next().flatten()) {
-        (Some(major), Some(minor)) => (major, minor) >= RESET_SINCE,
+        (Some(major), Some(minor)) => (major, minor) >= since,
         _ => false,
     }
 }

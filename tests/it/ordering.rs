@@ -71,7 +71,13 @@ async fn one_message_of_a_key_is_out_and_it_goes_on_in_stream_order() {
     let loose = publish_keyed(&gateway, None, "no key").await;
     let started = Instant::now();
 
-    let mut first = gateway.fetch_n(10, 1000).await;
+    // The first pin holds keyed messages for a moment (nothing may be out elsewhere).
+    let mut first = Vec::new();
+    let deadline = Deadline::after("three messages are leased", Duration::from_secs(5));
+    while first.len() < 3 {
+        first.extend(gateway.fetch_n(10, 500).await);
+        deadline.tick().await;
+    }
     first.sort_by_key(|message| message.stream_sequence);
     let keys: Vec<(Option<String>, u64)> = first
         .iter()
@@ -281,17 +287,21 @@ async fn a_hot_key_filling_max_ack_pending_is_named_and_nothing_is_lost() {
     assert_eq!(head.subject, "orders.hot.created");
     // The next pull brings only the hot key's messages: held until max_ack_pending is full.
     assert!(fetch_keys(&gateway, 300).await.is_empty());
-    wait_until(
-        "the WARN names the hot key",
-        Duration::from_secs(10),
-        || async {
-            gateway
-                .log()
-                .lines()
-                .any(|line| line.contains("WARN") && line.contains("hot (7 held)"))
-        },
-    )
-    .await;
+    let named = || {
+        gateway
+            .log()
+            .lines()
+            .any(|line| line.contains("WARN") && line.contains("hot (7 held)"))
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !named() {
+        assert!(
+            Instant::now() < deadline,
+            "no WARN names the hot key:\n{}",
+            gateway.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // The other keys wait behind the held messages.
     assert!(fetch_keys(&gateway, 300).await.is_empty());
     assert_eq!(gateway.ack(&head.id).await, 204);
@@ -385,4 +395,158 @@ async fn bad_ordering_keys_are_refused() {
         reply.assert_invalid("ordering_key");
     }
     let _: Value = gateway.consumer_view().await;
+}
+
+/// Fetch from `gateways` in turn (a balancer without sticky sessions) and ack each message
+/// at the other one, until `total` are acked; returns (key, sequence, got, ack sent) per
+/// lease, in the order they were leased.
+async fn drain_in_turn(gateways: &[&Client], total: usize, within: Duration) -> Vec<Seen> {
+    let mut done: Vec<Seen> = Vec::new();
+    let deadline = Deadline::after("every message is acked", within);
+    let mut turn = 0;
+    while done.len() < total {
+        let (fetching, settling) = (
+            gateways[turn % gateways.len()],
+            gateways[(turn + 1) % gateways.len()],
+        );
+        turn += 1;
+        let reply = fetching
+            .fetch_reply(Some(&json!({"batch": 5, "wait_ms": 300})))
+            .await;
+        if reply.status == 503 {
+            // The pin moving (a replica killed): asked again, as a client would.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            deadline.tick().await;
+            continue;
+        }
+        assert_eq!(reply.status, 200, "{}", reply.text);
+        let fetched = reply.messages();
+        let got = Instant::now();
+        for message in fetched {
+            let seen = Seen {
+                key: message
+                    .subject
+                    .split('.')
+                    .nth(1)
+                    .unwrap_or_default()
+                    .to_owned(),
+                sequence: message.stream_sequence,
+                got,
+                ack_sent: Instant::now(),
+            };
+            assert_eq!(settling.ack(&message.id).await, 204);
+            done.push(seen);
+        }
+        deadline
+            .tick_seeing(format_args!("{} of {total} acked", done.len()))
+            .await;
+    }
+    done
+}
+
+/// Per key: stream order, and no lease before the one before it was acked.
+fn assert_ordered(done: &[Seen]) {
+    let mut by_key: BTreeMap<&str, Vec<&Seen>> = BTreeMap::new();
+    for seen in done {
+        by_key.entry(seen.key.as_str()).or_default().push(seen);
+    }
+    for (key, leases) in by_key {
+        for pair in leases.windows(2) {
+            assert!(
+                pair[0].sequence < pair[1].sequence && pair[1].got >= pair[0].ack_sent,
+                "key {key}: {} leased after {} (or before it was acked)",
+                pair[1].sequence,
+                pair[0].sequence
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_lease_an_ordered_consumer_through_the_pinned_one_and_a_killed_one_hands_over() {
+    let (server, js) = server_with_stream().await;
+    let key = crate::support::shared_key();
+    let setup = Setup::consumer("pinned")
+        .ack_wait("3s")
+        .lease_key_file(key.path())
+        .flag("--ordering-key", "subject:2");
+    let mut a = setup.process(&server.url()).await;
+    let mut b = setup.process(&server.url()).await;
+    for round in 0..4 {
+        for customer in 0..4 {
+            js.publish(&format!("orders.c{customer}.{round}"), "x")
+                .await;
+        }
+    }
+    let info = js.consumer_info(crate::support::STREAM, "pinned").await;
+    assert_eq!(
+        serde_json::to_value(&info.config.priority_policy).ok(),
+        Some(json!("pinned_client"))
+    );
+    let done = drain_in_turn(&[&a, &b], 16, Duration::from_secs(30)).await;
+    assert_ordered(&done);
+    let views = [a.consumer_view().await, b.consumer_view().await];
+    let pinned: Vec<bool> = views
+        .iter()
+        .map(|view| {
+            view["replicas"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|replica| replica["this_replica"] == true && replica["pinned"] == true)
+        })
+        .collect();
+    assert_eq!(
+        pinned.iter().filter(|pinned| **pinned).count(),
+        1,
+        "one replica is pinned: {views:?}"
+    );
+
+    // A stream at the replica not pinned is fed by the pinned one, within its credit,
+    // which a settle at the pinned replica gives back.
+    let (pinned, other) = if pinned[0] {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    let mut stream = EventStream::open(other, "?max_in_flight=1").await;
+    js.publish("orders.s1.0", "x").await;
+    js.publish("orders.s2.0", "x").await;
+    let first = stream
+        .message(Duration::from_secs(5))
+        .await
+        .expect("the stream at the replica not pinned gets a message");
+    assert!(
+        stream.message(Duration::from_millis(700)).await.is_none(),
+        "max_in_flight 1 holds"
+    );
+    let id = first["id"].as_str().expect("an id");
+    assert_eq!(pinned.ack(id).await, 204);
+    let second = stream
+        .message(Duration::from_secs(5))
+        .await
+        .expect("credit given back by a settle at the pinned replica");
+    assert_eq!(pinned.ack(second["id"].as_str().expect("an id")).await, 204);
+    drop(stream);
+
+    // The pinned replica dies holding a lease and held messages; the other takes over
+    // and each key goes on in order, nothing lost.
+    for round in 4..7 {
+        for customer in 0..4 {
+            js.publish(&format!("orders.c{customer}.{round}"), "x")
+                .await;
+        }
+    }
+    let leased = pinned.fetch_n(2, 1000).await;
+    assert!(!leased.is_empty());
+    pinned.kill9();
+    let mut after = drain_in_turn(&[&*other], 12, Duration::from_secs(40)).await;
+    assert_ordered(&after);
+    after.sort_by_key(|seen| seen.sequence);
+    assert_eq!(
+        after.iter().map(|seen| seen.sequence).collect::<Vec<_>>(),
+        (19..=30).collect::<Vec<u64>>(),
+        "every message once, the killed replica's leases included"
+    );
+    other.kill9();
 }

@@ -123,18 +123,28 @@ fn one_message_of_a_key_is_out_at_a_time_and_the_next_follows_a_final_settle() {
 }
 
 #[test]
-fn an_earlier_message_arriving_late_goes_before_the_held_ones() {
+fn a_fenced_gate_holds_everything_until_lifted_then_each_key_starts_at_its_oldest() {
     let now = Instant::now();
     let mut gate = OrderingGate::default();
-    gate.set_fence(5);
-    // Past the fence: held even though the key is free.
+    assert!(leases(gate.admit(key("a"), delivery(1, 1, now))));
+    assert!(leases(gate.admit(key("c"), delivery(2, 1, now))));
+    gate.fence();
+    // Its own head, nak'd and back while fenced: held like the rest.
+    assert!(!leases(gate.admit(key("c"), delivery(2, 2, now))));
+    // A rebind under a new epoch forgets what was out.
+    gate.release(true);
+    gate.fence();
+    assert_eq!(gate.busy_keys(), 0, "what was out is forgotten");
     assert!(!leases(gate.admit(key("a"), delivery(7, 1, now))));
-    // Before the fence (a redelivery of what an earlier process leased): goes out first.
-    assert!(leases(gate.admit(key("a"), delivery(3, 2, now))));
-    gate.finished(3);
-    // Still fenced: 7 waits.
+    // A redelivery of what another process leased: older, so it goes first once lifted.
+    assert!(!leases(gate.admit(key("a"), delivery(3, 2, now))));
+    assert!(!leases(gate.admit(key("b"), delivery(4, 1, now))));
     assert!(gate.take_ready().is_empty());
     gate.lift_fence();
+    let mut ready = sequences(&gate.take_ready());
+    ready.sort_unstable();
+    assert_eq!(ready, [3, 4]);
+    gate.finished(3);
     assert_eq!(sequences(&gate.take_ready()), [7]);
 }
 

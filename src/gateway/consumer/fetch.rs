@@ -17,6 +17,7 @@ use super::Consumer;
 use crate::dispatch::Command;
 use crate::domain::delivery::{Demand, Leased};
 use crate::domain::idempotency::{Begin, Fingerprint, Scope};
+use crate::domain::settle::AckCommand;
 use crate::error::Error;
 use crate::metrics::FetchRefusal;
 
@@ -240,8 +241,19 @@ impl Consumer {
         })
     }
 
-    /// Lease up to `demand.batch` messages, counting the wait or the refusal.
+    /// Lease up to `demand.batch` messages: here, or through the replica pinned to an
+    /// ordered consumer.
     async fn lease_batch(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
+        if self.accepting.load(Ordering::Relaxed)
+            && let Some(pinned) = self.pinned_elsewhere()
+        {
+            return self.lease_at_pinned(pinned, demand).await;
+        }
+        self.lease_here(demand).await
+    }
+
+    /// Lease up to `demand.batch` messages here, counting the wait or the refusal.
+    pub(super) async fn lease_here(&self, demand: Demand) -> Result<Vec<Leased>, Error> {
         let started = Instant::now();
         let result = self.wait_for_leases(demand).await;
         match &result {
@@ -366,6 +378,23 @@ impl Consumer {
     }
 
     pub(super) async fn give_back(&self, leased: Vec<Leased>) {
+        // Leases the replica pinned to an ordered consumer issued are given back there, as
+        // a nak: the same message comes back first for its key.
+        let (remote, leased): (Vec<Leased>, Vec<Leased>) = leased
+            .into_iter()
+            .partition(|leased| leased.delivery.reply.is_empty());
+        if let Some(owner) = remote
+            .first()
+            .and_then(|leased| self.state.signer().decode(&leased.id))
+            .map(|signed| signed.owner)
+        {
+            let ids: Vec<&str> = remote.iter().map(|leased| leased.id.as_str()).collect();
+            self.forward(owner, &ids, &AckCommand::Nak { delay: None })
+                .await;
+        }
+        if leased.is_empty() {
+            return;
+        }
         let deliveries = self.state.give_back(leased);
         let _ = self.commands.send(Command::GiveBack(deliveries)).await;
     }

@@ -407,6 +407,11 @@ impl Consumer {
         self.activity.is_awake() && self.is_bound()
     }
 
+    /// Whether this replica is pinned to the consumer (ordered per key): it leases it.
+    pub(crate) fn is_pinned(&self) -> bool {
+        self.state.pin().is_some() && self.is_bound()
+    }
+
     pub(crate) fn leases_in_flight(&self) -> usize {
         self.state.in_flight()
     }

@@ -19,13 +19,18 @@ use tracing::{debug, error, info, warn};
 
 use super::super::process::{HEARTBEAT_EVERY, HEARTBEAT_TTL};
 use super::Consumer;
+use super::STREAM_SLICE;
 use super::wire::{
-    Settled, command_of, forwarded, from_remote, outcome_of, request_kind, to_remote,
+    Settled, command_of, forwarded, from_remote, from_remote_lease, outcome_of, request_kind,
+    to_remote, to_remote_lease,
 };
+use crate::domain::delivery::{Demand, Leased};
 use crate::domain::lease_id::{InstanceId, SignedLease};
 use crate::domain::settle::AckCommand;
 use crate::error::Error;
-use crate::nats::forward::{self, ForwardError, ForwardedSettle, RemoteResult};
+use crate::nats::forward::{
+    self, ForwardError, ForwardedDemand, ForwardedSettle, RemoteLease, RemoteResult,
+};
 use crate::nats::replicas::ReplicaRecord;
 
 /// How often a busy consumer looks at the others and at the consumer.
@@ -66,6 +71,8 @@ pub(crate) struct ReplicaView {
     /// the two answer 404).
     pub(crate) lease_key_matches: bool,
     pub(crate) this_replica: bool,
+    /// Pinned to this ordered consumer.
+    pub(crate) pinned: bool,
 }
 
 impl Consumer {
@@ -83,10 +90,16 @@ impl Consumer {
             .map(|seen| seen.clone())
             .unwrap_or_default();
         let me = self.process.instance.to_string();
+        let pinned = self
+            .process
+            .fleet
+            .pinned_on(&self.name)
+            .map(|instance| instance.to_string());
         let mut views: Vec<ReplicaView> = seen
             .into_iter()
             .filter(|record| record.instance_id != me)
             .map(|record| ReplicaView {
+                pinned: pinned.as_deref() == Some(record.instance_id.as_str()),
                 lease_key_matches: record.lease_key_fingerprint == mine,
                 instance_id: record.instance_id,
                 started_at: record.started_at,
@@ -103,6 +116,7 @@ impl Consumer {
             listen: record.listen,
             lease_key_matches: true,
             this_replica: true,
+            pinned: self.is_pinned(),
         });
         views.sort_by_key(|view| view.started_at);
         views
@@ -170,6 +184,7 @@ impl Consumer {
             delay_ms: None,
             reason: None,
             ids,
+            fetch: None,
         };
         self.forward_request(owner, question)
             .await
@@ -178,6 +193,31 @@ impl Consumer {
                     .iter()
                     .any(|result| matches!(result, RemoteResult::Ok { .. }))
             })
+    }
+
+    /// Which of `ids` (leases of one other replica) are still live there, in order; `None`
+    /// when that replica cannot be asked.
+    pub(super) async fn live_where_issued(&self, ids: Vec<String>) -> Option<Vec<bool>> {
+        let owner = self.state.signer().decode(ids.first()?)?.owner;
+        let question = ForwardedSettle {
+            kind: LIVE.to_owned(),
+            delay_ms: None,
+            reason: None,
+            ids,
+            fetch: None,
+        };
+        let results = self.forward_request(owner, question).await;
+        match results {
+            Ok(results) => Some(
+                results
+                    .iter()
+                    .map(|result| matches!(result, RemoteResult::Ok { .. }))
+                    .collect(),
+            ),
+            // Gone with its leases.
+            Err(ForwardError::OwnerGone) => Some(Vec::new()),
+            Err(_) => None,
+        }
     }
 
     /// Send `request` to `owner` and wait (bounded) for its answer.
@@ -313,6 +353,85 @@ impl Consumer {
                 let absent_since = *silence.absent_since.get_or_insert_with(Instant::now);
                 Some(HEARTBEAT_TTL + absent_since.elapsed())
             }
+        }
+    }
+
+    /// The replica pinned to this ordered consumer, when it is another one: it alone leases
+    /// the consumer's messages, so fetches and streams here are forwarded to it.
+    pub(super) fn pinned_elsewhere(&self) -> Option<InstanceId> {
+        if self.state.ordering_key().is_none() || self.state.pin().is_some() {
+            return None;
+        }
+        let me = self.process.instance;
+        self.process
+            .fleet
+            .pinned_on(&self.name)
+            .filter(|pinned| *pinned != me)
+    }
+
+    /// Lease through the replica pinned to this ordered consumer: it leases as for a fetch
+    /// of its own, and its leases are settled there (their ids name it).
+    pub(super) async fn lease_at_pinned(
+        &self,
+        pinned: InstanceId,
+        demand: Demand,
+    ) -> Result<Vec<Leased>, Error> {
+        let Some(client) = self.process.connection.get() else {
+            return Err(Error::Unavailable(
+                "not connected to NATS yet; retrying".into(),
+            ));
+        };
+        let forwarded = ForwardedDemand {
+            batch: demand.batch,
+            wait_ms: u64::try_from(demand.wait.as_millis()).unwrap_or(u64::MAX),
+            max_bytes: demand.max_bytes,
+        };
+        let timeout = demand.wait + self.config.settle_timeout + FORWARD_GRACE;
+        let to = (pinned, self.subjects.settle(pinned));
+        // Nobody listening may be a replica that is only just subscribing (as for a
+        // forwarded settle): asked again for a moment before it is called gone.
+        let give_up_at = Instant::now() + NO_RESPONDERS_FOR;
+        let answered = loop {
+            let trust = &self.process.trust;
+            match forward::forward_fetch(&client, trust, to.clone(), forwarded.clone(), timeout)
+                .await
+            {
+                Err(ForwardError::OwnerGone) if Instant::now() < give_up_at => {
+                    tokio::time::sleep(NO_RESPONDERS_RETRY).await;
+                }
+                other => break other,
+            }
+        };
+        match answered {
+            Ok(leases) => {
+                debug!(%pinned, count = leases.len(), "leased through the replica pinned to the ordered consumer");
+                Ok(leases.into_iter().filter_map(from_remote_lease).collect())
+            }
+            Err(ForwardError::OwnerGone) => Err(Error::Unavailable(
+                "the replica pinned to this ordered consumer is gone; another is pinned within seconds".into(),
+            )),
+            Err(ForwardError::TimedOut) => Err(Error::Unavailable(
+                "the replica pinned to this ordered consumer did not answer in time".into(),
+            )),
+            Err(ForwardError::Unavailable(detail)) => Err(Error::Unavailable(detail)),
+        }
+    }
+
+    /// A fetch another replica forwarded to this one, pinned to the ordered consumer.
+    pub(crate) async fn fetch_forwarded(
+        &self,
+        demand: ForwardedDemand,
+    ) -> Result<Vec<RemoteLease>, String> {
+        let demand = Demand {
+            batch: demand.batch.clamp(1, STREAM_SLICE),
+            wait: Duration::from_millis(demand.wait_ms).min(self.config.max_wait),
+            max_bytes: demand.max_bytes,
+            stream: None,
+            patient: false,
+        };
+        match self.lease_here(demand).await {
+            Ok(leased) => Ok(leased.into_iter().map(to_remote_lease).collect()),
+            Err(err) => Err(err.to_string()),
         }
     }
 

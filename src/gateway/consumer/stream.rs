@@ -44,6 +44,10 @@ const RETRY_FIRST: Duration = Duration::from_millis(25);
 /// strands at most this many (besides what its connection buffers).
 pub(crate) const STREAM_SLICE: usize = 100;
 
+/// How often a stream out of credit asks whether the leases the replica pinned to its
+/// ordered consumer issued for it are still live there.
+const ELSEWHERE_POLL: Duration = Duration::from_millis(250);
+
 /// The last stream id handed out: unique in the process, so that a stream's pull is only
 /// ever taken over by the same stream.
 static LAST_STREAM_ID: AtomicU64 = AtomicU64::new(0);
@@ -131,6 +135,9 @@ pub(crate) struct LeaseStream {
     /// worker's window).
     max_in_flight: Arc<AtomicUsize>,
     written: Vec<(DeliveryKey, Instant)>,
+    /// Of those, the ones the replica pinned to an ordered consumer issued (this one
+    /// forwarded the stream's demands there): their ids, since only it knows when they end.
+    written_elsewhere: Vec<(String, Instant)>,
     /// Whether `written` counts against the credit: not for a push worker, which keeps
     /// its own count of what is in flight.
     tracks_written: bool,
@@ -177,6 +184,7 @@ impl LeaseStream {
             gateway,
             max_in_flight,
             written: Vec::new(),
+            written_elsewhere: Vec::new(),
             tracks_written: true,
             patient: false,
             idle: true,
@@ -228,29 +236,47 @@ impl LeaseStream {
             tokio::pin!(settled);
             settled.as_mut().enable();
             self.forget_ended();
+            self.forget_ended_elsewhere().await;
             let max_in_flight = self.max_in_flight.load(Ordering::Relaxed);
-            let credit = max_in_flight.saturating_sub(self.written.len());
+            let in_flight = self.written.len() + self.written_elsewhere.len();
+            let credit = max_in_flight.saturating_sub(in_flight);
             if credit == 0 {
-                let until = self
-                    .written
-                    .iter()
-                    .map(|(_, expires_at)| *expires_at)
-                    .min()
-                    .map_or(Instant::now(), |first| {
-                        first.min(Instant::now() + QUIET_AT_MOST)
-                    });
-                tokio::select! {
-                    () = settled => continue,
-                    () = tokio::time::sleep_until(until) => {
-                        self.forget_ended();
-                        if self.written.len() < max_in_flight {
-                            continue;
+                let quiet_at = Instant::now() + QUIET_AT_MOST;
+                loop {
+                    let expiry = self
+                        .written
+                        .iter()
+                        .map(|(_, expires_at)| *expires_at)
+                        .chain(self.written_elsewhere.iter().map(|(_, at)| *at))
+                        .min()
+                        .unwrap_or_else(Instant::now);
+                    // A settle of a lease issued elsewhere wakes nothing here: asked again
+                    // every little while.
+                    let ask_again = (!self.written_elsewhere.is_empty())
+                        .then(|| Instant::now() + ELSEWHERE_POLL);
+                    let until = ask_again
+                        .into_iter()
+                        .chain([expiry, quiet_at])
+                        .min()
+                        .unwrap_or(quiet_at);
+                    tokio::select! {
+                        () = settled.as_mut() => break,
+                        () = tokio::time::sleep_until(until) => {
+                            self.forget_ended();
+                            self.forget_ended_elsewhere().await;
+                            let in_flight = self.written.len() + self.written_elsewhere.len();
+                            if in_flight < max_in_flight {
+                                break;
+                            }
+                            if Instant::now() >= quiet_at || until == expiry {
+                                return Step::Quiet;
+                            }
                         }
-                        return Step::Quiet;
+                        () = hung_up(caller) => return Step::Gone,
+                        reason = self.ends.wait() => return self.ended(reason),
                     }
-                    () = hung_up(caller) => return Step::Gone,
-                    reason = self.ends.wait() => return self.ended(reason),
                 }
+                continue;
             }
             let patient = self.patient && self.idle;
             let demand = Demand {
@@ -318,10 +344,41 @@ impl LeaseStream {
     pub(crate) fn next_ready(&mut self) -> Option<Box<Leased>> {
         let leased = self.unwritten.pop_front()?;
         if self.tracks_written {
-            self.written
-                .push((leased.delivery.coordinates.key, leased.expires_at));
+            if leased.delivery.reply.is_empty() {
+                self.written_elsewhere
+                    .push((leased.id.clone(), leased.expires_at));
+            } else {
+                self.written
+                    .push((leased.delivery.coordinates.key, leased.expires_at));
+            }
         }
         Some(Box::new(leased))
+    }
+
+    /// Drop the written leases issued elsewhere that are no longer live there (asked of
+    /// the replica that issued them; one that cannot be asked keeps them to their expiry).
+    async fn forget_ended_elsewhere(&mut self) {
+        let now = Instant::now();
+        self.written_elsewhere
+            .retain(|(_, expires_at)| *expires_at > now);
+        if self.written_elsewhere.is_empty() {
+            return;
+        }
+        let ids: Vec<String> = self
+            .written_elsewhere
+            .iter()
+            .map(|(id, _)| id.clone())
+            .collect();
+        match self.gateway.live_where_issued(ids).await {
+            // Its replica is gone, and its leases with it.
+            Some(live) if live.is_empty() => self.written_elsewhere.clear(),
+            Some(live) => {
+                let mut live = live.into_iter();
+                self.written_elsewhere
+                    .retain(|_| live.next().unwrap_or(true));
+            }
+            None => {}
+        }
     }
 
     /// Drop the written leases that are no longer live (settled, expired, superseded).

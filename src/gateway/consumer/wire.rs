@@ -4,15 +4,23 @@
 //! May import: as the rest of `gateway`.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use bytes::Bytes;
 use time::OffsetDateTime;
+use tokio::time::Instant;
+
+use crate::domain::delivery::{Delivery, Leased, Unparsed};
+use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates};
 
 use crate::domain::lease_id::{InstanceId, SignedLease};
 use crate::domain::settle::{AckCommand, SettleKind};
 use crate::error::Error;
 use crate::metrics::SettleOutcome;
-use crate::nats::forward::{ForwardedSettle, RemoteResult};
+use crate::nats::forward::{ForwardedSettle, RemoteLease, RemoteResult};
 
 /// What a settle of one lease came to, at whichever replica did it: `Some(expiry)` for an
 /// extension.
@@ -58,7 +66,99 @@ pub(super) fn forwarded(command: &AckCommand, ids: &[&str]) -> ForwardedSettle {
         delay_ms,
         reason,
         ids: ids.iter().map(|id| (*id).to_owned()).collect(),
+        fetch: None,
     }
+}
+
+/// A lease issued here for a fetch another replica forwarded, as it travels back.
+pub(super) fn to_remote_lease(leased: Leased) -> RemoteLease {
+    let delivery = leased.delivery;
+    let headers = delivery
+        .headers
+        .as_ref()
+        .map(|map| {
+            map.iter()
+                .map(|(name, values)| {
+                    (
+                        name.to_string(),
+                        values.iter().map(ToString::to_string).collect(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    RemoteLease {
+        id: leased.id,
+        subject: delivery.subject.to_string(),
+        subject_raw: delivery.unparsed.subject.map(|raw| STANDARD.encode(raw)),
+        payload: STANDARD.encode(&delivery.payload),
+        headers,
+        headers_raw: delivery.unparsed.headers.map(|raw| STANDARD.encode(raw)),
+        stream: delivery.stream,
+        consumer: delivery.consumer,
+        stream_sequence: delivery.coordinates.key.stream_sequence,
+        consumer_sequence: delivery.coordinates.consumer_sequence,
+        delivered: delivery.coordinates.key.delivered,
+        pending: delivery.pending,
+        published_unix_nanos: delivery.coordinates.published_unix_nanos,
+        expires_in_ms: u64::try_from(
+            leased
+                .expires_at
+                .saturating_duration_since(Instant::now())
+                .as_millis(),
+        )
+        .unwrap_or(u64::MAX),
+    }
+}
+
+/// A lease the pinned replica issued, as this replica hands it to its client: settles of it
+/// are forwarded back there (its id names that replica), so it carries no reply subject.
+/// `None` for one that makes no sense (not base64).
+pub(super) fn from_remote_lease(remote: RemoteLease) -> Option<Leased> {
+    let raw = |text: Option<String>| -> Option<Option<Bytes>> {
+        match text {
+            None => Some(None),
+            Some(text) => STANDARD.decode(text).ok().map(|raw| Some(Bytes::from(raw))),
+        }
+    };
+    let mut headers = async_nats::HeaderMap::new();
+    for (name, values) in &remote.headers {
+        for value in values {
+            headers.append(name.as_str(), value.as_str());
+        }
+    }
+    let delivery = Delivery {
+        coordinates: LeaseCoordinates {
+            epoch: 0,
+            key: DeliveryKey {
+                stream_sequence: remote.stream_sequence,
+                delivered: remote.delivered,
+            },
+            consumer_sequence: remote.consumer_sequence,
+            published_unix_nanos: remote.published_unix_nanos,
+        },
+        reply: Arc::from(""),
+        subject: remote.subject.into(),
+        payload: Bytes::from(STANDARD.decode(remote.payload).ok()?),
+        headers: (!remote.headers.is_empty()).then_some(headers),
+        unparsed: Unparsed {
+            subject: raw(remote.subject_raw)?,
+            headers: raw(remote.headers_raw)?,
+        },
+        stream: remote.stream,
+        consumer: remote.consumer,
+        pending: remote.pending,
+        published_at: OffsetDateTime::from_unix_timestamp_nanos(i128::from(
+            remote.published_unix_nanos,
+        ))
+        .unwrap_or(OffsetDateTime::UNIX_EPOCH),
+        received_at: Instant::now(),
+    };
+    Some(Leased {
+        id: remote.id,
+        delivery,
+        expires_at: Instant::now() + Duration::from_millis(remote.expires_in_ms),
+    })
 }
 
 pub(super) fn command_of(request: &ForwardedSettle) -> Option<AckCommand> {
