@@ -66,6 +66,10 @@ mod push_pacing;
 #[path = "bench/day_two.rs"]
 mod day_two;
 
+/// `--ordering`: ordered per key against unordered, and the cost of a stuck key.
+#[path = "bench/ordering.rs"]
+mod ordering;
+
 use std::future::IntoFuture as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -177,6 +181,12 @@ struct Args {
     /// (docs/benchmark.md, "Dead letters and the console").
     #[arg(long)]
     day_two: bool,
+
+    /// Instead of the drains: `--messages` over 1 000 keys drained by 8 workers (handler
+    /// 1 ms) ordered per key against unordered, and with one stuck key (docs/benchmark.md,
+    /// "Ordered per key").
+    #[arg(long)]
+    ordering: bool,
 
     /// The rows `--push` measures (all when not given).
     #[arg(long = "push-row", value_enum)]
@@ -309,6 +319,8 @@ async fn main() -> anyhow::Result<()> {
                 push::run(&args).await
             } else if args.day_two {
                 day_two::run(&args).await
+            } else if args.ordering {
+                ordering::run(&args).await
             } else if args.consumers {
                 let scale = consumers::Scale {
                     consumers: args.consumer_count,

@@ -449,8 +449,10 @@ impl Dispatcher {
             self.book.hold(delivery);
             return;
         }
-        if let Some(pin) = pin_of(&delivery)
-            && self.state.pinned(pin)
+        let mut delivery = delivery;
+        if self.state.ordering_key().is_some()
+            && let Some(pin) = take_pin(&mut delivery)
+            && self.state.pinned(&pin)
         {
             // Pinned (again): another replica may have had the pin meanwhile, and may
             // still have messages of some keys out.
@@ -705,13 +707,21 @@ impl Drop for Dispatcher {
     }
 }
 
-/// The pin a delivery of a priority-group consumer carries.
-fn pin_of(delivery: &Delivery) -> Option<&str> {
-    delivery
-        .headers
-        .as_ref()?
-        .get(PIN_HEADER)
-        .map(async_nats::HeaderValue::as_str)
+/// The pin a delivery of a priority-group consumer carries, taken out of its headers: it
+/// is the server's word to this process, not part of the message.
+fn take_pin(delivery: &mut Delivery) -> Option<String> {
+    let headers = delivery.headers.as_ref()?;
+    let pin = headers.get(PIN_HEADER)?.as_str().to_owned();
+    let mut kept = async_nats::HeaderMap::new();
+    for (name, values) in headers.iter() {
+        if AsRef::<str>::as_ref(name) != PIN_HEADER {
+            for value in values {
+                kept.append(name.clone(), value.clone());
+            }
+        }
+    }
+    delivery.headers = (!kept.is_empty()).then_some(kept);
+    Some(pin)
 }
 
 /// Lift the ordering gate's fence once nothing is out with another process: the server

@@ -128,6 +128,26 @@ pub(crate) async fn leader_elections(bound: &Bound) -> Option<async_nats::Subscr
     }
 }
 
+/// Give up this process's pin of an ordered consumer's priority group (it is stopping): the
+/// server pins the next replica that pulls at once, not after the pin timeout.
+pub(crate) async fn unpin(bound: &Bound, group: &str) -> anyhow::Result<()> {
+    let info = bound.consumer.cached_info();
+    let subject = format!("CONSUMER.UNPIN.{}.{}", info.stream_name, info.name);
+    let answer: serde_json::Value = tokio::time::timeout(
+        API_TIMEOUT,
+        bound
+            .jetstream
+            .request(subject, &serde_json::json!({ "group": group })),
+    )
+    .await
+    .context("timed out asking to unpin")?
+    .context("asking to unpin")?;
+    if let Some(error) = answer.get("error") {
+        anyhow::bail!("the server refused to unpin: {error}");
+    }
+    Ok(())
+}
+
 /// How many messages the server counts delivered and not yet acked on the consumer, now;
 /// `None` when it cannot be read.
 pub(crate) async fn ack_pending(bound: &Bound) -> Option<usize> {

@@ -39,6 +39,7 @@ use crate::domain::consumers::ConsumerName;
 use crate::domain::delivery::Leased;
 use crate::domain::finals::MessageKey;
 use crate::domain::idempotency::IdempotencyCache;
+use crate::domain::ordering::PIN_GROUP;
 use crate::domain::push::{PushState, PushStatus};
 use crate::domain::settle::AckCommand;
 use crate::domain::subject;
@@ -619,6 +620,20 @@ impl Consumer {
                     count = revoked.len(),
                     "shutdown grace over with leases still out: NATS unreachable, the server redelivers them after ack_wait"
                 );
+            }
+        }
+        // The pinned replica of an ordered consumer hands the pin over now that it holds
+        // nothing: another replica is pinned by its next pull, not after the pin timeout.
+        if self.state.pin().is_some()
+            && let Ok(bound) = self.connected()
+        {
+            match nats::pull::unpin(&bound, PIN_GROUP).await {
+                Ok(()) => info!(
+                    "gave up the pin of the ordered consumer: another replica takes it at once"
+                ),
+                Err(err) => {
+                    warn!(error = %format!("{err:#}"), "could not give up the pin of the ordered consumer; another replica takes it after the pin timeout")
+                }
             }
         }
         self.withdraw().await;

@@ -388,28 +388,20 @@ impl Consumer {
         };
         let timeout = demand.wait + self.config.settle_timeout + FORWARD_GRACE;
         let to = (pinned, self.subjects.settle(pinned));
-        // Nobody listening may be a replica that is only just subscribing (as for a
-        // forwarded settle): asked again for a moment before it is called gone.
-        let give_up_at = Instant::now() + NO_RESPONDERS_FOR;
-        let answered = loop {
-            let trust = &self.process.trust;
-            match forward::forward_fetch(&client, trust, to.clone(), forwarded.clone(), timeout)
-                .await
-            {
-                Err(ForwardError::OwnerGone) if Instant::now() < give_up_at => {
-                    tokio::time::sleep(NO_RESPONDERS_RETRY).await;
-                }
-                other => break other,
-            }
-        };
+        let answered =
+            forward::forward_fetch(&client, &self.process.trust, to, forwarded, timeout).await;
         match answered {
             Ok(leases) => {
                 debug!(%pinned, count = leases.len(), "leased through the replica pinned to the ordered consumer");
                 Ok(leases.into_iter().filter_map(from_remote_lease).collect())
             }
-            Err(ForwardError::OwnerGone) => Err(Error::Unavailable(
-                "the replica pinned to this ordered consumer is gone; another is pinned within seconds".into(),
-            )),
+            // Gone (stopped, or killed): this replica pulls itself; the server pins it once
+            // the pin is free (at once after a clean stop, after the pin timeout after a kill),
+            // and until then its pull waits there.
+            Err(ForwardError::OwnerGone) => {
+                debug!(%pinned, "the replica pinned to the ordered consumer is gone; pulling here");
+                self.lease_here(demand).await
+            }
             Err(ForwardError::TimedOut) => Err(Error::Unavailable(
                 "the replica pinned to this ordered consumer did not answer in time".into(),
             )),
