@@ -188,6 +188,12 @@ struct Args {
     #[arg(long)]
     ordering: bool,
 
+    /// Instead of the drains: the ordering ledger — `--messages` over 1 000 keys through two
+    /// replicas, the pinned one killed -9 and nats-server killed -9 on the way
+    /// (docs/benchmark.md, "Ordered per key").
+    #[arg(long)]
+    ordering_ledger: bool,
+
     /// The rows `--push` measures (all when not given).
     #[arg(long = "push-row", value_enum)]
     push_rows: Vec<PushRow>,
@@ -321,6 +327,8 @@ async fn main() -> anyhow::Result<()> {
                 day_two::run(&args).await
             } else if args.ordering {
                 ordering::run(&args).await
+            } else if args.ordering_ledger {
+                ordering::ledger(&args).await
             } else if args.consumers {
                 let scale = consumers::Scale {
                     consumers: args.consumer_count,
@@ -998,6 +1006,32 @@ impl GatewayChild {
             .await
             .map_err(|err| anyhow!(err))?;
         Ok(Self { process, base, pid })
+    }
+
+    /// SIGKILL it (`--ordering-ledger`).
+    fn kill9(&mut self) {
+        self.process.kill9();
+    }
+
+    /// Start it again with the same flags and wait until it is ready.
+    async fn restart(&mut self, http: &reqwest::Client) -> anyhow::Result<()> {
+        self.process.spawn().map_err(|err| anyhow!(err))?;
+        self.pid = self
+            .process
+            .pid()
+            .ok_or_else(|| anyhow!("the gateway has no pid"))?;
+        let ready = format!("{}/readyz", self.base);
+        self.process
+            .wait_until("ready", GATEWAY_READY_DEADLINE, || {
+                let request = http.get(&ready).send();
+                async move {
+                    request
+                        .await
+                        .is_ok_and(|response| response.status() == reqwest::StatusCode::OK)
+                }
+            })
+            .await
+            .map_err(|err| anyhow!(err))
     }
 
     fn log_size(&self) -> (u64, u64) {

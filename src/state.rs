@@ -59,8 +59,17 @@ pub(crate) struct LeaseState {
     /// An ordered consumer's pin (priority group `pinned_client`): the id the server gave
     /// this process, while it has it.
     pin: Mutex<Option<Arc<str>>>,
+    /// Asks the other replicas how messages ended through them (set by the gateway).
+    finals_elsewhere: std::sync::OnceLock<FinalsElsewhere>,
     pub(crate) metrics: Metrics,
 }
+
+/// How each of some messages ended through the other replicas, if it did (in order).
+pub(crate) type FinalsElsewhere = Arc<
+    dyn Fn(Vec<MessageKey>) -> futures::future::BoxFuture<'static, Vec<Option<Final>>>
+        + Send
+        + Sync,
+>;
 
 /// A consumer's ordering key and its gate.
 struct KeyOrder {
@@ -100,6 +109,7 @@ impl LeaseState {
             }),
             dispatcher_holding: AtomicUsize::new(0),
             pin: Mutex::new(None),
+            finals_elsewhere: std::sync::OnceLock::new(),
             metrics,
         };
         state.apply_settings(ack_wait, max_ack_pending);
@@ -261,6 +271,17 @@ impl LeaseState {
     /// recreated one included) delivers it.
     pub(crate) fn final_of(&self, coordinates: &LeaseCoordinates) -> Option<Final> {
         self.finals().get(MessageKey::of(coordinates))
+    }
+
+    /// How `message` ended through this process, if it did.
+    pub(crate) fn final_of_message(&self, message: MessageKey) -> Option<Final> {
+        self.finals().get(message)
+    }
+
+    /// Remember that `message` ended elsewhere (another replica confirmed it, and the
+    /// server lost that): a later redelivery here is settled again, not leased.
+    pub(crate) fn ended_elsewhere(&self, message: MessageKey, outcome: Final) {
+        self.finals().record(message, outcome);
     }
 
     /// The consumer was moved on purpose (a seek): every live lease is void, and what
@@ -468,6 +489,25 @@ impl LeaseState {
 
     pub(crate) fn lift_ordering_fence(&self) {
         self.with_gate(OrderingGate::lift_fence);
+    }
+
+    /// How to ask the other replicas how messages ended through them.
+    pub(crate) fn set_finals_elsewhere(&self, ask: FinalsElsewhere) {
+        let _ = self.finals_elsewhere.set(ask);
+    }
+
+    pub(crate) fn finals_elsewhere(&self) -> Option<FinalsElsewhere> {
+        self.finals_elsewhere.get().cloned()
+    }
+
+    /// The messages the ordering gate holds.
+    pub(crate) fn held_messages(&self) -> Vec<MessageKey> {
+        self.with_gate(|gate| gate.held_messages())
+    }
+
+    /// Take held message `stream_sequence` out of the gate: it ended elsewhere.
+    pub(crate) fn take_ended(&self, stream_sequence: u64) -> Option<Delivery> {
+        self.with_gate(|gate| gate.take_ended(stream_sequence))
     }
 
     /// The pin the server gave this process, to name in its pulls.

@@ -278,3 +278,277 @@ fn check_ledger(ledger: &[Entry]) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// `--ordering-ledger`: `--messages` over 1 000 keys through two replicas without sticky
+/// sessions (each worker fetches at one and acks at the other), with the pinned replica
+/// killed -9 (and started again) after a third and nats-server killed -9 (and started again)
+/// after two thirds; the server runs with `sync_interval: always`. The row: order
+/// violations and overlapping leases of a key among the acks answered 204, and messages
+/// the server does not count acked at the end (lost).
+pub(crate) async fn ledger(args: &super::Args) -> anyhow::Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("bench-ordering-ledger-")
+        .tempdir()?;
+    if std::env::var_os("BENCH_KEEP").is_some() {
+        eprintln!("keeping {}", dir.path().display());
+    }
+    let port = nats::free_port();
+    let config = dir.path().join("server.conf");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: \"127.0.0.1:{port}\"\njetstream {{\n  store_dir: {}\n  sync_interval: always\n}}\n",
+            nats::quoted(&dir.path().join("store"))
+        ),
+    )?;
+    let mut server = nats::NatsServer::node("nats-server", port, &config, dir.path());
+    server
+        .spawn_and_wait()
+        .await
+        .map_err(|err| anyhow::anyhow!(err))?;
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect(server.url())
+        .await?;
+    let js = jetstream::new(client);
+    js.create_stream(stream::Config {
+        name: ORDERED.into(),
+        subjects: vec!["ordered.>".into()],
+        ..Default::default()
+    })
+    .await?;
+    let count = args.messages;
+    let mut acks = Vec::with_capacity(1000);
+    for n in 0..count {
+        acks.push(
+            js.publish(format!("ordered.k{}.{n}", n % KEYS), "x".into())
+                .await?,
+        );
+        if acks.len() >= 1000 {
+            for ack in acks.drain(..) {
+                ack.await?;
+            }
+        }
+    }
+    for ack in acks {
+        ack.await?;
+    }
+    let key = dir.path().join("lease.key");
+    std::fs::write(
+        &key,
+        "bench replicas share this lease key: 0123456789abcdef",
+    )?;
+    let flags = vec![
+        "--ack-wait".to_owned(),
+        ACK_WAIT.to_owned(),
+        "--ordering-key".to_owned(),
+        "subject:2".to_owned(),
+        "--lease-key-file".to_owned(),
+        key.display().to_string(),
+    ];
+    let http = http_client()?;
+    let binary = gateway_binary(args)?;
+    let mut replicas = Vec::new();
+    for name in ["a", "b"] {
+        replicas.push(
+            GatewayChild::start_on(
+                &binary,
+                &server.url(),
+                (ORDERED, "ledger"),
+                &flags,
+                &args.gateway_env,
+                dir.path().join(format!("{name}.log")),
+                &http,
+            )
+            .await?,
+        );
+    }
+    let bases: Vec<String> = replicas
+        .iter()
+        .map(|replica| replica.base.clone())
+        .collect();
+    eprintln!(
+        "bench --ordering-ledger: {count} messages over {KEYS} keys, two replicas, {WORKERS} workers"
+    );
+    let ledger = Arc::new(Mutex::new(Vec::<Entry>::new()));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let started = Instant::now();
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|worker| {
+            let (http, ledger, stop) = (http.clone(), ledger.clone(), stop.clone());
+            let (fetch_at, ack_at) = (bases[worker % 2].clone(), bases[(worker + 1) % 2].clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(response) = http
+                        .post(format!("{fetch_at}/fetch"))
+                        .json(&serde_json::json!({"batch": 10, "wait_ms": 500}))
+                        .send()
+                        .await
+                    else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    let got = Instant::now();
+                    let Ok(fetched) = response.json::<Fetched>().await else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    if fetched.messages.is_empty() {
+                        continue;
+                    }
+                    let ids: Vec<&str> = fetched.messages.iter().map(|m| m.id.as_str()).collect();
+                    let ack_sent = Instant::now();
+                    let Ok(response) = http
+                        .post(format!("{ack_at}/messages/ack"))
+                        .json(&serde_json::json!({ "ids": ids }))
+                        .send()
+                        .await
+                    else {
+                        continue;
+                    };
+                    let Ok(settled) = response.json::<serde_json::Value>().await else {
+                        continue;
+                    };
+                    let results = settled["results"].as_array().cloned().unwrap_or_default();
+                    let mut entries = Vec::new();
+                    for (message, result) in fetched.messages.iter().zip(results) {
+                        if result["status"] == 204 {
+                            entries.push(Entry {
+                                key: message
+                                    .subject
+                                    .split('.')
+                                    .nth(1)
+                                    .unwrap_or_default()
+                                    .to_owned(),
+                                sequence: message.stream_sequence,
+                                got,
+                                ack_sent,
+                            });
+                        }
+                    }
+                    if let Ok(mut ledger) = ledger.lock() {
+                        ledger.extend(entries);
+                    }
+                }
+            })
+        })
+        .collect();
+    let acked = |ledger: &Mutex<Vec<Entry>>| ledger.lock().map_or(0, |ledger| ledger.len() as u64);
+    let wait_for = |share: u64| {
+        let ledger = ledger.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(300);
+            while acked(&ledger) < share {
+                ensure!(Instant::now() < deadline, "stalled at {}", acked(&ledger));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            anyhow::Ok(())
+        }
+    };
+    wait_for(count / 3).await?;
+    // The pinned replica, killed -9 and started again.
+    let mut pinned = 0;
+    for (at, base) in bases.iter().enumerate() {
+        let view: serde_json::Value = http
+            .get(format!("{base}/consumer"))
+            .send()
+            .await?
+            .json()
+            .await?;
+        let this_pinned = view["replicas"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|replica| replica["this_replica"] == true && replica["pinned"] == true);
+        if this_pinned {
+            pinned = at;
+        }
+    }
+    replicas[pinned].kill9();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    replicas[pinned].restart(&http).await?;
+    wait_for(2 * count / 3).await?;
+    let server_killed_at = Instant::now();
+    if std::env::var_os("BENCH_NO_SERVER_KILL").is_none() {
+        server.kill();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        server.restart().await;
+    }
+    // Done when the server counts nothing pending or unacked.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let done = match js.get_stream(ORDERED).await.ok() {
+            Some(stream) => stream
+                .consumer_info("ledger")
+                .await
+                .is_ok_and(|info| info.num_pending == 0 && info.num_ack_pending == 0),
+            None => false,
+        };
+        if done {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "the ledger run did not finish");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let elapsed = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let floor = js
+        .get_stream(ORDERED)
+        .await?
+        .consumer_info("ledger")
+        .await?
+        .ack_floor
+        .stream_sequence;
+    let lost = count.saturating_sub(floor);
+    for worker in futures::future::join_all(workers).await {
+        worker?;
+    }
+    let ledger = std::mem::take(&mut *ledger.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
+    let mut by_key: BTreeMap<&str, Vec<&Entry>> = BTreeMap::new();
+    for entry in &ledger {
+        by_key.entry(entry.key.as_str()).or_default().push(entry);
+    }
+    let (mut disorder, mut overlaps) = (0, 0);
+    for leases in by_key.values_mut() {
+        leases.sort_by_key(|entry| entry.got);
+        for pair in leases.windows(2) {
+            if pair[0].sequence >= pair[1].sequence {
+                disorder += 1;
+            }
+            if pair[1].got < pair[0].ack_sent {
+                overlaps += 1;
+            }
+        }
+    }
+    let mut first_acks: HashMap<u64, Instant> = HashMap::new();
+    let mut repeated_after_server_kill = 0;
+    let mut by_got: Vec<&Entry> = ledger.iter().collect();
+    by_got.sort_by_key(|entry| entry.got);
+    for entry in by_got {
+        if first_acks.insert(entry.sequence, entry.got).is_some() && entry.got >= server_killed_at {
+            repeated_after_server_kill += 1;
+        }
+    }
+    eprintln!("repeated after the server kill: {repeated_after_server_kill}");
+    let mut sequences: Vec<u64> = ledger.iter().map(|entry| entry.sequence).collect();
+    sequences.sort_unstable();
+    let answered = sequences.len();
+    sequences.dedup();
+    let twice = answered - sequences.len();
+    let unanswered = count - sequences.len() as u64;
+    println!(
+        "| ledger {count} over {KEYS} keys, pinned replica -9, nats-server -9 (sync always) | order violations {disorder}, overlapping leases {overlaps}, lost {lost}; acks answered 204 twice {twice}, acks landed unanswered {unanswered}; {:.0} s |",
+        elapsed.as_secs_f64()
+    );
+    for replica in replicas {
+        replica.stop().await?;
+    }
+    if std::env::var_os("BENCH_KEEP").is_some() {
+        std::mem::forget(dir);
+    }
+    ensure!(
+        disorder == 0 && overlaps == 0 && lost == 0,
+        "the ledger found violations or losses"
+    );
+    Ok(())
+}

@@ -741,10 +741,53 @@ async fn watch_fence(state: Arc<LeaseState>, bound: Arc<Bound>) {
         tokio::time::sleep(FENCE_POLL).await;
     }
     if state.ordering_fenced() {
+        settle_what_ended_elsewhere(&state, &bound).await;
         info!(
             "ordered consumer: nothing is out with another process any more; leasing by key again"
         );
         state.lift_ordering_fence();
+    }
+}
+
+/// Before the fence is lifted, every message the server counts pending is in this
+/// process's hands. Some may have ended through another replica, the server having lost
+/// that (killed before its consumer state was on disk): asked of the other replicas, those
+/// are settled again rather than leased a second time — to a key's workers that would look
+/// like the key going back.
+async fn settle_what_ended_elsewhere(state: &Arc<LeaseState>, bound: &Arc<Bound>) {
+    let Some(ask) = state.finals_elsewhere() else {
+        return;
+    };
+    let held = state.held_messages();
+    if held.is_empty() {
+        return;
+    }
+    let answers = ask(held.clone()).await;
+    for (message, outcome) in held.into_iter().zip(answers) {
+        let Some(outcome) = outcome else {
+            continue;
+        };
+        let Some(delivery) = state.take_ended(message.stream_sequence) else {
+            continue;
+        };
+        state.ended_elsewhere(message, outcome.clone());
+        state
+            .metrics
+            .settled_again(matches!(outcome, Final::Terminated { .. }));
+        info!(
+            stream_sequence = message.stream_sequence,
+            "a message that ended through another replica was delivered again (the server lost that); settling it again"
+        );
+        let deadline = tokio::time::sleep(SETTLE_AGAIN_TIMEOUT);
+        if nats_settle::confirm(bound, &delivery.reply, &outcome.command(), deadline)
+            .await
+            .is_err()
+        {
+            warn!(
+                stream_sequence = message.stream_sequence,
+                "settling a redelivered message again was not confirmed; the server redelivers it after ack_wait"
+            );
+        }
     }
 }
 

@@ -21,6 +21,7 @@ use tokio::time::Instant;
 
 use super::SequenceMap;
 use super::delivery::Delivery;
+use super::finals::MessageKey;
 
 /// The header `POST /publish` writes a message's `ordering_key` to, and the one
 /// `ordering_key = "header"` reads.
@@ -345,6 +346,31 @@ impl OrderingGate {
             self.keys.retain(|_, entry| entry.head.is_some());
         }
         released
+    }
+
+    /// The messages held, by stream sequence and publish time.
+    pub(crate) fn held_messages(&self) -> Vec<MessageKey> {
+        self.keys
+            .values()
+            .flat_map(|entry| entry.held.values())
+            .map(|delivery| MessageKey::of(&delivery.coordinates))
+            .collect()
+    }
+
+    /// Take held message `stream_sequence` out: it ended elsewhere (the server lost that).
+    pub(crate) fn take_ended(&mut self, stream_sequence: u64) -> Option<Delivery> {
+        let key = self
+            .keys
+            .iter()
+            .find(|(_, entry)| entry.held.contains_key(&stream_sequence))
+            .map(|(key, _)| key.clone())?;
+        let entry = self.keys.get_mut(&key)?;
+        let delivery = entry.held.remove(&stream_sequence)?;
+        self.held -= 1;
+        if entry.head.is_none() && entry.held.is_empty() {
+            self.keys.remove(&key);
+        }
+        Some(delivery)
     }
 
     /// Messages held for a busy key.

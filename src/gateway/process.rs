@@ -158,6 +158,17 @@ impl Fleet {
             .is_ok_and(|seen| seen.iter().any(|record| record.instance_id == instance))
     }
 
+    /// Every other replica process that beat in the last round.
+    pub(crate) fn others(&self, me: InstanceId) -> Vec<InstanceId> {
+        let Ok(seen) = self.seen.lock() else {
+            return Vec::new();
+        };
+        seen.iter()
+            .filter_map(|record| InstanceId::parse(&record.instance_id))
+            .filter(|instance| *instance != me)
+            .collect()
+    }
+
     /// The replica pinned to ordered consumer `name`, as the last heartbeat round said.
     pub(crate) fn pinned_on(&self, name: &ConsumerName) -> Option<InstanceId> {
         let seen = self.seen.lock().ok()?;

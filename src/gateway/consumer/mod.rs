@@ -239,6 +239,15 @@ impl Consumer {
             paused: Arc::default(),
             seek_mark: Arc::default(),
         };
+        if gateway.config.ordering_key.is_some() {
+            let asking = gateway.clone();
+            gateway
+                .state
+                .set_finals_elsewhere(std::sync::Arc::new(move |messages| {
+                    let asking = asking.clone();
+                    Box::pin(async move { asking.finals_elsewhere(messages).await })
+                }));
+        }
         tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
         let tasks = Tasks { stop, dispatcher };
         (gateway, tasks, fatal_rx)

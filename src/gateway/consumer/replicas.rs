@@ -25,6 +25,7 @@ use super::wire::{
     to_remote, to_remote_lease,
 };
 use crate::domain::delivery::{Demand, Leased};
+use crate::domain::finals::{Final, MessageKey};
 use crate::domain::lease_id::{InstanceId, SignedLease};
 use crate::domain::settle::AckCommand;
 use crate::error::Error;
@@ -53,6 +54,11 @@ const NO_RESPONDERS_RETRY: Duration = Duration::from_millis(250);
 /// The kind of a forwarded request that only asks which leases are live (a keyed fetch
 /// retried at another replica replays its first answer only while one is).
 const LIVE: &str = "live";
+
+/// The kind of a forwarded request that asks how messages (named `<stream sequence>.<publish
+/// time in ns>`) ended at the replica asked: a replica newly pinned to an ordered consumer
+/// asks before it leases what the server may have forgotten was settled.
+const FINALS: &str = "finals";
 
 /// When a forward first found its owner's heartbeat gone from the fleet stream.
 #[derive(Default)]
@@ -193,6 +199,47 @@ impl Consumer {
                     .iter()
                     .any(|result| matches!(result, RemoteResult::Ok { .. }))
             })
+    }
+
+    /// How each of `messages` ended through any other replica, if it did (in order): asked
+    /// of every other replica process at once; one that does not answer counts as knowing
+    /// nothing.
+    pub(super) async fn finals_elsewhere(&self, messages: Vec<MessageKey>) -> Vec<Option<Final>> {
+        let mut outcomes: Vec<Option<Final>> = vec![None; messages.len()];
+        let ids: Vec<String> = messages
+            .iter()
+            .map(|message| {
+                format!(
+                    "{}.{}",
+                    message.stream_sequence, message.published_unix_nanos
+                )
+            })
+            .collect();
+        let others = self.process.fleet.others(self.process.instance);
+        let asked = others.into_iter().map(|other| {
+            let question = ForwardedSettle {
+                kind: FINALS.to_owned(),
+                delay_ms: None,
+                reason: None,
+                ids: ids.clone(),
+                fetch: None,
+            };
+            self.forward_request(other, question)
+        });
+        for answer in futures::future::join_all(asked).await.into_iter().flatten() {
+            for (outcome, result) in outcomes.iter_mut().zip(answer) {
+                if let RemoteResult::AlreadySettled { settled } = result {
+                    match settled.as_str() {
+                        "ack" => *outcome = Some(Final::Acked),
+                        "term" if outcome.is_none() => {
+                            *outcome = Some(Final::Terminated { reason: None });
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        outcomes
     }
 
     /// Which of `ids` (leases of one other replica) are still live there, in order; `None`
@@ -437,6 +484,29 @@ impl Consumer {
             }
         };
         let ids: Vec<&str> = request.ids.iter().map(String::as_str).collect();
+        if request.kind == FINALS {
+            // Only a question: how these messages ended here, if they did.
+            return ids
+                .iter()
+                .map(|id| {
+                    let message = id.split_once('.').and_then(|(sequence, published)| {
+                        Some(MessageKey {
+                            stream_sequence: sequence.parse().ok()?,
+                            published_unix_nanos: published.parse().ok()?,
+                        })
+                    });
+                    match message.and_then(|message| self.state.final_of_message(message)) {
+                        Some(Final::Acked) => RemoteResult::AlreadySettled {
+                            settled: "ack".into(),
+                        },
+                        Some(Final::Terminated { .. }) => RemoteResult::AlreadySettled {
+                            settled: "term".into(),
+                        },
+                        None => RemoteResult::Unknown,
+                    }
+                })
+                .collect();
+        }
         if request.kind == LIVE {
             // Only a question: nothing is settled or counted.
             let now = tokio::time::Instant::now();
