@@ -194,6 +194,10 @@ struct Args {
     #[arg(long)]
     ordering_ledger: bool,
 
+    /// `--ordering-ledger` with nats-server at its default sync_interval (not `always`).
+    #[arg(long)]
+    default_sync: bool,
+
     /// The rows `--push` measures (all when not given).
     #[arg(long = "push-row", value_enum)]
     push_rows: Vec<PushRow>,

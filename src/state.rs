@@ -59,17 +59,24 @@ pub(crate) struct LeaseState {
     /// An ordered consumer's pin (priority group `pinned_client`): the id the server gave
     /// this process, while it has it.
     pin: Mutex<Option<Arc<str>>>,
-    /// Asks the other replicas how messages ended through them (set by the gateway).
-    finals_elsewhere: std::sync::OnceLock<FinalsElsewhere>,
+    /// What to ask the other replicas (set by the gateway).
+    elsewhere: std::sync::OnceLock<Elsewhere>,
+    /// The highest stream sequence delivered to this process, whatever the server forgot.
+    highest_stream_sequence: AtomicU64,
     pub(crate) metrics: Metrics,
 }
 
-/// How each of some messages ended through the other replicas, if it did (in order).
-pub(crate) type FinalsElsewhere = Arc<
-    dyn Fn(Vec<MessageKey>) -> futures::future::BoxFuture<'static, Vec<Option<Final>>>
-        + Send
-        + Sync,
->;
+/// What a replica newly pinned to an ordered consumer asks the others (set by the gateway):
+/// how each of some messages ended through them, if it did (in order), and the highest
+/// stream sequence delivered to any of them.
+#[derive(Clone)]
+pub(crate) struct Elsewhere {
+    pub(crate) finals: Arc<dyn Fn(Vec<MessageKey>) -> FinalsAnswer + Send + Sync>,
+    pub(crate) highest: Arc<dyn Fn() -> futures::future::BoxFuture<'static, u64> + Send + Sync>,
+}
+
+/// The other replicas' answer: how each message ended there, if it did.
+pub(crate) type FinalsAnswer = futures::future::BoxFuture<'static, Vec<Option<Final>>>;
 
 /// A consumer's ordering key and its gate.
 struct KeyOrder {
@@ -109,7 +116,8 @@ impl LeaseState {
             }),
             dispatcher_holding: AtomicUsize::new(0),
             pin: Mutex::new(None),
-            finals_elsewhere: std::sync::OnceLock::new(),
+            elsewhere: std::sync::OnceLock::new(),
+            highest_stream_sequence: AtomicU64::new(0),
             metrics,
         };
         state.apply_settings(ack_wait, max_ack_pending);
@@ -252,6 +260,8 @@ impl LeaseState {
         self.metrics.delivery_received(coordinates.key.delivered);
         self.highest_consumer_sequence
             .fetch_max(coordinates.consumer_sequence, Ordering::Relaxed);
+        self.highest_stream_sequence
+            .fetch_max(coordinates.key.stream_sequence, Ordering::Relaxed);
         self.leases().note_delivery(coordinates.key, Instant::now())
     }
 
@@ -491,13 +501,39 @@ impl LeaseState {
         self.with_gate(OrderingGate::lift_fence);
     }
 
-    /// How to ask the other replicas how messages ended through them.
-    pub(crate) fn set_finals_elsewhere(&self, ask: FinalsElsewhere) {
-        let _ = self.finals_elsewhere.set(ask);
+    /// How to ask the other replicas.
+    pub(crate) fn set_elsewhere(&self, ask: Elsewhere) {
+        let _ = self.elsewhere.set(ask);
     }
 
-    pub(crate) fn finals_elsewhere(&self) -> Option<FinalsElsewhere> {
-        self.finals_elsewhere.get().cloned()
+    pub(crate) fn elsewhere(&self) -> Option<Elsewhere> {
+        self.elsewhere.get().cloned()
+    }
+
+    /// The highest stream sequence ever delivered to this process.
+    pub(crate) fn highest_stream_sequence(&self) -> u64 {
+        self.highest_stream_sequence.load(Ordering::Relaxed)
+    }
+
+    /// Hold keyed messages up to `stream_sequence` until the other replicas were asked.
+    pub(crate) fn verify_below(&self, stream_sequence: u64) {
+        self.with_gate(|gate| gate.verify_below(stream_sequence));
+    }
+
+    pub(crate) fn take_to_verify(&self) -> Vec<MessageKey> {
+        self.with_gate(OrderingGate::take_to_verify)
+    }
+
+    pub(crate) fn verified(&self, stream_sequence: u64) {
+        self.with_gate(|gate| gate.verified(stream_sequence));
+    }
+
+    /// Close the window of messages to ask about, once none is left to ask about.
+    pub(crate) fn stop_verifying(&self) -> bool {
+        self.with_gate(|gate| {
+            gate.stop_verifying();
+            gate.verifying().is_none()
+        })
     }
 
     /// The messages the ordering gate holds.

@@ -33,7 +33,7 @@ use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
 
 use crate::domain::delivery::{Delivery, Demand};
-use crate::domain::finals::Final;
+use crate::domain::finals::{Final, MessageKey};
 use crate::domain::ordering::PIN_GROUP;
 use crate::nats::Bound;
 use crate::nats::pull::{self, PinRequest, PullEvent, PullHandle, PullInbox};
@@ -128,6 +128,7 @@ pub(crate) struct Dispatcher {
     ordered_epoch: Option<u32>,
     max_deliver: Option<u64>,
     fence_watch: Option<tokio::task::JoinHandle<()>>,
+    verify_watch: Option<tokio::task::JoinHandle<()>>,
     hot_keys_warned: Option<Instant>,
 }
 
@@ -146,6 +147,7 @@ impl Dispatcher {
             ordered_epoch: None,
             max_deliver: None,
             fence_watch: None,
+            verify_watch: None,
             hot_keys_warned: None,
         }
     }
@@ -300,6 +302,18 @@ impl Dispatcher {
             "ordered consumer bound with messages pending elsewhere: keyed messages wait until nothing is out with another process"
         );
         self.fence_ordered(bound);
+    }
+
+    /// Ask the other replicas about what the server delivers anew (see [`verify_window`]).
+    fn verify_after_pin(&mut self) {
+        if let Some(watch) = self.verify_watch.take() {
+            watch.abort();
+        }
+        if let Some(bound) = self.bound.clone() {
+            // Everything until the window is known (one round trip to the others).
+            self.state.verify_below(u64::MAX);
+            self.verify_watch = Some(tokio::spawn(verify_window(self.state.clone(), bound)));
+        }
     }
 
     /// [`Dispatcher::fence_ordered`] under the current binding.
@@ -460,6 +474,7 @@ impl Dispatcher {
                 "pinned to the ordered consumer: keyed messages wait until nothing is out with another replica"
             );
             self.fence_ordered_now();
+            self.verify_after_pin();
         }
         // An ordered consumer's gate holds what comes for a busy key.
         let Some(delivery) = self.state.admit(delivery) else {
@@ -755,16 +770,27 @@ async fn watch_fence(state: Arc<LeaseState>, bound: Arc<Bound>) {
 /// are settled again rather than leased a second time — to a key's workers that would look
 /// like the key going back.
 async fn settle_what_ended_elsewhere(state: &Arc<LeaseState>, bound: &Arc<Bound>) {
-    let Some(ask) = state.finals_elsewhere() else {
+    let held = state.held_messages();
+    settle_if_ended_elsewhere(state, bound, held).await;
+}
+
+/// Ask the other replicas how `messages` (held here) ended; settle again those that ended
+/// there, and let the others go out in their turn.
+async fn settle_if_ended_elsewhere(
+    state: &Arc<LeaseState>,
+    bound: &Arc<Bound>,
+    messages: Vec<MessageKey>,
+) {
+    let Some(ask) = state.elsewhere() else {
         return;
     };
-    let held = state.held_messages();
-    if held.is_empty() {
+    if messages.is_empty() {
         return;
     }
-    let answers = ask(held.clone()).await;
-    for (message, outcome) in held.into_iter().zip(answers) {
+    let answers = (ask.finals)(messages.clone()).await;
+    for (message, outcome) in messages.into_iter().zip(answers) {
         let Some(outcome) = outcome else {
+            state.verified(message.stream_sequence);
             continue;
         };
         let Some(delivery) = state.take_ended(message.stream_sequence) else {
@@ -788,6 +814,34 @@ async fn settle_what_ended_elsewhere(state: &Arc<LeaseState>, bound: &Arc<Bound>
                 "settling a redelivered message again was not confirmed; the server redelivers it after ack_wait"
             );
         }
+    }
+}
+
+/// After a change of pinned replica: the server may have lost the deliveries (and acks) of
+/// a while (killed before its consumer state was on disk) and delivers those messages anew,
+/// as if for the first time. Up to the highest stream sequence any other replica was
+/// delivered, each keyed message is held until the others were asked how it ended, and
+/// settled again if it did; the window closes once the server delivered past it.
+async fn verify_window(state: Arc<LeaseState>, bound: Arc<Bound>) {
+    let Some(ask) = state.elsewhere() else {
+        return;
+    };
+    let below = (ask.highest)().await;
+    state.verify_below(below);
+    loop {
+        let batch = state.take_to_verify();
+        let asked = !batch.is_empty();
+        settle_if_ended_elsewhere(&state, &bound, batch).await;
+        if !asked {
+            let past = below == 0
+                || pull::delivered_stream_sequence(&bound)
+                    .await
+                    .is_some_and(|delivered| delivered >= below);
+            if past && state.stop_verifying() {
+                return;
+            }
+        }
+        tokio::time::sleep(FENCE_POLL).await;
     }
 }
 

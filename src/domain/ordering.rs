@@ -143,6 +143,13 @@ pub(crate) struct OrderingGate {
     fenced: bool,
     /// When the oldest held message needs its next `+WPI`.
     next_keep_alive: Option<Instant>,
+    /// After a change of pinned replica: messages up to this stream sequence may have ended
+    /// through another replica, the server having lost that; each is held until the others
+    /// were asked ([`OrderingGate::verified`]).
+    verify_below: Option<u64>,
+    /// Held messages not asked about yet, and those being asked about.
+    unverified: std::collections::BTreeSet<u64>,
+    to_verify: Vec<MessageKey>,
 }
 
 impl OrderingGate {
@@ -152,7 +159,13 @@ impl OrderingGate {
         let sequence = delivery.coordinates.key.stream_sequence;
         let entry = self.keys.entry(key.clone()).or_default();
         let first_held = entry.held.keys().next().copied();
-        if self.fenced {
+        let unverified = self.verify_below.is_some_and(|below| sequence <= below)
+            && !self.heads.contains_key(&sequence);
+        if unverified {
+            if self.unverified.insert(sequence) {
+                self.to_verify.push(MessageKey::of(&delivery.coordinates));
+            }
+        } else if self.fenced {
             // Its head came back while fenced: held like the rest, and first of its key
             // once the fence is lifted.
             if entry.head == Some(sequence) {
@@ -228,7 +241,7 @@ impl OrderingGate {
             self.keys.remove(key);
             return;
         };
-        if self.fenced {
+        if self.fenced || self.unverified.contains(&first) {
             return;
         }
         let Some(delivery) = entry.held.remove(&first) else {
@@ -335,6 +348,8 @@ impl OrderingGate {
         }
         self.held = 0;
         self.next_keep_alive = None;
+        self.unverified.clear();
+        self.to_verify.clear();
         // A ready message was a head not yet leased: back at the server it stays the head.
         for delivery in &released {
             self.unleased(delivery.coordinates.key.stream_sequence);
@@ -367,10 +382,51 @@ impl OrderingGate {
         let entry = self.keys.get_mut(&key)?;
         let delivery = entry.held.remove(&stream_sequence)?;
         self.held -= 1;
+        self.unverified.remove(&stream_sequence);
         if entry.head.is_none() && entry.held.is_empty() {
             self.keys.remove(&key);
+        } else {
+            self.promote(&key);
         }
         Some(delivery)
+    }
+
+    /// Hold what comes up to `stream_sequence` until it was asked about (see
+    /// [`OrderingGate::verify_below`]).
+    pub(crate) fn verify_below(&mut self, stream_sequence: u64) {
+        self.verify_below = Some(stream_sequence);
+    }
+
+    /// The held messages to ask the other replicas about now.
+    pub(crate) fn take_to_verify(&mut self) -> Vec<MessageKey> {
+        std::mem::take(&mut self.to_verify)
+    }
+
+    /// Held message `stream_sequence` did not end elsewhere: it may go out in its turn.
+    pub(crate) fn verified(&mut self, stream_sequence: u64) {
+        if !self.unverified.remove(&stream_sequence) {
+            return;
+        }
+        let key = self
+            .keys
+            .iter()
+            .find(|(_, entry)| entry.held.contains_key(&stream_sequence))
+            .map(|(key, _)| key.clone());
+        if let Some(key) = key {
+            self.promote(&key);
+        }
+    }
+
+    /// Whether messages wait to be asked about, and up to which stream sequence.
+    pub(crate) fn verifying(&self) -> Option<u64> {
+        self.verify_below
+    }
+
+    /// Nothing more can need asking about: the server delivered past the window again.
+    pub(crate) fn stop_verifying(&mut self) {
+        if self.unverified.is_empty() {
+            self.verify_below = None;
+        }
     }
 
     /// Messages held for a busy key.

@@ -148,6 +148,16 @@ pub(crate) async fn unpin(bound: &Bound, group: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The last stream sequence the server delivered on the consumer, now; `None` when it cannot
+/// be read.
+pub(crate) async fn delivered_stream_sequence(bound: &Bound) -> Option<u64> {
+    let info = tokio::time::timeout(SUBSCRIBE_TIMEOUT, bound.consumer.get_info()).await;
+    match info {
+        Ok(Ok(info)) => Some(info.delivered.stream_sequence),
+        _ => None,
+    }
+}
+
 /// How many messages the server counts delivered and not yet acked on the consumer, now;
 /// `None` when it cannot be read.
 pub(crate) async fn ack_pending(bound: &Bound) -> Option<usize> {

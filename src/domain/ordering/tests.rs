@@ -198,3 +198,28 @@ fn released_messages_leave_the_heads_in_place_unless_forgotten() {
         "nothing held"
     );
 }
+
+#[test]
+fn messages_in_the_verification_window_wait_until_asked_about() {
+    let now = Instant::now();
+    let mut gate = OrderingGate::default();
+    gate.verify_below(10);
+    assert!(!leases(gate.admit(key("a"), delivery(5, 1, now))));
+    assert!(!leases(gate.admit(key("a"), delivery(12, 1, now))));
+    assert!(!leases(gate.admit(key("b"), delivery(6, 1, now))));
+    let asked: Vec<u64> = gate
+        .take_to_verify()
+        .iter()
+        .map(|message| message.stream_sequence)
+        .collect();
+    assert_eq!(asked, [5, 6], "past the window nothing is asked about");
+    assert!(gate.take_ready().is_empty());
+    // 6 ended elsewhere: taken out; 5 did not: it goes out, 12 after it.
+    assert!(gate.take_ended(6).is_some());
+    gate.verified(5);
+    assert_eq!(sequences(&gate.take_ready()), [5]);
+    gate.stop_verifying();
+    assert_eq!(gate.verifying(), None);
+    gate.finished(5);
+    assert_eq!(sequences(&gate.take_ready()), [12]);
+}

@@ -240,13 +240,17 @@ impl Consumer {
             seek_mark: Arc::default(),
         };
         if gateway.config.ordering_key.is_some() {
-            let asking = gateway.clone();
-            gateway
-                .state
-                .set_finals_elsewhere(std::sync::Arc::new(move |messages| {
-                    let asking = asking.clone();
+            let (finals, highest) = (gateway.clone(), gateway.clone());
+            gateway.state.set_elsewhere(crate::state::Elsewhere {
+                finals: Arc::new(move |messages| {
+                    let asking = finals.clone();
                     Box::pin(async move { asking.finals_elsewhere(messages).await })
-                }));
+                }),
+                highest: Arc::new(move || {
+                    let asking = highest.clone();
+                    Box::pin(async move { asking.highest_elsewhere().await })
+                }),
+            });
         }
         tokio::spawn(gateway.clone().keep_in_step(consumer_full_tx, stop.clone()));
         let tasks = Tasks { stop, dispatcher };

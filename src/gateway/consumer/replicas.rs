@@ -59,6 +59,9 @@ const LIVE: &str = "live";
 /// time in ns>`) ended at the replica asked: a replica newly pinned to an ordered consumer
 /// asks before it leases what the server may have forgotten was settled.
 const FINALS: &str = "finals";
+/// The id of a `finals` question that asks for the highest stream sequence delivered to the
+/// replica asked (answered `highest:<n>`).
+const HIGHEST: &str = "highest";
 
 /// When a forward first found its owner's heartbeat gone from the fleet stream.
 #[derive(Default)]
@@ -240,6 +243,35 @@ impl Consumer {
             }
         }
         outcomes
+    }
+
+    /// The highest stream sequence delivered to any other replica process.
+    pub(super) async fn highest_elsewhere(&self) -> u64 {
+        let others = self.process.fleet.others(self.process.instance);
+        let asked = others.into_iter().map(|other| {
+            let question = ForwardedSettle {
+                kind: FINALS.to_owned(),
+                delay_ms: None,
+                reason: None,
+                ids: vec![HIGHEST.to_owned()],
+                fetch: None,
+            };
+            self.forward_request(other, question)
+        });
+        futures::future::join_all(asked)
+            .await
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|result| match result {
+                RemoteResult::AlreadySettled { settled } => settled
+                    .strip_prefix(HIGHEST)
+                    .and_then(|rest| rest.strip_prefix(':'))
+                    .and_then(|number| number.parse::<u64>().ok()),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Which of `ids` (leases of one other replica) are still live there, in order; `None`
@@ -489,6 +521,11 @@ impl Consumer {
             return ids
                 .iter()
                 .map(|id| {
+                    if *id == HIGHEST {
+                        return RemoteResult::AlreadySettled {
+                            settled: format!("{HIGHEST}:{}", self.state.highest_stream_sequence()),
+                        };
+                    }
                     let message = id.split_once('.').and_then(|(sequence, published)| {
                         Some(MessageKey {
                             stream_sequence: sequence.parse().ok()?,
