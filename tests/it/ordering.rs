@@ -655,3 +655,30 @@ async fn a_pinned_replica_stopped_with_sigterm_hands_the_pin_over_at_once() {
     );
     assert_eq!(b.ack(&next.id).await, 204);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_consumer_is_made_ordered_when_its_gateway_restarts_with_a_key() {
+    let (server, js) = server_with_stream().await;
+    let mut gateway = Setup::consumer("converted").process(&server.url()).await;
+    js.publish("orders.c1.0", "x").await;
+    let first = next_message(&gateway).await;
+    assert_eq!(gateway.ack(&first.id).await, 204);
+    let status = gateway.terminate(Duration::from_secs(20)).await;
+    assert!(status.success());
+    let gateway = Setup::consumer("converted")
+        .flag("--ordering-key", "subject:2")
+        .ready(&server.url())
+        .await;
+    let info = js.consumer_info(crate::support::STREAM, "converted").await;
+    assert_eq!(
+        serde_json::to_value(&info.config.priority_policy).ok(),
+        Some(json!("pinned_client"))
+    );
+    js.publish("orders.c1.1", "x").await;
+    js.publish("orders.c1.2", "x").await;
+    let next = next_message(&gateway).await;
+    assert_eq!(next.subject, "orders.c1.1");
+    assert!(fetch_keys(&gateway, 300).await.is_empty(), "c1.2 waits");
+    assert_eq!(gateway.ack(&next.id).await, 204);
+    assert_eq!(next_message(&gateway).await.subject, "orders.c1.2");
+}
