@@ -62,35 +62,9 @@ struct Drained {
 pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
     let server = nats::NatsServer::start().await;
     let version = server_version(&nats::nats_server_binary())?;
-    let client = async_nats::connect(server.url()).await?;
-    let js = jetstream::new(client);
-    js.create_stream(stream::Config {
-        name: ORDERED.into(),
-        subjects: vec!["ordered.>".into()],
-        ..Default::default()
-    })
-    .await?;
     let count = args.messages;
-    let mut acks = Vec::with_capacity(1000);
     // The stuck key's messages first, so that its head is among the first leased.
-    for n in 0..5 {
-        acks.push(
-            js.publish(format!("ordered.{STUCK}.{n}"), "x".into())
-                .await?,
-        );
-    }
-    for n in 0..count {
-        let subject = format!("ordered.k{}.{n}", n % KEYS);
-        acks.push(js.publish(subject, "x".into()).await?);
-        if acks.len() >= 1000 {
-            for ack in acks.drain(..) {
-                ack.await?;
-            }
-        }
-    }
-    for ack in acks {
-        ack.await?;
-    }
+    keyed_stream(&server.url(), count, true).await?;
     eprintln!(
         "bench --ordering: {version}; {count} messages over {KEYS} keys (+5 of a key that sticks), {WORKERS} workers, handler {} ms",
         HANDLER.as_millis()
@@ -139,6 +113,37 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
         (1.0 - stuck / ordered) * 100.0
     );
     Ok(())
+}
+
+/// The stream `ORDERED` with `count` messages over [`KEYS`] keys, round robin, and with
+/// `stuck`, 5 of the key that sticks before them; a client that rides out a server restart.
+async fn keyed_stream(url: &str, count: u64, stuck: bool) -> anyhow::Result<jetstream::Context> {
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect(url)
+        .await?;
+    let js = jetstream::new(client);
+    js.create_stream(stream::Config {
+        name: ORDERED.into(),
+        subjects: vec!["ordered.>".into()],
+        ..Default::default()
+    })
+    .await?;
+    let stuck_subjects = (0..if stuck { 5 } else { 0 }).map(|n| format!("ordered.{STUCK}.{n}"));
+    let keyed = (0..count).map(|n| format!("ordered.k{}.{n}", n % KEYS));
+    let mut acks = Vec::with_capacity(1000);
+    for subject in stuck_subjects.chain(keyed) {
+        acks.push(js.publish(subject, "x".into()).await?);
+        if acks.len() >= 1000 {
+            for ack in acks.drain(..) {
+                ack.await?;
+            }
+        }
+    }
+    for ack in acks {
+        ack.await?;
+    }
+    Ok(js)
 }
 
 /// Drain `total` messages with the workers; with `stuck`, the first delivery of the stuck
@@ -309,33 +314,8 @@ pub(crate) async fn ledger(args: &super::Args) -> anyhow::Result<()> {
         .spawn_and_wait()
         .await
         .map_err(|err| anyhow::anyhow!(err))?;
-    let client = async_nats::ConnectOptions::new()
-        .retry_on_initial_connect()
-        .connect(server.url())
-        .await?;
-    let js = jetstream::new(client);
-    js.create_stream(stream::Config {
-        name: ORDERED.into(),
-        subjects: vec!["ordered.>".into()],
-        ..Default::default()
-    })
-    .await?;
     let count = args.messages;
-    let mut acks = Vec::with_capacity(1000);
-    for n in 0..count {
-        acks.push(
-            js.publish(format!("ordered.k{}.{n}", n % KEYS), "x".into())
-                .await?,
-        );
-        if acks.len() >= 1000 {
-            for ack in acks.drain(..) {
-                ack.await?;
-            }
-        }
-    }
-    for ack in acks {
-        ack.await?;
-    }
+    let js = keyed_stream(&server.url(), count, false).await?;
     let key = dir.path().join("lease.key");
     std::fs::write(
         &key,

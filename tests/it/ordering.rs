@@ -183,6 +183,23 @@ struct Seen {
     ack_sent: Instant,
 }
 
+impl Seen {
+    /// `message`, got at `got`, its ack about to be sent (its key: the subject's 2nd token).
+    fn of(message: &Msg, got: Instant) -> Self {
+        Self {
+            key: message
+                .subject
+                .split('.')
+                .nth(1)
+                .unwrap_or_default()
+                .to_owned(),
+            sequence: message.stream_sequence,
+            got,
+            ack_sent: Instant::now(),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fetching_worker_and_a_streaming_one_never_hold_one_key_at_once() {
     let (_server, js, gateway) = Setup::consumer("workers")
@@ -198,17 +215,6 @@ async fn a_fetching_worker_and_a_streaming_one_never_hold_one_key_at_once() {
     }
     let total = KEYS * PER_KEY;
     let done = std::sync::Arc::new(tokio::sync::Mutex::new(Vec::<Seen>::new()));
-    let seen = |message: &Msg, got: Instant| Seen {
-        key: message
-            .subject
-            .split('.')
-            .nth(1)
-            .unwrap_or_default()
-            .to_owned(),
-        sequence: message.stream_sequence,
-        got,
-        ack_sent: Instant::now(),
-    };
     let fetcher = {
         let gateway = gateway.client().clone();
         let done = done.clone();
@@ -218,7 +224,7 @@ async fn a_fetching_worker_and_a_streaming_one_never_hold_one_key_at_once() {
                 for message in gateway.fetch_n(3, 200).await {
                     let got = Instant::now();
                     tokio::time::sleep(Duration::from_millis(5)).await;
-                    let record = seen(&message, got);
+                    let record = Seen::of(&message, got);
                     assert_eq!(gateway.ack(&message.id).await, 204);
                     done.lock().await.push(record);
                 }
@@ -238,7 +244,7 @@ async fn a_fetching_worker_and_a_streaming_one_never_hold_one_key_at_once() {
                 let got = Instant::now();
                 let message: Msg = serde_json::from_value(message).expect("a message");
                 tokio::time::sleep(Duration::from_millis(5)).await;
-                let record = seen(&message, got);
+                let record = Seen::of(&message, got);
                 assert_eq!(gateway.ack(&message.id).await, 204);
                 done.lock().await.push(record);
             }
@@ -423,17 +429,7 @@ async fn drain_in_turn(gateways: &[&Client], total: usize, within: Duration) -> 
         let fetched = reply.messages();
         let got = Instant::now();
         for message in fetched {
-            let seen = Seen {
-                key: message
-                    .subject
-                    .split('.')
-                    .nth(1)
-                    .unwrap_or_default()
-                    .to_owned(),
-                sequence: message.stream_sequence,
-                got,
-                ack_sent: Instant::now(),
-            };
+            let seen = Seen::of(&message, got);
             assert_eq!(settling.ack(&message.id).await, 204);
             done.push(seen);
         }

@@ -63,6 +63,17 @@ const FINALS: &str = "finals";
 /// replica asked (answered `highest:<n>`).
 const HIGHEST: &str = "highest";
 
+/// A request of `kind` that only asks something of another replica about `ids`.
+fn question(kind: &str, ids: Vec<String>) -> ForwardedSettle {
+    ForwardedSettle {
+        kind: kind.to_owned(),
+        delay_ms: None,
+        reason: None,
+        ids,
+        fetch: None,
+    }
+}
+
 /// When a forward first found its owner's heartbeat gone from the fleet stream.
 #[derive(Default)]
 struct OwnerSilence {
@@ -188,14 +199,7 @@ impl Consumer {
         else {
             return false;
         };
-        let question = ForwardedSettle {
-            kind: LIVE.to_owned(),
-            delay_ms: None,
-            reason: None,
-            ids,
-            fetch: None,
-        };
-        self.forward_request(owner, question)
+        self.forward_request(owner, question(LIVE, ids))
             .await
             .is_ok_and(|results| {
                 results
@@ -219,16 +223,9 @@ impl Consumer {
             })
             .collect();
         let others = self.process.fleet.others(self.process.instance);
-        let asked = others.into_iter().map(|other| {
-            let question = ForwardedSettle {
-                kind: FINALS.to_owned(),
-                delay_ms: None,
-                reason: None,
-                ids: ids.clone(),
-                fetch: None,
-            };
-            self.forward_request(other, question)
-        });
+        let asked = others
+            .into_iter()
+            .map(|other| self.forward_request(other, question(FINALS, ids.clone())));
         for answer in futures::future::join_all(asked).await.into_iter().flatten() {
             for (outcome, result) in outcomes.iter_mut().zip(answer) {
                 if let RemoteResult::AlreadySettled { settled } = result {
@@ -248,16 +245,9 @@ impl Consumer {
     /// The highest stream sequence delivered to any other replica process.
     pub(super) async fn highest_elsewhere(&self) -> u64 {
         let others = self.process.fleet.others(self.process.instance);
-        let asked = others.into_iter().map(|other| {
-            let question = ForwardedSettle {
-                kind: FINALS.to_owned(),
-                delay_ms: None,
-                reason: None,
-                ids: vec![HIGHEST.to_owned()],
-                fetch: None,
-            };
-            self.forward_request(other, question)
-        });
+        let asked = others
+            .into_iter()
+            .map(|other| self.forward_request(other, question(FINALS, vec![HIGHEST.to_owned()])));
         futures::future::join_all(asked)
             .await
             .into_iter()
@@ -278,14 +268,7 @@ impl Consumer {
     /// when that replica cannot be asked.
     pub(super) async fn live_where_issued(&self, ids: Vec<String>) -> Option<Vec<bool>> {
         let owner = self.state.signer().decode(ids.first()?)?.owner;
-        let question = ForwardedSettle {
-            kind: LIVE.to_owned(),
-            delay_ms: None,
-            reason: None,
-            ids,
-            fetch: None,
-        };
-        let results = self.forward_request(owner, question).await;
+        let results = self.forward_request(owner, question(LIVE, ids)).await;
         match results {
             Ok(results) => Some(
                 results
