@@ -82,6 +82,8 @@ impl fmt::Display for OrderingKeySpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::SubjectToken(n) => write!(f, "subject:{n}"),
+            // As it is written in a consumers file.
+            Self::Header(name) if name == ORDERING_KEY_HEADER => f.write_str("header"),
             Self::Header(name) => write!(f, "header:{name}"),
         }
     }

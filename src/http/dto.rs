@@ -393,9 +393,9 @@ pub(crate) struct ConsumerDto {
     pub(crate) num_waiting: usize,
     /// Live leases held by clients of this gateway.
     pub(crate) leases_in_flight: usize,
-    /// Where its messages carry their ordering key (`subject:<n>` or `header:<Name>`):
-    /// then at most one message per key is leased at a time, in stream order. `null`:
-    /// unordered.
+    /// Where its messages carry their ordering key (`subject:<n>`, `header:<Name>`, or
+    /// `header` for the `Ruststream-Ordering-Key` header): then at most one message per key
+    /// is leased at a time, in stream order. `null`: unordered.
     pub(crate) ordering_key: Option<String>,
     /// Messages this replica holds until their key is free (they count against
     /// max_ack_pending); 0 when unordered.

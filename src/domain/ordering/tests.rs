@@ -73,6 +73,12 @@ fn specs_parse_and_print_back() {
         assert!(bad.parse::<OrderingKeySpec>().is_err(), "{bad:?} parsed");
     }
     assert_eq!(OrderingKeySpec::SubjectToken(3).to_string(), "subject:3");
+    for spec in ["header", "header:Customer-Id"] {
+        assert_eq!(
+            spec.parse::<OrderingKeySpec>().map(|spec| spec.to_string()),
+            Ok(spec.to_owned())
+        );
+    }
 }
 
 #[test]
