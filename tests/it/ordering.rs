@@ -618,7 +618,7 @@ async fn push_delivers_a_key_one_message_at_a_time_in_order_retrying_its_head_fi
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pinned_replica_stopped_with_sigterm_hands_the_pin_over_at_once() {
+async fn a_pinned_replica_stopped_with_sigterm_hands_the_pin_over_before_its_timeout() {
     let (server, js) = server_with_stream().await;
     let key = crate::support::shared_key();
     let setup = Setup::consumer("handover")
