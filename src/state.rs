@@ -272,7 +272,7 @@ impl LeaseState {
             self.finals().record(message, outcome);
             self.with_gate(|gate| gate.finished(message.stream_sequence));
         } else if matches!(command, AckCommand::Nak { .. }) {
-            self.with_gate(|gate| gate.unleased(message.stream_sequence));
+            self.with_gate(|gate| gate.returned(message.stream_sequence));
         }
     }
 
@@ -313,7 +313,7 @@ impl LeaseState {
     pub(crate) fn released(&self, key: DeliveryKey) {
         self.metrics.delivery_released();
         self.leases().note_unleased(key, Instant::now());
-        self.with_gate(|gate| gate.unleased(key.stream_sequence));
+        self.with_gate(|gate| gate.returned(key.stream_sequence));
     }
 
     /// A settle freed a slot: wake the dispatcher only if fetches wait for one (a batch ack
@@ -368,7 +368,7 @@ impl LeaseState {
         self.metrics.leases_given_back(leased.len());
         self.with_gate(|gate| {
             for leased in &leased {
-                gate.unleased(leased.delivery.coordinates.key.stream_sequence);
+                gate.given_back(leased.delivery.coordinates.key.stream_sequence);
             }
         });
         let mut leases = self.leases();

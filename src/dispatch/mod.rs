@@ -574,7 +574,9 @@ impl Dispatcher {
             self.tend_ordered(now).await;
         }
         self.book.hand_out_held();
-        self.state.set_dispatcher_holding(self.book.holding());
+        if self.state.ordering_key().is_some() {
+            self.state.set_dispatcher_holding(self.book.holding());
+        }
         if !self.shutting_down {
             self.issue_pulls(now).await;
         }
@@ -682,8 +684,9 @@ impl Dispatcher {
             max_expires: bound.max_expires,
         };
         // An ordered consumer's pulls name its priority group, and this process's pin.
-        let pin_id = self.state.pin();
-        let pin = self.state.ordering_key().map(|_| PinRequest {
+        let ordered = self.state.ordering_key().is_some();
+        let pin_id = if ordered { self.state.pin() } else { None };
+        let pin = ordered.then_some(PinRequest {
             group: PIN_GROUP,
             id: pin_id.as_deref(),
         });

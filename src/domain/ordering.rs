@@ -120,8 +120,18 @@ impl OrderingKeySpec {
 struct Head {
     key: Arc<str>,
     delivered: u64,
-    /// Leased to a client now (not waiting in the dispatcher, nor back at the server).
-    leased: bool,
+    at: HeadAt,
+}
+
+/// Who has a key's head now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HeadAt {
+    /// The dispatcher, to lease to the next fetch.
+    Dispatcher,
+    /// A client, leased (its lease may have expired since).
+    Client,
+    /// The server: nak'd back, to be delivered again unless it was the last delivery.
+    Server,
 }
 
 #[derive(Debug, Default)]
@@ -186,7 +196,7 @@ impl OrderingGate {
                     Head {
                         key,
                         delivered: delivery.coordinates.key.delivered,
-                        leased: false,
+                        at: HeadAt::Dispatcher,
                     },
                 );
                 return Some(delivery);
@@ -206,16 +216,24 @@ impl OrderingGate {
 
     /// The head `stream_sequence` was handed to a client.
     pub(crate) fn leased(&mut self, stream_sequence: u64) {
-        if let Some(head) = self.heads.get_mut(&stream_sequence) {
-            head.leased = true;
-        }
+        self.head_at(stream_sequence, HeadAt::Client);
     }
 
-    /// The head `stream_sequence` is no longer with a client (given back, nak'd, expired):
-    /// it stays its key's head, to be delivered again.
-    pub(crate) fn unleased(&mut self, stream_sequence: u64) {
+    /// The head `stream_sequence` was given back by its client (it went away): the
+    /// dispatcher holds it for the next fetch.
+    pub(crate) fn given_back(&mut self, stream_sequence: u64) {
+        self.head_at(stream_sequence, HeadAt::Dispatcher);
+    }
+
+    /// The head `stream_sequence` was nak'd back to the server: it stays its key's head,
+    /// to be delivered again.
+    pub(crate) fn returned(&mut self, stream_sequence: u64) {
+        self.head_at(stream_sequence, HeadAt::Server);
+    }
+
+    fn head_at(&mut self, stream_sequence: u64, at: HeadAt) {
         if let Some(head) = self.heads.get_mut(&stream_sequence) {
-            head.leased = false;
+            head.at = at;
         }
     }
 
@@ -256,7 +274,7 @@ impl OrderingGate {
             Head {
                 key: key.clone(),
                 delivered: delivery.coordinates.key.delivered,
-                leased: false,
+                at: HeadAt::Dispatcher,
             },
         );
         self.ready.push(delivery);
@@ -328,14 +346,19 @@ impl OrderingGate {
         self.next_keep_alive.map(|at| at + every)
     }
 
-    /// Heads that are back at the server after their `max_deliver`-th delivery: the server
-    /// will not deliver them again. `leased` says whether the lease of a leased head still
-    /// lives.
+    /// Heads that are back at the server after their `max_deliver`-th delivery (nak'd, or
+    /// their lease expired): the server will not deliver them again. `live` says whether
+    /// the lease of a leased head still lives.
     pub(crate) fn sidelined(&self, max_deliver: u64, live: impl Fn(u64, u64) -> bool) -> Vec<u64> {
         self.heads
             .iter()
             .filter(|(sequence, head)| {
-                head.delivered >= max_deliver && head.leased && !live(**sequence, head.delivered)
+                head.delivered >= max_deliver
+                    && match head.at {
+                        HeadAt::Server => true,
+                        HeadAt::Client => !live(**sequence, head.delivered),
+                        HeadAt::Dispatcher => false,
+                    }
             })
             .map(|(sequence, _)| *sequence)
             .collect()
@@ -354,7 +377,7 @@ impl OrderingGate {
         self.to_verify.clear();
         // A ready message was a head not yet leased: back at the server it stays the head.
         for delivery in &released {
-            self.unleased(delivery.coordinates.key.stream_sequence);
+            self.returned(delivery.coordinates.key.stream_sequence);
         }
         if forget_heads {
             self.heads.clear();

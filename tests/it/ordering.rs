@@ -173,6 +173,41 @@ async fn a_busy_key_holds_back_no_other_key() {
         "the hot key's head and every other key, in one fetch"
     );
     assert_eq!(gateway.consumer_view().await["held"], 29);
+
+    // A key longer than 1 KiB is no key: leased at once, unordered, and counted.
+    let long = format!("orders.{}.created", "k".repeat(1025));
+    js.publish(&long, "x").await;
+    js.publish(&long, "y").await;
+    let unordered = gateway.fetch_n(10, 2000).await;
+    assert_eq!(
+        unordered.len(),
+        2,
+        "both messages of the over-long key at once"
+    );
+    assert_eq!(
+        Scrape::of(&gateway)
+            .await
+            .get("ruststream_ordering_keys_rejected_total"),
+        2.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_the_server_gives_up_on_lets_its_key_go_on() {
+    let (_server, js, gateway) = Setup::consumer("sidelined")
+        .max_deliver(1)
+        .flag("--ordering-key", "subject:2")
+        .start()
+        .await;
+    let first = js.publish("orders.k.1", "1").await;
+    let second = js.publish("orders.k.2", "2").await;
+    let head = next_message(&gateway).await;
+    assert_eq!(head.stream_sequence, first);
+    assert!(fetch_keys(&gateway, 300).await.is_empty(), "the next waits");
+    // Its one delivery nak'd: max_deliver is reached, the server will not deliver it again.
+    assert_eq!(gateway.nak(&head.id, None).await, 204);
+    let next = next_message(&gateway).await;
+    assert_eq!((next.stream_sequence, next.delivered), (second, 1));
 }
 
 /// One lease as a worker saw it: when it came, and when its ack was sent.

@@ -114,7 +114,7 @@ fn one_message_of_a_key_is_out_at_a_time_and_the_next_follows_a_final_settle() {
     assert_eq!((gate.held(), gate.busy_keys()), (2, 2));
     gate.leased(1);
     // A nak or an expiry keeps the head: its redelivery, and only it, goes out.
-    gate.unleased(1);
+    gate.returned(1);
     assert!(gate.take_ready().is_empty());
     assert!(leases(gate.admit(key("a"), delivery(1, 2, now))));
     gate.finished(1);
@@ -179,10 +179,17 @@ fn a_head_past_max_deliver_whose_lease_ended_frees_its_key() {
     let mut gate = OrderingGate::default();
     assert!(leases(gate.admit(key("a"), delivery(1, 3, now))));
     assert!(!leases(gate.admit(key("a"), delivery(2, 1, now))));
+    // Waiting for a fetch: it will be leased.
+    assert!(gate.sidelined(3, |_, _| false).is_empty());
     gate.leased(1);
     assert!(gate.sidelined(3, |_, _| true).is_empty());
     assert!(gate.sidelined(4, |_, _| false).is_empty());
+    // Its lease expired, or it was nak'd back: the server gave up on it.
     assert_eq!(gate.sidelined(3, |_, _| false), [1]);
+    gate.returned(1);
+    assert_eq!(gate.sidelined(3, |_, _| true), [1]);
+    gate.given_back(1);
+    assert!(gate.sidelined(3, |_, _| false).is_empty());
 }
 
 #[test]
