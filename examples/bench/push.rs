@@ -251,7 +251,10 @@ async fn gateway(
 
 pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
     let wants = |row: PushRow| args.push_rows.is_empty() || args.push_rows.contains(&row);
-    let server = nats::NatsServer::start().await;
+    let monitor_port = nats::free_port();
+    let server =
+        nats::NatsServer::with_config(&format!("http: \"127.0.0.1:{monitor_port}\"")).await;
+    let monitor = format!("http://127.0.0.1:{monitor_port}");
     let version = server_version(&nats::nats_server_binary())?;
     let client = async_nats::connect(server.url()).await?;
     let js = jetstream::new(client);
@@ -268,7 +271,7 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
         args.messages
     );
     if wants(PushRow::Throughput) {
-        throughput(args, &js, &server.url(), &url, &seen).await?;
+        throughput(args, &js, &server.url(), &url, &seen, &monitor).await?;
     }
     if wants(PushRow::Latency) {
         latency(args, &js, &server.url(), &url, &seen).await?;
@@ -289,7 +292,9 @@ async fn throughput(
     nats_url: &str,
     url: &str,
     seen: &Seen,
+    monitor: &str,
 ) -> anyhow::Result<()> {
+    let http = http_client()?;
     let payload = bytes::Bytes::from(vec![b'x'; args.payload_bytes as usize]);
     let mut acks = Vec::new();
     for _ in 0..args.messages {
@@ -307,6 +312,7 @@ async fn throughput(
     let mut ratios: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     for round in 0..args.rounds {
         for (at, batch) in [1usize, 100].into_iter().enumerate() {
+            let counted = super::push_pacing::server_messages(&http, monitor).await?;
             let native = native(
                 js,
                 &format!("native{round}b{batch}"),
@@ -315,6 +321,8 @@ async fn throughput(
                 batch,
             )
             .await?;
+            let native_messages =
+                super::push_pacing::server_messages(&http, monitor).await? - counted;
             let pushed = gateway(
                 args,
                 js,
@@ -326,11 +334,18 @@ async fn throughput(
                 args.messages,
             )
             .await?;
+            let gateway_messages = super::push_pacing::server_messages(&http, monitor).await?
+                - counted
+                - native_messages;
             let ratio = rate(pushed) / rate(native);
+            let per_message = |count: u64| count as f64 / args.messages as f64;
             eprintln!(
-                "round {round}, batch {batch}: native {:.0} msg/s, gateway push {:.0} msg/s: {ratio:.2}",
+                "round {round}, batch {batch}: native {:.0} msg/s, gateway push {:.0} msg/s: {ratio:.2} \
+                 (NATS messages at the server per message: native {:.2}, gateway {:.2})",
                 rate(native),
-                rate(pushed)
+                rate(pushed),
+                per_message(native_messages),
+                per_message(gateway_messages),
             );
             ratios[at].push(ratio);
         }

@@ -211,7 +211,7 @@ pub(crate) async fn overload(args: &super::Args, nats_url: &str) -> anyhow::Resu
 }
 
 /// The server's `in_msgs` + `out_msgs`.
-async fn server_messages(http: &reqwest::Client, monitor: &str) -> anyhow::Result<u64> {
+pub(crate) async fn server_messages(http: &reqwest::Client, monitor: &str) -> anyhow::Result<u64> {
     let varz: serde_json::Value = http
         .get(format!("{monitor}/varz"))
         .send()

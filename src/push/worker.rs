@@ -29,7 +29,7 @@ use crate::gateway::{Consumer, Gateway, LeaseStream, Step};
 use crate::http::client::Client;
 use crate::telemetry;
 
-use super::client::{client_for, describe, read_some};
+use super::client::{Endpoint, Failure, client_for};
 use super::request;
 
 /// How long a worker waits before looking again for a consumer that is not served (yet).
@@ -72,7 +72,7 @@ struct Attempts {
     spec: Arc<PushSpec>,
     /// The endpoint as it may be shown (logs, status, spans): made once, not per request.
     endpoint: String,
-    client: reqwest::Client,
+    client: Arc<Endpoint>,
     control: Arc<Mutex<Control>>,
     /// Rung when a request ends: the worker may lease again.
     ended: Arc<Notify>,
@@ -350,27 +350,7 @@ impl Attempts {
         let mut request = request::build(&self.spec, &leases, SystemTime::now());
         let mut span =
             telemetry::spans::push_span(&self.endpoint, &leases[0], &mut request.headers);
-        let send = self
-            .client
-            .post(self.spec.url.clone())
-            .headers(request.headers)
-            .body(request.body)
-            .send();
-        let answered = async {
-            let response = send.await?;
-            let status = response.status().as_u16();
-            let header = |name: &str| {
-                response
-                    .headers()
-                    .get(name)
-                    .and_then(|value| value.to_str().ok())
-                    .map(str::to_owned)
-            };
-            let settle = header("ruststream-settle");
-            let retry_after = header("retry-after");
-            let body = read_some(response).await;
-            Ok::<_, reqwest::Error>((status, settle, retry_after, body))
-        };
+        let answered = self.client.post(request.headers, request.body);
         tokio::pin!(answered);
         // A request longer than half the lease keeps its leases alive.
         let lease = self.consumer.lease_lifetime();
@@ -391,7 +371,7 @@ impl Attempts {
             }
         };
         let took = started.elapsed();
-        telemetry::spans::pushed(&mut span, answer.as_ref().ok().map(|(status, ..)| *status));
+        telemetry::spans::pushed(&mut span, answer.as_ref().ok().map(|answer| answer.status));
         drop(span);
         let retries = Retries {
             initial: self.spec.retry_initial,
@@ -400,37 +380,36 @@ impl Attempts {
         };
         let now = SystemTime::now();
         let (outcome, per_message, failure) = match &answer {
-            Ok((status, settle, retry_after, body)) => {
-                let per_message = if leases.len() > 1 && (200..300).contains(status) {
-                    request::batch_results(body)
+            Ok(answer) => {
+                let status = answer.status;
+                let per_message = if leases.len() > 1 && (200..300).contains(&status) {
+                    request::batch_results(&answer.body)
                 } else {
                     None
                 };
-                let failure = (!(200..300).contains(status)).then(|| PushFailure {
+                let failure = (!(200..300).contains(&status)).then(|| PushFailure {
                     at: OffsetDateTime::now_utc(),
-                    status: Some(*status),
+                    status: Some(status),
                     error: None,
                 });
                 (
                     Outcome::Answered {
-                        status: *status,
-                        settle: settle.as_deref(),
-                        retry_after: retry_after.as_deref(),
+                        status,
+                        settle: answer.settle.as_deref(),
+                        retry_after: answer.retry_after.as_deref(),
                     },
                     per_message,
                     failure,
                 )
             }
-            Err(err) => {
-                let outcome = if err.is_timeout() {
-                    Outcome::TimedOut
-                } else if err.is_connect() {
-                    Outcome::ConnectFailed
-                } else {
-                    Outcome::Failed
+            Err(failure) => {
+                let outcome = match failure {
+                    Failure::TimedOut => Outcome::TimedOut,
+                    Failure::Connect(_) => Outcome::ConnectFailed,
+                    Failure::Broken(_) => Outcome::Failed,
                 };
                 // Never the URL: its query may hold a secret.
-                let error = describe(err);
+                let error = failure.describe();
                 (
                     outcome,
                     None,

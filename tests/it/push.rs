@@ -13,6 +13,7 @@ use tokio::time::Instant;
 
 use crate::support::endpoint::{Endpoint, Received, Reply};
 use crate::support::nats::files_dir;
+use crate::support::pki::make_pki;
 use crate::support::{
     Client, STREAM, Scrape, Setup, assert_stays, server_with_stream, wait_until,
     with_consumers_file,
@@ -757,6 +758,48 @@ async fn a_hanging_endpoint_holds_back_neither_another_push_consumer_nor_a_fetch
         hanging.received().len(),
         1,
         "the hanging push is still in flight"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_endpoint_is_verified_against_its_ca_file_and_given_the_client_certificate() {
+    let (server, js) = server_with_stream().await;
+    let pki = make_pki();
+    let endpoint = Endpoint::start_tls(&pki).await;
+    let trusted = format!(
+        "ca_file = \"{}\"\nclient_cert_file = \"{}\"\nclient_key_file = \"{}\"",
+        pki.ca, pki.client_cert, pki.client_key
+    );
+    // The same endpoint without the CA: its certificate is not trusted.
+    let file = format!(
+        "{}{}",
+        entry(PUSHED, &endpoint.url, &trusted),
+        entry("untrusting", &endpoint.url, "")
+    );
+    let (gateway, _dir) = with_consumers_file(&server, &file).await;
+    js.publish("orders.1", "over TLS").await;
+    let received = endpoint.wait_for(1, Duration::from_secs(10)).await;
+    assert_eq!(payload(&received[0]), "over TLS");
+    wait_all_settled(&gateway).await;
+    wait_until(
+        "the untrusting consumer's push failed on the certificate",
+        Duration::from_secs(10),
+        || async {
+            let view = gateway
+                .get(&format!("/streams/{STREAM}/consumers/untrusting"))
+                .await;
+            view.body["push"]["last_failure"]["error"]
+                .as_str()
+                .is_some_and(|error| {
+                    error.starts_with("cannot connect: TLS") && error.contains("certificate")
+                })
+        },
+    )
+    .await;
+    assert_eq!(
+        endpoint.received().len(),
+        1,
+        "only the trusting consumer's push arrived"
     );
 }
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
+use rustls_pki_types::pem::PemObject as _;
 use tokio::time::Instant;
 
 /// One request as the endpoint received it.
@@ -106,6 +107,73 @@ impl Endpoint {
         }
     }
 
+    /// An endpoint answering 204 over HTTPS with `pki`'s server certificate, accepting only
+    /// clients with a certificate `pki`'s CA signed.
+    pub async fn start_tls(pki: &super::pki::Pki) -> Self {
+        use tokio_rustls::rustls;
+        let shared = Arc::new(Shared {
+            received: Mutex::default(),
+            answer: Mutex::new(Arc::new(|_: &Received, _: usize| Reply::status(204))),
+        });
+        let pem = |path: &str| std::fs::read(path).expect("read a PEM file");
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem(&pki.ca)) {
+            roots.add(cert.expect("the CA")).expect("add the CA");
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let clients = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider.clone(),
+        )
+        .build()
+        .expect("a client verifier");
+        let certs = rustls_pki_types::CertificateDer::pem_slice_iter(&pem(&pki.server_cert))
+            .collect::<Result<Vec<_>, _>>()
+            .expect("the server certificate");
+        let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(&pem(&pki.server_key))
+            .expect("the server key");
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_client_cert_verifier(clients)
+            .with_single_cert(certs, key)
+            .expect("the server's identity");
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the endpoint");
+        let url = format!("https://{}/hook", listener.local_addr().expect("address"));
+        let router = router(shared.clone());
+        let server = tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    return;
+                };
+                let (acceptor, router) = (acceptor.clone(), router.clone());
+                tokio::spawn(async move {
+                    // A client without an acceptable certificate fails here.
+                    let Ok(tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper::service::service_fn(
+                        move |request: hyper::Request<hyper::body::Incoming>| {
+                            let mut router = router.clone();
+                            async move { tower_service::Service::call(&mut router, request).await }
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                        .await;
+                });
+            }
+        });
+        Self {
+            url,
+            shared,
+            server,
+        }
+    }
+
     /// Stop serving: connections are refused until [`Endpoint::restart`].
     pub fn stop(&mut self) {
         self.server.abort();
@@ -151,10 +219,14 @@ impl Endpoint {
     }
 }
 
-fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) -> tokio::task::JoinHandle<()> {
-    let app = axum::Router::new()
+fn router(shared: Arc<Shared>) -> axum::Router {
+    axum::Router::new()
         .route("/hook", axum::routing::post(receive))
-        .with_state(shared);
+        .with_state(shared)
+}
+
+fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) -> tokio::task::JoinHandle<()> {
+    let app = router(shared);
     tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     })
