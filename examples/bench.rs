@@ -755,7 +755,7 @@ fn percentile(samples: &mut [u32], q: f64) -> f64 {
 
 /// CPU seconds (user + system) a process used, from `/proc/<pid>/stat` (Linux; `None`
 /// elsewhere).
-fn cpu_seconds(pid: u32) -> Option<f64> {
+pub(crate) fn cpu_seconds(pid: u32) -> Option<f64> {
     // /proc reports in USER_HZ clock ticks, which Linux fixes at 100 for user space.
     const TICKS_PER_SECOND: f64 = 100.0;
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

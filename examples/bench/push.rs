@@ -211,7 +211,7 @@ async fn gateway(
     batch: usize,
     seen: &Seen,
     messages: u64,
-) -> anyhow::Result<Duration> {
+) -> anyhow::Result<(Duration, f64)> {
     let before = seen.messages.load(Ordering::Relaxed);
     let (gateway, _dir) = pushing(
         args,
@@ -225,6 +225,7 @@ async fn gateway(
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
     let started = Instant::now();
+    let cpu_before = super::cpu_seconds(gateway.pid).unwrap_or_default();
     let stream = js.get_stream(STREAM).await?;
     loop {
         let mut consumer: consumer::PullConsumer = stream
@@ -245,8 +246,9 @@ async fn gateway(
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let took = started.elapsed();
+    let cpu = super::cpu_seconds(gateway.pid).unwrap_or_default() - cpu_before;
     gateway.stop().await?;
-    Ok(took)
+    Ok((took, cpu))
 }
 
 pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
@@ -313,6 +315,8 @@ async fn throughput(
     for round in 0..args.rounds {
         for (at, batch) in [1usize, 100].into_iter().enumerate() {
             let counted = super::push_pacing::server_messages(&http, monitor).await?;
+            let own_cpu = || super::cpu_seconds(std::process::id()).unwrap_or_default();
+            let cpu_before = own_cpu();
             let native = native(
                 js,
                 &format!("native{round}b{batch}"),
@@ -321,9 +325,11 @@ async fn throughput(
                 batch,
             )
             .await?;
+            let native_cpu = own_cpu() - cpu_before;
             let native_messages =
                 super::push_pacing::server_messages(&http, monitor).await? - counted;
-            let pushed = gateway(
+            let cpu_before = own_cpu();
+            let (pushed, gateway_cpu) = gateway(
                 args,
                 js,
                 nats_url,
@@ -334,18 +340,24 @@ async fn throughput(
                 args.messages,
             )
             .await?;
+            let endpoint_cpu = own_cpu() - cpu_before;
             let gateway_messages = super::push_pacing::server_messages(&http, monitor).await?
                 - counted
                 - native_messages;
             let ratio = rate(pushed) / rate(native);
             let per_message = |count: u64| count as f64 / args.messages as f64;
+            let micros = |seconds: f64| seconds * 1e6 / args.messages as f64;
             eprintln!(
                 "round {round}, batch {batch}: native {:.0} msg/s, gateway push {:.0} msg/s: {ratio:.2} \
-                 (NATS messages at the server per message: native {:.2}, gateway {:.2})",
+                 (NATS messages at the server per message: native {:.2}, gateway {:.2}; CPU µs per \
+                 message: native forwarder and endpoint {:.1}, gateway {:.1} and endpoint {:.1})",
                 rate(native),
                 rate(pushed),
                 per_message(native_messages),
                 per_message(gateway_messages),
+                micros(native_cpu),
+                micros(gateway_cpu),
+                micros(endpoint_cpu),
             );
             ratios[at].push(ratio);
         }

@@ -210,7 +210,8 @@ impl Endpoint {
         loop {
             let (mut connection, reused) = match self.idle_connection() {
                 Some(connection) => (connection, true),
-                None => (self.connect().await?, false),
+                // Boxed: rare, and large (TLS), it would make every request's future large.
+                None => (Box::pin(self.connect()).await?, false),
             };
             let Connection {
                 send,

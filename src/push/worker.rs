@@ -34,6 +34,8 @@ use super::request;
 
 /// How long a worker waits before looking again for a consumer that is not served (yet).
 const LOOK_AGAIN: Duration = Duration::from_secs(1);
+/// A busy window is leased into in steps of at least this part of it.
+const LEASE_STEP_PARTS: usize = 8;
 /// A failing endpoint is logged at most this often per consumer.
 const LOG_FAILURES_EVERY: Duration = Duration::from_secs(60);
 
@@ -49,6 +51,18 @@ struct Control {
     last_failure: Option<PushFailure>,
     failing: bool,
     last_logged: Option<Instant>,
+}
+
+impl Control {
+    /// Whether the window has room for the next step: while requests are in flight, a step
+    /// waits for an eighth of the window to be free, so that one step through the lease
+    /// stream brings several leases rather than one per ended request (the window still
+    /// fills: what is free now is leased in the step).
+    fn may_lease(&self) -> bool {
+        let window = self.window.size();
+        let free = window.saturating_sub(self.requests_in_flight);
+        free > 0 && (self.requests_in_flight == 0 || free >= (window / LEASE_STEP_PARTS).max(1))
+    }
 }
 
 /// One push consumer's worker, for as long as its push table is in force.
@@ -261,10 +275,10 @@ impl Attempts {
             }
             control.hold_until = None;
         }
-        let requests = control.window.size();
-        if control.requests_in_flight >= requests {
+        if !control.may_lease() {
             return Err(LOOK_AGAIN);
         }
+        let requests = control.window.size();
         let gap = control.pacer.gap();
         if !gap.is_zero() && control.requests_in_flight > 0 {
             // Paced: one request at a time, the gap between them.
@@ -292,14 +306,19 @@ impl Attempts {
             control.window.epoch()
         };
         let attempts = self.clone();
-        requests.spawn(async move {
+        // Boxed: a task's future is moved whole when the task starts and again when it ends,
+        // and an attempt's is large (the HTTP exchange, the settles).
+        requests.spawn(Box::pin(async move {
             attempts.attempt(leases, epoch).await;
-            if let Ok(mut control) = attempts.control.lock() {
+            let lease_again = attempts.control.lock().is_ok_and(|mut control| {
                 control.requests_in_flight -= 1;
-            }
+                control.may_lease()
+            });
             attempts.show();
-            attempts.ended.notify_one();
-        });
+            if lease_again {
+                attempts.ended.notify_one();
+            }
+        }));
     }
 
     /// Wait out a `Retry-After` that came after these leases were taken, keeping them
