@@ -227,12 +227,18 @@ async fn gateway(
     let started = Instant::now();
     let cpu_before = super::cpu_seconds(gateway.pid).unwrap_or_default();
     let stream = js.get_stream(STREAM).await?;
+    // The server is asked only once every message arrived: a question to it every 2 ms
+    // while the push runs would cost the server (so the gateway) what the native side
+    // never pays.
+    while seen.messages.load(Ordering::Relaxed) < before + messages {
+        ensure!(Instant::now() < deadline, "not every message arrived");
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
     loop {
-        let mut consumer: consumer::PullConsumer = stream
-            .get_consumer(name)
+        let info = stream
+            .consumer_info(name)
             .await
             .map_err(|err| anyhow::anyhow!("{err}"))?;
-        let info = consumer.info().await?;
         if info.num_pending == 0
             && info.num_ack_pending == 0
             && info.ack_floor.stream_sequence >= messages
@@ -273,7 +279,7 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
         args.messages
     );
     if wants(PushRow::Throughput) {
-        throughput(args, &js, &server.url(), &url, &seen, &monitor).await?;
+        throughput(args, &js, &server, &url, &seen, &monitor).await?;
     }
     if wants(PushRow::Latency) {
         latency(args, &js, &server.url(), &url, &seen).await?;
@@ -291,11 +297,18 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
 async fn throughput(
     args: &super::Args,
     js: &jetstream::Context,
-    nats_url: &str,
+    server: &nats::NatsServer,
     url: &str,
     seen: &Seen,
     monitor: &str,
 ) -> anyhow::Result<()> {
+    let nats_url = &server.url();
+    let server_cpu = || {
+        server
+            .pid()
+            .and_then(super::cpu_seconds)
+            .unwrap_or_default()
+    };
     let http = http_client()?;
     let payload = bytes::Bytes::from(vec![b'x'; args.payload_bytes as usize]);
     let mut acks = Vec::new();
@@ -317,6 +330,7 @@ async fn throughput(
             let counted = super::push_pacing::server_messages(&http, monitor).await?;
             let own_cpu = || super::cpu_seconds(std::process::id()).unwrap_or_default();
             let cpu_before = own_cpu();
+            let server_before = server_cpu();
             let native = native(
                 js,
                 &format!("native{round}b{batch}"),
@@ -326,6 +340,8 @@ async fn throughput(
             )
             .await?;
             let native_cpu = own_cpu() - cpu_before;
+            let native_server_cpu = server_cpu() - server_before;
+            let server_before = server_cpu();
             let native_messages =
                 super::push_pacing::server_messages(&http, monitor).await? - counted;
             let cpu_before = own_cpu();
@@ -341,6 +357,7 @@ async fn throughput(
             )
             .await?;
             let endpoint_cpu = own_cpu() - cpu_before;
+            let gateway_server_cpu = server_cpu() - server_before;
             let gateway_messages = super::push_pacing::server_messages(&http, monitor).await?
                 - counted
                 - native_messages;
@@ -350,7 +367,8 @@ async fn throughput(
             eprintln!(
                 "round {round}, batch {batch}: native {:.0} msg/s, gateway push {:.0} msg/s: {ratio:.2} \
                  (NATS messages at the server per message: native {:.2}, gateway {:.2}; CPU µs per \
-                 message: native forwarder and endpoint {:.1}, gateway {:.1} and endpoint {:.1})",
+                 message: native forwarder and endpoint {:.1}, gateway {:.1} and endpoint {:.1}; \
+                 nats-server {:.1} and {:.1})",
                 rate(native),
                 rate(pushed),
                 per_message(native_messages),
@@ -358,6 +376,8 @@ async fn throughput(
                 micros(native_cpu),
                 micros(gateway_cpu),
                 micros(endpoint_cpu),
+                micros(native_server_cpu),
+                micros(gateway_server_cpu),
             );
             ratios[at].push(ratio);
         }

@@ -34,6 +34,8 @@ use super::request;
 
 /// How long a worker waits before looking again for a consumer that is not served (yet).
 const LOOK_AGAIN: Duration = Duration::from_secs(1);
+/// A request whose timeout ends this close to half its lease still keeps it alive.
+const KEEP_ALIVE_SLACK: Duration = Duration::from_secs(1);
 /// A busy window is leased into in steps of at least this part of it.
 const LEASE_STEP_PARTS: usize = 8;
 /// A failing endpoint is logged at most this often per consumer.
@@ -245,6 +247,14 @@ impl Worker {
     }
 }
 
+/// The next tick of `interval`, if there is one; never without.
+async fn tick(interval: Option<&mut tokio::time::Interval>) -> Option<Instant> {
+    match interval {
+        Some(interval) => Some(interval.tick().await),
+        None => std::future::pending().await,
+    }
+}
+
 /// Split `leases` into requests of at most `batch`.
 fn chunks(mut leases: Vec<Leased>, batch: usize) -> Vec<Vec<Leased>> {
     let mut requests = Vec::new();
@@ -343,10 +353,15 @@ impl Attempts {
                 }
             }
             if until > Instant::now() {
-                for leased in leases {
-                    let _ = self.consumer.extend(&leased.id).await;
-                }
+                self.extend_all(leases).await;
             }
+        }
+    }
+
+    /// Keep every lease of a request alive for another lease lifetime.
+    async fn extend_all(&self, leases: &[Leased]) {
+        for leased in leases {
+            let _ = self.consumer.extend(&leased.id).await;
         }
     }
 
@@ -361,30 +376,37 @@ impl Attempts {
     }
 
     /// One attempt: send, keep the leases alive while it lasts, settle as the answer says.
+    ///
+    /// What is rare (a hold, a keep-alive, the shutdown) and what is large (the exchange, the
+    /// settles) is boxed: this future is moved whole when its task is made, so it stays small.
     async fn attempt(&self, leases: Vec<Leased>, epoch: u64) {
-        if !self.wait_out_hold(&leases).await {
+        let held = self
+            .control
+            .lock()
+            .ok()
+            .and_then(|control| control.hold_until)
+            .is_some_and(|until| until > Instant::now());
+        if held && !Box::pin(self.wait_out_hold(&leases)).await {
             return;
         }
         let started = Instant::now();
         let mut request = request::build(&self.spec, &leases, SystemTime::now());
         let mut span =
             telemetry::spans::push_span(&self.endpoint, &leases[0], &mut request.headers);
-        let answered = self.client.post(request.headers, request.body);
-        tokio::pin!(answered);
-        // A request longer than half the lease keeps its leases alive.
+        let mut answered = Box::pin(self.client.post(request.headers, request.body));
+        // A request longer than half the lease keeps its leases alive; one that ends (is
+        // answered or times out) well before needs no timer for that.
         let lease = self.consumer.lease_lifetime();
-        let mut keep_alive = tokio::time::interval_at(started + lease / 2, lease / 2);
+        let outlives_half_lease = self.spec.timeout + KEEP_ALIVE_SLACK >= lease / 2;
+        let mut keep_alive =
+            outlives_half_lease.then(|| tokio::time::interval_at(started + lease / 2, lease / 2));
         let answer = loop {
             tokio::select! {
                 answer = &mut answered => break answer,
-                _ = keep_alive.tick() => {
-                    for leased in &leases {
-                        let _ = self.consumer.extend(&leased.id).await;
-                    }
-                }
+                Some(_) = tick(keep_alive.as_mut()) => Box::pin(self.extend_all(&leases)).await,
                 () = self.abandon.cancelled() => {
                     // The shutdown grace is over.
-                    self.nak_all(&leases).await;
+                    Box::pin(self.nak_all(&leases)).await;
                     return;
                 }
             }
@@ -460,12 +482,17 @@ impl Attempts {
             }
         }
         self.learn(&verdicts[0], epoch, failure);
+        Box::pin(self.settle_as_judged(&leases, &verdicts, took)).await;
+    }
+
+    /// Settle each pushed message as its verdict says (and count the attempt).
+    async fn settle_as_judged(&self, leases: &[Leased], verdicts: &[Verdict], took: Duration) {
         let metrics = self.consumer.metrics_of_process();
         // Acks go together (one batch settle: about one round trip for all of them), the
         // rest alongside, each with its own delay or reason.
         let mut acks: Vec<(&Leased, String)> = Vec::new();
         let mut others: Vec<(&Leased, AckCommand)> = Vec::new();
-        for (leased, verdict) in leases.iter().zip(&verdicts) {
+        for (leased, verdict) in leases.iter().zip(verdicts) {
             metrics
                 .push()
                 .attempt(&self.name.stream, &self.name.consumer, verdict.result, took);
@@ -489,10 +516,11 @@ impl Attempts {
         }
         let ids: Vec<String> = acks.iter().map(|(_, id)| id.clone()).collect();
         let acked = async {
-            if ids.is_empty() {
-                Vec::new()
-            } else {
-                self.consumer.settle_many(&ids, &AckCommand::Ack).await
+            match ids.as_slice() {
+                [] => Vec::new(),
+                // One alone takes the single settle's shorter path.
+                [id] => vec![self.consumer.settle(id, &AckCommand::Ack).await],
+                _ => self.consumer.settle_many(&ids, &AckCommand::Ack).await,
             }
         };
         let settled_others = futures::future::join_all(
