@@ -39,7 +39,8 @@ pub(super) fn webhook_id(leased: &Leased) -> String {
 
 /// The request for `leases` (one, or a batch in the json format), attempted at `now`.
 pub(super) fn build(spec: &PushSpec, leases: &[Leased], now: SystemTime) -> Request {
-    let mut headers = HeaderMap::new();
+    // Room for the gateway's own headers (and the Host the client adds), not grown per request.
+    let mut headers = HeaderMap::with_capacity(16);
     let first = &leases[0];
     let id = webhook_id(first);
     let timestamp = now
