@@ -5,8 +5,9 @@
 //! consumer of its own on one stream:
 //!
 //! - **native forwarder, batch 1**: async-nats `messages()` on a pull consumer, an HTTP POST
-//!   per message (the message as JSON, its data base64, as the gateway sends it), 64 in
-//!   flight, then a confirmed ack (`double_ack`) of each;
+//!   per message (the message as JSON with the fields the gateway sends but the lease's,
+//!   its data base64, and the Standard Webhooks id and timestamp headers), 64 in flight,
+//!   then a confirmed ack (`double_ack`) of each;
 //! - **gateway push, batch 1**: a consumer with a `[consumer.push]` table (`max_in_flight`
 //!   64) pushing to the same endpoint;
 //! - **native forwarder, batch 100**: `messages()` in chunks of up to 100, one POST of
@@ -92,16 +93,77 @@ async fn endpoint(seen: Arc<Seen>) -> anyhow::Result<(String, AbortOnDrop)> {
     Ok((url, AbortOnDrop(task)))
 }
 
-/// A message as the gateway's json format sends it (the fields a forwarder would send).
-fn as_json(message: &jetstream::Message) -> serde_json::Value {
+/// A message as the gateway's json format sends it: every field of the message the gateway
+/// sends (all but its lease's id and expiry, which only a lease has), so the endpoint is
+/// given the same work by both; serialized from a typed struct, as a careful forwarder would.
+#[derive(serde::Serialize)]
+struct Forwarded<'a> {
+    subject: &'a str,
+    data: String,
+    encoding: &'static str,
+    headers: std::collections::BTreeMap<String, Vec<&'a str>>,
+    stream: Option<&'a str>,
+    consumer: Option<&'a str>,
+    stream_sequence: Option<u64>,
+    consumer_sequence: Option<u64>,
+    delivered: Option<i64>,
+    pending: Option<u64>,
+    published_at: Option<String>,
+}
+
+/// A batch, as the gateway's json format sends one.
+#[derive(serde::Serialize)]
+struct ForwardedBatch<'a> {
+    messages: Vec<Forwarded<'a>>,
+}
+
+fn as_json(message: &jetstream::Message) -> Forwarded<'_> {
     let info = message.info().ok();
-    serde_json::json!({
-        "subject": message.subject.as_str(),
-        "data": STANDARD.encode(&message.payload),
-        "encoding": "base64",
-        "stream_sequence": info.as_ref().map(|info| info.stream_sequence),
-        "delivered": info.as_ref().map(|info| info.delivered),
-    })
+    let mut headers = std::collections::BTreeMap::new();
+    if let Some(map) = &message.headers {
+        for (name, values) in map.iter() {
+            headers.insert(
+                name.to_string(),
+                values.iter().map(|value| value.as_str()).collect(),
+            );
+        }
+    }
+    Forwarded {
+        subject: message.subject.as_str(),
+        data: STANDARD.encode(&message.payload),
+        encoding: "base64",
+        headers,
+        stream: info.as_ref().map(|info| info.stream),
+        consumer: info.as_ref().map(|info| info.consumer),
+        stream_sequence: info.as_ref().map(|info| info.stream_sequence),
+        consumer_sequence: info.as_ref().map(|info| info.consumer_sequence),
+        delivered: info.as_ref().map(|info| info.delivered),
+        pending: info.as_ref().map(|info| info.pending),
+        published_at: info.as_ref().and_then(|info| {
+            info.published
+                .format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        }),
+    }
+}
+
+/// The Standard Webhooks headers every request of the gateway carries (no signature: the
+/// benchmark's push table has no secret): `webhook-id` of the first message, the time now.
+fn webhook_headers(first: Option<&jetstream::Message>) -> reqwest::header::HeaderMap {
+    let mut headers = reqwest::header::HeaderMap::new();
+    let id = first
+        .and_then(|message| message.info().ok())
+        .map(|info| format!("{}:{}", info.stream, info.stream_sequence))
+        .unwrap_or_default();
+    let timestamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    if let Ok(id) = id.parse() {
+        headers.insert("webhook-id", id);
+    }
+    headers.insert("webhook-timestamp", timestamp.into());
+    headers
 }
 
 /// A gateway serving only the consumer of `entry` (the lines of one `[[consumer]]` of
@@ -175,11 +237,24 @@ async fn native(
             async move {
                 let chunk: Vec<jetstream::Message> = chunk.into_iter().flatten().collect();
                 let body = if batch == 1 {
-                    chunk.first().map(as_json).unwrap_or_default()
+                    chunk
+                        .first()
+                        .map(|first| serde_json::to_vec(&as_json(first)))
                 } else {
-                    serde_json::json!({ "messages": chunk.iter().map(as_json).collect::<Vec<_>>() })
+                    Some(serde_json::to_vec(&ForwardedBatch {
+                        messages: chunk.iter().map(as_json).collect(),
+                    }))
                 };
-                let answered = http.post(url).json(&body).send().await;
+                let Some(Ok(body)) = body else {
+                    return;
+                };
+                let answered = http
+                    .post(url)
+                    .headers(webhook_headers(chunk.first()))
+                    .header(reqwest::header::CONTENT_TYPE, "application/json")
+                    .body(body)
+                    .send()
+                    .await;
                 if answered.is_ok_and(|answer| answer.status().is_success()) {
                     let acks = chunk.iter().map(|message| message.double_ack());
                     let done = futures::future::join_all(acks).await;
