@@ -519,14 +519,18 @@ impl Attempts {
             match ids.as_slice() {
                 [] => Vec::new(),
                 // One alone takes the single settle's shorter path.
-                [id] => vec![self.consumer.settle(id, &AckCommand::Ack).await],
-                _ => self.consumer.settle_many(&ids, &AckCommand::Ack).await,
+                [id] => vec![self.consumer.settle_issued(id, &AckCommand::Ack).await],
+                _ => {
+                    self.consumer
+                        .settle_many_issued(&ids, &AckCommand::Ack)
+                        .await
+                }
             }
         };
         let settled_others = futures::future::join_all(
             others
                 .iter()
-                .map(|(leased, command)| self.consumer.settle(&leased.id, command)),
+                .map(|(leased, command)| self.consumer.settle_issued(&leased.id, command)),
         );
         let (acked, settled_others) = futures::join!(acked, settled_others);
         let ack = AckCommand::Ack;

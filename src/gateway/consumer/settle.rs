@@ -63,7 +63,23 @@ impl Consumer {
     /// Ack, nak or term one lease; `Ok` only once the server confirmed it. A lease another
     /// replica issued is settled there.
     pub(crate) async fn settle(&self, id: &str, command: &AckCommand) -> SettleResult {
-        let signed = self.state.signer().decode(id);
+        self.settle_decoded(id, self.state.signer().decode(id), command)
+            .await
+    }
+
+    /// [`Consumer::settle`] of a lease this process holds as it was issued (a push worker's):
+    /// its id is not verified again.
+    pub(crate) async fn settle_issued(&self, id: &str, command: &AckCommand) -> SettleResult {
+        self.settle_decoded(id, self.state.signer().decode_issued(id), command)
+            .await
+    }
+
+    async fn settle_decoded(
+        &self,
+        id: &str,
+        signed: Option<SignedLease>,
+        command: &AckCommand,
+    ) -> SettleResult {
         if let Some(owner) = self.owner_elsewhere(signed) {
             // Boxed: the forward's state would otherwise be part of every settle's future,
             // copied whole each time one is moved into a task or a set.
@@ -81,10 +97,34 @@ impl Consumer {
         ids: &[String],
         command: &AckCommand,
     ) -> Vec<SettleResult> {
-        let leases: Vec<(&str, Option<SignedLease>)> = ids
+        let signer = self.state.signer();
+        let leases = ids
             .iter()
-            .map(|id| (id.as_str(), self.state.signer().decode(id)))
+            .map(|id| (id.as_str(), signer.decode(id)))
             .collect();
+        self.settle_many_decoded(leases, command).await
+    }
+
+    /// [`Consumer::settle_many`] of leases this process holds as they were issued (a push
+    /// worker's): their ids are not verified again.
+    pub(crate) async fn settle_many_issued(
+        &self,
+        ids: &[String],
+        command: &AckCommand,
+    ) -> Vec<SettleResult> {
+        let signer = self.state.signer();
+        let leases = ids
+            .iter()
+            .map(|id| (id.as_str(), signer.decode_issued(id)))
+            .collect();
+        self.settle_many_decoded(leases, command).await
+    }
+
+    async fn settle_many_decoded(
+        &self,
+        leases: Vec<(&str, Option<SignedLease>)>,
+        command: &AckCommand,
+    ) -> Vec<SettleResult> {
         let (here, elsewhere) = wire::by_owner(&leases, self.process.instance);
         if elsewhere.is_empty() {
             return self.settle_many_here(&leases, command).await;
@@ -99,7 +139,7 @@ impl Consumer {
         });
         let (local_results, forwarded_results) =
             futures::join!(self.settle_many_here(&local, command), join_all(forwarded));
-        let mut results: Vec<Option<SettleResult>> = vec![None; ids.len()];
+        let mut results: Vec<Option<SettleResult>> = vec![None; leases.len()];
         for (at, result) in here.into_iter().zip(local_results) {
             results[at] = Some(result);
         }
