@@ -98,11 +98,8 @@ impl Consumer {
         command: &AckCommand,
     ) -> Vec<SettleResult> {
         let signer = self.state.signer();
-        let leases = ids
-            .iter()
-            .map(|id| (id.as_str(), signer.decode(id)))
-            .collect();
-        self.settle_many_decoded(leases, command).await
+        self.settle_many_decoded(ids, |id| signer.decode(id), command)
+            .await
     }
 
     /// [`Consumer::settle_many`] of leases this process holds as they were issued (a push
@@ -113,18 +110,18 @@ impl Consumer {
         command: &AckCommand,
     ) -> Vec<SettleResult> {
         let signer = self.state.signer();
-        let leases = ids
-            .iter()
-            .map(|id| (id.as_str(), signer.decode_issued(id)))
-            .collect();
-        self.settle_many_decoded(leases, command).await
+        self.settle_many_decoded(ids, |id| signer.decode_issued(id), command)
+            .await
     }
 
     async fn settle_many_decoded(
         &self,
-        leases: Vec<(&str, Option<SignedLease>)>,
+        ids: &[String],
+        decode: impl Fn(&str) -> Option<SignedLease>,
         command: &AckCommand,
     ) -> Vec<SettleResult> {
+        let leases: Vec<(&str, Option<SignedLease>)> =
+            ids.iter().map(|id| (id.as_str(), decode(id))).collect();
         let (here, elsewhere) = wire::by_owner(&leases, self.process.instance);
         if elsewhere.is_empty() {
             return self.settle_many_here(&leases, command).await;
