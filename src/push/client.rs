@@ -155,17 +155,20 @@ pub(super) fn client_for(spec: &PushSpec) -> Result<Arc<Endpoint>, String> {
     };
     let host_header =
         HeaderValue::from_str(&authority).map_err(|err| format!("the endpoint's host: {err}"))?;
-    let basic_auth = (!url.username().is_empty() || url.password().is_some()).then(|| {
+    let basic_auth = if url.username().is_empty() && url.password().is_none() {
+        None
+    } else {
         let user = percent_encoding::percent_decode_str(url.username()).decode_utf8_lossy();
         let password = url
             .password()
             .map(|password| percent_encoding::percent_decode_str(password).decode_utf8_lossy());
         let credentials = format!("{user}:{}", password.unwrap_or_default());
+        // Base64 is always a valid header value.
         let mut value = HeaderValue::from_str(&format!("Basic {}", STANDARD.encode(credentials)))
-            .unwrap_or_else(|_| HeaderValue::from_static(""));
+            .map_err(|err| format!("the endpoint's credentials: {err}"))?;
         value.set_sensitive(true);
-        value
-    });
+        Some(value)
+    };
     Ok(Arc::new(Endpoint {
         target: Target {
             host,
