@@ -45,6 +45,10 @@ pub(crate) enum Error {
     },
     #[error("{0}")]
     Unavailable(String),
+    /// A consumer being bound anew (its settings changed): it exists, and serves again
+    /// shortly.
+    #[error("{0}")]
+    Rebinding(String),
     /// The gateway is shutting down: no new fetches, and not ready.
     #[error("the gateway is shutting down; no new fetches")]
     ShuttingDown,

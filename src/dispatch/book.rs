@@ -240,7 +240,8 @@ impl<R> Book<R> {
         inboxes
     }
 
-    /// Patient stream `stream` ended (`None`: every patient stream, at shutdown). Its pull
+    /// Patient stream `stream` ended (`None`: every patient stream's pull, at shutdown or
+    /// once the consumer was resumed). Its pull
     /// would wait at the server for up to a minute, and what it caught would be held, nak'd,
     /// and redelivered into it again: it is forgotten here and its inbox returned, to be
     /// aborted (unsubscribed), so that the server drops it.

@@ -68,6 +68,10 @@ pub(crate) enum Command {
     Withdraw { id: u64 },
     /// A patient stream (a push worker's) ended: end its long pull now.
     EndStream { id: u64 },
+    /// The consumer was resumed: nats-server serves no pull made while it was paused (such
+    /// a pull waits out its expiry, seen on 2.15), so the patient pulls — open for up to a
+    /// minute — are ended and made anew.
+    Resumed,
     /// The NATS connection dropped: the server forgot every open pull.
     ConnectionLost,
     /// Deliveries whose leases were given back (the client left): lease them again.
@@ -173,6 +177,11 @@ impl Dispatcher {
                     }
                     Some(Command::EndStream { id }) => {
                         for inbox in self.book.end_patient_pulls(Some(id), Instant::now()) {
+                            inbox.abort();
+                        }
+                    }
+                    Some(Command::Resumed) => {
+                        for inbox in self.book.end_patient_pulls(None, Instant::now()) {
                             inbox.abort();
                         }
                     }

@@ -1,7 +1,8 @@
 //! The consumers file kept in force: read again whenever it changes. A new entry is served
 //! at once; a removed one takes no new fetch (404) while its live leases still settle, and
-//! is let go when the last one ends; an entry whose settings changed is served anew once it
-//! has no live lease. A file that no longer parses is refused with one ERROR line, and the
+//! is let go when the last one ends; a changed ack_wait or max_ack_pending is applied to the
+//! live consumer at once; an entry whose other settings changed is served anew once it has
+//! no live lease (503 with Retry-After meanwhile). A file that no longer parses is refused with one ERROR line, and the
 //! one read before stays in force.
 //!
 //! May import: as the rest of `gateway`.
@@ -11,12 +12,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 use crate::config::{ConsumerSpec, load_consumers_file};
 use crate::domain::consumers::ConsumerName;
 
 use super::Gateway;
+use super::consumer::SettingsChange;
 use super::registry::Source;
 
 /// How often the file is looked at: well within the 5 s in which a new entry is served.
@@ -72,21 +74,25 @@ impl Gateway {
                     info!(consumer = %name, "serving a consumer the consumers file declares");
                     self.serve_declared(spec, false);
                 }
-                Some(served) if served.source == Source::File => {
-                    if served.consumer.declared_as(spec) {
-                        served.reinstate();
-                    } else if served.consumer.leases_in_flight() == 0 {
+                Some(served) if served.source == Source::File => match served.consumer.change_to(spec) {
+                    SettingsChange::None => served.reinstate(),
+                    SettingsChange::Live => match served.consumer.apply_live(spec).await {
+                        Ok(()) => served.reinstate(),
+                        Err(err) => {
+                            warn!(consumer = %name, error = %err, "cannot apply the consumers file's new ack_wait/max_ack_pending yet; trying again");
+                        }
+                    },
+                    SettingsChange::Rebind if served.consumer.leases_in_flight() == 0 => {
                         info!(consumer = %name, "the consumers file changed this consumer's settings; binding it anew");
                         self.unserve(name).await;
                         self.serve_declared(spec, false);
-                    } else {
-                        // Applied once its live leases have ended: its streams end now, so
-                        // that they do not lease on under the old settings.
-                        served.retire(
-                            "the consumers file changed this consumer's settings; open the stream again",
-                        );
                     }
-                }
+                    // Applied once its live leases have ended: its streams end now, so that
+                    // they do not lease on under the old settings.
+                    SettingsChange::Rebind => served.retire_until_rebound(
+                        "the consumers file changed this consumer's settings; open the stream again",
+                    ),
+                },
                 // The default consumer or an existing one of that name is served already.
                 Some(_) => {}
             }

@@ -343,9 +343,14 @@ impl Gateway {
             })?,
             Target::Named(name) => match self.0.registry.get(name) {
                 Some(served) if !served.is_retired() => served,
+                Some(served) if served.awaits_rebind() => {
+                    return Err(Error::Rebinding(format!(
+                        "consumer {name} is bound anew with the settings the consumers file now gives it once its live leases have ended; they still settle"
+                    )));
+                }
                 Some(_) => {
                     return Err(Error::ConsumerNotFound(format!(
-                        "consumer {name} takes no fetches now (removed from the consumers file, or rebound once its settings changed there); its live leases still settle"
+                        "consumer {name} takes no fetches now (removed from the consumers file); its live leases still settle"
                     )));
                 }
                 // Boxed, here and for a settle: binding is rare, and its state (some 5 KB)

@@ -43,6 +43,8 @@ pub(crate) struct Served {
     tasks: Mutex<Option<Tasks>>,
     /// Removed from the consumers file: no new leases, but its live leases still settle.
     retired: AtomicBool,
+    /// Retired only until its live leases end, then bound anew with changed settings.
+    awaiting_rebind: AtomicBool,
     /// When it was made; `last_used` counts from here.
     born: Instant,
     /// Milliseconds from `born` to the last request that named it, for `--idle-unbind`:
@@ -57,6 +59,7 @@ impl Served {
             source,
             tasks: Mutex::new(Some(tasks)),
             retired: AtomicBool::new(false),
+            awaiting_rebind: AtomicBool::new(false),
             born: Instant::now(),
             last_used: AtomicU64::new(0),
         }
@@ -75,7 +78,20 @@ impl Served {
     }
 
     /// Declared again before its last lease ended: it takes fetches again.
+    /// Retired until its live leases have ended, then served anew (its settings changed in
+    /// a way only a new binding applies): meanwhile it exists, and its requests are told to
+    /// come back shortly.
+    pub(crate) fn retire_until_rebound(&self, why: &str) {
+        self.awaiting_rebind.store(true, Ordering::Relaxed);
+        self.retire(why);
+    }
+
+    pub(crate) fn awaits_rebind(&self) -> bool {
+        self.awaiting_rebind.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn reinstate(&self) {
+        self.awaiting_rebind.store(false, Ordering::Relaxed);
         self.retired.store(false, Ordering::Relaxed);
     }
 

@@ -74,7 +74,7 @@ impl Error {
             Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             Self::Forbidden { .. } => StatusCode::FORBIDDEN,
             Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            Self::Unavailable(_) | Self::ShuttingDown | Self::ClientGone => {
+            Self::Unavailable(_) | Self::Rebinding(_) | Self::ShuttingDown | Self::ClientGone => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Self::TimedOut => StatusCode::GATEWAY_TIMEOUT,
@@ -101,6 +101,7 @@ impl Error {
             Self::AlreadySettled { .. } => ("lease-settled", "Lease already settled"),
             Self::AtCapacity { .. } => ("too-many-leases", "Too many leases in flight"),
             Self::Unavailable(_) => ("unavailable", "NATS unavailable"),
+            Self::Rebinding(_) => ("consumer-rebinding", "Consumer being bound anew"),
             Self::ShuttingDown => ("shutting-down", "Shutting down"),
             Self::ClientGone => ("client-gone", "Client closed the connection"),
             Self::UriTooLong { .. } => ("uri-too-long", "Request URI too long"),
@@ -123,7 +124,7 @@ impl Error {
         match self {
             // A 503 is an outage of this gateway's NATS connection (or its shutdown): a
             // second is enough for a client to try again, here or at another replica.
-            Self::Unavailable(_) | Self::ShuttingDown => Some(1),
+            Self::Unavailable(_) | Self::Rebinding(_) | Self::ShuttingDown => Some(1),
             Self::AtCapacity { retry_after, .. }
             | Self::TooManyWaitingFetches { retry_after, .. } => {
                 let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);

@@ -186,6 +186,28 @@ fn source_or_kind(err: &PublishError) -> String {
         .map_or_else(|| err.kind().to_string(), ToString::to_string)
 }
 
+/// Give the consumer in use a new ack_wait and max_ack_pending (the server takes both on a
+/// live consumer); the rest of its config stays as the server has it.
+pub(crate) async fn update_settings(
+    bound: &Bound,
+    stream: &str,
+    ack_wait: Duration,
+    max_ack_pending: u32,
+) -> anyhow::Result<()> {
+    let stream = tokio::time::timeout(API_TIMEOUT, bound.jetstream.get_stream_no_info(stream))
+        .await
+        .context("timed out looking up the stream")?
+        .context("looking up the stream")?;
+    let mut config = consumer_info(bound).await?.config;
+    config.ack_wait = ack_wait;
+    config.max_ack_pending = i64::from(max_ack_pending);
+    tokio::time::timeout(API_TIMEOUT, stream.update_consumer(config))
+        .await
+        .context("timed out updating the consumer's settings")?
+        .context("updating the consumer's settings")?;
+    Ok(())
+}
+
 /// Pause the consumer at the server until `until`, or resume it (`None`): the server's pause
 /// holds for every replica and survives restarts. The pause the server now has (`None`: not
 /// paused).

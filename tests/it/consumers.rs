@@ -230,6 +230,95 @@ async fn the_consumers_file_is_followed_as_it_changes() {
     .await;
 }
 
+/// A changed ack_wait or max_ack_pending is applied to the live consumer at once — fetches
+/// go on, under steady traffic too, and the lease out keeps its deadline; a change only a new
+/// binding applies (the filter) answers 503 with Retry-After until the live lease ended,
+/// never 404 for a consumer that exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_ack_wait_applies_at_once_and_a_rebind_is_a_503_not_a_404() {
+    let (server, js) = server_with_stream().await;
+    let entry = |settings: &str| {
+        format!("[[consumer]]\nstream = \"ORDERS\"\nname = \"shipping\"\n{settings}")
+    };
+    let (gateway, dir) = with_consumers_file(&server, &entry("ack_wait = \"30s\"\n")).await;
+    let path = dir.path().join("consumers.toml");
+    js.publish_many("orders.1", 4, "m").await;
+    let held = fetch_named(&gateway, "shipping", 1).await;
+    assert_eq!(held.len(), 1);
+
+    std::fs::write(&path, entry("ack_wait = \"45s\"\nmax_ack_pending = 500\n")).expect("rewrite");
+    wait_until(
+        "the server has the new ack_wait and max_ack_pending",
+        Duration::from_secs(5),
+        || async {
+            let config = js.consumer_info(STREAM, "shipping").await.config;
+            config.ack_wait == Duration::from_secs(45) && config.max_ack_pending == 500
+        },
+    )
+    .await;
+    // Served all along: the live lease did not hold the change back.
+    let next = fetch_named(&gateway, "shipping", 1).await;
+    assert_eq!(next.len(), 1, "a fetch right after the change is served");
+    let lasts = next[0].lease_expires() - time::OffsetDateTime::now_utc();
+    assert!(
+        lasts > time::Duration::seconds(35),
+        "a lease issued after the change lasts the new ack_wait: {lasts}"
+    );
+    assert_eq!(
+        gateway.ack(&held[0].id).await,
+        204,
+        "the lease out still settles"
+    );
+
+    // Only a new binding applies a filter: 503 while the live lease keeps it.
+    std::fs::write(
+        &path,
+        entry("ack_wait = \"45s\"\nmax_ack_pending = 500\nfilter_subject = \"orders.1\"\n"),
+    )
+    .expect("rewrite");
+    // Until the file is read again, a fetch is still served: what it leases is acked.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let refused = loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the rebind was not announced within 5s"
+        );
+        let answer = gateway
+            .post(
+                &fetch_path(STREAM, "shipping"),
+                Some(&json!({"batch": 1, "wait_ms": 0})),
+            )
+            .await;
+        if answer.status != 200 {
+            break answer;
+        }
+        for message in answer.body["messages"].as_array().into_iter().flatten() {
+            let id = message["id"].as_str().expect("a lease id");
+            assert_eq!(gateway.ack(id).await, 204);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let problem = refused.assert_problem(503);
+    assert_eq!(
+        problem["type"],
+        "urn:ruststream-nats:problem:consumer-rebinding"
+    );
+    assert_eq!(
+        refused
+            .headers
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap_or_default()),
+        Some("1")
+    );
+    assert_eq!(gateway.ack(&next[0].id).await, 204);
+    wait_until(
+        "served again once rebound",
+        Duration::from_secs(10),
+        || async { fetch_status(&gateway, "shipping").await == 200 },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_consumers_file_exits_2_naming_the_file_line_and_key() {
     let dir = files_dir();

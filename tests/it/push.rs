@@ -555,6 +555,54 @@ async fn a_paused_push_consumer_stays_paused_across_a_restart_until_resumed() {
     assert_eq!(payload(&received[0]), "held");
 }
 
+/// An idle push worker's pull waits at the server for up to a minute, and nats-server never
+/// serves a pull that was open while the consumer was paused, not even after the resume:
+/// paused behind the worker's back (at the server, as `nats consumer pause` does) and resumed
+/// through the gateway, the consumer pushes what waited at once, not a minute later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_consumer_paused_under_its_open_pull_pushes_at_once_when_resumed() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    let dir = files_dir();
+    let path = dir.path().join("consumers.toml");
+    std::fs::write(&path, entry(PUSHED, &endpoint.url, "")).expect("write");
+    let gateway = Setup::defaults()
+        .flag("--consumers-file", path.display().to_string())
+        .ready(&server.url())
+        .await;
+    wait_until(
+        "the idle push worker's pull waits at the server",
+        Duration::from_secs(10),
+        || async { js.consumer_info(STREAM, PUSHED).await.num_waiting >= 1 },
+    )
+    .await;
+    let paused: serde_json::Value = js
+        .js
+        .request(
+            format!("CONSUMER.PAUSE.{STREAM}.{PUSHED}"),
+            &serde_json::json!({"pause_until": "9999-12-31T00:00:00Z"}),
+        )
+        .await
+        .expect("pause at the server");
+    assert_eq!(paused["paused"], true, "{paused}");
+    js.publish("orders.1", "held").await;
+    assert_stays(
+        "nothing pushed while paused",
+        Duration::from_secs(1),
+        || async { endpoint.received().is_empty() },
+    )
+    .await;
+    let resumed = gateway
+        .post(
+            &format!("/streams/{STREAM}/consumers/{PUSHED}/push/resume"),
+            None,
+        )
+        .await;
+    assert_eq!(resumed.status, 200, "{}", resumed.text);
+    let received = endpoint.wait_for(1, Duration::from_secs(10)).await;
+    assert_eq!(payload(&received[0]), "held");
+}
+
 /// One request as the faulty endpoint of the push ledger answered it.
 #[derive(Debug, Clone)]
 struct Attempt {

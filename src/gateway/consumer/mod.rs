@@ -14,6 +14,7 @@ mod idle;
 mod pause;
 mod replicas;
 mod seek;
+mod settings;
 mod settle;
 mod stream;
 mod supervisor;
@@ -21,6 +22,7 @@ mod wire;
 
 pub(crate) use fetch::{Caller, Idempotency};
 pub(crate) use seek::SeekTarget;
+pub(crate) use settings::SettingsChange;
 use stream::StreamsEnd;
 pub(crate) use stream::{EndsWhen, LeaseStream, STREAM_SLICE, Step};
 
@@ -33,7 +35,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::config::{Config, ConsumerSpec};
+use crate::config::Config;
 use crate::dispatch::{Command, Dispatcher};
 use crate::domain::consumers::ConsumerName;
 use crate::domain::delivery::Leased;
@@ -95,6 +97,8 @@ pub(crate) struct Consumer {
     /// The mark of the last move (seek) of the consumer this replica knows of; `None`
     /// until its first read of the consumer.
     seek_mark: Arc<Mutex<Option<Option<String>>>>,
+    /// The ack_wait and max_ack_pending a changed consumers file applied live.
+    live_settings: Arc<settings::LiveSettings>,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -171,6 +175,7 @@ impl Consumer {
         let (cannot_serve_tx, cannot_serve) = watch::channel(None);
         let (fatal_tx, fatal_rx) = oneshot::channel();
         let stop = CancellationToken::new();
+        let live_settings = Arc::new(settings::LiveSettings::default());
 
         let dispatcher = Dispatcher::new(state.clone());
         let dispatcher = tokio::spawn({
@@ -190,6 +195,7 @@ impl Consumer {
             let process = process.clone();
             let commands = commands_tx.clone();
             let stop = stop.clone();
+            let live_settings = live_settings.clone();
             async move {
                 let background = Background {
                     stop: stop.clone(),
@@ -200,6 +206,7 @@ impl Consumer {
                     served_by_earlier_releases: !names_in_ids,
                     exit_on_fatal: at_start,
                     cannot_serve: cannot_serve_tx,
+                    live_settings,
                 };
                 tokio::select! {
                     result = supervise(&config, &state, bound_tx, commands, background) => {
@@ -238,6 +245,7 @@ impl Consumer {
             push: Arc::default(),
             paused: Arc::default(),
             seek_mark: Arc::default(),
+            live_settings,
         };
         if gateway.config.ordering_key.is_some() {
             let (finals, highest) = (gateway.clone(), gateway.clone());
@@ -264,18 +272,6 @@ impl Consumer {
     /// Which consumer this is.
     pub(crate) fn name(&self) -> &ConsumerName {
         &self.name
-    }
-
-    /// Whether this consumer runs with the settings the consumers file gives it now.
-    pub(crate) fn declared_as(&self, spec: &ConsumerSpec) -> bool {
-        let have = &self.config;
-        have.filter_subject == spec.filter_subject
-            && have.deliver_policy == spec.deliver_policy
-            && have.ack_wait == spec.ack_wait
-            && have.max_ack_pending == spec.max_ack_pending
-            && have.max_deliver == spec.max_deliver
-            && have.dead_letter_subject == spec.dead_letter_subject
-            && have.ordering_key == spec.ordering_key
     }
 
     /// Whether `id` is a genuine lease id of this consumer (any replica's).

@@ -7,6 +7,7 @@
 use time::OffsetDateTime;
 
 use super::Consumer;
+use crate::dispatch::Command;
 use crate::error::Error;
 use crate::nats;
 
@@ -36,9 +37,20 @@ impl Consumer {
 
     /// What the server says of the pause (`paused`, `pause_until`), read at each step.
     pub(super) fn follow_pause(&self, paused: bool, until: Option<OffsetDateTime>) {
+        let was_paused = self.paused().is_some();
         if let Ok(mut held) = self.paused.lock() {
             *held = until.filter(|_| paused);
         }
+        if was_paused != paused {
+            self.pull_anew();
+        }
+    }
+
+    /// A pull open while the consumer was paused is never served, not even after the resume
+    /// (see [`Command::Resumed`]): the long ones are ended, to be made anew. Best effort — a full command queue is a busy
+    /// dispatcher, whose short pulls are made anew within a second anyway.
+    fn pull_anew(&self) {
+        let _ = self.commands.try_send(Command::Resumed);
     }
 
     /// Pause the consumer at the server until `until` (`None`: until resumed), or resume
@@ -58,6 +70,8 @@ impl Consumer {
             .await
             .map_err(|err| Error::Unavailable(format!("{err:#}")))?;
         self.follow_pause(now.is_some(), now);
+        // Whether or not this replica had seen the state it changes.
+        self.pull_anew();
         Ok(self.paused())
     }
 }

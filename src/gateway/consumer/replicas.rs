@@ -39,9 +39,6 @@ const STEP_EVERY: Duration = Duration::from_secs(1);
 /// A forwarded settle waits for the owner's answer this much beyond `--settle-timeout`, so
 /// that an owner's own answer at its timeout (504, or a late confirmation) wins the race.
 const FORWARD_GRACE: Duration = Duration::from_millis(250);
-/// How often a forwarded settle still waiting looks whether its owner has been silent past
-/// its leases.
-const OWNER_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// Beyond the longest a lease lives, how much longer an owner must have been silent before
 /// its leases are taken for expired: the replicas' and the server's clocks need not agree
 /// to the millisecond.
@@ -284,13 +281,15 @@ impl Consumer {
 
     /// Send `request` to `owner` and wait (bounded) for its answer.
     ///
-    /// A missing heartbeat alone never makes the owner gone: the fleet stream may have no
-    /// leader, or the owner's node may be stalled for a moment, while the owner itself
-    /// answers. The owner is asked first; [`ForwardError::OwnerGone`] (410) only when
-    /// nobody received the request, or when the owner has been silent so long that every
-    /// lease it issued has expired (nothing of it can still land). A settle whose fate is
-    /// unknown — no answer in time, or this replica's own connection dropping while it
-    /// waits — is [`ForwardError::TimedOut`] (504): the owner may have applied it.
+    /// [`ForwardError::OwnerGone`] (410) only when this request is known to have reached
+    /// nobody: nobody was listening for the owner, or it was never sent because the owner
+    /// has been silent so long that every lease it issued has expired. Once a request may
+    /// have reached the owner, no silence of its makes the answer 410: it may have applied
+    /// the settle before it stopped answering (or died, or its heartbeats stopped being
+    /// stored while it kept working), so a request that got no answer in time — or whose
+    /// wait this replica's own connection dropping cut short — is
+    /// [`ForwardError::TimedOut`] (504), and a retry is answered by the owner as the first
+    /// attempt ended.
     async fn forward_request(
         &self,
         owner: InstanceId,
@@ -303,7 +302,8 @@ impl Consumer {
         };
         let mut silence = OwnerSilence::default();
         // Anyone may listen on the owner's subject (a monitoring tap), so "no responders"
-        // cannot be the only sign of a dead owner: one silent past its leases is gone.
+        // cannot be the only sign of a dead owner: one silent past its leases is gone, and
+        // nothing is sent to it.
         if !self.process.fleet.has(owner)
             && self.owner_outlived_its_leases(owner, &mut silence).await
         {
@@ -312,16 +312,19 @@ impl Consumer {
         let timeout = self.config.settle_timeout + FORWARD_GRACE;
         let to = (owner, self.subjects.settle(owner));
         let asked = async {
-            // Nobody listening is not yet a dead owner: one reconnecting (its node killed)
-            // has no subscription for a moment, and in a cluster a subscription reaches the
-            // other servers a moment after it is made. Asked again for a while (well within
-            // 3 s) before the owner is called gone.
+            // Nobody listening is not yet a dead owner while its heartbeats are still seen:
+            // one reconnecting (its node killed) has no subscription for a moment, and in a
+            // cluster a subscription reaches the other servers a moment after it is made.
+            // Asked again for a while (well within 3 s) before the owner is called gone. An
+            // owner whose heartbeats have stopped and that nobody listens for is gone now.
             let give_up_at = Instant::now() + NO_RESPONDERS_FOR;
             loop {
                 match forward::forward(&client, &self.process.trust, to.clone(), &request, timeout)
                     .await
                 {
-                    Err(ForwardError::OwnerGone) if Instant::now() < give_up_at => {
+                    Err(ForwardError::OwnerGone)
+                        if Instant::now() < give_up_at && self.process.fleet.has(owner) =>
+                    {
                         tokio::time::sleep(NO_RESPONDERS_RETRY).await;
                     }
                     other => return other,
@@ -334,30 +337,9 @@ impl Consumer {
                 std::future::pending::<()>().await;
             }
         };
-        let answered = {
-            // An owner that died while this waits took its leases with it: once every one
-            // of them has expired, 410 rather than a 504 for a lease that no longer exists.
-            let outlived = async {
-                loop {
-                    tokio::time::sleep(OWNER_CHECK_EVERY).await;
-                    if self.owner_outlived_its_leases(owner, &mut silence).await {
-                        return;
-                    }
-                }
-            };
-            tokio::select! {
-                answer = asked => answer,
-                () = outlived => return Err(ForwardError::OwnerGone),
-                () = connection_dropped => return Err(ForwardError::TimedOut),
-            }
-        };
-        match answered {
-            Err(ForwardError::TimedOut)
-                if self.owner_outlived_its_leases(owner, &mut silence).await =>
-            {
-                Err(ForwardError::OwnerGone)
-            }
-            other => other,
+        tokio::select! {
+            answer = asked => answer,
+            () = connection_dropped => Err(ForwardError::TimedOut),
         }
     }
 
@@ -726,7 +708,7 @@ impl Consumer {
     /// The consumer's settings as the server now has them: a change made outside the
     /// gateways (`nats consumer edit`) takes effect for new leases, and a lowered ack_wait
     /// ends live leases at the server's new deadline.
-    fn follow_settings(&self, ack_wait: Duration, max_ack_pending: usize) {
+    pub(super) fn follow_settings(&self, ack_wait: Duration, max_ack_pending: usize) {
         // Compared as the state keeps it, in whole milliseconds.
         let ack_wait =
             Duration::from_millis(u64::try_from(ack_wait.as_millis()).unwrap_or(u64::MAX));

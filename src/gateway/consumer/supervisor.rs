@@ -59,6 +59,9 @@ pub(super) struct Background {
     pub(super) exit_on_fatal: bool,
     /// Why the consumer cannot be served now, for its requests; `None` while it can.
     pub(super) cannot_serve: watch::Sender<Option<Error>>,
+    /// The settings a changed consumers file applied live: a full bind makes the consumer
+    /// with them.
+    pub(super) live_settings: Arc<super::settings::LiveSettings>,
 }
 
 /// Keep the gateway bound: connect, bind, and rebind after reconnects or when asked.
@@ -144,9 +147,12 @@ pub(super) async fn supervise(
             // the consumer, that large for good (some 25 KB per consumer).
             let binding = match rechecked {
                 Ok(Recheck::Same(bound)) => Ok(bound),
-                Ok(Recheck::Changed) => Box::pin(nats::bind(config, &client, &binder))
-                    .await
-                    .map(Box::new),
+                Ok(Recheck::Changed) => {
+                    let config = background.live_settings.applied_to(config);
+                    Box::pin(nats::bind(&config, &client, &binder))
+                        .await
+                        .map(Box::new)
+                }
                 Err(err) => Err(err),
             };
             drop(previous);
