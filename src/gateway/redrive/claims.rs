@@ -119,6 +119,7 @@ impl Gateway {
                     () = stop.cancelled() => return,
                     entry = watch.next() => match entry {
                         Some(Ok(entry)) => {
+                            // The register of running tasks does not read as a task: skipped.
                             if entry.operation == async_nats::jetstream::kv::Operation::Put {
                                 if let Ok(versioned) = redrive::decode(&entry) {
                                     known.insert(entry.key.clone(), versioned);

@@ -1,13 +1,15 @@
 //! Redrive: dead letters sent back to where they came from (or to `to_subject`), by a task
 //! that lives in NATS, not in a process. A task's record in the redrive bucket says what it
 //! takes, how far it got and which replica runs it. This module starts (or, dry, counts) a
-//! task, reads it and cancels it; [`claims`] decides which replica runs which task, [`run`]
+//! task, reads it and cancels it; [`admission`] refuses a task that would take a dead letter
+//! a running one takes; [`claims`] decides which replica runs which task, [`run`]
 //! runs one against NATS in chunks (each message published with a dedup id, its
 //! confirmation awaited, then removed from the dead-letter stream), and [`task`] is the
 //! state machine of its record. Nothing is half-done: a chunk in hand is finished first.
 //!
 //! May import: as the rest of `gateway`.
 
+mod admission;
 mod claims;
 mod run;
 mod task;
@@ -21,7 +23,9 @@ use tracing::info;
 
 use crate::error::Error;
 use crate::nats::dead_letter_reader::{self, DeadLetter, Filter, FilterWords, Order};
-use crate::nats::redrive::{self, StoreProgress, TaskRecord, TaskState, Written};
+use crate::nats::redrive::{self, Registered, StoreProgress, TaskRecord, TaskState, Written};
+
+use admission::Asked;
 
 use super::{DeadLetterId, Gateway};
 
@@ -69,14 +73,49 @@ pub(crate) enum Redrive {
     },
 }
 
+/// A 422 when `subject` is the gateway's own plumbing: what replicas exchange under
+/// `--internal-prefix` (a redriven message there would be stored by the fleet's stream and
+/// read as a replica's message), or a request's reply inbox.
+fn refuse_internal(subject: &str, internal_prefix: &str) -> Result<(), Error> {
+    let under = |prefix: &str| {
+        subject == prefix
+            || subject
+                .strip_prefix(prefix)
+                .is_some_and(|rest| rest.starts_with('.'))
+    };
+    if under(internal_prefix) {
+        return Err(Error::invalid(
+            "to_subject",
+            format!(
+                "to_subject: must not be under the gateway's internal prefix {internal_prefix} (what its replicas exchange)"
+            ),
+        ));
+    }
+    if under("_INBOX") {
+        return Err(Error::invalid(
+            "to_subject",
+            "to_subject: must not be a reply inbox (under _INBOX)",
+        ));
+    }
+    Ok(())
+}
+
 fn unavailable(err: anyhow::Error) -> Error {
     Error::Unavailable(format!("{err:#}"))
 }
 
 impl Gateway {
     /// Start (or, dry, count) a redrive.
-    pub(crate) async fn redrive(&self, request: RedriveRequest) -> Result<Redrive, Error> {
+    pub(crate) async fn redrive(&self, mut request: RedriveRequest) -> Result<Redrive, Error> {
         // Bad input is refused before anything is asked of NATS.
+        if let Some(subject) = &request.to_subject {
+            refuse_internal(subject, &self.0.process.config.internal_prefix)?;
+        }
+        // An id named twice is one dead letter, taken once (as a batch settle does).
+        if let Selection::Ids(ids) = &mut request.selection {
+            let mut seen = std::collections::HashSet::new();
+            ids.retain(|id| seen.insert(id.to_string()));
+        }
         let chosen = match &request.selection {
             Selection::Filter(words) => Chosen::Filter(
                 Filter::from_words(words).map_err(|bad| Error::invalid(bad.field, bad.detail))?,
@@ -87,7 +126,7 @@ impl Gateway {
         let stores = self.dead_letter_stores().await?;
         // The bucket gets as many replicas as the dead-letter streams have.
         let mut replicas = None;
-        let (matched, first, progress) = match &chosen {
+        let (matched, first, progress, letters) = match &chosen {
             Chosen::Filter(filter) => {
                 let mut matched = 0;
                 let mut first = Vec::new();
@@ -121,11 +160,10 @@ impl Gateway {
                         last,
                     });
                 }
-                (matched, first, progress)
+                (matched, first, progress, Vec::new())
             }
             Chosen::Ids(ids) => {
-                let mut matched = 0;
-                let mut first = Vec::new();
+                let mut letters = Vec::new();
                 for id in *ids {
                     if !stores.contains(&id.store) {
                         continue;
@@ -134,13 +172,11 @@ impl Gateway {
                         .await
                         .map_err(unavailable)?
                     {
-                        matched += 1;
-                        if first.len() < DRY_RUN_SHOWS {
-                            first.push(letter);
-                        }
+                        letters.push(letter);
                     }
                 }
-                (matched, first, Vec::new())
+                let first = letters.iter().take(DRY_RUN_SHOWS).cloned().collect();
+                (letters.len() as u64, first, Vec::new(), letters)
             }
         };
         if request.dry_run {
@@ -166,13 +202,30 @@ impl Gateway {
         };
         self.0.redrives.keep_bucket(&bucket);
         let task = format!("{:016x}", rand::random::<u64>());
-        let (filter, ids) = match request.selection {
-            Selection::Filter(words) => (words, None),
+        let (filter, ids) = match &request.selection {
+            Selection::Filter(words) => (words.clone(), None),
             Selection::Ids(ids) => (
                 FilterWords::default(),
-                Some(ids.iter().map(ToString::to_string).collect()),
+                Some(ids.iter().map(ToString::to_string).collect::<Vec<_>>()),
             ),
         };
+        // No dead letter is taken by two running tasks: refused (409) when one overlaps.
+        let entry = Registered {
+            task: task.clone(),
+            filter: filter.clone(),
+            ids: ids.clone(),
+            stores: progress.clone(),
+            made_at_ms: task::now_ms(),
+        };
+        let asked = Asked {
+            filter: match &chosen {
+                Chosen::Filter(filter) => Some(filter),
+                Chosen::Ids(_) => None,
+            },
+            ranges: &progress,
+            letters: &letters,
+        };
+        admission::admit(&js, &bucket, entry, &asked).await?;
         let record = TaskRecord {
             task: task.clone(),
             state: TaskState::Running,
@@ -194,9 +247,10 @@ impl Gateway {
             owner: None,
             owner_until: None,
         };
-        redrive::create(&bucket, &record)
-            .await
-            .map_err(unavailable)?;
+        if let Err(err) = redrive::create(&bucket, &record).await {
+            admission::withdraw(&bucket, &task).await;
+            return Err(unavailable(err));
+        }
         info!(%task, matched, "redrive task made");
         self.0.redrives.made_one();
         Ok(Redrive::Started { task, matched })
@@ -279,4 +333,29 @@ fn is_task_id(task: &str) -> bool {
         && task
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_redrive_into_the_gateways_plumbing_is_refused() {
+        for subject in [
+            "_RUSTSTREAM",
+            "_RUSTSTREAM.fleet.replica.x",
+            "_INBOX",
+            "_INBOX.abc.1",
+        ] {
+            let refused = refuse_internal(subject, "_RUSTSTREAM").expect_err(subject);
+            assert!(
+                matches!(&refused, Error::Invalid { field: Some(field), .. } if field == "to_subject"),
+                "{subject}: {refused:?}"
+            );
+        }
+        for subject in ["orders.again", "_RUSTSTREAMING.x", "_INBOXES.x", "x._INBOX"] {
+            assert!(refuse_internal(subject, "_RUSTSTREAM").is_ok(), "{subject}");
+        }
+        assert!(refuse_internal("ops.gw.fleet", "ops.gw").is_err());
+    }
 }

@@ -63,6 +63,34 @@ impl Filter {
     fn in_time(&self, at: OffsetDateTime) -> bool {
         self.since.is_none_or(|since| at >= since) && self.until.is_none_or(|until| at < until)
     }
+
+    /// Whether some dead letter could be taken by both filters: `false` only when a word of
+    /// one rules out everything the other takes (another stream, consumer or reason, term
+    /// reasons that cannot both hold, time windows apart).
+    pub(crate) fn may_share(&self, other: &Self) -> bool {
+        fn apart<T: PartialEq>(one: Option<&T>, other: Option<&T>) -> bool {
+            matches!((one, other), (Some(one), Some(other)) if one != other)
+        }
+        let term_reasons_apart = match (&self.term_reason, &other.term_reason) {
+            (Some(TermReason::Exactly(one)), Some(TermReason::Exactly(other))) => one != other,
+            (Some(TermReason::Exactly(exact)), Some(TermReason::StartingWith(prefix)))
+            | (Some(TermReason::StartingWith(prefix)), Some(TermReason::Exactly(exact))) => {
+                !exact.starts_with(prefix.as_str())
+            }
+            (Some(TermReason::StartingWith(one)), Some(TermReason::StartingWith(other))) => {
+                !one.starts_with(other.as_str()) && !other.starts_with(one.as_str())
+            }
+            _ => false,
+        };
+        // [since, until) windows apart: one ends before the other begins.
+        let ends_before = |one: &Self, other: &Self| matches!((one.until, other.since), (Some(until), Some(since)) if until <= since);
+        !(apart(self.stream.as_ref(), other.stream.as_ref())
+            || apart(self.consumer.as_ref(), other.consumer.as_ref())
+            || apart(self.reason.as_ref(), other.reason.as_ref())
+            || term_reasons_apart
+            || ends_before(self, other)
+            || ends_before(other, self))
+    }
 }
 
 /// A filter in the words a query or a request body gives it (what a redrive task keeps).
@@ -206,5 +234,33 @@ mod tests {
             }
             .matches(&malformed)
         );
+    }
+
+    #[test]
+    fn filters_share_dead_letters_unless_a_word_rules_it_out() {
+        let words = |json: serde_json::Value| {
+            Filter::from_words(&serde_json::from_value(json).expect("words")).expect("filter")
+        };
+        let everything = Filter::default();
+        let billing = words(serde_json::json!({"consumer": "billing"}));
+        let shipping = words(serde_json::json!({"consumer": "shipping"}));
+        assert!(everything.may_share(&billing) && billing.may_share(&everything));
+        assert!(billing.may_share(&billing));
+        assert!(!billing.may_share(&shipping));
+        let malformed = words(serde_json::json!({"term_reason": "malformed*"}));
+        let exact = words(serde_json::json!({"term_reason": "malformed: no total"}));
+        let other = words(serde_json::json!({"term_reason": "timeout"}));
+        let narrower = words(serde_json::json!({"term_reason": "malformed: no*"}));
+        assert!(malformed.may_share(&exact) && exact.may_share(&malformed));
+        assert!(malformed.may_share(&narrower));
+        assert!(!malformed.may_share(&other) && !exact.may_share(&other));
+        let terminated = words(serde_json::json!({"reason": "terminated"}));
+        let exhausted = words(serde_json::json!({"reason": "max_deliveries"}));
+        assert!(!terminated.may_share(&exhausted));
+        let early = words(serde_json::json!({"until": "2026-01-02T00:00:00Z"}));
+        let late = words(serde_json::json!({"since": "2026-01-02T00:00:00Z"}));
+        let later = words(serde_json::json!({"since": "2026-01-01T00:00:00Z"}));
+        assert!(!early.may_share(&late) && !late.may_share(&early));
+        assert!(early.may_share(&later));
     }
 }
