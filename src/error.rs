@@ -78,6 +78,11 @@ pub(crate) enum Error {
         /// `None`: until resumed.
         until: Option<time::OffsetDateTime>,
     },
+    /// A redrive would take dead letters a running redrive task takes.
+    #[error(
+        "redrive task {task} is running and takes some of the same dead letters: wait until it ends (GET /dead-letters/redrive/{task}) or cancel it (DELETE), then ask again"
+    )]
+    RedriveOverlaps { task: String },
     #[error("{0}")]
     MethodNotAllowed(String),
     /// The NATS server lacks what the request needs (its version named).

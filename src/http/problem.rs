@@ -51,6 +51,9 @@ pub(crate) struct Problem {
     /// is paused until resumed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) paused_until: Option<String>,
+    /// The running redrive task in the way, for `redrive-overlaps`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) task: Option<String>,
 }
 
 impl Error {
@@ -67,7 +70,7 @@ impl Error {
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             Self::LeaseGone | Self::OwnerGone => StatusCode::GONE,
-            Self::AlreadySettled { .. } => StatusCode::CONFLICT,
+            Self::AlreadySettled { .. } | Self::RedriveOverlaps { .. } => StatusCode::CONFLICT,
             Self::AtCapacity { .. } | Self::TooManyWaitingFetches { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
             }
@@ -99,6 +102,7 @@ impl Error {
             Self::NotImplemented(_) => ("server-too-old", "NATS server too old"),
             Self::LeaseGone | Self::OwnerGone => ("lease-gone", "Lease gone"),
             Self::AlreadySettled { .. } => ("lease-settled", "Lease already settled"),
+            Self::RedriveOverlaps { .. } => ("redrive-overlaps", "Redrive overlaps a running one"),
             Self::AtCapacity { .. } => ("too-many-leases", "Too many leases in flight"),
             Self::Unavailable(_) => ("unavailable", "NATS unavailable"),
             Self::Rebinding(_) => ("consumer-rebinding", "Consumer being bound anew"),
@@ -182,6 +186,10 @@ impl Error {
                     .ok(),
                 _ => None,
             },
+            task: match self {
+                Self::RedriveOverlaps { task } => Some(task.clone()),
+                _ => None,
+            },
         }
     }
 }
@@ -240,6 +248,7 @@ pub(crate) fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> 
         field: None,
         retry_after: None,
         paused_until: None,
+        task: None,
     };
     let body = serde_json::to_vec(&problem).unwrap_or_default();
     let mut response = (

@@ -17,7 +17,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::body::JsonBody;
 use super::dead_letters::DeadLetterDto;
 use super::dto::Encoding;
-use super::responses::{BodyRefusals, Guarded, NatsRefusals, RedriveTaskRefusals};
+use super::responses::{BodyRefusals, Guarded, RedriveRefusals, RedriveTaskRefusals};
 use crate::domain::subject::validate_publish_subject;
 use crate::error::Error;
 use crate::gateway::{
@@ -136,12 +136,14 @@ impl From<TaskRecord> for RedriveTaskDto {
 }
 
 /// Send dead letters back: those a filter takes (as `GET /dead-letters` filters) or those
-/// `ids` name, each published again with its original payload and headers (plus
-/// `Ruststream-Redriven-From` and `Ruststream-Redrive-Task`, and a `Nats-Msg-Id` of task and
-/// dead letter, so a resumed task stores nothing twice) to its original subject or
-/// `to_subject`, at `rate` a second, and removed from the dead-letter stream once its publish
+/// `ids` name (an id named again counts once), each published again with its original
+/// payload and headers (plus `Ruststream-Redriven-From` and `Ruststream-Redrive-Task`, and a
+/// `Nats-Msg-Id` of its dead-letter stream and sequence, so nothing is stored twice) to its
+/// original subject or `to_subject` (never one under the gateway's internal prefix or
+/// `_INBOX`), at `rate` a second, and removed from the dead-letter stream once its publish
 /// was confirmed. The task takes the dead letters there now (not those that come later); it
-/// runs at one replica at a time and goes on after a restart. `dry_run` sends nothing.
+/// runs at one replica at a time and goes on after a restart. A task that would take a dead
+/// letter a running task takes is refused (409, naming that task). `dry_run` sends nothing.
 #[utoipa::path(
     post,
     path = "/dead-letters/redrive",
@@ -151,7 +153,7 @@ impl From<TaskRecord> for RedriveTaskDto {
     responses(
         (status = 202, description = "The task is made and runs", body = RedriveStartedDto),
         (status = 200, description = "Dry run: what it would send", body = RedriveDryRunDto),
-        Guarded, BodyRefusals, NatsRefusals,
+        Guarded, BodyRefusals, RedriveRefusals,
     )
 )]
 pub(crate) async fn redrive(

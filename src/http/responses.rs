@@ -45,10 +45,11 @@ pub(crate) enum ProblemKind {
     ServerTooOld,
     DeadLetterNotFound,
     RedriveTaskNotFound,
+    RedriveOverlaps,
 }
 
 impl ProblemKind {
-    const ALL: [Self; 18] = [
+    const ALL: [Self; 19] = [
         Self::Unauthorized,
         Self::Forbidden,
         Self::BodyTimeout,
@@ -67,6 +68,7 @@ impl ProblemKind {
         Self::ServerTooOld,
         Self::DeadLetterNotFound,
         Self::RedriveTaskNotFound,
+        Self::RedriveOverlaps,
     ];
 
     fn name(self) -> &'static str {
@@ -89,6 +91,7 @@ impl ProblemKind {
             Self::ServerTooOld => "ServerTooOld",
             Self::DeadLetterNotFound => "DeadLetterNotFound",
             Self::RedriveTaskNotFound => "RedriveTaskNotFound",
+            Self::RedriveOverlaps => "RedriveOverlaps",
         }
     }
 
@@ -137,6 +140,9 @@ impl ProblemKind {
             }
             Self::RedriveTaskNotFound => {
                 "No redrive task has this id (a finished task's record is kept for 7 days)."
+            }
+            Self::RedriveOverlaps => {
+                "A running redrive task (`task`) takes some of the same dead letters: a dead letter is published back at most once, so the new task is not made. Wait until that task ends, or cancel it, and ask again."
             }
             Self::ServerTooOld => {
                 "The NATS server lacks what this needs (a consumer reset needs nats-server 2.14 or later); the detail names its version."
@@ -208,6 +214,9 @@ impl ProblemKind {
             Self::RedriveTaskNotFound => {
                 vec![Error::NotFound("no redrive task \"5f1e0c2a9b7d4e11\"".into())]
             }
+            Self::RedriveOverlaps => vec![Error::RedriveOverlaps {
+                task: "5f1e0c2a9b7d4e11".into(),
+            }],
             Self::PublishPrecondition => vec![Error::PublishPrecondition(
                 "the stream refused the message: wrong last sequence: 7 (code 400, error code 10071)"
                     .into(),
@@ -346,6 +355,9 @@ refusal_sets! {
     SeekRefusals = [Unavailable, ConsumerNotFound, ConsumerUnsuitable, ServerTooOld];
     /// `GET /dead-letters/{id}`: no such dead letter, or no NATS.
     DeadLetterRefusals = [Unavailable, DeadLetterNotFound];
+    /// `POST /dead-letters/redrive` beyond its body: a running task takes some of the same
+    /// dead letters, or no NATS.
+    RedriveRefusals = [Unavailable, RedriveOverlaps];
     /// `GET` or `DELETE /dead-letters/redrive/{task}`: no such task, or no NATS.
     RedriveTaskRefusals = [Unavailable, RedriveTaskNotFound];
 }

@@ -1,8 +1,9 @@
 //! Redrive at the server: the KV bucket that holds every redrive task (so a task outlives
 //! the process that started it and is run by one replica at a time, claimed by a
-//! compare-and-set on its record), and the two steps of sending one dead letter back:
-//! publishing it, with a dedup id of task and dead-letter sequence, and removing it from the
-//! dead-letter stream once that publish was confirmed.
+//! compare-and-set on its record) and the register of the running ones (what each takes,
+//! so that no two take the same dead letter), and the two steps of sending one dead letter
+//! back: publishing it, with a dedup id of its dead-letter stream and sequence, and removing
+//! it from the dead-letter stream once that publish was confirmed.
 //!
 //! May import: `domain`. Nothing of the gateway above the NATS boundary.
 
@@ -199,14 +200,88 @@ pub(crate) async fn update(
     }
 }
 
-/// The id the target stream deduplicates a redriven message on: one per task and dead
-/// letter, so a task resumed after a crash stores each message once (within that stream's
+/// The key of the register of running tasks: no task's id (those hold no dot).
+const REGISTER_KEY: &str = "register.running";
+
+/// The tasks that may be running, each with what it takes: written by compare-and-set
+/// before a task's record is made, so of two tasks asked for at once the second sees the
+/// first. Ended tasks are left out when it is next written.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Register {
+    pub(crate) tasks: Vec<Registered>,
+}
+
+/// A task in the register: what it takes, as its record will say when it is made.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Registered {
+    pub(crate) task: String,
+    #[serde(default)]
+    pub(crate) filter: FilterWords,
+    #[serde(default)]
+    pub(crate) ids: Option<Vec<String>>,
+    #[serde(default)]
+    pub(crate) stores: Vec<StoreProgress>,
+    /// Unix milliseconds: an entry whose record never came is dropped after a while.
+    pub(crate) made_at_ms: i64,
+}
+
+/// The register and its revision (`None`: not written yet).
+pub(crate) async fn read_register(store: &kv::Store) -> anyhow::Result<(Register, Option<u64>)> {
+    let entry = tokio::time::timeout(API_TIMEOUT, store.entry(REGISTER_KEY))
+        .await
+        .context("timed out reading the register of redrive tasks")?
+        .context("reading the register of redrive tasks")?;
+    match entry {
+        Some(entry) if entry.operation == kv::Operation::Put => {
+            let register = serde_json::from_slice(&entry.value)
+                .context("an unreadable register of redrive tasks")?;
+            Ok((register, Some(entry.revision)))
+        }
+        _ => Ok((Register::default(), None)),
+    }
+}
+
+/// Write the register if it is still at `revision` (`None`: if there is none).
+pub(crate) async fn write_register(
+    store: &kv::Store,
+    register: &Register,
+    revision: Option<u64>,
+) -> anyhow::Result<Written> {
+    let value: bytes::Bytes = serde_json::to_vec(register)
+        .context("encoding the register")?
+        .into();
+    let context = "writing the register of redrive tasks";
+    let timed_out = "timed out writing the register of redrive tasks";
+    match revision {
+        Some(revision) => {
+            match tokio::time::timeout(API_TIMEOUT, store.update(REGISTER_KEY, value, revision))
+                .await
+                .context(timed_out)?
+            {
+                Ok(revision) => Ok(Written::At(revision)),
+                Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                    Ok(Written::Conflict)
+                }
+                Err(err) => Err(anyhow::Error::new(err).context(context)),
+            }
+        }
+        None => match tokio::time::timeout(API_TIMEOUT, store.create(REGISTER_KEY, value))
+            .await
+            .context(timed_out)?
+        {
+            Ok(revision) => Ok(Written::At(revision)),
+            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => Ok(Written::Conflict),
+            Err(err) => Err(anyhow::Error::new(err).context(context)),
+        },
+    }
+}
+
+/// The id the target stream deduplicates a redriven message on: the dead letter's own (its
+/// dead-letter stream and sequence), whatever task sends it, so a task resumed after a
+/// crash, or two tasks that took the same dead letter, store it once (within that stream's
 /// duplicate window, 2 minutes by default).
-pub(crate) fn dedup_id(task: &str, letter: &DeadLetter) -> String {
-    format!(
-        "ruststream-redrive:{task}:{}:{}",
-        letter.store, letter.sequence
-    )
+pub(crate) fn dedup_id(letter: &DeadLetter) -> String {
+    format!("ruststream-redrive:{}:{}", letter.store, letter.sequence)
 }
 
 /// The headers a redriven message is published with: the original's own, but for its
@@ -233,7 +308,7 @@ pub(crate) fn republished_headers(task: &str, letter: &DeadLetter) -> HeaderMap 
     if let Ok(value) = task.parse::<HeaderValue>() {
         headers.insert(REDRIVE_TASK, value);
     }
-    headers.insert("Nats-Msg-Id", dedup_id(task, letter).as_str());
+    headers.insert("Nats-Msg-Id", dedup_id(letter).as_str());
     headers
 }
 
@@ -277,8 +352,12 @@ pub(crate) async fn remove(
     .context("removing the dead letter")?;
     match answer.get("error") {
         None if answer["success"] == true => Ok(()),
-        // Gone already: 10057 (no message at that sequence) or 10037 (no message found).
-        Some(error) if [10057, 10037].contains(&error["err_code"].as_u64().unwrap_or(0)) => Ok(()),
+        // Gone already: 10057 (no message at that sequence), 10037 (no message found) or
+        // 10043 (sequence not found: removed before, by another removal or the stream's
+        // limits). Whoever removed it, it is not there: what a removal is for.
+        Some(error) if [10057, 10037, 10043].contains(&error["err_code"].as_u64().unwrap_or(0)) => {
+            Ok(())
+        }
         _ => bail!("removing the dead letter: {answer}"),
     }
 }
@@ -326,7 +405,7 @@ mod tests {
         );
         assert_eq!(
             headers.get("Nats-Msg-Id").map(HeaderValue::as_str),
-            Some("ruststream-redrive:t42:DLQ:17")
+            Some("ruststream-redrive:DLQ:17")
         );
     }
 }

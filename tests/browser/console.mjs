@@ -2,10 +2,10 @@
 // playwright-core), with tokens on: it asks for a token; its consumers' table shows a
 // message published meanwhile without a reload; a consumer's page draws its chart; a
 // terminated message is shown in the dead letters with its payload, and sent back by the
-// redrive buttons (dry run, then the run, followed to `done`). No request may leave the
-// gateway's origin, and axe-core (pinned in package.json) finds no serious or critical
-// violation on any of the three pages. The last page is the screenshot of
-// docs/operations.md.
+// redrive buttons (dry run, then the run by a double click that asks once, followed to
+// `done`). No request may leave the gateway's origin, and axe-core (pinned in package.json)
+// finds no serious or critical violation on any of the three pages. The last page is the
+// screenshot of docs/operations.md.
 //
 //     node console.mjs BASE NATS_PORT TOKEN ADMIN_TOKEN SCREENSHOT PROFILE_DIR
 //
@@ -126,8 +126,11 @@ try {
     page.setDefaultTimeout(STEP_MS);
     page.on("pageerror", (error) => problems.push(`page error: ${error.message}`));
     let transferred = 0;
+    let redrivesAsked = 0;
     page.on("request", (request) => {
         if (new URL(request.url()).origin !== origin) problems.push(`a request to elsewhere: ${request.url()}`);
+        if (request.method() === "POST" && new URL(request.url()).pathname === "/dead-letters/redrive"
+            && !JSON.parse(request.postData() || "{}").dry_run) redrivesAsked += 1;
     });
     page.on("response", async (response) => {
         const path = new URL(response.url()).pathname;
@@ -175,9 +178,11 @@ try {
     await page.click("#dead-letter-filters button");
     await page.click('#redrive-form button[value="dry"]');
     await until("the dry run", async () => (await page.locator("#redrive-result").innerText()).startsWith("Would send back 1"));
-    await page.click('#redrive-form button[value="run"]');
+    // A double click asks once: the buttons are disabled while the request is out.
+    await page.dblclick('#redrive-form button[value="run"]');
     await until("the redrive to end", async () => / done, 1 of 1 published, 1 removed/.test(await page.locator("#redrive-result").innerText()));
     say(await page.locator("#redrive-result").innerText());
+    if (redrivesAsked !== 1) problems.push(`a double click on Redrive sent ${redrivesAsked} redrives`);
     await accessible("the dead letters");
     await page.screenshot({ path: screenshot, fullPage: true });
 

@@ -1,11 +1,17 @@
 //! `POST /dead-letters/redrive`, `GET`/`DELETE /dead-letters/redrive/{task}`: a filtered
 //! subset sent back (dry run first) while more dead letters arrive; bad input refused
-//! changing nothing; a task outliving a gateway killed -9 mid-way, run by one of two
-//! replicas, each message published once and removed only after that; a cancel mid-way.
+//! changing nothing (a `to_subject` in the gateway's plumbing among it); a task outliving a
+//! gateway killed -9 mid-way, run by one of two replicas, each message published once and
+//! removed only after that; a cancel mid-way; an id named three times taken once, and a
+//! dead letter gone before its removal counted as removed; two identical redrives at once
+//! (a double click): one made, the other refused 409 naming it, each message stored once.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use async_nats::HeaderMap;
+use async_nats::jetstream::stream;
+use ruststream_nats::dead_letter::headers;
 use serde_json::{Value, json};
 
 use crate::dead_letters_read::{DLQ, dlq_messages, write_dead_letters};
@@ -83,6 +89,17 @@ async fn a_filtered_redrive_sends_back_what_it_matched_once_and_leaves_the_rest(
         (json!({"rate": 0}), "rate"),
         (json!({"rate": 10_001}), "rate"),
         (json!({"to_subject": "orders.*"}), "to_subject"),
+        // The gateway's own plumbing: what its replicas exchange, and reply inboxes.
+        (
+            json!({"to_subject": "_RUSTSTREAM.fleet.replica.x"}),
+            "to_subject",
+        ),
+        (json!({"to_subject": "_RUSTSTREAM"}), "to_subject"),
+        (json!({"to_subject": "_INBOX.abc"}), "to_subject"),
+        (
+            json!({"to_subject": "_INBOX.abc", "dry_run": true}),
+            "to_subject",
+        ),
         (json!({"reason": "bored"}), "reason"),
         (json!({"since": "yesterday"}), "since"),
     ] {
@@ -268,4 +285,150 @@ async fn a_redrive_outlives_a_killed_gateway_at_one_replica_and_a_cancel_stops_i
     .await;
     assert_eq!(task(&third, &id).await, settled);
     assert_eq!(redriven(&js).await.len() as u64, SHIPPING + removed);
+}
+
+/// One dead letter of billing's, as the gateway writes them, stored on `subject`.
+async fn write_dead_letter(js: &Js, subject: &str, n: u64) {
+    let mut written = HeaderMap::new();
+    written.insert(headers::REASON, "max_deliveries");
+    written.insert(headers::STREAM, "ORDERS");
+    written.insert(headers::CONSUMER, "billing");
+    written.insert(headers::SUBJECT, "orders.written");
+    written.insert(headers::STREAM_SEQUENCE, n.to_string().as_str());
+    written.insert(headers::DELIVERIES, "3");
+    js.js
+        .publish_with_headers(subject.to_owned(), written, format!("written {n}").into())
+        .await
+        .expect("publish a dead letter")
+        .await
+        .expect("the DLQ stored it");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_named_again_is_taken_once_and_a_dead_letter_gone_counts_as_removed() {
+    let (_server, js, gateway) = Setup::consumer("billing")
+        .dead_letter_subject("DLQ.orders")
+        .start()
+        .await;
+    // At most one message a subject: a publish to a dead letter's subject removes it.
+    js.js
+        .create_stream(stream::Config {
+            name: DLQ.to_owned(),
+            subjects: vec!["DLQ.>".to_owned()],
+            max_messages_per_subject: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("DLQ stream");
+    for (n, subject) in ["DLQ.a", "DLQ.b", "DLQ.c", "DLQ.d"].into_iter().enumerate() {
+        write_dead_letter(&js, subject, n as u64 + 1).await;
+    }
+
+    // Named three times: one dead letter, matched, published and removed once.
+    let started = start(&gateway, &json!({"ids": ["DLQ:2", "DLQ:2", "DLQ:2"]})).await;
+    assert_eq!(started["matched"], 1, "{started}");
+    let id = started["task"].as_str().expect("task").to_owned();
+    let done = task_in(&gateway, &id, "done", Duration::from_secs(15)).await;
+    for (field, value) in [
+        ("matched", 1),
+        ("published", 1),
+        ("removed", 1),
+        ("failed", 0),
+    ] {
+        assert_eq!(done[field], value, "{field}: {done}");
+    }
+    assert_eq!(done["last_error"], Value::Null, "{done}");
+    let sent = redriven(&js).await;
+    assert_eq!(sent.keys().copied().collect::<Vec<_>>(), [2]);
+    assert_eq!(sent[&2].len(), 1, "{sent:?}");
+    assert_eq!(gateway.get("/dead-letters/DLQ:2").await.status, 404);
+
+    // Sent back onto its own subject in the dead-letter stream, which drops it there: when
+    // its removal comes, it is gone already, and that is a removal done, not a failure.
+    let started = start(&gateway, &json!({"ids": ["DLQ:3"], "to_subject": "DLQ.c"})).await;
+    let id = started["task"].as_str().expect("task").to_owned();
+    let done = task_in(&gateway, &id, "done", Duration::from_secs(15)).await;
+    for (field, value) in [
+        ("matched", 1),
+        ("published", 1),
+        ("removed", 1),
+        ("failed", 0),
+    ] {
+        assert_eq!(done[field], value, "{field}: {done}");
+    }
+    assert_eq!(done["last_error"], Value::Null, "{done}");
+    assert_eq!(gateway.get("/dead-letters/DLQ:3").await.status, 404);
+    assert_eq!(gateway.get("/dead-letters/DLQ:4").await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_redrives_at_once_make_one_task_and_no_dead_letter_is_stored_twice() {
+    let (_server, js, gateway) = Setup::consumer("billing")
+        .dead_letter_subject("DLQ.orders")
+        .start()
+        .await;
+    js.create_stream(DLQ, &["DLQ.>"]).await;
+    // Shipping's are dead-letter sequences 1..=600, billing's 601..=630.
+    write_dead_letters(&js, "shipping", 600).await;
+    write_dead_letters(&js, "billing", 30).await;
+
+    // A double click: the same redrive twice at once. One task is made, the other refused.
+    let shipping = json!({"consumer": "shipping", "rate": 100});
+    let (one, other) = tokio::join!(
+        gateway.post("/dead-letters/redrive", Some(&shipping)),
+        gateway.post("/dead-letters/redrive", Some(&shipping)),
+    );
+    let (made, refused) = if one.status == 202 {
+        (one, other)
+    } else {
+        (other, one)
+    };
+    assert_eq!(made.status, 202, "{}", made.text);
+    let running = made.body["task"].as_str().expect("task").to_owned();
+    let problem = refused.assert_problem(409);
+    assert_eq!(
+        problem["type"], "urn:ruststream-nats:problem:redrive-overlaps",
+        "{}",
+        refused.text
+    );
+    assert_eq!(problem["task"], running.as_str(), "{}", refused.text);
+    assert!(refused.detail().contains(&running), "{}", refused.text);
+
+    // While it runs: ids it takes are refused too; a filter apart from it is not.
+    let reply = gateway
+        .post("/dead-letters/redrive", Some(&json!({"ids": ["DLQ:600"]})))
+        .await;
+    assert_eq!(reply.assert_problem(409)["task"], running.as_str());
+    let billing = start(&gateway, &json!({"consumer": "billing", "rate": 10_000})).await;
+    let billing = billing["task"].as_str().expect("task").to_owned();
+    assert_eq!(task(&gateway, &running).await["state"], "running");
+
+    // Once it ended (cancelled here), the same redrive is made and takes the rest.
+    let cancelled = gateway
+        .delete(&format!("/dead-letters/redrive/{running}"))
+        .await;
+    assert_eq!(cancelled.body["state"], "cancelled", "{}", cancelled.text);
+    let rest = start(&gateway, &json!({"consumer": "shipping", "rate": 10_000})).await;
+    let removed = cancelled.body["removed"].as_u64().expect("removed");
+    assert_eq!(rest["matched"], 600 - removed, "{rest}");
+    let rest = rest["task"].as_str().expect("task").to_owned();
+    task_in(&gateway, &rest, "done", Duration::from_secs(30)).await;
+    task_in(&gateway, &billing, "done", Duration::from_secs(30)).await;
+
+    // Every dead letter stored once, under its own dedup id, and none left.
+    let sent = redriven(&js).await;
+    assert_eq!(sent.len(), 630);
+    for (from, copies) in &sent {
+        assert_eq!(
+            copies.len(),
+            1,
+            "dead letter {from} stored {}",
+            copies.len()
+        );
+        assert_eq!(
+            copies[0].0["Nats-Msg-Id"],
+            [format!("ruststream-redrive:{DLQ}:{from}")]
+        );
+    }
+    assert_eq!(dlq_messages(&js).await, 0);
 }

@@ -386,6 +386,9 @@ function deadLettersView() {
     const values = formValues(redriveForm);
     const body = { ...filters().chosen, rate: Number(values.rate || 1000), dry_run: event.submitter && event.submitter.value === "dry" };
     if (values.to_subject) body.to_subject = values.to_subject;
+    // One request at a time: a double click must not ask for the same redrive twice.
+    const buttons = [...redriveForm.querySelectorAll("button")];
+    for (const button of buttons) button.disabled = true;
     try {
       const answer = await api("POST", "/dead-letters/redrive", body);
       if (body.dry_run) {
@@ -402,6 +405,8 @@ function deadLettersView() {
     } catch (error) {
       redriveResult.className = "error";
       redriveResult.textContent = errorText(error);
+    } finally {
+      for (const button of buttons) button.disabled = false;
     }
   });
 

@@ -8,20 +8,26 @@
 //! dead-letter stream and its consumers are exactly as they were. Newest first reads the
 //! stream backwards in windows, each read forwards and turned around.
 //!
+//! What a dead letter is lives in [`letter`], which of them a filter takes in [`filter`];
+//! this module reads the stream.
+//!
 //! May import: `domain`. Nothing of the gateway above the NATS boundary.
+
+mod filter;
+mod letter;
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer, stream::RawMessageErrorKind};
-use bytes::Bytes;
+
 use futures::StreamExt as _;
-use time::OffsetDateTime;
 
 use super::API_TIMEOUT;
-use super::dead_letter::{REASON_MAX_DELIVERIES, REASON_TERMINATED, headers};
+
+pub(crate) use filter::{Filter, FilterWords};
+pub(crate) use letter::DeadLetter;
 
 /// Messages one ephemeral reader asks for at once, and the width of a backward window.
 const WINDOW: u64 = 1000;
@@ -30,225 +36,6 @@ const READER_INACTIVE: Duration = Duration::from_secs(10);
 /// Messages one request looks at before it answers with what it found so far and a cursor:
 /// a filter matching nothing in a huge stream answers in bounded time.
 pub(crate) const SCAN_BUDGET: usize = 50_000;
-
-/// A dead letter as the dead-letter stream holds it.
-#[derive(Debug, Clone)]
-pub(crate) struct DeadLetter {
-    /// The stream holding it.
-    pub(crate) store: String,
-    /// Its sequence in that stream.
-    pub(crate) sequence: u64,
-    /// When it was stored there.
-    pub(crate) dead_lettered_at: OffsetDateTime,
-    /// `max_deliveries` or `terminated`.
-    pub(crate) reason: String,
-    pub(crate) term_reason: Option<String>,
-    /// Where it came from.
-    pub(crate) stream: String,
-    pub(crate) consumer: String,
-    pub(crate) stream_sequence: u64,
-    pub(crate) subject: String,
-    pub(crate) deliveries: u64,
-    /// As the copy wrote it (RFC 3339).
-    pub(crate) published_at: Option<String>,
-    pub(crate) payload: Bytes,
-    /// The original message's own headers, its `Nats-*` ones under their own names again.
-    pub(crate) headers: HeaderMap,
-}
-
-impl DeadLetter {
-    /// The dead letter a stored message is; `None` when it is not one (no reason header: a
-    /// message published to the dead-letter subject by something else).
-    fn read(
-        store: &str,
-        sequence: u64,
-        stored_at: OffsetDateTime,
-        stored_headers: Option<&HeaderMap>,
-        payload: Bytes,
-    ) -> Option<Self> {
-        let stored = stored_headers?;
-        let value = |name: &str| stored.get(name).map(|value| value.as_str().to_owned());
-        let reason = value(headers::REASON)?;
-        let mut original = HeaderMap::new();
-        for (name, values) in stored.iter() {
-            let name: &str = name.as_ref();
-            let Some(restored) = original_name(name) else {
-                continue;
-            };
-            let Ok(restored) = restored.parse::<async_nats::HeaderName>() else {
-                continue;
-            };
-            for value in values {
-                original.append(restored.clone(), value.clone());
-            }
-        }
-        Some(Self {
-            store: store.to_owned(),
-            sequence,
-            dead_lettered_at: stored_at,
-            reason,
-            term_reason: value(headers::TERM_REASON),
-            stream: value(headers::STREAM).unwrap_or_default(),
-            consumer: value(headers::CONSUMER).unwrap_or_default(),
-            stream_sequence: value(headers::STREAM_SEQUENCE)
-                .and_then(|sequence| sequence.parse().ok())
-                .unwrap_or_default(),
-            subject: value(headers::SUBJECT).unwrap_or_default(),
-            deliveries: value(headers::DELIVERIES)
-                .and_then(|deliveries| deliveries.parse().ok())
-                .unwrap_or_default(),
-            published_at: value(headers::PUBLISHED_AT),
-            payload,
-            headers: original,
-        })
-    }
-}
-
-/// The name a dead letter's header had on the original message; `None` for the headers the
-/// copy added (its metadata, its dedup id).
-fn original_name(name: &str) -> Option<String> {
-    const METADATA: &str = "ruststream-dead-letter-";
-    let lower = name.to_ascii_lowercase();
-    let original_prefix = headers::ORIGINAL_PREFIX.to_ascii_lowercase();
-    if lower.starts_with(&original_prefix) {
-        return Some(format!("Nats-{}", &name[original_prefix.len()..]));
-    }
-    if lower.starts_with(METADATA) || lower.starts_with("nats-") {
-        return None;
-    }
-    Some(name.to_owned())
-}
-
-/// Why a message was dead-lettered, as a filter names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Reason {
-    MaxDeliveries,
-    Terminated,
-}
-
-impl Reason {
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Self::MaxDeliveries => REASON_MAX_DELIVERIES,
-            Self::Terminated => REASON_TERMINATED,
-        }
-    }
-}
-
-/// A term reason to match: all of it, or how it begins.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum TermReason {
-    Exactly(String),
-    StartingWith(String),
-}
-
-/// Which dead letters a listing or a redrive takes. Empty: all of them.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Filter {
-    pub(crate) stream: Option<String>,
-    pub(crate) consumer: Option<String>,
-    pub(crate) reason: Option<Reason>,
-    pub(crate) term_reason: Option<TermReason>,
-    /// Dead-lettered at or after.
-    pub(crate) since: Option<OffsetDateTime>,
-    /// Dead-lettered before.
-    pub(crate) until: Option<OffsetDateTime>,
-}
-
-impl Filter {
-    pub(crate) fn matches(&self, letter: &DeadLetter) -> bool {
-        let term_reason = letter.term_reason.as_deref();
-        self.stream.as_ref().is_none_or(|s| *s == letter.stream)
-            && self.consumer.as_ref().is_none_or(|c| *c == letter.consumer)
-            && self.reason.is_none_or(|r| r.as_str() == letter.reason)
-            && match &self.term_reason {
-                None => true,
-                Some(TermReason::Exactly(want)) => term_reason == Some(want.as_str()),
-                Some(TermReason::StartingWith(prefix)) => {
-                    term_reason.is_some_and(|have| have.starts_with(prefix.as_str()))
-                }
-            }
-            && self.in_time(letter.dead_lettered_at)
-    }
-
-    fn in_time(&self, at: OffsetDateTime) -> bool {
-        self.since.is_none_or(|since| at >= since) && self.until.is_none_or(|until| at < until)
-    }
-}
-
-/// A filter in the words a query or a request body gives it (what a redrive task keeps).
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub(crate) struct FilterWords {
-    pub(crate) stream: Option<String>,
-    pub(crate) consumer: Option<String>,
-    /// `max_deliveries` or `terminated`.
-    pub(crate) reason: Option<String>,
-    /// Exactly, or a prefix before a trailing `*`.
-    pub(crate) term_reason: Option<String>,
-    /// RFC 3339.
-    pub(crate) since: Option<String>,
-    pub(crate) until: Option<String>,
-}
-
-/// A word of a filter that means nothing: the field, and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct BadWord {
-    pub(crate) field: &'static str,
-    pub(crate) detail: String,
-}
-
-impl Filter {
-    /// The filter `words` say.
-    pub(crate) fn from_words(words: &FilterWords) -> Result<Self, BadWord> {
-        let reason = match words.reason.as_deref() {
-            None => None,
-            Some(REASON_MAX_DELIVERIES) => Some(Reason::MaxDeliveries),
-            Some(REASON_TERMINATED) => Some(Reason::Terminated),
-            Some(other) => {
-                return Err(BadWord {
-                    field: "reason",
-                    detail: format!("reason: must be max_deliveries or terminated, got {other:?}"),
-                });
-            }
-        };
-        let term_reason = words
-            .term_reason
-            .as_ref()
-            .map(|reason| match reason.strip_suffix('*') {
-                Some(prefix) => TermReason::StartingWith(prefix.to_owned()),
-                None => TermReason::Exactly(reason.clone()),
-            });
-        let time = |field: &'static str, value: &Option<String>| {
-            value
-                .as_deref()
-                .map(|value| {
-                    OffsetDateTime::parse(value, &time::format_description::well_known::Rfc3339)
-                        .map_err(|err| BadWord {
-                            field,
-                            detail: format!("{field}: not an RFC 3339 time: {err}"),
-                        })
-                })
-                .transpose()
-        };
-        let (since, until) = (time("since", &words.since)?, time("until", &words.until)?);
-        if let (Some(since), Some(until)) = (since, until)
-            && since > until
-        {
-            return Err(BadWord {
-                field: "until",
-                detail: "until: it is before since".into(),
-            });
-        }
-        Ok(Self {
-            stream: words.stream.clone(),
-            consumer: words.consumer.clone(),
-            reason,
-            term_reason,
-            since,
-            until,
-        })
-    }
-}
 
 /// Which end a listing starts from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -628,84 +415,4 @@ impl Reader<'_> {
 enum Keep {
     First(usize),
     Last(usize),
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_dead_letter_shows_the_original_headers_under_their_own_names() {
-        assert_eq!(
-            original_name("Ruststream-Dead-Letter-Original-Msg-Id").as_deref(),
-            Some("Nats-Msg-Id")
-        );
-        assert_eq!(original_name("Ruststream-Dead-Letter-Reason"), None);
-        assert_eq!(original_name("Nats-Msg-Id"), None);
-        assert_eq!(original_name("X-Order").as_deref(), Some("X-Order"));
-        assert_eq!(
-            original_name("Ruststream-Redriven-From").as_deref(),
-            Some("Ruststream-Redriven-From")
-        );
-    }
-
-    fn letter(reason: &str, term_reason: Option<&str>) -> DeadLetter {
-        DeadLetter {
-            store: "DLQ".into(),
-            sequence: 1,
-            dead_lettered_at: OffsetDateTime::UNIX_EPOCH + Duration::from_secs(100),
-            reason: reason.into(),
-            term_reason: term_reason.map(str::to_owned),
-            stream: "ORDERS".into(),
-            consumer: "billing".into(),
-            stream_sequence: 7,
-            subject: "orders.created".into(),
-            deliveries: 1,
-            published_at: None,
-            payload: Bytes::new(),
-            headers: HeaderMap::new(),
-        }
-    }
-
-    #[test]
-    fn filters_take_what_they_name() {
-        let malformed = letter(REASON_TERMINATED, Some("malformed: no total"));
-        let exhausted = letter(REASON_MAX_DELIVERIES, None);
-        let prefix = Filter {
-            term_reason: Some(TermReason::StartingWith("malformed".into())),
-            ..Filter::default()
-        };
-        assert!(prefix.matches(&malformed));
-        assert!(!prefix.matches(&exhausted));
-        let exact = Filter {
-            term_reason: Some(TermReason::Exactly("malformed".into())),
-            ..Filter::default()
-        };
-        assert!(!exact.matches(&malformed));
-        let by_reason = Filter {
-            reason: Some(Reason::MaxDeliveries),
-            consumer: Some("billing".into()),
-            ..Filter::default()
-        };
-        assert!(by_reason.matches(&exhausted) && !by_reason.matches(&malformed));
-        let at = malformed.dead_lettered_at;
-        let window = Filter {
-            since: Some(at),
-            until: Some(at + Duration::from_secs(1)),
-            ..Filter::default()
-        };
-        assert!(window.matches(&malformed));
-        let before = Filter {
-            until: Some(at),
-            ..Filter::default()
-        };
-        assert!(!before.matches(&malformed));
-        assert!(
-            !Filter {
-                stream: Some("OTHER".into()),
-                ..Filter::default()
-            }
-            .matches(&malformed)
-        );
-    }
 }
