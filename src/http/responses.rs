@@ -124,7 +124,7 @@ impl ProblemKind {
                 "All `max_ack_pending` leases are out (or, with authentication on, this token has as many fetches waiting as it may); retry after `Retry-After` seconds."
             }
             Self::Unavailable => {
-                "NATS is unreachable, the consumer is gone, or the gateway is shutting down."
+                "NATS is unreachable, the consumer is gone, or the gateway is shutting down; or the consumer is being bound anew because the consumers file changed a setting only a new binding applies (`consumer-rebinding`)."
             }
             Self::NotConfirmed => {
                 "The NATS server did not confirm in time; the lease stays valid and retrying is safe."
@@ -193,6 +193,9 @@ impl ProblemKind {
             Self::Unavailable => vec![
                 Error::Unavailable("not connected to NATS".into()),
                 Error::ShuttingDown,
+                Error::Rebinding(
+                    "consumer ORDERS/shipping is bound anew with the settings the consumers file now gives it once its live leases have ended; they still settle".into(),
+                ),
             ],
             Self::NotConfirmed => vec![Error::TimedOut],
             Self::ConsumerNotFound => vec![Error::ConsumerNotFound(

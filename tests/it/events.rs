@@ -167,6 +167,37 @@ async fn an_open_stream_resumes_after_a_nats_restart() {
     }
 }
 
+/// A graceful nats-server restart (SIGTERM: its state written, nothing forgotten) voids no
+/// lease: what the stream wrote before it settles after the reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_lease_settles_after_a_graceful_nats_restart() {
+    let (mut server, js, gateway) = Setup::consumer("sse-graceful").start().await;
+    let mut stream = EventStream::open(&gateway, "?encoding=utf8&max_in_flight=2").await;
+    js.publish("orders.1", "before").await;
+    let before = stream
+        .message(Duration::from_secs(5))
+        .await
+        .expect("a lease before the restart");
+    server.stop_gracefully().await;
+    server.restart().await;
+    let js = crate::support::Js::connect(&server.url()).await;
+    js.publish("orders.1", "after").await;
+    let after = stream
+        .message(Duration::from_secs(20))
+        .await
+        .expect("a lease on the same stream after the restart");
+    assert_eq!(
+        after["data"], "after",
+        "the lease out was not redelivered: {after}"
+    );
+    let id = before["id"].as_str().expect("an id");
+    assert_eq!(
+        gateway.ack(id).await,
+        204,
+        "the lease written before the restart settles"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_lease_settles_at_another_replica_and_frees_credit_there() {
     use std::io::Write as _;

@@ -123,6 +123,10 @@ pub(super) async fn supervise(
                 _ => {}
             }
         }
+        // What had been delivered before the server is asked what it delivered: a pull still
+        // open meanwhile (the binding in force serves on while it is checked) brings deliveries
+        // the answer may predate, which a server that forgot nothing knows all the same.
+        let highest_before_asking = state.highest_consumer_sequence();
         // A scope of its own: the binding (some 5 KB) must not stay in this task's state
         // while it waits for the next event below.
         {
@@ -224,8 +228,7 @@ pub(super) async fn supervise(
             // A server that lost deliveries in a crash (state not yet on disk) sends them again
             // with the same sequences and delivery counts, so the ids handed out before would
             // name the new deliveries too: start a new epoch.
-            let forgot_deliveries =
-                bound.delivered_consumer_sequence < state.highest_consumer_sequence();
+            let forgot_deliveries = bound.delivered_consumer_sequence < highest_before_asking;
             state.apply_settings(bound.ack_wait, bound.max_ack_pending);
             let recreated = identity_seen.as_ref() != Some(&identity);
             if recreated || forgot_deliveries {

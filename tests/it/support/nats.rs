@@ -164,6 +164,12 @@ impl NatsServer {
         Some((ack_floor_stream, delivered_stream))
     }
 
+    /// SIGTERM the server and wait for it to exit (it writes its state first, as a graceful
+    /// restart does); the store stays for `restart`.
+    pub async fn stop_gracefully(&mut self) {
+        self.process.terminate(Duration::from_secs(20)).await;
+    }
+
     /// SIGKILL the server and reap it; the store stays for `restart`.
     pub fn kill(&mut self) {
         self.process.kill9();
