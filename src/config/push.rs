@@ -132,13 +132,20 @@ pub(super) struct PushEntry {
     client_key_file: Option<Spanned<String>>,
 }
 
-/// Headers the gateway sets itself (or that HTTP/1.1 framing owns): a static header of
-/// these names would contradict the request.
+/// Headers the gateway sets itself, or that speak of the connection rather than the request
+/// (HTTP/1.1 framing and the hop-by-hop fields of RFC 9110 §7.6.1): a static header of these
+/// names would contradict the request.
 const RESERVED_HEADERS: &[&str] = &[
     "content-type",
     "content-length",
     "transfer-encoding",
     "connection",
+    "proxy-connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "upgrade",
+    "expect",
     "host",
     "traceparent",
     "tracestate",
@@ -418,4 +425,31 @@ fn check_header(name: &str, value: &str) -> Result<(), String> {
         return Err("the gateway sets this header itself".into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn static_headers_may_set_credentials_but_never_the_connections_own_fields() {
+        for name in ["Authorization", "Proxy-Authorization", "Cookie", "X-Tenant"] {
+            assert_eq!(check_header(name, "value"), Ok(()), "{name}");
+        }
+        for name in [
+            "Connection",
+            "Keep-Alive",
+            "TE",
+            "Trailer",
+            "Upgrade",
+            "Expect",
+            "Proxy-Connection",
+            "Transfer-Encoding",
+            "Host",
+            "ce-id",
+            "Ruststream-Lease-Id",
+        ] {
+            assert!(check_header(name, "value").is_err(), "{name}");
+        }
+    }
 }

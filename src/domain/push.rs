@@ -4,10 +4,14 @@
 //!
 //! May import: the rest of `domain` only.
 
+mod directive;
+
 use std::time::{Duration, SystemTime};
 
 use time::OffsetDateTime;
 use tokio::time::Instant;
+
+pub(crate) use directive::{Settle, Unreadable, asked_for, batch_result, cut, endpoint_reason};
 
 /// How one attempt ended, as far as the rules care.
 #[derive(Debug, Clone, Copy)]
@@ -25,16 +29,6 @@ pub(crate) enum Outcome<'a> {
     ConnectFailed,
     /// Any other failure to send or to read the answer.
     Failed,
-}
-
-/// What becomes of the message (each of a batch, when its answer does not say per message).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Settle {
-    Ack,
-    /// Left leased: the endpoint settles it itself through the usual routes.
-    Later,
-    Nak(Duration),
-    Term(String),
 }
 
 /// What an answer says of the endpoint's capacity.
@@ -61,6 +55,9 @@ pub(crate) struct Verdict {
     pub(crate) pace: Pace,
     /// Every request to the endpoint waits this long (its `Retry-After`, capped).
     pub(crate) hold: Option<Duration>,
+    /// The answer's `Ruststream-Settle` could not be read: the message was nak'd with the
+    /// backoff rather than settled as the status alone would have it.
+    pub(crate) unreadable: bool,
 }
 
 /// The retry schedule of a push consumer: exponential, full jitter.
@@ -108,7 +105,7 @@ pub(crate) fn judge(
         Outcome::Failed => return verdict(backoff(), "error", Pace::Struggled, None),
     };
     let success = (200..300).contains(&status);
-    let asked = settle.and_then(|value| asked_for(value, success));
+    let asked = settle.map(|value| asked_for(value, success));
     let refused = matches!(status, 429 | 503);
     let hold = if refused {
         retry_after
@@ -126,17 +123,35 @@ pub(crate) fn judge(
     } else {
         Pace::Neutral
     };
-    if let Some(settle) = asked {
-        let result = result_of(&settle);
-        return verdict(settle, result, pace, hold);
+    // A refusal's nak waits out its `Retry-After` too.
+    let refused_nak = || {
+        let backoff = retries.backoff(delivered, unit);
+        Settle::Nak(hold.map_or(backoff, |hold| hold.max(backoff)))
+    };
+    match asked {
+        Some(Ok(Some(settle))) => {
+            let result = result_of(&settle);
+            return verdict(settle, result, pace, hold);
+        }
+        // A directive the gateway cannot read is never taken for an ack (nor for a term):
+        // the message comes back after the backoff, and the endpoint's author is told.
+        Some(Err(Unreadable)) => {
+            let (settle, result) = if refused {
+                (refused_nak(), "throttled")
+            } else {
+                (backoff(), "nak")
+            };
+            let mut verdict = verdict(settle, result, pace, hold);
+            verdict.unreadable = true;
+            return verdict;
+        }
+        // None, or a `later` on a status that cannot leave a message leased.
+        Some(Ok(None)) | None => {}
     }
     let settle = match status {
         200..=299 => Settle::Ack,
         400 | 413 | 415 | 422 => Settle::Term(format!("push: HTTP {status}")),
-        429 | 503 => {
-            let backoff = retries.backoff(delivered, unit);
-            Settle::Nak(hold.map_or(backoff, |hold| hold.max(backoff)))
-        }
+        429 | 503 => refused_nak(),
         _ => backoff(),
     };
     let result = if refused {
@@ -153,6 +168,7 @@ fn verdict(settle: Settle, result: &'static str, pace: Pace, hold: Option<Durati
         result,
         pace,
         hold,
+        unreadable: false,
     }
 }
 
@@ -162,33 +178,6 @@ fn result_of(settle: &Settle) -> &'static str {
         Settle::Later => "later",
         Settle::Nak(_) => "nak",
         Settle::Term(_) => "term",
-    }
-}
-
-/// The settle a `Ruststream-Settle` header asks for: `ack`, `nak`, `nak; delay=<ms>`,
-/// `term`, `term; reason=<text>`, and on a 2xx `later`. `None` for anything else (the
-/// status then decides).
-pub(crate) fn asked_for(value: &str, success: bool) -> Option<Settle> {
-    let mut parts = value.splitn(2, ';');
-    let directive = parts.next()?.trim().to_ascii_lowercase();
-    let parameter = parts.next().map(str::trim).and_then(|parameter| {
-        let (name, value) = parameter.split_once('=')?;
-        Some((name.trim().to_ascii_lowercase(), value.trim()))
-    });
-    match (directive.as_str(), parameter) {
-        ("ack", None) => Some(Settle::Ack),
-        ("later", None) if success => Some(Settle::Later),
-        ("nak", None) => Some(Settle::Nak(Duration::ZERO)),
-        ("nak", Some((name, value))) if name == "delay" => value
-            .parse()
-            .ok()
-            .map(|ms| Settle::Nak(Duration::from_millis(ms))),
-        ("term", None) => Some(Settle::Term("push: terminated by the endpoint".into())),
-        ("term", Some((name, value))) if name == "reason" => {
-            let reason = value.trim_matches('"');
-            Some(Settle::Term(reason.to_owned()))
-        }
-        _ => None,
     }
 }
 
@@ -449,9 +438,52 @@ mod tests {
             answered(503, Some("term; reason=bad order"), None).settle,
             Settle::Term("bad order".into())
         );
-        // `later` only with a 2xx; nonsense is ignored and the status decides.
+        // `later` only with a 2xx: elsewhere the status decides.
         assert_eq!(answered(500, Some("later"), None).result, "nak");
-        assert_eq!(answered(204, Some("soon"), None).settle, Settle::Ack);
+        assert_eq!(answered(400, Some("later"), None).result, "term");
+    }
+
+    #[test]
+    fn a_settle_header_that_cannot_be_read_is_unreadable_never_an_ack() {
+        for value in [
+            "nak; delay=-5",
+            "nak; delay=1.5",
+            "nak; delay=300ms",
+            "nak; delay=+5",
+            "nak; delay=",
+            "nak; delay=99999999999999999999999",
+            "nak; delay=604800001",
+            "nak; wait=5",
+            "nak; 5",
+            "retry",
+            "soon",
+            "",
+            "ack; now=1",
+            "later; for=5",
+            "term; why=bad",
+            "ack, nak",
+        ] {
+            assert_eq!(asked_for(value, true), Err(Unreadable), "{value:?}");
+            let verdict = answered(200, Some(value), None);
+            assert_eq!(
+                verdict.settle,
+                Settle::Nak(Duration::from_millis(500)),
+                "{value:?}: nak'd with the backoff"
+            );
+            assert!(verdict.unreadable, "{value:?}");
+            assert_eq!(verdict.result, "nak");
+        }
+        // On a refusal the nak still waits out the Retry-After; a poison status does not
+        // term what the endpoint may have meant to keep.
+        let refused = answered(429, Some("retry"), Some("7"));
+        assert_eq!(refused.settle, Settle::Nak(Duration::from_secs(7)));
+        assert_eq!(refused.hold, Some(Duration::from_secs(7)));
+        assert_eq!(
+            answered(422, Some("retry"), None).settle,
+            Settle::Nak(Duration::from_millis(500))
+        );
+        assert!(!answered(204, None, None).unreadable);
+        assert!(!answered(204, Some("ack"), None).unreadable);
     }
 
     #[test]

@@ -249,7 +249,15 @@ impl Endpoint {
                     .map(str::to_owned)
             };
             let status = response.status().as_u16();
-            let settle = header("ruststream-settle");
+            // Every value, as sent: one that is not ASCII, or two of them, is a directive
+            // the gateway cannot read — never one it did not get.
+            let settles: Vec<String> = response
+                .headers()
+                .get_all("ruststream-settle")
+                .iter()
+                .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+                .collect();
+            let settle = (!settles.is_empty()).then(|| settles.join(", "));
             let retry_after = header("retry-after");
             let (body, whole) = drive(driver, alive, read_some(response.into_body())).await;
             if whole {

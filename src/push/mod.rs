@@ -9,6 +9,7 @@
 //! renders it) and `http::client` (the core's caller type), `domain`, `config`, `metrics`,
 //! `tls_client`, `telemetry`.
 
+mod attempt;
 mod client;
 mod request;
 mod worker;

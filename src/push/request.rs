@@ -15,13 +15,34 @@ use sha2::Sha256;
 
 use crate::config::{PushFormat, PushSpec};
 use crate::domain::delivery::Leased;
-use crate::domain::push::Settle;
+use crate::domain::push::{Settle, Unreadable, batch_result, endpoint_reason};
 use crate::http::dto::{Encoding, MessageDto, rfc3339};
 
-/// Headers of a message that never pass through to the endpoint: HTTP/1.1 framing, and the
-/// names the gateway itself sets (a message must not forge its own lease or signature).
-const NEVER_PASSED: &[&str] = &["content-length", "transfer-encoding", "connection", "host"];
+/// Headers of a message that never pass through to the endpoint (RFC 9110 §7.6.1): the
+/// connection's own (framing and hop-by-hop fields, which speak of the gateway's connection,
+/// not the message) and credentials — only the operator's `headers` table, or the URL's
+/// userinfo, chooses what the gateway presents to the endpoint.
+const NEVER_PASSED: &[&str] = &[
+    // Framing and hop-by-hop.
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "proxy-connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "upgrade",
+    "expect",
+    "host",
+    // Credentials.
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+];
+/// The names the gateway itself sets: a message must not forge its own lease or signature.
 const OWN_PREFIXES: &[&str] = &["webhook-", "ruststream-"];
+/// The CloudEvents attributes the gateway gives an event, each where the message has none.
+const EVENT_ATTRIBUTES: [&str; 5] = ["ce-specversion", "ce-id", "ce-source", "ce-type", "ce-time"];
 
 /// One request, ready to send.
 pub(super) struct Request {
@@ -59,10 +80,8 @@ pub(super) fn build(spec: &PushSpec, leases: &[Leased], now: SystemTime) -> Requ
             first.delivery.payload.to_vec()
         }
         PushFormat::CloudEvents => {
-            let own_event = message_headers(first, &mut headers, true);
-            if !own_event {
-                cloudevent_headers(first, &id, &mut headers);
-            }
+            message_headers(first, &mut headers, true);
+            cloudevent_headers(first, &id, &mut headers);
             first.delivery.payload.to_vec()
         }
     };
@@ -125,11 +144,19 @@ fn json_body(batch: usize, leases: &[Leased]) -> Vec<u8> {
     }
 }
 
-/// The message's own headers that are valid HTTP headers, and its `Content-Type` (or
-/// `application/octet-stream`); whether it carries its own CloudEvent (`ce-specversion`).
-fn message_headers(leased: &Leased, headers: &mut HeaderMap, keep_events: bool) -> bool {
-    let mut own_event = false;
+/// The message's own headers that are valid HTTP headers, but for those that never pass
+/// ([`NEVER_PASSED`], the gateway's own, those its `Connection` header names as hop-by-hop,
+/// and `ce-*` unless `keep_events`); and its `Content-Type` (or `application/octet-stream`).
+fn message_headers(leased: &Leased, headers: &mut HeaderMap, keep_events: bool) {
     if let Some(map) = &leased.delivery.headers {
+        // RFC 9110 §7.6.1: a field the Connection header names is hop-by-hop too.
+        let hop_by_hop: Vec<String> = map
+            .iter()
+            .filter(|(name, _)| AsRef::<str>::as_ref(*name).eq_ignore_ascii_case("connection"))
+            .flat_map(|(_, values)| values.iter().flat_map(|value| value.as_str().split(',')))
+            .map(|name| name.trim().to_ascii_lowercase())
+            .filter(|name| !name.is_empty())
+            .collect();
         for (name, values) in map.iter() {
             let Ok(name) = HeaderName::from_bytes(AsRef::<str>::as_ref(name).as_bytes()) else {
                 continue;
@@ -138,10 +165,10 @@ fn message_headers(leased: &Leased, headers: &mut HeaderMap, keep_events: bool) 
             if NEVER_PASSED.contains(&lower)
                 || OWN_PREFIXES.iter().any(|prefix| lower.starts_with(prefix))
                 || (!keep_events && lower.starts_with("ce-"))
+                || hop_by_hop.iter().any(|named| named == lower)
             {
                 continue;
             }
-            own_event |= lower == "ce-specversion";
             for value in values {
                 if let Ok(value) = HeaderValue::from_str(value.as_str()) {
                     headers.append(name.clone(), value);
@@ -155,7 +182,6 @@ fn message_headers(leased: &Leased, headers: &mut HeaderMap, keep_events: bool) 
             HeaderValue::from_static("application/octet-stream"),
         );
     }
-    own_event
 }
 
 /// Where the binary format says what the body is.
@@ -175,26 +201,26 @@ fn metadata_headers(leased: &Leased, headers: &mut HeaderMap) {
     );
 }
 
-/// CloudEvents 1.0, HTTP binary content mode: the required attributes and the time.
+/// CloudEvents 1.0, HTTP binary content mode: each required attribute, and the time, that
+/// the message does not carry itself (a message published as an event keeps its own; one
+/// that carries only some gets the rest, so that the event is always whole).
 fn cloudevent_headers(leased: &Leased, id: &str, headers: &mut HeaderMap) {
     let delivery = &leased.delivery;
-    set(headers, "ce-specversion", "1.0");
-    set(headers, "ce-id", id);
-    set(
-        headers,
-        "ce-source",
-        &format!("/streams/{}", delivery.stream),
-    );
-    set(headers, "ce-type", delivery.subject.as_str());
-    set(headers, "ce-time", &rfc3339(delivery.published_at));
+    for attribute in EVENT_ATTRIBUTES {
+        if headers.contains_key(attribute) {
+            continue;
+        }
+        match attribute {
+            "ce-specversion" => set(headers, attribute, "1.0"),
+            "ce-id" => set(headers, attribute, id),
+            "ce-source" => set(headers, attribute, &format!("/streams/{}", delivery.stream)),
+            "ce-type" => set(headers, attribute, delivery.subject.as_str()),
+            _ => set(headers, attribute, &rfc3339(delivery.published_at)),
+        }
+    }
 }
 
-/// A batch's answer body: a settle per message, in request order.
-#[derive(Deserialize)]
-struct BatchAnswer {
-    results: Vec<BatchResult>,
-}
-
+/// One result of a batch's answer body.
 #[derive(Deserialize)]
 struct BatchResult {
     settle: String,
@@ -202,28 +228,26 @@ struct BatchResult {
     reason: Option<String>,
 }
 
-/// The settles a 2xx batch answer asks for, one per message it names (`None` when the body
-/// says nothing per message: the status then settles them all).
-pub(super) fn batch_results(body: &[u8]) -> Option<Vec<Option<Settle>>> {
+/// The settles a 2xx answer to a batch of `count` asks for, one per message it names, in
+/// request order (`None` when the body holds no `results`: the status then settles them
+/// all). A result the gateway cannot read is [`Unreadable`], never an ack; `results` that is
+/// no list makes every message's unreadable.
+pub(super) fn batch_results(body: &[u8], count: usize) -> Option<Vec<Result<Settle, Unreadable>>> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return None;
     }
-    let answer: BatchAnswer = serde_json::from_slice(body).ok()?;
+    let mut answer: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let results = answer.get_mut("results")?.take();
+    let serde_json::Value::Array(results) = results else {
+        return Some(vec![Err(Unreadable); count]);
+    };
     Some(
-        answer
-            .results
+        results
             .into_iter()
-            .map(|result| match result.settle.as_str() {
-                "ack" => Some(Settle::Ack),
-                "nak" => Some(Settle::Nak(Duration::from_millis(
-                    result.delay_ms.unwrap_or(0),
-                ))),
-                "term" => {
-                    Some(Settle::Term(result.reason.unwrap_or_else(|| {
-                        "push: terminated by the endpoint".into()
-                    })))
-                }
-                _ => None,
+            .map(|result| {
+                let result: BatchResult = serde_json::from_value(result).map_err(|_| Unreadable)?;
+                let reason = result.reason.as_deref().map(endpoint_reason);
+                batch_result(&result.settle, result.delay_ms, reason.as_deref())
             })
             .collect(),
     )
@@ -249,21 +273,30 @@ mod tests {
     }
 
     #[test]
-    fn batch_results_settle_each_in_order() {
+    fn batch_results_settle_each_in_order_and_never_ack_what_they_cannot_read() {
         let results = batch_results(
-            br#"{"results": [{"settle": "ack"}, {"settle": "nak", "delay_ms": 250}, {"settle": "term", "reason": "bad"}, {"settle": "?"}]}"#,
+            br#"{"results": [{"settle": "ack"}, {"settle": "nak", "delay_ms": 250}, {"settle": "term", "reason": "bad"}, {"settle": "?"}, {"settle": "nak", "delay_ms": -5}, {"settle": "nak", "delay_ms": 1.5}, 7]}"#,
+            7,
         )
         .expect("results");
         assert_eq!(
             results,
             vec![
-                Some(Settle::Ack),
-                Some(Settle::Nak(Duration::from_millis(250))),
-                Some(Settle::Term("bad".into())),
-                None
+                Ok(Settle::Ack),
+                Ok(Settle::Nak(Duration::from_millis(250))),
+                Ok(Settle::Term("bad".into())),
+                Err(Unreadable),
+                Err(Unreadable),
+                Err(Unreadable),
+                Err(Unreadable),
             ]
         );
-        assert_eq!(batch_results(b""), None);
-        assert_eq!(batch_results(b"ok"), None);
+        assert_eq!(
+            batch_results(br#"{"results": "ack"}"#, 2),
+            Some(vec![Err(Unreadable), Err(Unreadable)])
+        );
+        assert_eq!(batch_results(b"", 2), None);
+        assert_eq!(batch_results(b"ok", 2), None);
+        assert_eq!(batch_results(br#"{"ok": true}"#, 2), None);
     }
 }

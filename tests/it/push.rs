@@ -364,6 +364,188 @@ async fn binary_and_cloudevents_bodies_are_the_exact_bytes_with_metadata_in_head
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_never_chooses_the_credentials_or_hop_by_hop_headers_of_its_push() {
+    let (server, js) = server_with_stream().await;
+    let binary = Endpoint::start().await;
+    let events = Endpoint::start().await;
+    let with_user = |url: &str| url.replacen("http://", "http://pusher:s%40cret@", 1);
+    let file = format!(
+        "{}{}",
+        entry("raw", &with_user(&binary.url), "format = \"binary\""),
+        entry(
+            "events",
+            &with_user(&events.url),
+            "format = \"cloudevents\""
+        )
+    );
+    let (_gateway, _dir) = with_consumers_file(&server, &file).await;
+    let mut hostile = async_nats::HeaderMap::new();
+    for (name, value) in [
+        ("Authorization", "Bearer chosen-by-the-publisher"),
+        ("Proxy-Authorization", "Basic cHJveHk6cHJveHk="),
+        ("Cookie", "session=stolen"),
+        ("Expect", "100-continue"),
+        ("Upgrade", "websocket"),
+        ("TE", "trailers"),
+        ("Keep-Alive", "timeout=600"),
+        ("Proxy-Connection", "keep-alive"),
+        ("Trailer", "X-Checksum"),
+        ("Connection", "X-Hop"),
+        ("X-Hop", "named by Connection"),
+        ("X-Order", "42"),
+    ] {
+        hostile.insert(name, value);
+    }
+    js.publish_with_headers("orders.new", hostile, "hostile")
+        .await;
+    // A message carrying only part of an event gets the rest from the gateway.
+    let mut partial = async_nats::HeaderMap::new();
+    partial.insert("ce-specversion", "1.0");
+    partial.insert("ce-type", "com.example.partial");
+    let partial_sequence = js
+        .publish_with_headers("orders.new", partial, "partial event")
+        .await;
+
+    let basic = format!("Basic {}", STANDARD.encode("pusher:s@cret"));
+    for endpoint in [&binary, &events] {
+        let received = endpoint.wait_for(2, Duration::from_secs(10)).await;
+        let request = received
+            .iter()
+            .find(|request| request.body == b"hostile")
+            .expect("the hostile message");
+        assert_eq!(
+            request.header("authorization").as_deref(),
+            Some(basic.as_str()),
+            "the URL's credentials, not the message's"
+        );
+        for name in [
+            "proxy-authorization",
+            "cookie",
+            "expect",
+            "upgrade",
+            "te",
+            "keep-alive",
+            "proxy-connection",
+            "trailer",
+            "x-hop",
+        ] {
+            assert_eq!(request.header(name), None, "{name} passed: {request:?}");
+        }
+        assert_eq!(request.header("x-order").as_deref(), Some("42"));
+    }
+    let received = events.received();
+    let event = received
+        .iter()
+        .find(|request| request.body == b"partial event")
+        .expect("the partial event");
+    assert_eq!(event.header("ce-specversion").as_deref(), Some("1.0"));
+    assert_eq!(
+        event.header("ce-type").as_deref(),
+        Some("com.example.partial")
+    );
+    assert_eq!(
+        event.header("ce-id"),
+        Some(format!("{STREAM}:{partial_sequence}"))
+    );
+    assert_eq!(
+        event.header("ce-source"),
+        Some(format!("/streams/{STREAM}"))
+    );
+    assert!(event.header("ce-time").is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_directive_the_gateway_cannot_read_is_a_nak_never_an_ack() {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    endpoint.answer(|request, _| match delivered(request) {
+        1 => Reply::status(200).header("Ruststream-Settle", "retry"),
+        _ => Reply::status(204),
+    });
+    let dir = files_dir();
+    let path = dir.path().join("consumers.toml");
+    std::fs::write(&path, entry(PUSHED, &endpoint.url, "")).expect("write");
+    let gateway = Setup::defaults()
+        .flag("--consumers-file", path.display().to_string())
+        .process(&server.url())
+        .await;
+    js.publish("orders.1", "misread").await;
+    let received = endpoint.wait_for(2, Duration::from_secs(10)).await;
+    assert_eq!(
+        received.iter().map(delivered).collect::<Vec<_>>(),
+        [1, 2],
+        "pushed again after the backoff, not acked"
+    );
+    assert!(received.iter().all(|request| payload(request) == "misread"));
+    wait_all_settled(&gateway).await;
+    let log = gateway.log();
+    let warned: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("WARN") && line.contains("Ruststream-Settle"))
+        .collect();
+    assert_eq!(warned.len(), 1, "{log}");
+    assert!(
+        warned[0].contains("retry"),
+        "names the value: {}",
+        warned[0]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_caught_while_a_retry_after_holds_is_kept_leased_and_pushed_as_its_first_delivery()
+ {
+    let (server, js) = server_with_stream().await;
+    let endpoint = Endpoint::start().await;
+    // The first request is answered late enough for the worker to be waiting patiently for
+    // the next message (after a second with nothing), and refused with a hold longer than
+    // ack_wait: what that wait catches must be kept leased until the hold ends.
+    endpoint.answer(|_, index| {
+        if index == 0 {
+            Reply::status(503)
+                .header("Retry-After", "6")
+                .after(Duration::from_millis(2500))
+        } else {
+            Reply::status(204)
+        }
+    });
+    let file = format!(
+        "[[consumer]]\nstream = \"{STREAM}\"\nname = \"{PUSHED}\"\nack_wait = \"4s\"\n\n[consumer.push]\nurl = \"{}\"\ntimeout = \"3s\"\nretry_initial = \"100ms\"\nretry_max = \"200ms\"\n",
+        endpoint.url
+    );
+    let (gateway, _dir) = with_consumers_file(&server, &file).await;
+    js.publish("orders.1", "refused").await;
+    endpoint.wait_for(1, Duration::from_secs(10)).await;
+    wait_until(
+        "the endpoint's Retry-After holds the pushes",
+        Duration::from_secs(10),
+        || async { push_view(&gateway).await["push"]["state"] == "backing_off" },
+    )
+    .await;
+    let held_from = Instant::now();
+    js.publish("orders.1", "caught").await;
+    let received = endpoint.wait_for(3, Duration::from_secs(20)).await;
+    let caught: Vec<&Received> = received
+        .iter()
+        .filter(|request| payload(request) == "caught")
+        .collect();
+    assert_eq!(caught.len(), 1, "pushed once: {received:?}");
+    assert_eq!(
+        delivered(caught[0]),
+        1,
+        "its first delivery reached the endpoint"
+    );
+    assert!(
+        caught[0].at.duration_since(held_from) >= Duration::from_secs(3),
+        "sent after the hold"
+    );
+    wait_all_settled(&gateway).await;
+    assert_stays("nothing pushed again", Duration::from_secs(1), || async {
+        endpoint.received().len() == 3
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_is_settled_per_message_by_its_results() {
     let (server, js) = server_with_stream().await;
     let endpoint = Endpoint::start().await;
