@@ -5,6 +5,7 @@
 
 mod capacity;
 mod concurrency;
+mod console;
 mod consumers;
 mod containers;
 mod dead_letter;
