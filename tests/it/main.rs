@@ -24,6 +24,7 @@ mod logs;
 mod metrics;
 mod nats_outage;
 mod ordering;
+mod pause;
 mod poison;
 mod publish;
 mod push;
