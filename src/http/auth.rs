@@ -1,7 +1,8 @@
 //! HTTP bearer-token authentication: the configured static tokens with their scopes (read in
-//! [`super::tokens`]), JWTs (see [`super::jwt`]), stream tickets (see [`super::tickets`]),
-//! and the middleware that checks each request against the scope its route needs — and
-//! what ends an open stream once its token no longer allows it.
+//! [`super::tokens`]), JWTs (see [`super::jwt`]), stream tickets presented on a stream's
+//! opening (issued by `POST /stream-tickets`), and the middleware that checks each request
+//! against the scope its route needs — and what ends an open stream once its token no
+//! longer allows it. Who a request turns out to be is a [`Principal`].
 //!
 //! Only SHA-256 digests of the static tokens are kept, and a presented token is compared
 //! with every one of them in constant time, so neither timing nor memory tells which token
@@ -12,10 +13,8 @@
 //!
 //! May import: as the rest of `http`.
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use axum::extract::{MatchedPath, Request};
@@ -23,101 +22,16 @@ use axum::http::header;
 use tokio::sync::watch;
 
 use super::jwt::Jwt;
+pub(crate) use super::principal::{Principal, Revocation};
+use super::principal::{Subject, SubjectAccounts};
 use super::scopes::{Grants, Requirement, Scope, consumer_of, requirement};
 use super::tokens::{TokenEntry, Tokens, load_tokens};
 use crate::config::Config;
 use crate::domain::consumers::ConsumerName;
-use crate::domain::ticket::Ticket;
+use crate::domain::ticket::{Ticket, TicketSigner};
 use crate::error::Error;
-use crate::gateway::{EndsWhen, Gateway};
+use crate::gateway::Gateway;
 use tracing::{error, info};
-
-/// A caller's share of waiting fetches: one per static token, one per JWT subject (however
-/// many tokens the issuer hands that subject).
-#[derive(Default)]
-pub(crate) struct Account {
-    waiting_fetches: AtomicUsize,
-}
-
-/// A fetch counted against its caller until dropped.
-pub(crate) struct WaitingFetch(Arc<Account>);
-
-impl Drop for WaitingFetch {
-    fn drop(&mut self) {
-        self.0.waiting_fetches.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// The caller a request was authenticated as; handlers find it in the request extensions.
-#[derive(Clone)]
-pub(crate) struct Principal {
-    account: Arc<Account>,
-    grants: Arc<Grants>,
-    /// A JWT's verified issuer and subject; `None` for a static token.
-    subject: Option<Arc<Subject>>,
-    /// A static token's digest: what a reload is checked against.
-    token: Option<[u8; 32]>,
-    /// A JWT's `exp` (Unix seconds).
-    expires_at: Option<i64>,
-}
-
-/// Who a JWT speaks for.
-#[derive(PartialEq, Eq, Hash)]
-struct Subject {
-    issuer: Option<String>,
-    subject: String,
-}
-
-impl Principal {
-    /// A static token's digest (hex): what a stream ticket issued for it names.
-    pub(crate) fn token_digest(&self) -> Option<String> {
-        self.token.map(|digest| crate::domain::hex(&digest))
-    }
-
-    /// A JWT's `exp` (Unix seconds).
-    pub(crate) fn expires_at(&self) -> Option<i64> {
-        self.expires_at
-    }
-
-    /// Whether the caller's scopes grant `scope` on some consumer.
-    pub(crate) fn reaches(&self, scope: Scope) -> bool {
-        self.grants.reaches(scope)
-    }
-
-    /// Whether the caller's scopes grant what `scope` guards, on the consumer `name`.
-    pub(crate) fn allows_on(&self, scope: Scope, name: &ConsumerName) -> bool {
-        self.grants.allows_on(scope, name)
-    }
-
-    /// Count one more waiting fetch for this caller, unless it already has `limit`.
-    pub(crate) fn begin_fetch(&self, limit: usize) -> Result<WaitingFetch, Error> {
-        let before = self.account.waiting_fetches.fetch_add(1, Ordering::AcqRel);
-        if before >= limit {
-            self.account.waiting_fetches.fetch_sub(1, Ordering::AcqRel);
-            return Err(Error::TooManyWaitingFetches {
-                limit,
-                retry_after: Duration::from_secs(1),
-            });
-        }
-        Ok(WaitingFetch(self.account.clone()))
-    }
-
-    /// What scopes an `Idempotency-Key` for this caller: a JWT's issuer and subject, so the
-    /// caller's next token (a refresh) reaches the same answers and another subject does
-    /// not. `None` for a static token: its Authorization header already names it for good.
-    pub(crate) fn idempotency_credential(&self) -> Option<Vec<u8>> {
-        self.subject.as_ref().map(|subject| {
-            // A static token's credential is its Authorization header, which starts with
-            // the scheme (`Bearer `), never with `jwt:`; `\0` keeps issuer and subject apart.
-            format!(
-                "jwt:{}\0{}",
-                subject.issuer.as_deref().unwrap_or_default(),
-                subject.subject
-            )
-            .into_bytes()
-        })
-    }
-}
 
 /// Authentication settings for the HTTP layer.
 #[derive(Clone)]
@@ -133,31 +47,6 @@ pub(crate) struct Auth {
     subjects: Arc<Mutex<SubjectAccounts>>,
     /// The default consumer, which `/fetch`, `/events` and `/ws` name without saying so.
     default_consumer: Option<ConsumerName>,
-}
-
-#[derive(Default)]
-struct SubjectAccounts {
-    accounts: HashMap<Arc<Subject>, Weak<Account>>,
-    /// Size after the last sweep of dead entries; the next sweep comes at twice that.
-    swept_at: usize,
-}
-
-impl SubjectAccounts {
-    /// The account of `subject`: the one its requests in progress share, or a new one.
-    fn account(&mut self, subject: &Arc<Subject>) -> Arc<Account> {
-        if let Some(account) = self.accounts.get(subject).and_then(Weak::upgrade) {
-            return account;
-        }
-        if self.accounts.len() >= (2 * self.swept_at).max(64) {
-            self.accounts
-                .retain(|_, account| account.strong_count() > 0);
-            self.swept_at = self.accounts.len();
-        }
-        let account = Arc::new(Account::default());
-        self.accounts
-            .insert(subject.clone(), Arc::downgrade(&account));
-        account
-    }
 }
 
 impl Auth {
@@ -265,10 +154,50 @@ impl Auth {
         }
     }
 
+    /// The caller a ticket presented on a stream opening of `consumer` stands for, with
+    /// what ends the stream should its token lose the right; 401 for a ticket forged,
+    /// expired, used already, issued for another consumer, or whose token is gone.
+    async fn redeem(
+        &self,
+        gateway: &Gateway,
+        text: &str,
+        consumer: &ConsumerName,
+    ) -> Result<(Principal, Revocation), Error> {
+        let refused = || Error::Unauthorized { invalid: true };
+        let tickets = gateway.tickets();
+        let ticket = tickets.verify(text).ok_or_else(refused)?;
+        let now_ms =
+            i64::try_from(time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000)
+                .unwrap_or(i64::MAX);
+        if ticket.expires_unix_ms <= now_ms
+            || ticket.stream != consumer.stream
+            || ticket.consumer != consumer.consumer
+        {
+            return Err(refused());
+        }
+        let principal = self
+            .ticket_principal(&ticket, tickets)
+            .ok_or_else(refused)?;
+        let left =
+            Duration::from_millis(u64::try_from(ticket.expires_unix_ms - now_ms).unwrap_or(0));
+        if !gateway
+            .redeem_ticket(&ticket.nonce, tokio::time::Instant::now() + left)
+            .await?
+        {
+            return Err(refused());
+        }
+        let revocation = Revocation::new(Box::pin(self.no_longer_allows(
+            Some(&principal),
+            Scope::Fetch,
+            consumer,
+        )));
+        Ok((principal, revocation))
+    }
+
     /// The caller a stream ticket stands for: the ticket's consumer with what it allows
     /// there (`fetch`, and `settle` if the token had it), and nothing else; `None` when the
     /// static token it was issued for is no longer configured.
-    pub(crate) fn ticket_principal(&self, ticket: &Ticket) -> Option<Principal> {
+    fn ticket_principal(&self, ticket: &Ticket, tickets: &TicketSigner) -> Option<Principal> {
         let consumer = format!("{}/{}", ticket.stream, ticket.consumer);
         let mut grants = Grants::default();
         grants.grant(&format!("fetch:{consumer}")).ok()?;
@@ -282,7 +211,7 @@ impl Auth {
                 let entry = tokens
                     .entries
                     .iter()
-                    .find(|entry| crate::domain::hex(&entry.digest) == *token)?;
+                    .find(|entry| tickets.token_ref(&entry.digest) == *token)?;
                 Some(Principal {
                     account: entry.account.clone(),
                     grants,
@@ -382,8 +311,7 @@ impl Auth {
             let Some(consumer) = &presented.consumer else {
                 return Err(Error::Unauthorized { invalid: true });
             };
-            let (principal, revocation) =
-                super::tickets::redeem(self, gateway, &presented.token, consumer).await?;
+            let (principal, revocation) = self.redeem(gateway, &presented.token, consumer).await?;
             return Ok(Some((principal, Some(revocation))));
         }
         let principal = self.authenticate(&presented.token).await?;
@@ -562,21 +490,6 @@ fn ticket_of(query: Option<&str>) -> Option<String> {
 pub(crate) fn is_stream_path(path: &str) -> bool {
     matches!(path, "/events" | "/ws")
         || (path.starts_with("/streams/") && (path.ends_with("/events") || path.ends_with("/ws")))
-}
-
-/// What ends a stream once its token no longer allows it (see [`Auth::no_longer_allows`]),
-/// handed to the stream's handler in the request's extensions; taken once.
-#[derive(Clone)]
-pub(crate) struct Revocation(Arc<Mutex<Option<EndsWhen>>>);
-
-impl Revocation {
-    pub(super) fn new(ends_when: EndsWhen) -> Self {
-        Self(Arc::new(Mutex::new(Some(ends_when))))
-    }
-
-    pub(crate) fn take(&self) -> Option<EndsWhen> {
-        self.0.lock().ok()?.take()
-    }
 }
 
 #[cfg(test)]

@@ -236,6 +236,31 @@ mod tests {
         ));
     }
 
+    /// The fetch body's integer fields, through the parser every handler uses.
+    #[test]
+    fn integers_may_be_spelled_as_integral_floats() {
+        let body: crate::http::dto::FetchBody =
+            parse(br#"{"batch": 10.0, "wait_ms": 5e3, "max_bytes": 1}"#)
+                .expect("integral floats are integers");
+        assert_eq!(
+            (body.batch, body.wait_ms, body.max_bytes),
+            (Some(10), Some(5000), Some(1))
+        );
+        for bad in [
+            r#"{"batch": 1.5}"#,
+            r#"{"batch": -1}"#,
+            r#"{"batch": 5e9}"#,
+            r#"{"wait_ms": "1"}"#,
+            r#"{"max_bytes": 9223372036854775808}"#,
+            r#"{"max_bytes": 1e19}"#,
+        ] {
+            match parse::<crate::http::dto::FetchBody>(bad.as_bytes()) {
+                Err(Error::Invalid { field, .. }) => assert!(field.is_some(), "{bad}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
     mod properties {
         use super::*;
         use crate::http::dto::{

@@ -7,7 +7,9 @@
 //! May import: as the rest of `http`.
 
 use axum::Router;
-use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName};
+use axum::http::header::{
+    CACHE_CONTROL, CONTENT_SECURITY_POLICY, CONTENT_TYPE, REFERRER_POLICY, X_CONTENT_TYPE_OPTIONS,
+};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
@@ -15,17 +17,20 @@ const PAGE: &str = include_str!("console/index.html");
 const SCRIPT: &str = include_str!("console/console.js");
 const STYLE: &str = include_str!("console/console.css");
 
-/// Only this origin, for everything: the page works with what the binary serves.
+/// Only this origin, for everything: the page works with what the binary serves. No inline
+/// style either (no `style` attributes: the page styles through classes of its stylesheet).
 const POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
-const CONTENT_SECURITY_POLICY: HeaderName = HeaderName::from_static("content-security-policy");
-
+/// Each of the console's answers: its type, never sniffed as another (`nosniff`); the
+/// policy; and no `Referer` naming the console's URL to anything it links to.
 fn file(content_type: &'static str, body: &'static str) -> impl IntoResponse {
     (
         [
             (CONTENT_TYPE, content_type),
             (CACHE_CONTROL, "no-cache"),
             (CONTENT_SECURITY_POLICY, POLICY),
+            (X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (REFERRER_POLICY, "no-referrer"),
         ],
         body,
     )
@@ -78,5 +83,39 @@ mod tests {
         }
         assert!(PAGE.contains(r#"src="/console/console.js""#));
         assert!(PAGE.contains(r#"href="/console/console.css""#));
+    }
+
+    /// `style-src 'self'` refuses inline style: a `style` attribute the script sets (or the
+    /// page carries) is dropped with a CSP error, so the page has none and styles through
+    /// its stylesheet's classes — the chart legend's swatches included.
+    #[test]
+    fn the_page_sets_no_inline_style_and_the_stylesheet_colours_each_swatch() {
+        assert!(!PAGE.contains("style="), "a style attribute in the page");
+        assert!(!PAGE.contains("<style"), "a style element in the page");
+        for (number, line) in SCRIPT.lines().enumerate() {
+            assert!(
+                !line.contains("style:")
+                    && !line.contains("\"style\"")
+                    && !line.contains("cssText"),
+                "console.js:{}: an inline style: {line}",
+                number + 1
+            );
+        }
+        let series: Vec<&str> = SCRIPT
+            .split("const SERIES = [")
+            .nth(1)
+            .and_then(|rest| rest.split("];").next())
+            .expect("the chart's series")
+            .lines()
+            .filter_map(|line| line.trim().strip_prefix("[\""))
+            .filter_map(|line| line.split('"').next())
+            .collect();
+        assert_eq!(series.len(), 4, "{series:?}");
+        for key in series {
+            assert!(
+                STYLE.contains(&format!(".legend .swatch-{key} {{ background: #")),
+                "no swatch colour for {key} in console.css"
+            );
+        }
     }
 }

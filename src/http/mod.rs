@@ -18,6 +18,7 @@ mod jwt;
 mod messages;
 mod metrics;
 mod ops;
+mod principal;
 pub(crate) mod problem;
 mod publish;
 mod push;

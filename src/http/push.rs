@@ -26,6 +26,7 @@ use crate::gateway::{Gateway, Target};
 #[schema(example = json!({"until": "2026-12-02T18:00:00Z"}))]
 pub(crate) struct PauseBody {
     /// When the pause ends by itself (RFC 3339, in the future); absent: until resumed.
+    /// 9999-12-31T23:59:59.999999999Z is refused: it marks a pause until resumed.
     until: Option<String>,
 }
 

@@ -1,8 +1,8 @@
 //! What a bearer token may do: the scopes (`fetch`, `settle`, `publish`, `admin`) as token
 //! files and JWT claims name them — `fetch` and `settle` also for named consumers only
-//! (`fetch:ORDERS/*`) — and the scope each path requires. Shared by the static tokens
-//! ([`super::auth`]) and the JWTs ([`super::jwt`]), which both import it and not each
-//! other.
+//! (`fetch:ORDERS/*`) — and the scope each path requires. Shared by the static tokens and
+//! the authentication middleware (`auth`) and the JWTs (`jwt`), which import it; it imports
+//! none of them.
 //!
 //! May import: as the rest of `http`.
 

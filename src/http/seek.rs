@@ -24,8 +24,9 @@ use crate::gateway::{Gateway, SeekTarget, Target};
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"time": "2026-12-02T03:00:00Z", "dry_run": true}))]
 pub(crate) struct SeekBody {
-    /// The stream sequence to deliver next (1 or more).
-    #[schema(minimum = 1)]
+    /// The stream sequence to deliver next: 1 up to the stream's last sequence + 1 (the
+    /// end: only what is published from now on).
+    #[schema(minimum = 1, maximum = 9_223_372_036_854_775_807_i64)]
     sequence: Option<u64>,
     /// Deliver next the first message stored at or after this time (RFC 3339).
     time: Option<String>,
@@ -55,7 +56,8 @@ pub(crate) struct SeekDto {
 
 /// Move a consumer to a stream sequence, a time, or its stream's beginning or end, without
 /// deleting it (the server's consumer reset, nats-server 2.14 or later: 501 on an older
-/// one). Every live lease of the consumer is void afterwards (its settles answer 410), at
+/// one). A sequence past the stream's end (its last sequence + 1) is 422: it would skip
+/// messages not even published yet. Every live lease of the consumer is void afterwards (its settles answer 410), at
 /// every replica within a second, and the messages the move delivers again are leased again,
 /// even those acked before. `dry_run` moves nothing.
 #[utoipa::path(
@@ -113,6 +115,13 @@ fn target(body: &SeekBody) -> Result<SeekTarget, Error> {
             return Err(Error::invalid(
                 "sequence",
                 "sequence: stream sequences start at 1",
+            ));
+        }
+        // The schema's bound (int64), whatever the stream: no stream gets that far.
+        if i64::try_from(sequence).is_err() {
+            return Err(Error::invalid(
+                "sequence",
+                format!("sequence: at most {} (2^63 - 1), got {sequence}", i64::MAX),
             ));
         }
         return Ok(SeekTarget::Sequence(sequence));

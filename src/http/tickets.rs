@@ -1,9 +1,10 @@
 //! `POST /stream-tickets`: a single-use ticket, valid 30 s, with which a browser opens a
 //! stream (`?ticket=` on `/events`, `/ws` and the named consumers' variants) — `EventSource`
 //! and `WebSocket` cannot set `Authorization`, and a long-lived token in a URL ends up in
-//! logs. A ticket names one consumer and carries only what its token may do there; it is
-//! redeemed once across the fleet, and a stream opened with it ends when its token is
-//! revoked, as one opened with the token would.
+//! logs. A ticket names one consumer and carries only what its token may do there, sealed:
+//! its text reveals nothing about the token. It is redeemed once across the fleet (by the
+//! authentication middleware, where it is presented), and a stream opened with it ends when
+//! its token is revoked, as one opened with the token would.
 //!
 //! May import: as the rest of `http`.
 
@@ -16,9 +17,9 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use super::auth::{Auth, Principal, Revocation};
 use super::body::JsonBody;
 use super::dto::rfc3339;
+use super::principal::Principal;
 use super::responses::{BodyRefusals, Guarded, NamedFetchRefusals};
 use super::scopes::Scope;
 use crate::domain::consumers::ConsumerName;
@@ -42,12 +43,12 @@ pub(crate) struct TicketRequest {
 /// A ticket: pass it as `?ticket=` when opening the stream, within 30 s, once.
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(example = json!({
-    "ticket": "eyJzdHJlYW0iOiJPUkRFUlMiLCJjb25zdW1lciI6ImJpbGxpbmcifQ.3q2-7w",
+    "ticket": "q7Xb0VdU3m9kXh1c2Jf8pZ4oTnRwLs6eYgAiKvHq0DxE5uCt_MaN-bWl7rJy",
     "expires_at": "2026-12-02T10:00:30Z",
     "stream": "ORDERS",
     "consumer": "billing",
-    "events": "/streams/ORDERS/consumers/billing/events?ticket=eyJzdHJlYW0iOiJPUkRFUlMiLCJjb25zdW1lciI6ImJpbGxpbmcifQ.3q2-7w",
-    "ws": "/streams/ORDERS/consumers/billing/ws?ticket=eyJzdHJlYW0iOiJPUkRFUlMiLCJjb25zdW1lciI6ImJpbGxpbmcifQ.3q2-7w"
+    "events": "/streams/ORDERS/consumers/billing/events?ticket=q7Xb0VdU3m9kXh1c2Jf8pZ4oTnRwLs6eYgAiKvHq0DxE5uCt_MaN-bWl7rJy",
+    "ws": "/streams/ORDERS/consumers/billing/ws?ticket=q7Xb0VdU3m9kXh1c2Jf8pZ4oTnRwLs6eYgAiKvHq0DxE5uCt_MaN-bWl7rJy"
 }))]
 pub(crate) struct TicketResponse {
     ticket: String,
@@ -116,7 +117,10 @@ pub(crate) async fn create(
             .unwrap_or(i64::MAX),
         nonce: crate::domain::hex(&rand::random::<[u8; 16]>()),
         settle: allowed(Scope::Settle, &name),
-        token: principal.as_ref().and_then(Principal::token_digest),
+        token: principal
+            .as_ref()
+            .and_then(Principal::token_digest)
+            .map(|digest| gateway.tickets().token_ref(digest)),
         jwt_expires_at: principal.as_ref().and_then(Principal::expires_at),
     };
     let text = gateway.tickets().issue(&ticket);
@@ -129,39 +133,4 @@ pub(crate) async fn create(
         stream: name.stream,
         consumer: name.consumer,
     }))
-}
-
-/// The caller a ticket presented on a stream opening of `consumer` stands for, with what
-/// ends the stream should its token lose the right; 401 for a ticket forged, expired, used
-/// already, issued for another consumer, or whose token is gone.
-pub(super) async fn redeem(
-    auth: &Auth,
-    gateway: &Gateway,
-    text: &str,
-    consumer: &ConsumerName,
-) -> Result<(Principal, Revocation), Error> {
-    let refused = || Error::Unauthorized { invalid: true };
-    let ticket = gateway.tickets().verify(text).ok_or_else(refused)?;
-    let now_ms = i64::try_from(OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000)
-        .unwrap_or(i64::MAX);
-    if ticket.expires_unix_ms <= now_ms
-        || ticket.stream != consumer.stream
-        || ticket.consumer != consumer.consumer
-    {
-        return Err(refused());
-    }
-    let principal = auth.ticket_principal(&ticket).ok_or_else(refused)?;
-    let left = Duration::from_millis(u64::try_from(ticket.expires_unix_ms - now_ms).unwrap_or(0));
-    if !gateway
-        .redeem_ticket(&ticket.nonce, tokio::time::Instant::now() + left)
-        .await?
-    {
-        return Err(refused());
-    }
-    let revocation = Revocation::new(Box::pin(auth.no_longer_allows(
-        Some(&principal),
-        Scope::Fetch,
-        consumer,
-    )));
-    Ok((principal, revocation))
 }

@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use sha2::{Digest, Sha256};
 use subtle::{ConditionallySelectable, ConstantTimeEq};
 
-use super::auth::Account;
+use super::principal::Account;
 use super::scopes::Grants;
 #[cfg(test)]
 use super::scopes::Scope;
@@ -30,7 +30,7 @@ impl TokenEntry {
     }
 }
 
-/// The configured tokens; `None` inside [`Auth`] means authentication is off.
+/// The configured tokens (none configured: authentication by static token is off).
 pub(crate) struct Tokens {
     pub(super) entries: Vec<Arc<TokenEntry>>,
 }

@@ -1,7 +1,7 @@
 //! Binding to the consumer: find (or create) the stream, bind the consumer (made and
-//! reconciled in [`super::reconcile`]), find the streams replicas share, set up the advisory
-//! stream that dead-lettering needs, and read back what is in force; after a reconnect, only
-//! the read back.
+//! reconciled by the `reconcile` module, below this one), find the streams replicas share,
+//! set up the advisory stream that dead-lettering needs, and read back what is in force;
+//! after a reconnect, only the read back.
 //!
 //! May import: `config`. Nothing of the gateway above the NATS boundary.
 
@@ -16,7 +16,7 @@ use crate::config::Config;
 use crate::domain::lease_id::InstanceId;
 
 use super::API_TIMEOUT;
-use super::reconcile::{bind_durable, create_consumer, desired_config};
+use super::reconcile::{BindError, bind_durable, create_consumer, desired_config};
 use super::replicas::{FleetStream, ReplicaRecord, Shared};
 
 /// A consumer the gateway is bound to, and what it needs to use it.
@@ -65,21 +65,6 @@ impl Bound {
                 .filter(|per_consumer| !per_consumer.is_gone()),
         )
     }
-}
-
-/// Why binding failed.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum BindError {
-    /// Retrying cannot help: the operator must change something.
-    #[error("{0}")]
-    Fatal(String),
-    /// The consumer is of a kind the gateway cannot lease (a push consumer, an ack policy
-    /// other than explicit): the message names the field. A request for it is a 409.
-    #[error("{0}")]
-    Unsuitable(String),
-    /// NATS is unreachable or slow; try again.
-    #[error(transparent)]
-    Transient(#[from] anyhow::Error),
 }
 
 impl Bound {

@@ -35,8 +35,9 @@ pub(crate) mod trust;
 use std::time::Duration;
 
 pub(crate) use async_nats::Client;
-pub(crate) use bind::{BindError, Bound, bind};
+pub(crate) use bind::{Bound, bind};
 pub(crate) use connect::{ConnectionEvent, connect, is_connected};
+pub(crate) use reconcile::BindError;
 
 /// How long any JetStream API call may take before it is given up (and, on the start-up
 /// path, retried).

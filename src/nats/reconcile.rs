@@ -14,8 +14,23 @@ use crate::domain::consumers::{ConsumerName, ConsumerPatterns};
 use crate::domain::ordering::{PIN_GROUP, PIN_TIMEOUT};
 
 use super::API_TIMEOUT;
-use super::bind::BindError;
 use super::replicas::ReplicaRecord;
+
+/// Why binding to a consumer failed: finding its stream, or making, reconciling or
+/// judging the consumer itself (here, where most of the reasons arise).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum BindError {
+    /// Retrying cannot help: the operator must change something.
+    #[error("{0}")]
+    Fatal(String),
+    /// The consumer is of a kind the gateway cannot lease (a push consumer, an ack policy
+    /// other than explicit): the message names the field. A request for it is a 409.
+    #[error("{0}")]
+    Unsuitable(String),
+    /// NATS is unreachable or slow; try again.
+    #[error(transparent)]
+    Transient(#[from] anyhow::Error),
+}
 
 /// The consumer config the flags describe. Only ack_wait, max_ack_pending and the deliver
 /// policy are always sent (plus filter and max_deliver when given): everything else is left

@@ -111,6 +111,9 @@ const policy = served.headers.get("content-security-policy") || "";
 if (!policy.includes("default-src 'none'") || !policy.includes("connect-src 'self'")) {
     throw new Error(`the console's Content-Security-Policy is ${JSON.stringify(policy)}`);
 }
+if (served.headers.get("x-content-type-options") !== "nosniff" || served.headers.get("referrer-policy") !== "no-referrer") {
+    throw new Error(`the console's nosniff/no-referrer headers: ${served.headers.get("x-content-type-options")}, ${served.headers.get("referrer-policy")}`);
+}
 const pageBytes = (await served.arrayBuffer()).byteLength;
 
 // ---- the page ------------------------------------------------------------------------------
@@ -166,6 +169,14 @@ try {
     if (await page.locator("#token-dialog").isVisible()) throw new Error("the token dialog opened again");
     await page.click('tr[data-consumer="ORDERS/browser"] a');
     await page.locator("figure.chart svg polyline").first().waitFor();
+    // The CSP (bypassed here for axe-core) would drop style attributes: there must be none,
+    // and each legend swatch takes its colour from the stylesheet.
+    const inline = await page.evaluate(() => [...document.querySelectorAll("[style]")].map((element) => element.outerHTML.slice(0, 80)));
+    if (inline.length) problems.push(`style attributes, which the console's CSP refuses: ${inline.join(" | ")}`);
+    const swatches = await page.evaluate(() => [...document.querySelectorAll("figure.chart .legend .swatch")].map((swatch) => getComputedStyle(swatch).backgroundColor));
+    if (swatches.length !== 4 || swatches.some((colour) => colour === "rgba(0, 0, 0, 0)" || colour === "transparent")) {
+        problems.push(`legend swatches without a colour: ${JSON.stringify(swatches)}`);
+    }
     await page.locator("#seek-form").waitFor();
     await accessible("a consumer");
 

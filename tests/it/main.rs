@@ -5,6 +5,7 @@
 
 mod capacity;
 mod concurrency;
+mod console;
 mod consumers;
 mod containers;
 mod dead_letter;
@@ -23,6 +24,7 @@ mod logs;
 mod metrics;
 mod nats_outage;
 mod ordering;
+mod pause;
 mod poison;
 mod publish;
 mod push;

@@ -154,3 +154,61 @@ async fn a_seek_voids_live_leases_here_and_at_another_replica_and_bad_input_chan
     again.dedup();
     assert_eq!(again, vec![1, 2, 3, 4]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seek_past_the_end_is_refused_naming_the_last_sequence_and_to_the_end_is_allowed() {
+    let consumer = "past-the-end";
+    let (_server, js, gateway) = Setup::consumer(consumer).start().await;
+    js.publish_many("orders.1", 10, "m").await;
+    let path = seek_path(consumer);
+
+    for beyond in [
+        json!(12),
+        json!(99_999),
+        json!(9_223_372_036_854_775_807_u64),
+        json!(9_223_372_036_854_775_808_u64),
+        json!(u64::MAX),
+    ] {
+        for dry_run in [true, false] {
+            let reply = gateway
+                .post(
+                    &path,
+                    Some(&json!({"sequence": beyond, "dry_run": dry_run})),
+                )
+                .await;
+            reply.assert_invalid("sequence");
+            let detail = reply.body["detail"].as_str().unwrap_or_default();
+            if beyond
+                .as_u64()
+                .is_some_and(|beyond| beyond <= i64::MAX as u64)
+            {
+                assert!(detail.contains("last sequence is 10"), "{beyond}: {detail}");
+            }
+        }
+    }
+    // Nothing moved: every message is still delivered, and later ones too.
+    js.publish("orders.1", "published later").await;
+    assert_eq!(
+        fetch_all_and_ack(&gateway, 11).await,
+        (1..=11).collect::<Vec<_>>()
+    );
+
+    // To the end (the last sequence + 1): allowed, and its dry run says what it skips.
+    js.publish_many("orders.1", 3, "skipped").await;
+    let end = gateway
+        .post(&path, Some(&json!({"sequence": 15, "dry_run": true})))
+        .await;
+    assert_eq!(end.status, 200, "{}", end.text);
+    assert_eq!(
+        (
+            &end.body["sequence"],
+            &end.body["skips"],
+            &end.body["redelivers"]
+        ),
+        (&json!(15), &json!(3), &json!(0))
+    );
+    let moved = gateway.post(&path, Some(&json!({"sequence": 15}))).await;
+    assert_eq!(moved.status, 200, "{}", moved.text);
+    js.publish("orders.1", "after the end").await;
+    assert_eq!(fetch_all_and_ack(&gateway, 1).await, vec![15]);
+}

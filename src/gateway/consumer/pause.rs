@@ -11,8 +11,26 @@ use crate::dispatch::Command;
 use crate::error::Error;
 use crate::nats;
 
-/// A pause this far ahead is a pause until resumed: the server wants a date.
-pub(crate) const UNTIL_RESUMED_YEAR: i32 = 9999;
+/// What a pause until resumed is given to the server, which wants a date: the last instant
+/// RFC 3339 can write, 9999-12-31T23:59:59.999999999Z, which the server keeps to the
+/// nanosecond and every replica (and a restarted one) reads back as "until resumed". A user
+/// may pause until any other time, 9999-12-31 included, and is told that time; this one
+/// alone is refused as an `until` (see [`is_until_resumed`]).
+pub(crate) const UNTIL_RESUMED: OffsetDateTime = OffsetDateTime::new_utc(
+    match time::Date::from_calendar_date(9999, time::Month::December, 31) {
+        Ok(date) => date,
+        Err(_) => panic!("9999-12-31 is a date"),
+    },
+    match time::Time::from_hms_nano(23, 59, 59, 999_999_999) {
+        Ok(time) => time,
+        Err(_) => panic!("23:59:59.999999999 is a time"),
+    },
+);
+
+/// Whether a pause until `until` is the gateway's pause until resumed.
+pub(crate) fn is_until_resumed(until: OffsetDateTime) -> bool {
+    until == UNTIL_RESUMED
+}
 
 impl Consumer {
     /// Until when the consumer is paused, while it is (`Some(None)`: until resumed).
@@ -21,7 +39,7 @@ impl Consumer {
         if until <= OffsetDateTime::now_utc() {
             return None;
         }
-        Some((until.year() < UNTIL_RESUMED_YEAR).then_some(until))
+        Some((!is_until_resumed(until)).then_some(until))
     }
 
     /// 409 consumer-paused while the consumer is paused.
@@ -60,11 +78,17 @@ impl Consumer {
         until: Option<OffsetDateTime>,
         resume: bool,
     ) -> Result<Option<Option<OffsetDateTime>>, Error> {
+        if until.is_some_and(is_until_resumed) {
+            return Err(Error::invalid(
+                "until",
+                "until: 9999-12-31T23:59:59.999999999Z is how the gateway marks a pause until resumed; leave `until` out for that, or give another time",
+            ));
+        }
         let bound = self.connected()?;
         let asked = if resume {
             None
         } else {
-            Some(until.unwrap_or_else(until_resumed))
+            Some(until.unwrap_or(UNTIL_RESUMED))
         };
         let now = nats::publish::pause_consumer(&bound, &self.name().stream, asked)
             .await
@@ -76,11 +100,28 @@ impl Consumer {
     }
 }
 
-/// The date a pause until resumed is given to the server.
-fn until_resumed() -> OffsetDateTime {
-    OffsetDateTime::new_utc(
-        time::Date::from_calendar_date(UNTIL_RESUMED_YEAR, time::Month::December, 31)
-            .unwrap_or(time::Date::MAX),
-        time::Time::MIDNIGHT,
-    )
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::format_description::well_known::Rfc3339;
+
+    #[test]
+    fn only_the_mark_itself_is_until_resumed() {
+        let written = UNTIL_RESUMED.format(&Rfc3339).expect("RFC 3339");
+        assert_eq!(written, "9999-12-31T23:59:59.999999999Z");
+        assert_eq!(
+            OffsetDateTime::parse(&written, &Rfc3339).ok(),
+            Some(UNTIL_RESUMED)
+        );
+        assert!(is_until_resumed(UNTIL_RESUMED));
+        for other in [
+            "9999-12-31T00:00:00Z",
+            "9999-12-31T23:59:59Z",
+            "9999-12-31T23:59:59.999999998Z",
+            "2030-01-01T00:00:00Z",
+        ] {
+            let at = OffsetDateTime::parse(other, &Rfc3339).expect("RFC 3339");
+            assert!(!is_until_resumed(at), "{other}");
+        }
+    }
 }

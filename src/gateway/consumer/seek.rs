@@ -60,6 +60,16 @@ impl Consumer {
         let (position, info) = seek::position(&bound).await.map_err(unavailable)?;
         let after_last = position.last + 1;
         let sequence = match target {
+            // Further would skip what is not even published yet, silently.
+            SeekTarget::Sequence(sequence) if sequence > after_last => {
+                return Err(Error::invalid(
+                    "sequence",
+                    format!(
+                        "sequence: {sequence} is past the end of stream {}, whose last sequence is {}; {after_last} (its end) is the furthest a consumer can move",
+                        info.stream_name, position.last
+                    ),
+                ));
+            }
             SeekTarget::Sequence(sequence) => sequence,
             SeekTarget::Beginning => position.first.max(1),
             SeekTarget::End => after_last,

@@ -182,6 +182,8 @@ function consumersView() {
   };
 }
 
+// Each series' colour: the line's stroke here, its legend swatch a class in console.css
+// (`.swatch-<key>`; the page's CSP forbids style attributes). Keep the two the same.
 const SERIES = [
   ["delivered", "Deliveries", "#0b4f9c"],
   ["acked", "Acks", "#1d5f2a"],
@@ -211,8 +213,8 @@ function chart(history) {
         "stroke-width": 2,
         points: buckets.map((bucket, at) => `${x(start + at).toFixed(1)},${y(bucket[key]).toFixed(1)}`).join(" "),
       }))),
-    h("figcaption", {}, h("ul", { class: "legend" }, SERIES.map(([key, label, colour], at) =>
-      h("li", { "data-series": key }, h("span", { class: "swatch", style: `background:${colour}` }), totals[at])))));
+    h("figcaption", {}, h("ul", { class: "legend" }, SERIES.map(([key], at) =>
+      h("li", { "data-series": key }, h("span", { class: `swatch swatch-${key}` }), totals[at])))));
 }
 
 function consumerView(stream, consumer) {

@@ -123,6 +123,99 @@ async fn a_ticket_opens_one_stream_once_for_its_consumer_and_carries_only_its_ri
     assert_eq!(settled["results"][0]["status"], 204, "{settled}");
 }
 
+/// Every way a token, or a plain SHA-256 of it, could be written down.
+fn spellings_of(token: &str) -> Vec<Vec<u8>> {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(token.as_bytes());
+    let hex: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
+    let mut spellings = vec![
+        token.as_bytes().to_vec(),
+        digest.to_vec(),
+        hex.clone().into_bytes(),
+        hex.to_uppercase().into_bytes(),
+    ];
+    for engine in [STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD] {
+        spellings.push(engine.encode(digest).into_bytes());
+    }
+    spellings
+}
+
+/// `text` and whatever its parts decode to, as base64 of either alphabet (JSON included).
+fn decodings_of(text: &str) -> Vec<Vec<u8>> {
+    use base64::Engine as _;
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
+    let mut decoded = vec![text.as_bytes().to_vec()];
+    for part in std::iter::once(text).chain(text.split(['.', '~', '-'])) {
+        for engine in [STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD] {
+            decoded.extend(engine.decode(part).ok());
+        }
+    }
+    decoded
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_reveals_nothing_about_its_token_and_dies_with_it() {
+    let (server, _js) = server_with_stream().await;
+    let dir = files_dir();
+    let tokens = dir.path().join("tokens");
+    // A short token: a plain digest of it in a URL would fall to a dictionary at once.
+    std::fs::write(&tokens, "pw1 fetch,settle\nkept fetch\n").expect("tokens");
+    let mut gateway = Setup::consumer("sealed")
+        .auth_tokens_file(&tokens)
+        .process(&server.url())
+        .await;
+
+    let issued = ticket(&gateway, "pw1", None).await;
+    let spellings = spellings_of("pw1");
+    for field in ["ticket", "events", "ws"] {
+        let text = issued[field].as_str().expect("text");
+        for decoded in decodings_of(text) {
+            assert!(
+                serde_json::from_slice::<Value>(&decoded).is_err(),
+                "{field} decodes to JSON: {}",
+                String::from_utf8_lossy(&decoded)
+            );
+            for spelling in &spellings {
+                assert!(
+                    !decoded
+                        .windows(spelling.len())
+                        .any(|window| window == spelling.as_slice()),
+                    "{field} {text} shows the token as {}",
+                    String::from_utf8_lossy(spelling)
+                );
+            }
+        }
+    }
+
+    // Still bound to its token: a stream opened with it ends when a reload revokes the
+    // token, and a ticket not yet used is refused from then on.
+    let mut opened =
+        EventStream::open_at(&gateway, issued["events"].as_str().expect("events")).await;
+    let unused = ticket(&gateway, "pw1", None).await;
+    std::fs::write(&tokens, "kept fetch\n").expect("tokens");
+    gateway.sighup();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let last = loop {
+        let event = opened
+            .next(deadline.saturating_duration_since(tokio::time::Instant::now()))
+            .await
+            .expect("the revoked token's stream ends");
+        if event.event.as_deref() == Some("shutdown") {
+            break serde_json::from_str::<Value>(&event.data).expect("JSON");
+        }
+    };
+    assert_eq!(last["reason"], "the token was revoked", "{last}");
+    assert_eq!(
+        open_status(&gateway, unused["events"].as_str().expect("events")).await,
+        401,
+        "a ticket of a revoked token"
+    );
+    let kept = ticket(&gateway, "kept", None).await;
+    let _kept = EventStream::open_at(&gateway, kept["events"].as_str().expect("events")).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ticket_made_at_one_replica_opens_a_stream_at_another_once_in_the_fleet() {
     let (server, _js) = server_with_stream().await;
