@@ -102,7 +102,7 @@ fn answers(operation: OperationBuilder, batch: bool) -> OperationBuilder {
     let settle_header = utoipa::openapi::header::HeaderBuilder::new()
         .schema(Some(string()))
         .description(Some(
-            "Optional, on any status: `ack`, `nak`, `nak; delay=<ms>`, `term`, `term; reason=<text>`, or on a 2xx `later` (the lease stays open for the endpoint to settle)",
+            "Optional, on any status: `ack`, `nak`, `nak; delay=<ms>`, `term`, `term; reason=<text>`, or on a 2xx `later` (the lease stays open for the endpoint to settle); a value the gateway cannot read is a nak with the backoff, never an ack",
         ))
         .build();
     let mut success = ResponseBuilder::new()
