@@ -4,6 +4,7 @@
 //!
 //! May import: as the rest of `gateway`.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -89,6 +90,9 @@ impl Process {
 pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 /// A replica whose heartbeat is older than this is no longer counted.
 pub(crate) const HEARTBEAT_TTL: Duration = Duration::from_secs(4);
+/// How long a replica gone from the heartbeats is remembered as gone: far longer than any
+/// lease it issued can live.
+const GONE_KEPT: Duration = Duration::from_secs(3600);
 /// How long [`Fleet::step_now`] waits for the heartbeat loop.
 const STEP_WAIT: Duration = Duration::from_secs(2);
 
@@ -99,6 +103,10 @@ pub(crate) struct Fleet {
     pub(crate) stream: FleetStream,
     /// The other replicas' last heartbeats.
     seen: Mutex<Vec<ReplicaRecord>>,
+    /// When each replica that had beat went missing from the heartbeats (its last one then
+    /// outlived its TTL): how long a dead owner has been silent, across requests. Kept for
+    /// [`GONE_KEPT`], so bounded by the replicas that went in that time.
+    gone: Mutex<HashMap<String, Instant>>,
     /// This process's heartbeat is in the fleet stream (or it gave up waiting for that).
     announced: AtomicBool,
     /// Since when every heartbeat of this process was stored: while it is, the fleet stream
@@ -228,9 +236,24 @@ impl Fleet {
 
     /// The other replicas' heartbeats, as just read.
     pub(super) fn saw(&self, others: Vec<ReplicaRecord>) {
-        if let Ok(mut seen) = self.seen.lock() {
+        let now = Instant::now();
+        if let (Ok(mut seen), Ok(mut gone)) = (self.seen.lock(), self.gone.lock()) {
+            for before in seen.iter() {
+                if !others.iter().any(|o| o.instance_id == before.instance_id) {
+                    gone.entry(before.instance_id.clone()).or_insert(now);
+                }
+            }
+            for other in &others {
+                gone.remove(&other.instance_id);
+            }
+            gone.retain(|_, since| now.duration_since(*since) < GONE_KEPT);
             *seen = others;
         }
+    }
+
+    /// Since when `owner`, which had beat, has been missing from the heartbeats.
+    pub(crate) fn gone_since(&self, owner: InstanceId) -> Option<Instant> {
+        self.gone.lock().ok()?.get(&owner.to_string()).copied()
     }
 
     /// Resolves when someone rings.

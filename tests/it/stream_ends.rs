@@ -177,14 +177,37 @@ async fn a_changed_or_removed_consumer_ends_its_streams_with_a_reason() {
     js.publish("orders.1", "m").await;
     let named = "/streams/ORDERS/consumers/shipping";
 
-    // Changed while a stream holds a lease: the stream ends, and once the lease is settled
-    // the new setting is in force.
-    let mut events = EventStream::open_at(&gateway, &format!("{named}/events")).await;
+    // A new ack_wait is applied to the live consumer: the stream goes on.
+    let mut events = EventStream::open_at(&gateway, &format!("{named}/events?encoding=utf8")).await;
     let held = events
         .message(Duration::from_secs(5))
         .await
         .expect("a lease");
     std::fs::write(&file, SHIPPING.replace("20s", "25s")).expect("change the file");
+    wait_until(
+        "the new ack_wait is in force",
+        Duration::from_secs(10),
+        || async {
+            let view: Value =
+                serde_json::from_str(&gateway.get(named).await.text).unwrap_or_default();
+            view["config"]["ack_wait_ms"] == 25_000
+        },
+    )
+    .await;
+    js.publish("orders.1", "after the change").await;
+    let next = events
+        .message(Duration::from_secs(5))
+        .await
+        .expect("a lease after the change, on the same stream");
+    assert_eq!(next["data"], "after the change", "{next}");
+
+    // Changed in what only a new binding applies (max_deliver) while the stream holds
+    // leases: the stream ends, and once they are settled the new setting is in force.
+    std::fs::write(
+        &file,
+        format!("{}max_deliver = 5\n", SHIPPING.replace("20s", "25s")),
+    )
+    .expect("change the file");
     let last = shutdown_event(&mut events, Duration::from_secs(5))
         .await
         .expect("the stream ends");
@@ -194,14 +217,16 @@ async fn a_changed_or_removed_consumer_ends_its_streams_with_a_reason() {
             .is_some_and(|reason| reason.contains("changed")),
         "{last}"
     );
-    assert_eq!(gateway.ack(held["id"].as_str().expect("id")).await, 204);
+    for lease in [&held, &next] {
+        assert_eq!(gateway.ack(lease["id"].as_str().expect("id")).await, 204);
+    }
     wait_until(
-        "the new ack_wait is in force",
+        "the new max_deliver is in force",
         Duration::from_secs(10),
         || async {
             let view: Value =
                 serde_json::from_str(&gateway.get(named).await.text).unwrap_or_default();
-            view["config"]["ack_wait_ms"] == 25_000
+            view["config"]["max_deliver"] == 5
         },
     )
     .await;

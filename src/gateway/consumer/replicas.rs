@@ -392,9 +392,15 @@ impl Consumer {
                 silence.absent_since = None;
                 Some(Duration::try_from(own_beat - owner_beat).unwrap_or_default())
             }
-            // Gone from the stream: its last heartbeat was stored a TTL before it went.
+            // Gone from the stream: its last heartbeat was stored a TTL before it went (from
+            // the heartbeat rounds, when this process saw it go; else from now).
             None => {
-                let absent_since = *silence.absent_since.get_or_insert_with(Instant::now);
+                let absent_since = *silence.absent_since.get_or_insert_with(|| {
+                    self.process
+                        .fleet
+                        .gone_since(owner)
+                        .unwrap_or_else(Instant::now)
+                });
                 Some(HEARTBEAT_TTL + absent_since.elapsed())
             }
         }
