@@ -4,7 +4,8 @@
 //!
 //! No I/O and no clock of its own: the dispatcher's loop ([`super`]) passes `now` in, does
 //! the NATS calls the book asks for, and leases what it hands out. A pull's inbox handle is
-//! kept here only as an opaque `R`, so that it leaves with its pull.
+//! kept here only as an opaque `R`, so that it leaves with its pull. Which pulls to open, and
+//! for how much and how long, is planned in [`plan`].
 //!
 //! May import: `domain`.
 
@@ -22,18 +23,6 @@ pub(super) const PULL_GRACE: Duration = Duration::from_millis(500);
 /// Pause before a fetch retries a pull the server turned away (408 "Requests Pending",
 /// 409 "Exceeded MaxWaiting"); messages keep flowing to the earlier pulls meanwhile.
 const PULL_RETRY: Duration = Duration::from_millis(50);
-/// Longest single pull: bounds how long a withdrawn fetch's pull can still attract messages.
-const MAX_PULL_EXPIRES: Duration = Duration::from_secs(1);
-/// Longest single pull of a patient stream (an idle push worker), which reads what comes
-/// as long as it is open: an idle one costs the server a request and its timeout status a
-/// minute. It waits for a first message and ends once it delivered what there was (it is
-/// not kept open: a message it caught after its worker stepped back and that is nak'd
-/// cannot come back into it); when the worker goes, it is ended with it.
-const MAX_PATIENT_PULL_EXPIRES: Duration = Duration::from_secs(60);
-/// Shorter waits than this are sent as a plain `no_wait` pull.
-const MIN_EXPIRES: Duration = Duration::from_millis(10);
-/// Upper bound on pulls open at once, whatever max_waiting allows.
-const MAX_OPEN_PULLS: usize = 256;
 /// How long a pull given up on (no end-of-request status by its give-up time) still counts
 /// toward the pull limit: on a machine too busy to read the status in time the server may
 /// still hold the pull, and opening another in its place would exceed max_waiting. A status
@@ -205,7 +194,7 @@ impl<R> Book<R> {
     }
 
     /// A fetch left: what it received, and whatever its pull still brings before it ends
-    /// (within [`MAX_PULL_EXPIRES`]), goes to the next fetch, ahead of anything held.
+    /// (within [`plan::MAX_PULL_EXPIRES`]), goes to the next fetch, ahead of anything held.
     pub(super) fn give_back(&mut self, pull: Option<u64>, got: Vec<Delivery>) {
         self.detach_pull(pull);
         for delivery in got.into_iter().rev() {
@@ -490,105 +479,6 @@ impl<R> Book<R> {
             + self.pulls.values().map(|p| p.remaining).sum::<usize>()
     }
 
-    /// The pulls to open now, in order: one per waiting fetch that has none, never more
-    /// than half the consumer's max_waiting open at once, and never more messages asked
-    /// for than `capacity` (free max_ack_pending slots). Open them in order and report each
-    /// with [`Book::pull_opened`]; stop at the first that fails.
-    pub(super) fn plan_pulls(
-        &mut self,
-        now: Instant,
-        mut capacity: usize,
-        limits: PullLimits,
-    ) -> Vec<PlannedPull> {
-        let max_pulls = Self::max_pulls(limits);
-        let mut open = self.counted_pulls();
-        self.pull_room = capacity > 0 && open < max_pulls;
-        let mut planned = Vec::new();
-        for waiter in &self.waiters {
-            if open >= max_pulls || capacity == 0 {
-                break;
-            }
-            let ready = waiter.pull.is_none()
-                && (waiter.got.is_empty() || waiter.pulls_again(now))
-                && waiter.retry_at.is_none_or(|at| at <= now)
-                // A zero-wait fetch still gets one no_wait pull: "what is there right now".
-                && (waiter.deadline > now || (waiter.demand.wait.is_zero() && !waiter.pulled));
-            if !ready {
-                continue;
-            }
-            let mut batch = (waiter.demand.batch - waiter.got.len()).min(capacity);
-            if let Some(max_batch) = limits.max_batch {
-                batch = batch.min(max_batch);
-            }
-            let patient = waiter.demand.patient && waiter.demand.stream.is_some();
-            let longest = if patient {
-                MAX_PATIENT_PULL_EXPIRES
-            } else {
-                MAX_PULL_EXPIRES
-            };
-            let mut left = waiter.deadline.saturating_duration_since(now).min(longest);
-            if let Some(max_expires) = limits.max_expires {
-                left = left.min(max_expires);
-            }
-            // Pulling again with something in hand: only what is there right now.
-            let expires = (left >= MIN_EXPIRES && waiter.got.is_empty()).then_some(left);
-            planned.push(PlannedPull {
-                fetch: waiter.id,
-                batch,
-                expires,
-                keep_open: waiter.demand.stream.is_some() && expires.is_some() && !patient,
-                patient: patient && expires.is_some(),
-                give_up_at: now + left + PULL_GRACE,
-            });
-            capacity -= batch;
-            open += 1;
-        }
-        planned
-    }
-
-    /// No pull can be opened now (no binding, no connection).
-    pub(super) fn no_pull_room(&mut self) {
-        self.pull_room = false;
-    }
-
-    /// Whether fetches wait while the pull limit is reached.
-    pub(super) fn at_pull_limit(&self, limits: PullLimits) -> bool {
-        !self.waiters.is_empty() && self.counted_pulls() >= Self::max_pulls(limits)
-    }
-
-    fn max_pulls(limits: PullLimits) -> usize {
-        (limits.max_waiting / 2).clamp(1, MAX_OPEN_PULLS)
-    }
-
-    /// A fresh pull id.
-    pub(super) fn next_pull_id(&mut self) -> u64 {
-        self.next_pull_id += 1;
-        self.next_pull_id
-    }
-
-    /// A planned pull was opened as `pull_id`, read through `inbox`.
-    pub(super) fn pull_opened(&mut self, planned: PlannedPull, pull_id: u64, inbox: R) {
-        let waiter = self.waiters.iter_mut().find(|w| w.id == planned.fetch);
-        let stream = waiter.as_ref().and_then(|waiter| waiter.demand.stream);
-        if let Some(waiter) = waiter {
-            waiter.pull = Some(pull_id);
-            waiter.pulled = true;
-            waiter.retry_at = None;
-            waiter.diverted = 0;
-        }
-        self.pulls.insert(
-            pull_id,
-            Pull {
-                owner: Some(planned.fetch),
-                stream: stream.filter(|_| planned.keep_open),
-                patient_for: planned.patient.then_some(stream).flatten(),
-                remaining: planned.batch,
-                give_up_at: planned.give_up_at,
-                inbox,
-            },
-        );
-    }
-
     /// The fetches done waiting (all answered at once when `shutting_down`), out of the
     /// book. Deliveries of an epoch other than `epoch` stay held, to be released.
     pub(super) fn take_finished(
@@ -647,5 +537,6 @@ impl<R> Book<R> {
     }
 }
 
+mod plan;
 #[cfg(test)]
 mod tests;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use time::OffsetDateTime;
 
+use super::plan::{MAX_PATIENT_PULL_EXPIRES, MAX_PULL_EXPIRES};
 use super::*;
 use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates};
 
