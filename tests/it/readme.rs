@@ -1,9 +1,10 @@
-//! The README stays true: its ```console examples run, in order, in one bash session against
-//! a live gateway and nats-server, and each command must print what the README shows
-//! (`[..]` matches any text within a line, `...` on its own line any number of lines). The
-//! endpoint list of the spec must appear in those examples, and the flags of `--help` in the
-//! table of docs/configuration.md, whose rows the README's short table copies. Console
-//! examples live in the README only: the docs pages hold none this test would not run.
+//! The README stays true: its ```console examples, then those of the tour it goes on to
+//! (docs/tour.md), run in order in one bash session against a live gateway and nats-server,
+//! and each command must print what the page shows (`[..]` matches any text within a line,
+//! `...` on its own line any number of lines). The endpoint list of the spec must appear in
+//! those examples, and the flags of `--help` in the table of docs/configuration.md, whose rows
+//! the README's short table copies. Console examples live in those two pages only: the other
+//! docs pages hold none this test would not run.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -24,10 +25,16 @@ const README_ADDRESS: &str = "localhost:8080";
 /// The longest one README command may take (the slowest waits on a delayed nak).
 const COMMAND_DEADLINE: Duration = Duration::from_secs(30);
 
-/// One `$ command` of a console block with the output the README promises for it.
+/// The pages whose console examples run, in this order, in one session: the tour picks up
+/// where the README stops.
+const RUN_PAGES: [&str; 2] = ["README.md", "docs/tour.md"];
+
+/// One `$ command` of a console block with the output its page promises for it.
 #[derive(Debug)]
 struct Example {
-    /// 1-based line of the `$` in README.md, for the failure message.
+    /// The page it is on, from the repository root.
+    page: &'static str,
+    /// 1-based line of the `$` on its page, for the failure message.
     line: usize,
     command: String,
     expected: String,
@@ -48,11 +55,20 @@ fn flag_rows(text: &str) -> impl Iterator<Item = &str> {
     text.lines().filter(|line| line.starts_with("| `--"))
 }
 
-/// Every `$ ` command (with its `> ` continuation lines) in the README's console blocks.
-fn examples(readme: &str) -> Vec<Example> {
+/// Every `$ ` command of the pages that run, in order.
+fn all_examples() -> Vec<Example> {
+    RUN_PAGES
+        .iter()
+        .flat_map(|name| examples(name, &page(name)))
+        .collect()
+}
+
+/// Every `$ ` command (with its `> ` continuation lines) in the console blocks of `text`,
+/// the page `name`.
+fn examples(name: &'static str, text: &str) -> Vec<Example> {
     let mut examples: Vec<Example> = Vec::new();
     let mut in_console = false;
-    for (index, line) in readme.lines().enumerate() {
+    for (index, line) in text.lines().enumerate() {
         let trimmed = line.trim_end();
         if trimmed.starts_with("```") {
             in_console = !in_console && trimmed == "```console";
@@ -63,6 +79,7 @@ fn examples(readme: &str) -> Vec<Example> {
         }
         if let Some(command) = trimmed.strip_prefix("$ ") {
             examples.push(Example {
+                page: name,
                 line: index + 1,
                 command: command.to_owned(),
                 expected: String::new(),
@@ -80,7 +97,7 @@ fn examples(readme: &str) -> Vec<Example> {
             }
         } else {
             panic!(
-                "README.md:{}: console block output before any `$ ` command",
+                "{name}:{}: console block output before any `$ ` command",
                 index + 1
             );
         }
@@ -175,13 +192,18 @@ async fn readme_console_examples_answer_as_shown() {
             "the README examples need `{tool}` on PATH (apt-get install {tool})"
         );
     }
-    let readme = readme();
-    let examples = examples(&readme);
+    let examples = all_examples();
     assert!(
         examples.len() >= 10,
         "expected the README's curl walkthrough, found {} console commands",
         examples.len()
     );
+    for name in RUN_PAGES {
+        assert!(
+            examples.iter().any(|example| example.page == name),
+            "{name} has no console example: it should not be among the pages that run"
+        );
+    }
 
     // The demo's setup: the default stream ORDERS (orders.>) and consumer billing, and the
     // consumers file it runs with (ORDERS/shipping).
@@ -203,31 +225,31 @@ async fn readme_console_examples_answer_as_shown() {
             .run(&command, &format!("@@readme-example-{number}@@"))
             .await;
         let verdict = snapbox::Assert::new().try_eq(
-            Some(&format!("README.md:{}", example.line)),
+            Some(&format!("{}:{}", example.page, example.line)),
             actual.clone().into_data(),
             example.expected.clone().into_data(),
         );
         if let Err(err) = verdict {
             failures.push(format!(
-                "README.md:{} `$ {}`\n{err}--- actual output:\n{actual}",
-                example.line, example.command
+                "{}:{} `$ {}`\n{err}--- actual output:\n{actual}",
+                example.page, example.line, example.command
             ));
         }
     }
     assert!(
         failures.is_empty(),
-        "{} of {} README examples did not answer as shown:\n\n{}",
+        "{} of {} README and tour examples did not answer as shown:\n\n{}",
         failures.len(),
         examples.len(),
         failures.join("\n")
     );
 }
 
-/// "curl for every endpoint": each path of the spec is called by some README example.
+/// "curl for every endpoint": each path of the spec is called by some example of the README
+/// or its tour.
 #[test]
 fn readme_examples_call_every_endpoint() {
-    let readme = readme();
-    let commands: Vec<String> = examples(&readme)
+    let commands: Vec<String> = all_examples()
         .into_iter()
         .map(|example| example.command)
         .collect();
@@ -240,7 +262,7 @@ fn readme_examples_call_every_endpoint() {
         .collect();
     assert!(
         missing.is_empty(),
-        "no README console example calls {missing:?}"
+        "no console example of the README or its tour calls {missing:?}"
     );
 }
 
@@ -316,8 +338,8 @@ fn readme_flags_match_the_configuration_page() {
     );
 }
 
-/// Only the README's console examples run (above): a ```console block anywhere else in the
-/// documentation would show output nobody checks.
+/// Only the console examples of the README and its tour run (above): a ```console block
+/// anywhere else in the documentation would show output nobody checks.
 #[test]
 fn console_examples_live_in_the_readme() {
     let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs");
@@ -331,10 +353,22 @@ fn console_examples_live_in_the_readme() {
     }
     let unrun: Vec<&String> = pages
         .iter()
+        .filter(|name| !RUN_PAGES.contains(&name.as_str()))
         .filter(|name| page(name).lines().any(|line| line.trim() == "```console"))
         .collect();
     assert!(
         unrun.is_empty(),
-        "console examples outside README.md are never run; move them into the README: {unrun:?}"
+        "console examples outside README.md and docs/tour.md are never run; move them into one of those: {unrun:?}"
+    );
+}
+
+/// The README is a front page, not the manual: at most 300 lines, the rest in docs/ (the
+/// tour, every reference page) where it links them.
+#[test]
+fn readme_stays_a_front_page() {
+    let lines = readme().lines().count();
+    assert!(
+        lines <= 300,
+        "README.md has {lines} lines; at most 300 — move a section into docs/ and link it"
     );
 }
