@@ -99,6 +99,11 @@ struct Inner {
     pushes: watch::Sender<Pushes>,
     /// The redrive tasks run here.
     redrives: redrive::Redrives,
+    /// Cancelled once the shutdown's settle grace is over (every lease settled, or the grace
+    /// spent): the WebSocket sessions then say goodbye (1001).
+    grace_over: CancellationToken,
+    /// The open WebSocket sessions: a stop waits (bounded) for their close frames to go out.
+    websockets: tokio_util::task::TaskTracker,
 }
 
 /// The consumers that push, with their push settings.
@@ -119,6 +124,9 @@ fn pushes_of(declared: &[ConsumerSpec]) -> Pushes {
 
 /// How long `GET /consumers` uses a listing of the existing consumers before reading it anew.
 const EXISTING_LISTED_FOR: Duration = Duration::from_secs(10);
+/// How long a stop waits for the WebSocket sessions' close frames: a client that reads
+/// nothing is not waited for.
+const WEBSOCKETS_CLOSE_AT_MOST: Duration = Duration::from_secs(1);
 
 /// What [`Gateway::stop`] stops.
 pub(crate) struct Tasks {
@@ -169,6 +177,8 @@ impl Gateway {
             existing_listed: tokio::sync::Mutex::default(),
             pushes: watch::channel(pushes_of(&declared)).0,
             redrives: redrive::Redrives::default(),
+            grace_over: CancellationToken::new(),
+            websockets: tokio_util::task::TaskTracker::new(),
         }));
         tokio::spawn(gateway.clone().keep_redriving(stop.clone()));
         tokio::spawn(gateway.clone().keep_beating(gateway.0.beats.clone()));
@@ -530,7 +540,9 @@ impl Gateway {
         .await;
     }
 
-    /// Wait until no lease is in flight on any consumer, or `grace` has passed.
+    /// Wait until no lease is in flight on any consumer, or `grace` has passed; then let the
+    /// WebSocket sessions close (1001) and wait, bounded, until their close frames are out,
+    /// so that none sees the connection drop without one when the process exits.
     pub(crate) async fn settle_grace(&self, grace: Duration) {
         let all = self.0.registry.all();
         join_all(
@@ -538,6 +550,19 @@ impl Gateway {
                 .map(|(_, served)| served.consumer.settle_grace(grace)),
         )
         .await;
+        self.0.grace_over.cancel();
+        self.0.websockets.close();
+        let _ = tokio::time::timeout(WEBSOCKETS_CLOSE_AT_MOST, self.0.websockets.wait()).await;
+    }
+
+    /// Resolves once the shutdown's settle grace is over.
+    pub(crate) async fn grace_over(&self) {
+        self.0.grace_over.cancelled().await;
+    }
+
+    /// The tracker of the open WebSocket sessions.
+    pub(crate) fn websockets(&self) -> &tokio_util::task::TaskTracker {
+        &self.0.websockets
     }
 
     /// Stop every consumer (naking what is still out) and the shared tasks.

@@ -169,7 +169,8 @@ fn open(
         .max_message_size(read_limit)
         .max_frame_size(read_limit)
         .on_upgrade(move |socket| {
-            session(
+            let sessions = gateway.websockets().clone();
+            let session = session(
                 gateway,
                 socket,
                 Session {
@@ -180,7 +181,8 @@ fn open(
                     ends_when,
                 },
             )
-            .instrument(origin)
+            .instrument(origin);
+            sessions.track_future(session)
         })
         .into_response())
 }
@@ -219,13 +221,16 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
     // Lease frames taken and not yet flushed to the client, at most a slice: a client that
     // stops reading strands no more than that.
     let unflushed = Arc::new(Semaphore::new(STREAM_SLICE));
+    // The in-band operations under way: their answers (the settle that ended the grace's
+    // too) go out before the goodbye.
+    let operations = tokio_util::task::TaskTracker::new();
     let leases = tokio::spawn(send_leases(
         LeaseStream::new(
             session.consumer.clone(),
             session.query.max_in_flight,
             session.ends_when.take(),
         ),
-        gateway.config().shutdown_grace,
+        (gateway.clone(), operations.clone()),
         outgoing.clone(),
         unflushed.clone(),
     ));
@@ -285,7 +290,7 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
                             let _ = sink.send(close(close_code::SIZE, "frame over --max-body-bytes")).await;
                             break;
                         }
-                        take_operation(&gateway, text.as_str(), &session.settler, &outgoing);
+                        take_operation(&gateway, text.as_str(), &session.settler, (&outgoing, &operations));
                     }
                     Some(Ok(Message::Binary(_))) => {
                         let _ = sink.send(close(close_code::UNSUPPORTED, "text frames only")).await;
@@ -352,11 +357,11 @@ fn lease_frame(leased: Leased, encoding: super::dto::Encoding) -> Message {
     Message::Text(serde_json::to_string(&frame).unwrap_or_default().into())
 }
 
-/// Send leases as frames until the stream stops; at shutdown a `shutdown` frame, then (after
-/// the grace, during which the client may still settle in band) a close with 1001.
+/// Send leases as frames until the stream stops; at shutdown a `shutdown` frame, then once
+/// the settle grace is over (all settled, in band or not, or the grace spent) a 1001 close.
 async fn send_leases(
     mut leases: LeaseStream,
-    grace: Duration,
+    (gateway, operations): (Arc<Gateway>, tokio_util::task::TaskTracker),
     outgoing: mpsc::Sender<Outgoing>,
     unflushed: Arc<Semaphore>,
 ) {
@@ -378,7 +383,12 @@ async fn send_leases(
             Step::Quiet => drop(slot),
             Step::ShuttingDown => {
                 slot.send(Outgoing::Frame(shutdown_frame(SHUTTING_DOWN)));
-                tokio::time::sleep(grace).await;
+                tokio::select! {
+                    () = tokio::time::sleep(gateway.config().shutdown_grace) => {}
+                    () = gateway.grace_over() => {}
+                }
+                operations.close();
+                operations.wait().await;
                 let _ = outgoing
                     .send(Outgoing::Frame(close(close_code::AWAY, SHUTTING_DOWN)))
                     .await;
@@ -402,7 +412,7 @@ fn take_operation(
     gateway: &Arc<Gateway>,
     frame: &str,
     settler: &Arc<Settler>,
-    outgoing: &mpsc::Sender<Outgoing>,
+    (outgoing, operations): (&mpsc::Sender<Outgoing>, &tokio_util::task::TaskTracker),
 ) {
     let operation = match parse_operation(frame) {
         Ok(operation) => operation,
@@ -422,7 +432,7 @@ fn take_operation(
         }
     };
     let (gateway, outgoing, settler) = (gateway.clone(), outgoing.clone(), settler.clone());
-    tokio::spawn(
+    operations.spawn(
         async move {
             let answer = run_operation(&gateway, operation, &settler).await;
             let _ = outgoing.send(Outgoing::Frame(answer)).await;

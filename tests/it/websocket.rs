@@ -163,6 +163,40 @@ async fn shutdown_sends_a_shutdown_frame_then_closes_with_1001() {
     );
 }
 
+/// A stopping process exits as soon as its last lease is settled during the grace — and not
+/// before its WebSocket sessions sent their close frame (1001): a client never sees the
+/// connection dropped without one (1006).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_exiting_once_its_last_lease_is_settled_closes_its_websockets_with_1001() {
+    let (server, js) = crate::support::server_with_stream().await;
+    let mut gateway = Setup::consumer("ws-exit")
+        .shutdown_grace("30s")
+        .process(&server.url())
+        .await;
+    js.publish_many("orders.1", 1, "ws").await;
+    let mut socket = open_socket(&gateway, "").await;
+    let leased = frame_of(&mut socket, "message", Duration::from_secs(5))
+        .await
+        .expect("a lease");
+    gateway.sigterm();
+    frame_of(&mut socket, "shutdown", Duration::from_secs(10))
+        .await
+        .expect("the shutdown frame");
+    send(&mut socket, json!({ "op": "ack", "ids": [leased["id"]] })).await;
+    let settled = frame_of(&mut socket, "settled", Duration::from_secs(5))
+        .await
+        .expect("settled during the grace");
+    assert_eq!(settled["results"][0]["status"], 204, "{settled}");
+    assert_eq!(
+        closed_with(&mut socket, Duration::from_secs(5)).await,
+        Some(CloseCode::Away),
+        "closed with 1001 before the exit; log:\n{}",
+        gateway.log()
+    );
+    let exit = gateway.wait_exit(Duration::from_secs(10)).await;
+    assert!(exit.success(), "{exit:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_protocol_violation_ends_the_connection_with_the_code_that_names_it() {
     use tokio::io::AsyncWriteExt as _;
