@@ -27,8 +27,7 @@ pub(crate) enum Error {
     UnknownLease,
     #[error("the lease is no longer valid: it expired or the message was delivered again")]
     LeaseGone,
-    /// A lease of another replica that is gone: nobody received the settle, or it has been
-    /// silent longer than any of its leases lives.
+    /// A lease of another replica that is gone: nobody received the forwarded settle.
     #[error(
         "the lease is no longer valid: the replica that issued it is gone, and its leases with it"
     )]

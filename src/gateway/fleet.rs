@@ -44,7 +44,6 @@ impl Gateway {
                 continue;
             };
             if !self.0.process.connection.is_connected() {
-                fleet.heartbeat_stored(false);
                 continue;
             }
             let busy = self.busy_consumers();
@@ -56,10 +55,8 @@ impl Gateway {
                 Ok(()) => {
                     failing = false;
                     fleet.set_announced();
-                    fleet.heartbeat_stored(true);
                 }
                 Err(err) => {
-                    fleet.heartbeat_stored(false);
                     if !failing {
                         failing = true;
                         warn!(error = %format!("{err:#}"), "cannot announce this replica to the others; retrying");

@@ -4,14 +4,12 @@
 //!
 //! May import: as the rest of `gateway`.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use time::OffsetDateTime;
 use tokio::sync::{Notify, watch};
-use tokio::time::Instant;
 
 use crate::config::Config;
 use crate::domain::consumers::ConsumerName;
@@ -90,9 +88,6 @@ impl Process {
 pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 /// A replica whose heartbeat is older than this is no longer counted.
 pub(crate) const HEARTBEAT_TTL: Duration = Duration::from_secs(4);
-/// How long a replica gone from the heartbeats is remembered as gone: far longer than any
-/// lease it issued can live.
-const GONE_KEPT: Duration = Duration::from_secs(3600);
 /// How long [`Fleet::step_now`] waits for the heartbeat loop.
 const STEP_WAIT: Duration = Duration::from_secs(2);
 
@@ -103,16 +98,8 @@ pub(crate) struct Fleet {
     pub(crate) stream: FleetStream,
     /// The other replicas' last heartbeats.
     seen: Mutex<Vec<ReplicaRecord>>,
-    /// When each replica that had beat went missing from the heartbeats (its last one then
-    /// outlived its TTL): how long a dead owner has been silent, across requests. Kept for
-    /// [`GONE_KEPT`], so bounded by the replicas that went in that time.
-    gone: Mutex<HashMap<String, Instant>>,
     /// This process's heartbeat is in the fleet stream (or it gave up waiting for that).
     announced: AtomicBool,
-    /// Since when every heartbeat of this process was stored: while it is, the fleet stream
-    /// takes writes, and another replica's heartbeat missing there is that replica's
-    /// silence, not the stream's.
-    storing_since: Mutex<Option<Instant>>,
     /// It listens for settles forwarded to it.
     listening: AtomicBool,
     /// Rings the heartbeat loop before its tick (a consumer woke or was bound).
@@ -146,17 +133,6 @@ impl Fleet {
         steps.mark_unchanged();
         self.ring();
         let _ = tokio::time::timeout(STEP_WAIT, steps.changed()).await;
-    }
-
-    /// How long every heartbeat of this process has been stored, without a failure.
-    pub(crate) fn stored_for(&self) -> Option<Duration> {
-        let since = *self.storing_since.lock().ok()?;
-        since.map(|since| since.elapsed())
-    }
-
-    /// Whether `owner` beat in the last heartbeat round.
-    pub(crate) fn has(&self, owner: InstanceId) -> bool {
-        self.has_instance(&owner.to_string())
     }
 
     /// Whether the replica whose instance id prints `instance` beat in the last round.
@@ -219,41 +195,15 @@ impl Fleet {
         self.announced.store(true, Ordering::Relaxed);
     }
 
-    /// A heartbeat of this process was stored (`true`), or could not be (`false`).
-    pub(super) fn heartbeat_stored(&self, stored: bool) {
-        if let Ok(mut since) = self.storing_since.lock() {
-            match (stored, *since) {
-                (true, None) => *since = Some(Instant::now()),
-                (false, _) => *since = None,
-                (true, Some(_)) => {}
-            }
-        }
-    }
-
     pub(super) fn set_listening(&self) {
         self.listening.store(true, Ordering::Relaxed);
     }
 
     /// The other replicas' heartbeats, as just read.
     pub(super) fn saw(&self, others: Vec<ReplicaRecord>) {
-        let now = Instant::now();
-        if let (Ok(mut seen), Ok(mut gone)) = (self.seen.lock(), self.gone.lock()) {
-            for before in seen.iter() {
-                if !others.iter().any(|o| o.instance_id == before.instance_id) {
-                    gone.entry(before.instance_id.clone()).or_insert(now);
-                }
-            }
-            for other in &others {
-                gone.remove(&other.instance_id);
-            }
-            gone.retain(|_, since| now.duration_since(*since) < GONE_KEPT);
+        if let Ok(mut seen) = self.seen.lock() {
             *seen = others;
         }
-    }
-
-    /// Since when `owner`, which had beat, has been missing from the heartbeats.
-    pub(crate) fn gone_since(&self, owner: InstanceId) -> Option<Instant> {
-        self.gone.lock().ok()?.get(&owner.to_string()).copied()
     }
 
     /// Resolves when someone rings.

@@ -393,32 +393,6 @@ impl Shared {
             .context("timed out listing the replicas")?
     }
 
-    /// When the server stored the live heartbeat of one replica, if it has one this
-    /// replica believes (the server's clock: compare it only with another such time).
-    pub(crate) async fn heartbeat_stored_at(
-        &self,
-        instance: InstanceId,
-    ) -> anyhow::Result<Option<OffsetDateTime>> {
-        Ok(self
-            .believed_heartbeat_of(instance)
-            .await?
-            .map(|(_, stored_at)| stored_at))
-    }
-
-    async fn believed_heartbeat_of(
-        &self,
-        instance: InstanceId,
-    ) -> anyhow::Result<Option<(ReplicaRecord, OffsetDateTime)>> {
-        let subject = self.subjects.replica(instance);
-        let found = tokio::time::timeout(API_TIMEOUT, self.last(&subject))
-            .await
-            .context("timed out reading a heartbeat")??;
-        Ok(found.and_then(|message| {
-            self.believed_heartbeat(&message)
-                .map(|record| (record, message.time))
-        }))
-    }
-
     /// A heartbeat read from the stream, if its seal holds and it names its own sender.
     fn believed_heartbeat(
         &self,

@@ -14,7 +14,6 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::super::process::{HEARTBEAT_EVERY, HEARTBEAT_TTL};
 use super::Consumer;
 use super::STREAM_SLICE;
 use super::wire::{
@@ -33,10 +32,6 @@ use crate::nats::forward::{
 /// A forwarded settle waits for the owner's answer this much beyond `--settle-timeout`, so
 /// that an owner's own answer at its timeout (504, or a late confirmation) wins the race.
 const FORWARD_GRACE: Duration = Duration::from_millis(250);
-/// Beyond the longest a lease lives, how much longer an owner must have been silent before
-/// its leases are taken for expired: the replicas' and the server's clocks need not agree
-/// to the millisecond.
-const SILENCE_SLACK: Duration = Duration::from_millis(500);
 /// How long a forward finding nobody listening for the owner keeps asking before it calls
 /// the owner gone: longer than a replica takes to reconnect to another node.
 const NO_RESPONDERS_FOR: Duration = Duration::from_secs(2);
@@ -63,12 +58,6 @@ fn question(kind: &str, ids: Vec<String>) -> ForwardedSettle {
         ids,
         fetch: None,
     }
-}
-
-/// When a forward first found its owner's heartbeat gone from the fleet stream.
-#[derive(Default)]
-struct OwnerSilence {
-    absent_since: Option<Instant>,
 }
 
 impl Consumer {
@@ -204,14 +193,14 @@ impl Consumer {
     /// Send `request` to `owner` and wait (bounded) for its answer.
     ///
     /// [`ForwardError::OwnerGone`] (410) only when this request is known to have reached
-    /// nobody: nobody was listening for the owner, or it was never sent because the owner
-    /// has been silent so long that every lease it issued has expired. Once a request may
-    /// have reached the owner, no silence of its makes the answer 410: it may have applied
-    /// the settle before it stopped answering (or died, or its heartbeats stopped being
-    /// stored while it kept working), so a request that got no answer in time — or whose
-    /// wait this replica's own connection dropping cut short — is
+    /// nobody: nobody was listening for the owner. No silence of the owner makes the answer
+    /// 410: one whose heartbeats are not stored may be alive, leasing, and applying what it
+    /// is sent (a 410 for its live lease would hand the message to a second worker, and one
+    /// for a settle it applied would lose the message). So a request that got no answer in
+    /// time — or whose wait this replica's own connection dropping cut short — is
     /// [`ForwardError::TimedOut`] (504), and a retry is answered by the owner as the first
-    /// attempt ended.
+    /// attempt ended. Behind a listener that answers nothing (a monitoring tap), a dead
+    /// owner's settles therefore stay 504 until its messages come back.
     async fn forward_request(
         &self,
         owner: InstanceId,
@@ -222,31 +211,20 @@ impl Consumer {
                 "not connected to NATS yet; retrying".into(),
             ));
         };
-        let mut silence = OwnerSilence::default();
-        // Anyone may listen on the owner's subject (a monitoring tap), so "no responders"
-        // cannot be the only sign of a dead owner: one silent past its leases is gone, and
-        // nothing is sent to it.
-        if !self.process.fleet.has(owner)
-            && self.owner_outlived_its_leases(owner, &mut silence).await
-        {
-            return Err(ForwardError::OwnerGone);
-        }
         let timeout = self.config.settle_timeout + FORWARD_GRACE;
         let to = (owner, self.subjects.settle(owner));
         let asked = async {
-            // Nobody listening is not yet a dead owner while its heartbeats are still seen:
-            // one reconnecting (its node killed) has no subscription for a moment, and in a
-            // cluster a subscription reaches the other servers a moment after it is made.
-            // Asked again for a while (well within 3 s) before the owner is called gone. An
-            // owner whose heartbeats have stopped and that nobody listens for is gone now.
+            // Nobody listening is not yet a dead owner: one reconnecting (its node killed)
+            // has no subscription for a moment, and in a cluster a subscription reaches the
+            // other servers a moment after it is made. Asked again for a while (well within
+            // 3 s) before the owner is called gone; its heartbeats missing do not shorten
+            // that: a live owner whose heartbeats are not stored may still hold live leases.
             let give_up_at = Instant::now() + NO_RESPONDERS_FOR;
             loop {
                 match forward::forward(&client, &self.process.trust, to.clone(), &request, timeout)
                     .await
                 {
-                    Err(ForwardError::OwnerGone)
-                        if Instant::now() < give_up_at && self.process.fleet.has(owner) =>
-                    {
+                    Err(ForwardError::OwnerGone) if Instant::now() < give_up_at => {
                         tokio::time::sleep(NO_RESPONDERS_RETRY).await;
                     }
                     other => return other,
@@ -262,69 +240,6 @@ impl Consumer {
         tokio::select! {
             answer = asked => answer,
             () = connection_dropped => Err(ForwardError::TimedOut),
-        }
-    }
-
-    /// Whether `owner` has been silent so long that every lease it issued has expired: a
-    /// lease lives at most ack_wait, and it issued none after its last heartbeat (beats
-    /// come every [`HEARTBEAT_EVERY`]). Its silence is measured only while the fleet stream
-    /// is known to take writes (every heartbeat of this process stored for a TTL), against
-    /// this process's own last heartbeat in the same stream; `false` whenever that cannot
-    /// be known, so that doubt answers 504, never 410.
-    async fn owner_outlived_its_leases(
-        &self,
-        owner: InstanceId,
-        silence: &mut OwnerSilence,
-    ) -> bool {
-        let lease_lifetime = HEARTBEAT_EVERY + self.state.ack_wait() + SILENCE_SLACK;
-        self.owner_silent_for(owner, silence)
-            .await
-            .is_some_and(|silent| silent >= lease_lifetime)
-    }
-
-    /// At least how long `owner` has written no heartbeat, when that can be known.
-    async fn owner_silent_for(
-        &self,
-        owner: InstanceId,
-        silence: &mut OwnerSilence,
-    ) -> Option<Duration> {
-        if self.process.fleet.stored_for()? < HEARTBEAT_TTL {
-            return None;
-        }
-        let bound = self.bound().ok()?;
-        // Replicas of an earlier release may still run (the consumer's own shared stream
-        // exists): they beat only there, once a second and not sealed, and their silence
-        // cannot be told from here.
-        if bound.per_consumer.as_ref().is_some_and(|p| !p.is_gone()) {
-            return None;
-        }
-        let fleet = bound.shared.as_ref()?;
-        let read = |instance| async move {
-            fleet
-                .heartbeat_stored_at(instance)
-                .await
-                .map_err(|err| debug!(error = %format!("{err:#}"), "cannot read a heartbeat"))
-                .ok()
-        };
-        let owner_beat = read(owner).await?;
-        let own_beat = read(self.process.instance).await??;
-        match owner_beat {
-            // Both stamped by the server: no clock of either replica comes into it.
-            Some(owner_beat) => {
-                silence.absent_since = None;
-                Some(Duration::try_from(own_beat - owner_beat).unwrap_or_default())
-            }
-            // Gone from the stream: its last heartbeat was stored a TTL before it went (from
-            // the heartbeat rounds, when this process saw it go; else from now).
-            None => {
-                let absent_since = *silence.absent_since.get_or_insert_with(|| {
-                    self.process
-                        .fleet
-                        .gone_since(owner)
-                        .unwrap_or_else(Instant::now)
-                });
-                Some(HEARTBEAT_TTL + absent_since.elapsed())
-            }
         }
     }
 
