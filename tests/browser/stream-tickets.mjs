@@ -2,7 +2,8 @@
 // playwright-core): a page of another origin (http://127.0.0.1:PAGE_PORT, served by this
 // script) asks the gateway for a stream ticket with its
 // bearer token (a CORS request, preflighted), opens an EventSource with the ticket, takes one
-// lease and acks it over HTTP (204); then opens a WebSocket with a second ticket, takes one
+// lease and acks it over HTTP (204); then publishes a second message, opens a WebSocket with a
+// second ticket, takes one
 // lease and acks it in band (a `settled` frame with 204). The page's own problems and any
 // request to anywhere but the gateway and the page fail the test.
 //
@@ -81,6 +82,15 @@ try {
             );
             source.close();
             const acked = await fetch(`${base}/messages/${lease.id}/ack`, { method: "POST", headers: auth });
+            // The second message only now: published while the EventSource was open, it could
+            // be leased to that stream in the moment between the close and the gateway seeing
+            // it (its ack freed the stream's credit), and then be held for ack_wait.
+            const published = await fetch(`${base}/publish`, {
+                method: "POST",
+                headers: { ...auth, "Content-Type": "application/json" },
+                body: JSON.stringify({ subject: "orders.browser", data: "streamed 2" }),
+            });
+            if (published.status !== 201) throw new Error(`POST /publish: ${published.status} ${await published.text()}`);
             // WebSocket: a lease, acked in band.
             const second = await newTicket();
             const socket = new WebSocket(`${base.replace(/^http/, "ws")}${second.ws}&encoding=utf8`);
