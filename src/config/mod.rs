@@ -7,6 +7,7 @@
 mod consumers_file;
 mod nats_url;
 mod push;
+pub(crate) use push::CONNECTION_HEADERS;
 
 pub use consumers_file::{ConsumerSpec, load as load_consumers_file};
 use nats_url::parse_nats_urls;

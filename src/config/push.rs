@@ -135,8 +135,9 @@ pub(super) struct PushEntry {
 /// Headers the gateway sets itself, or that speak of the connection rather than the request
 /// (HTTP/1.1 framing and the hop-by-hop fields of RFC 9110 §7.6.1): a static header of these
 /// names would contradict the request.
-const RESERVED_HEADERS: &[&str] = &[
-    "content-type",
+/// The fields of the connection itself (framing, hop-by-hop per RFC 9110 §7.6.1, the
+/// host): neither the operator's table nor a message may set them on a push request.
+pub(crate) const CONNECTION_HEADERS: &[&str] = &[
     "content-length",
     "transfer-encoding",
     "connection",
@@ -147,9 +148,9 @@ const RESERVED_HEADERS: &[&str] = &[
     "upgrade",
     "expect",
     "host",
-    "traceparent",
-    "tracestate",
 ];
+/// Besides those, what the gateway itself writes on every request.
+const RESERVED_HEADERS: &[&str] = &["content-type", "traceparent", "tracestate"];
 const RESERVED_PREFIXES: &[&str] = &["webhook-", "ruststream-", "ce-"];
 
 /// Where a value was wrong: its byte span in the file, the key under `push`, and why.
@@ -417,7 +418,8 @@ fn check_header(name: &str, value: &str) -> Result<(), String> {
     reqwest::header::HeaderValue::from_str(value)
         .map_err(|_| "its value is not a valid HTTP header value".to_owned())?;
     let lower = parsed.as_str();
-    if RESERVED_HEADERS.contains(&lower)
+    if CONNECTION_HEADERS.contains(&lower)
+        || RESERVED_HEADERS.contains(&lower)
         || RESERVED_PREFIXES
             .iter()
             .any(|prefix| lower.starts_with(prefix))

@@ -4,6 +4,7 @@
 //!
 //! May import: as the rest of `push`.
 
+use crate::config::CONNECTION_HEADERS;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
@@ -18,27 +19,10 @@ use crate::domain::delivery::Leased;
 use crate::domain::push::{Settle, Unreadable, batch_result, endpoint_reason};
 use crate::http::dto::{Encoding, MessageDto, rfc3339};
 
-/// Headers of a message that never pass through to the endpoint (RFC 9110 §7.6.1): the
-/// connection's own (framing and hop-by-hop fields, which speak of the gateway's connection,
-/// not the message) and credentials — only the operator's `headers` table, or the URL's
-/// userinfo, chooses what the gateway presents to the endpoint.
-const NEVER_PASSED: &[&str] = &[
-    // Framing and hop-by-hop.
-    "content-length",
-    "transfer-encoding",
-    "connection",
-    "proxy-connection",
-    "keep-alive",
-    "te",
-    "trailer",
-    "upgrade",
-    "expect",
-    "host",
-    // Credentials.
-    "authorization",
-    "proxy-authorization",
-    "cookie",
-];
+/// Headers of a message that never pass through to the endpoint besides the connection's
+/// own ([`CONNECTION_HEADERS`], RFC 9110 §7.6.1): credentials — only the operator's `headers`
+/// table, or the URL's userinfo, chooses what the gateway presents to the endpoint.
+const NEVER_PASSED: &[&str] = &["authorization", "proxy-authorization", "cookie"];
 /// The names the gateway itself sets: a message must not forge its own lease or signature.
 const OWN_PREFIXES: &[&str] = &["webhook-", "ruststream-"];
 /// The CloudEvents attributes the gateway gives an event, each where the message has none.
@@ -162,7 +146,8 @@ fn message_headers(leased: &Leased, headers: &mut HeaderMap, keep_events: bool) 
                 continue;
             };
             let lower = name.as_str();
-            if NEVER_PASSED.contains(&lower)
+            if CONNECTION_HEADERS.contains(&lower)
+                || NEVER_PASSED.contains(&lower)
                 || OWN_PREFIXES.iter().any(|prefix| lower.starts_with(prefix))
                 || (!keep_events && lower.starts_with("ce-"))
                 || hop_by_hop.iter().any(|named| named == lower)
