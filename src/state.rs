@@ -286,6 +286,12 @@ impl LeaseState {
         self.finals().get(MessageKey::of(coordinates))
     }
 
+    /// Whether an ack or term of the message a delivery carries is on its way to the server
+    /// from this process: the delivery waits for that answer before it may be leased.
+    pub(crate) fn is_ending(&self, coordinates: &LeaseCoordinates) -> bool {
+        self.leases().is_ending(coordinates.key.stream_sequence)
+    }
+
     /// How `message` ended through this process, if it did.
     pub(crate) fn final_of_message(&self, message: MessageKey) -> Option<Final> {
         self.finals().get(message)

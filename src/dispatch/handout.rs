@@ -92,6 +92,13 @@ impl Dispatcher {
             self.book.diverted(owner);
             return;
         };
+        if self.state.is_ending(&delivery.coordinates) {
+            // An ack or term of this message is on its way: leased now, it would be handed
+            // out twice should that settle be confirmed.
+            self.book.diverted(owner);
+            self.await_settle(delivery);
+            return;
+        }
         self.book.place(owner, delivery);
     }
 
@@ -146,12 +153,46 @@ impl Dispatcher {
         });
     }
 
-    /// Nak held deliveries that match `release`: the server redelivers them to the next pull.
+    fn await_settle(&mut self, delivery: Delivery) {
+        debug!(
+            stream_sequence = delivery.coordinates.key.stream_sequence,
+            delivered = delivery.coordinates.key.delivered,
+            "a message came again while its ack or term is on its way; it waits for the answer"
+        );
+        self.awaiting_settle.push(delivery);
+    }
+
+    /// The deliveries waiting for a settle of their message whose answer came: settled
+    /// again if it ended the message, else held for the next fetch.
+    pub(super) fn settles_answered(&mut self) {
+        if self.awaiting_settle.is_empty() {
+            return;
+        }
+        let (answered, waiting): (Vec<Delivery>, Vec<Delivery>) =
+            std::mem::take(&mut self.awaiting_settle)
+                .into_iter()
+                .partition(|delivery| !self.state.is_ending(&delivery.coordinates));
+        self.awaiting_settle = waiting;
+        for delivery in answered {
+            match self.state.final_of(&delivery.coordinates) {
+                Some(outcome) => self.settle_again(delivery, outcome),
+                None => self.book.hold(delivery),
+            }
+        }
+    }
+
+    /// Nak held deliveries that match `release` (those waiting for a settle's answer too):
+    /// the server redelivers them to the next pull.
     pub(super) async fn release_held(&mut self, release: impl Fn(&Delivery) -> bool) {
         let epoch = self.state.epoch();
-        let released = self
-            .book
-            .take_held(|delivery| delivery.coordinates.epoch != epoch || release(delivery));
+        let releases =
+            |delivery: &Delivery| delivery.coordinates.epoch != epoch || release(delivery);
+        let (mut released, waiting): (Vec<Delivery>, Vec<Delivery>) =
+            std::mem::take(&mut self.awaiting_settle)
+                .into_iter()
+                .partition(|delivery| releases(delivery));
+        self.awaiting_settle = waiting;
+        released.extend(self.book.take_held(releases));
         let Some(bound) = &self.bound else {
             self.unusable.clear();
             return;
@@ -176,15 +217,24 @@ impl Dispatcher {
         for mut fetch in finished {
             // A settle confirmed after its message was delivered again (and held or placed
             // meanwhile) ends that delivery too: settled again, not leased.
+            // One whose ack or term began meanwhile waits for that settle's answer.
+            let mut ending = Vec::new();
             fetch.got.retain(
                 |delivery| match self.state.final_of(&delivery.coordinates) {
                     Some(outcome) => {
                         self.settle_again(delivery.clone(), outcome);
                         false
                     }
+                    None if self.state.is_ending(&delivery.coordinates) => {
+                        ending.push(delivery.clone());
+                        false
+                    }
                     None => true,
                 },
             );
+            for delivery in ending {
+                self.await_settle(delivery);
+            }
             let leased = self.state.lease(fetch.got);
             if let Err(unanswered) = fetch.answer.send(leased) {
                 // The client went away in the meantime: take the leases back.

@@ -51,6 +51,8 @@ use book::{Answer, Book, PULL_GRACE, PullLimits};
 const STRAGGLER_READ: Duration = Duration::from_secs(30);
 /// How long a settle the gateway repeats on its own waits for the server's confirmation.
 const SETTLE_AGAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often deliveries waiting for the answer to a settle of their message look again.
+const SETTLE_ANSWER_POLL: Duration = Duration::from_millis(20);
 
 pub(crate) enum Command {
     Fetch {
@@ -130,6 +132,9 @@ pub(crate) struct Dispatcher {
     fence_watch: Option<tokio::task::JoinHandle<()>>,
     verify_watch: Option<tokio::task::JoinHandle<()>>,
     hot_keys_warned: Option<Instant>,
+    /// Deliveries of messages whose ack or term is on its way from this process: leased
+    /// before that settle's answer, they would be handed out again after their ack.
+    awaiting_settle: Vec<Delivery>,
 }
 
 impl Dispatcher {
@@ -149,6 +154,7 @@ impl Dispatcher {
             fence_watch: None,
             verify_watch: None,
             hot_keys_warned: None,
+            awaiting_settle: Vec::new(),
         }
     }
 
@@ -297,9 +303,12 @@ impl Dispatcher {
             .next_wake(now, self.state.hold(), || self.state.next_release());
         let reaps = self.stragglers.iter().map(|(reap_at, _)| *reap_at);
         let keep_alive = self.state.next_keep_alive();
+        // A settle's answer wakes nobody here: look again soon while deliveries wait for one.
+        let settle_answer = (!self.awaiting_settle.is_empty()).then_some(now + SETTLE_ANSWER_POLL);
         book.into_iter()
             .chain(reaps)
             .chain(keep_alive)
+            .chain(settle_answer)
             .min()
             .unwrap_or(far)
     }
@@ -308,6 +317,7 @@ impl Dispatcher {
         let now = Instant::now();
         self.book.withdraw_hung_up();
         self.give_up_on_silent_pulls(now);
+        self.settles_answered();
         let hold = self.state.hold();
         let shutting_down = self.shutting_down;
         self.release_held(|delivery| shutting_down || delivery.received_at + hold <= now)
@@ -319,7 +329,8 @@ impl Dispatcher {
         }
         self.book.hand_out_held();
         if self.state.ordering_key().is_some() {
-            self.state.set_dispatcher_holding(self.book.holding());
+            self.state
+                .set_dispatcher_holding(self.book.holding() + self.awaiting_settle.len());
         }
         if !self.shutting_down {
             self.issue_pulls(now).await;
@@ -407,7 +418,7 @@ impl Dispatcher {
 
 impl Drop for Dispatcher {
     fn drop(&mut self) {
-        let held = self.book.held_len();
+        let held = self.book.held_len() + self.awaiting_settle.len();
         if held > 0 {
             info!(
                 held,

@@ -80,6 +80,11 @@ pub(crate) struct LeaseTable {
     max_retired: usize,
     /// Leases found expired since [`LeaseTable::take_expired`] last asked (for the metrics).
     expired: u64,
+    /// Acks and terms on their way to the server, by stream sequence: how many (retries of
+    /// one settle may overlap). A new delivery of such a message waits for the answer — the
+    /// server redelivered it (a leader change, ack_wait running out under the settle) while
+    /// the settle that may end it was in motion.
+    ending: SequenceMap<u64, u32>,
 }
 
 impl LeaseTable {
@@ -95,6 +100,7 @@ impl LeaseTable {
             retention,
             max_retired,
             expired: 0,
+            ending: SequenceMap::default(),
         }
     }
 
@@ -278,7 +284,11 @@ impl LeaseTable {
             State::Settled(_) => Ok(SettleStart::AlreadyDone),
             // A concurrent retry of the same settle: sending it twice is harmless, and this
             // answer then reflects the server's confirmation too.
-            State::Settling(_) => Ok(SettleStart::Send(record.reply.clone())),
+            State::Settling(_) => {
+                let reply = record.reply.clone();
+                self.sending(key, kind);
+                Ok(SettleStart::Send(reply))
+            }
             State::Expired | State::Superseded => Err(Refusal::Gone),
             // A settle overtakes an extension still on its way; the extension then reports
             // that the lease was settled meanwhile.
@@ -289,13 +299,30 @@ impl LeaseTable {
                     return Err(Refusal::Gone);
                 }
                 record.state = State::Settling(kind);
-                Ok(SettleStart::Send(record.reply.clone()))
+                let reply = record.reply.clone();
+                self.sending(key, kind);
+                Ok(SettleStart::Send(reply))
             }
         }
     }
 
-    /// The server confirmed (`confirmed`) or did not confirm the settle begun earlier.
-    /// Unconfirmed, the lease stays valid so the client can retry.
+    /// A settle of `key` is sent: an ack or term is counted as ending its message until
+    /// [`LeaseTable::finish_settle`].
+    fn sending(&mut self, key: DeliveryKey, kind: SettleKind) {
+        if kind != SettleKind::Nak {
+            *self.ending.entry(key.stream_sequence).or_insert(0) += 1;
+        }
+    }
+
+    /// Whether an ack or term of the message at `stream_sequence` is on its way to the
+    /// server: a delivery of it may not be leased before that settle's answer.
+    pub(crate) fn is_ending(&self, stream_sequence: u64) -> bool {
+        self.ending.contains_key(&stream_sequence)
+    }
+
+    /// The server confirmed (`confirmed`) or did not confirm the settle begun earlier (once
+    /// for every [`SettleStart::Send`]). Unconfirmed, the lease stays valid so the client can
+    /// retry.
     pub(crate) fn finish_settle(
         &mut self,
         key: DeliveryKey,
@@ -303,6 +330,14 @@ impl LeaseTable {
         confirmed: bool,
         now: Instant,
     ) {
+        if kind != SettleKind::Nak
+            && let Some(count) = self.ending.get_mut(&key.stream_sequence)
+        {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.ending.remove(&key.stream_sequence);
+            }
+        }
         let Some(record) = self.records.get_mut(&key) else {
             return;
         };

@@ -228,6 +228,62 @@ async fn a_confirmed_ack_or_term_is_never_followed_by_a_re_lease() {
     assert_eq!(server_ack_pending(&js, &gateway).await, 0);
 }
 
+/// A message the server delivers again while an ack of it is on its way (its consumer leader
+/// stalled, ack_wait ran out meanwhile) waits for that ack's answer: acked, it is settled
+/// again, never leased. A paused nats-server serves both the ack and the redelivery on
+/// resume, in either order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_delivered_again_under_its_ack_in_motion_is_not_leased_after_the_ack() {
+    const MESSAGES: usize = 8;
+    let (mut server, js, gateway) = Setup::consumer("in-motion")
+        .ack_wait("1s")
+        .settle_timeout("10s")
+        .start()
+        .await;
+    js.publish_many("orders.1", MESSAGES, "m").await;
+    let leased = gateway.fetch_n(MESSAGES as u64, 2000).await;
+    assert_eq!(leased.len(), MESSAGES);
+    let gateway = Arc::new(gateway);
+
+    server.pause();
+    let acks: Vec<_> = leased
+        .iter()
+        .map(|msg| {
+            let (gateway, id) = (gateway.clone(), msg.id.clone());
+            tokio::spawn(async move { gateway.ack(&id).await })
+        })
+        .collect();
+    // A fetch waits meanwhile: its pull reaches the server with the acks.
+    let waiting = {
+        let gateway = gateway.clone();
+        tokio::spawn(async move { gateway.fetch_n(MESSAGES as u64, 6000).await })
+    };
+    // The fault: the server stalls past ack_wait with the acks unanswered.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    server.resume();
+
+    let mut acked = HashSet::new();
+    for (ack, msg) in acks.into_iter().zip(&leased) {
+        let status = ack.await.expect("ack task");
+        assert!(matches!(status, 204 | 410), "ack answered {status}");
+        if status == 204 {
+            acked.insert(msg.stream_sequence);
+        }
+    }
+    let mut handed_out: Vec<Msg> = waiting.await.expect("fetch task");
+    // Past ack_wait again: what the server still redelivers comes here too.
+    handed_out.extend(gateway.fetch_n(MESSAGES as u64, 2500).await);
+    let again: Vec<(u64, u64)> = handed_out
+        .iter()
+        .filter(|msg| acked.contains(&msg.stream_sequence))
+        .map(|msg| (msg.stream_sequence, msg.delivered))
+        .collect();
+    assert!(
+        again.is_empty(),
+        "messages leased again after their ack was answered 204: {again:?}"
+    );
+}
+
 /// Fetch (and ack) from `gateway` until every one of `sequences` came back; panics when that
 /// takes longer than `within`.
 async fn all_come_back(gateway: &Gateway, sequences: &HashSet<u64>, within: Duration) {

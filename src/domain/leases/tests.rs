@@ -228,3 +228,31 @@ async fn a_lease_given_back_is_unknown_and_not_in_flight() {
         Err(Refusal::Unknown)
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_message_is_ending_while_an_ack_or_term_of_it_is_on_its_way() {
+    let mut leases = table();
+    let now = Instant::now();
+    leases.issue(key(1, 1), reply(), now + WAIT);
+    leases.issue(key(2, 1), reply(), now + WAIT);
+    // A nak does not end the message: a new delivery of it may be leased at once.
+    assert!(leases.begin_settle(key(2, 1), SettleKind::Nak, now).is_ok());
+    assert!(!leases.is_ending(2));
+    leases.finish_settle(key(2, 1), SettleKind::Nak, true, now);
+    // Two attempts of one ack overlap: ending until both have their answer.
+    assert!(leases.begin_settle(key(1, 1), SettleKind::Ack, now).is_ok());
+    assert!(leases.begin_settle(key(1, 1), SettleKind::Ack, now).is_ok());
+    assert!(leases.is_ending(1));
+    // The server delivers the message again meanwhile: still ending.
+    assert!(!leases.note_delivery(key(1, 2), now));
+    leases.finish_settle(key(1, 1), SettleKind::Ack, false, now);
+    assert!(leases.is_ending(1));
+    leases.finish_settle(key(1, 1), SettleKind::Ack, true, now);
+    assert!(!leases.is_ending(1));
+    // Refused or already done: nothing sent, nothing ending.
+    assert_eq!(
+        leases.begin_settle(key(1, 1), SettleKind::Ack, now),
+        Err(Refusal::Gone)
+    );
+    assert!(!leases.is_ending(1));
+}

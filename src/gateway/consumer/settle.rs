@@ -22,6 +22,7 @@ use crate::metrics::{SettleAction, SettleOutcome};
 use crate::nats::dead_letter::Outcome;
 use crate::nats::settle::{self as nats_settle, ConfirmError};
 use crate::nats::{self, Bound};
+use crate::state::LeaseState;
 use crate::telemetry;
 use crate::telemetry::spans::MessageSpan;
 
@@ -296,6 +297,11 @@ impl Consumer {
             Ok(SettleStart::Send(reply)) => reply,
             Err(refusal) => return Err(refused(refusal)),
         };
+        let in_motion = InMotion {
+            state: &self.state,
+            key,
+            kind,
+        };
         let mut deadline = std::pin::pin!(deadline);
         let confirmed = match self.connected() {
             Ok(bound) => match self
@@ -305,9 +311,7 @@ impl Consumer {
                 Ok(()) => nats_settle::confirm(&bound, &reply, command, deadline).await,
                 Err(not_copied) => {
                     // Nothing was sent: the lease stays as it was, the term may be retried.
-                    self.state
-                        .leases()
-                        .finish_settle(key, kind, false, Instant::now());
+                    drop(in_motion);
                     return Err(not_copied);
                 }
             },
@@ -315,6 +319,7 @@ impl Consumer {
         };
         {
             let now = Instant::now();
+            std::mem::forget(in_motion);
             let mut leases = self.state.leases();
             leases.finish_settle(key, kind, confirmed.is_ok(), now);
             if confirmed.is_ok() {
@@ -505,5 +510,23 @@ fn unconfirmed(err: ConfirmError) -> Error {
         ConfirmError::Unavailable => Error::Unavailable(
             "NATS is unavailable or the consumer is gone; the settle was not confirmed".into(),
         ),
+    }
+}
+
+/// A settle sent and not yet answered. Dropped before its answer (the client hung up and
+/// the request's future went with it), it ends as unconfirmed: the lease stays valid for a
+/// retry, and the message no longer counts as ending, so a new delivery of it is not held
+/// back for an answer that never comes.
+struct InMotion<'a> {
+    state: &'a LeaseState,
+    key: DeliveryKey,
+    kind: SettleKind,
+}
+
+impl Drop for InMotion<'_> {
+    fn drop(&mut self) {
+        self.state
+            .leases()
+            .finish_settle(self.key, self.kind, false, Instant::now());
     }
 }
