@@ -77,6 +77,7 @@ class Gateway:
         self.dir = tempfile.TemporaryDirectory(prefix="ruststream-py-gw-")
         key = Path(self.dir.name) / "lease.key"
         key.write_bytes(os.urandom(32))
+        key.chmod(0o600)
         self.port = free_port()
         self.stream = stream
         self.args = [
