@@ -74,13 +74,16 @@ set +e
 rc=$?
 set -e
 if [[ -s "$WORK/junit.xml" ]]; then
-    read -r tests failures errors skipped < <(python3 - "$WORK/junit.xml" <<'PY'
+    # A command substitution, not a process substitution: its process has ended when read runs
+    # (else the leftover guard may find it still exiting).
+    counts="$(python3 - "$WORK/junit.xml" <<'PY'
 import sys, xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()
 suite = root if root.tag == "testsuite" else root.find("testsuite")
 print(*(suite.get(k, "0") for k in ("tests", "failures", "errors", "skipped")))
 PY
-)
+)"
+    read -r tests failures errors skipped <<<"$counts"
     PASSED=$((PASSED + tests - failures - errors - skipped))
     FAILED=$((FAILED + failures + errors + skipped))
 fi
