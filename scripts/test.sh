@@ -31,7 +31,8 @@ RUSTSTREAM_PREVIOUS_RELEASE_BIN="$("$ROOT/scripts/previous-release.sh")"
 export RUSTSTREAM_PREVIOUS_RELEASE_BIN
 cargo test --lib --tests "$@"
 
-# The spec as its users meet it (scripts/ecosystem.sh): redocly lint, generated Python and
+# The worker libraries (scripts/client-*.sh: clients/python, clients/typescript), type-checked
+# and tested against the gateway. The spec as its users meet it (scripts/ecosystem.sh): redocly lint, generated Python and
 # TypeScript clients driving the lease flow, schemathesis against a live gateway; then
 # Swagger UI in a real browser (scripts/browser.sh). Needs Node (>= 20.19) besides Python.
 # Arguments pick particular tests and RUSTSTREAM_SKIP_ECOSYSTEM=1 asks to leave both out, for
@@ -48,11 +49,16 @@ if [[ -n "$skip" && "${CI:-}" == true ]]; then
     skip=""
 fi
 if [[ -n "$skip" ]]; then
+    log "SKIPPED: scripts/client-*.sh (the worker libraries), because $skip; run each alone"
     log "SKIPPED: scripts/ecosystem.sh (lint, generated clients, schemathesis), because $skip; run it alone with scripts/ecosystem.sh"
     log "SKIPPED: scripts/browser.sh (Swagger UI in headless Chromium), because $skip; run it alone with scripts/browser.sh"
 else
-    # Both run even when the first fails; the run fails if either did.
+    # Each runs even when one before failed; the run fails if any did. The worker libraries
+    # (clients/) first: their suites drive the gateway binary the integration tests built.
     status=0
+    for client in "$ROOT"/scripts/client-*.sh; do
+        "$client" || status=$?
+    done
     "$ROOT/scripts/ecosystem.sh" || status=$?
     # Swagger UI at /docs driven in Debian's headless Chromium (installed under CI as root;
     # SKIPPED, saying so, elsewhere when it is missing).
