@@ -107,6 +107,9 @@ export class Worker implements MessageOwner {
       const loop = this.connectLoop();
       await this.stopped.promise;
       await loop;
+      // Leases that arrived while the connection was closing were nak'd as they came: their answers too.
+      this.settler.flush();
+      await Promise.all([...this.held.values()].map((held) => held.settled));
     } finally {
       if (this.ticker !== undefined) clearInterval(this.ticker);
       if (runOptions.signals === true) {
