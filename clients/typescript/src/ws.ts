@@ -57,8 +57,9 @@ export class WsTransport implements Transport {
             // not a problem+json body: the text as it is
           }
           opened.reject(status === 401 || status === 403 ? new AuthError(status, detail) : new HttpError(status, detail));
+          socket.terminate();
         });
-        socket.terminate();
+        response.on("close", () => opened.reject(status === 401 || status === 403 ? new AuthError(status, "") : new HttpError(status, "")));
       });
       socket.on("open", () => opened.resolve());
       socket.on("error", (err) => opened.reject(err));

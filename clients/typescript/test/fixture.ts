@@ -21,6 +21,10 @@ export interface GatewayOptions {
   orderingKey?: string;
   /** Terms are copied to DLQ.orders, readable through the consumer ORDERS/dlq. */
   deadLetters?: boolean;
+  /** More [[consumer]] entries of the consumers file; `dir` is the fixture's temporary directory. */
+  consumers?: (dir: string) => string;
+  /** More flags, e.g. --auth-tokens. */
+  args?: string[];
 }
 
 export interface ConsumerInfo {
@@ -102,9 +106,15 @@ export class Fixture {
       "--shutdown-grace", "1s",
     ];
     if (options.orderingKey !== undefined) args.push("--ordering-key", options.orderingKey);
+    args.push(...(options.args ?? []));
+    let consumers = options.consumers?.(dir) ?? "";
     if (options.deadLetters === true) {
-      writeFileSync(join(dir, "consumers.toml"), '[[consumer]]\nstream = "ORDERS"\nname = "dlq"\nfilter_subject = "DLQ.>"\n');
-      args.push("--dead-letter-subject", "DLQ.orders", "--consumers-file", join(dir, "consumers.toml"));
+      consumers += '[[consumer]]\nstream = "ORDERS"\nname = "dlq"\nfilter_subject = "DLQ.>"\n';
+      args.push("--dead-letter-subject", "DLQ.orders");
+    }
+    if (consumers !== "") {
+      writeFileSync(join(dir, "consumers.toml"), consumers);
+      args.push("--consumers-file", join(dir, "consumers.toml"));
     }
     const fixture = new Fixture(dir, httpPort, args);
     try {
@@ -159,8 +169,13 @@ export class Fixture {
     rmSync(this.dir, { recursive: true, force: true });
   }
 
+  /** The token the fixture's own calls send (with --auth-tokens). */
+  token: string | undefined;
+
   async call<T>(method: string, path: string, body?: unknown): Promise<T> {
-    const init: RequestInit = { method, headers: { "content-type": "application/json" } };
+    const headers: Record<string, string> = { "content-type": "application/json" };
+    if (this.token !== undefined) headers["authorization"] = `Bearer ${this.token}`;
+    const init: RequestInit = { method, headers };
     if (body !== undefined) init.body = JSON.stringify(body);
     const response = await fetch(this.url + path, init);
     if (!response.ok) throw new Error(`${method} ${path}: ${response.status} ${await response.text()}`);
