@@ -74,6 +74,8 @@ export const sleep = (ms: number): Promise<void> => new Promise((ok) => setTimeo
 
 export class Fixture {
   readonly url: string;
+  /** The nats-server's URL (set once started). */
+  natsUrl = "";
   private nats: ChildProcess | undefined;
   private gateway: ChildProcess | undefined;
   private readonly dir: string;
@@ -117,6 +119,7 @@ export class Fixture {
       args.push("--consumers-file", join(dir, "consumers.toml"));
     }
     const fixture = new Fixture(dir, httpPort, args);
+    fixture.natsUrl = `nats://127.0.0.1:${natsPort}`;
     try {
       fixture.nats = spawn(NATS_BIN, ["-js", "-a", "127.0.0.1", "-p", String(natsPort), "-sd", join(dir, "nats")], {
         stdio: "ignore",
