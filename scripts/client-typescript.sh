@@ -74,7 +74,7 @@ use_nats_server
 
 step "node --test"
 set +e
-(cd "$PACKAGE" && node --test --test-concurrency=1 --test-reporter=tap build/test/) | tee "$WORK/tap" >&2
+(cd "$PACKAGE" && node --test --test-concurrency=1 --test-reporter=tap build/test/*.test.js) | tee "$WORK/tap" >&2
 status=${PIPESTATUS[0]}
 set -e
 PASSED="$(sed -n 's/^# pass \([0-9]*\)$/\1/p' "$WORK/tap" | tail -n 1)"

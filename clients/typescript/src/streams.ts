@@ -51,6 +51,7 @@ class SseConnection implements Connection {
         if (this.resumed !== undefined) await this.resumed.promise;
         const { value, done } = await reader.read();
         if (done) return;
+        this.heard();
         text += decoder.decode(value, { stream: true });
         let newline: number;
         while ((newline = text.indexOf("\n")) >= 0) {
@@ -93,11 +94,32 @@ class SseConnection implements Connection {
     // The gateway frees credit itself when a lease ends.
   }
 
+  /**
+   * The gateway counts a lease from the moment it wrote the event, so what is already on its
+   * way is read before the response ends (the worker holds it and naks it after the close):
+   * the stream ends after QUIET_MS without data, at most CLOSE_MAX_MS after close().
+   */
   close(): void {
+    if (this.closing) return;
+    this.closing = true;
     this.resume();
-    this.abort.abort();
+    this.heard();
+    setTimeout(() => this.abort.abort(), CLOSE_MAX_MS);
+  }
+
+  private closing = false;
+  private quiet: ReturnType<typeof setTimeout> | undefined;
+
+  /** Data came: while closing, the quiet period starts again. */
+  private heard(): void {
+    if (!this.closing) return;
+    if (this.quiet !== undefined) clearTimeout(this.quiet);
+    this.quiet = setTimeout(() => this.abort.abort(), QUIET_MS);
   }
 }
+
+const QUIET_MS = 100;
+const CLOSE_MAX_MS = 1_000;
 
 /** How long one poll waits at the gateway for a first message. */
 const POLL_WAIT_MS = 5_000;

@@ -67,6 +67,8 @@ export class Worker implements MessageOwner {
   private connection: Connection | undefined;
   private paused = false;
   private stopping = false;
+  /** Draining, and the connection is still closing: arrivals wait in the buffer. */
+  private closing = false;
   private fatal: Error | undefined;
   private readonly stopped = deferred<void>();
   private drainStarted: Promise<void> | undefined;
@@ -221,8 +223,8 @@ export class Worker implements MessageOwner {
       abandoned: false,
     };
     this.held.set(message.id, held);
-    if (this.stopping) {
-      // Arrived while the stream was closing: back at once.
+    if (this.stopping && !this.closing) {
+      // Arrived after the stream closed (a poll's answer): back at once.
       void this.settleHeld(held, "nak", 0);
       return;
     }
@@ -467,8 +469,15 @@ export class Worker implements MessageOwner {
   private async drain(): Promise<void> {
     const connection = this.connection;
     this.connection = undefined;
-    connection?.close();
     this.wakeReconnect?.();
+    if (connection !== undefined) {
+      // What is already on its way is taken into the buffer until the connection ended, and
+      // nak'd with it: a nak before would free credit for more.
+      this.closing = true;
+      connection.close();
+      await Promise.race([connection.closed.catch(() => undefined), new Promise((ok) => setTimeout(ok, 2_000))]);
+      this.closing = false;
+    }
     this.nakBuffered();
     if (this.running > 0) {
       let timer: ReturnType<typeof setTimeout> | undefined;

@@ -175,9 +175,12 @@ export function defineSuite(transport: TransportName): void {
       assert.equal(code, 0, `exit ${String(code)} after ${Date.now() - signalledAt} ms`);
       assert.equal((await gateway.consumer()).leases_in_flight, 0);
       const acked = output.split("\n").filter((line) => line.startsWith("acked ")).map((line) => Number(line.slice(6)));
-      const stats = JSON.parse(output.split("\n").find((line) => line.startsWith("{")) ?? "{}") as { acked?: number; naked?: number };
+      const stats = JSON.parse(output.split("\n").find((line) => line.startsWith("{")) ?? "{}") as { received?: number; acked?: number; naked?: number };
       assert.equal(stats.acked, acked.length);
-      assert.ok((stats.naked ?? 0) >= 90, `naked ${stats.naked}: ${output.slice(-600)}`);
+      // Every lease the worker received was acked or given back with a nak (leases the gateway
+      // had not yet written when the stream closed are given back by the gateway itself).
+      assert.ok((stats.received ?? 0) > 0);
+      assert.equal((stats.acked ?? 0) + (stats.naked ?? 0), stats.received, output.slice(-600));
       // Everything not handled is back at once (ack_wait is 10 s): fetchable within 2 s.
       const left = 300 - acked.length;
       const again = new Set<number>();
