@@ -1,0 +1,114 @@
+// Benchmark rows, one run: 20 000 messages of 256 B on one nats-server, drained by (1) this
+// library's Worker (no-op handler, transport ws), (2) a @nats-io/jetstream consume() worker
+// acking each message (the native client), (3) a bare `ws` loop over the gateway acking 100
+// ids in band. Each reads its own durable consumer of the same stream. Prints msg/s, the
+// ratios the issue asks for, and the CPU per message of this process.
+// Run: node build/bench/bench.js (RUSTSTREAM_BIN: a release gateway; NATS_SERVER_BIN).
+
+import { jetstream, jetstreamManager, AckPolicy } from "@nats-io/jetstream";
+import { connect } from "@nats-io/transport-node";
+import WebSocket from "ws";
+
+import { Worker } from "../src/index.js";
+import { Fixture, waitFor } from "../test/fixture.js";
+
+const COUNT = Number(process.env["BENCH_MESSAGES"] ?? 20_000);
+const payload = new Uint8Array(256).fill(97);
+const silent = { debug: () => undefined, info: () => undefined, warn: console.error, error: console.error };
+
+interface Row {
+  name: string;
+  seconds: number;
+  cpuMicros: number;
+}
+
+async function measure(name: string, body: () => Promise<void>): Promise<Row> {
+  const cpu = process.cpuUsage();
+  const started = performance.now();
+  await body();
+  const seconds = (performance.now() - started) / 1000;
+  const used = process.cpuUsage(cpu);
+  return { name, seconds, cpuMicros: used.user + used.system };
+}
+
+const gateway = await Fixture.start({
+  ackWait: "30s",
+  consumers: () => '[[consumer]]\nstream = "ORDERS"\nname = "bare"\nfilter_subject = "orders.>"\n',
+});
+const nc = await connect({ servers: gateway.natsUrl });
+try {
+  const js = jetstream(nc);
+  const jsm = await jetstreamManager(nc);
+  await jsm.consumers.add("ORDERS", { durable_name: "natsjs", ack_policy: AckPolicy.Explicit, filter_subject: "orders.>" });
+  for (let start = 0; start < COUNT; start += 500) {
+    await Promise.all(Array.from({ length: Math.min(500, COUNT - start) }, (_, i) => js.publish(`orders.bench.${start + i}`, payload)));
+  }
+
+  const rows: Row[] = [];
+  rows.push(
+    await measure("ruststream Worker, ws, no-op handler", async () => {
+      const worker = new Worker({ url: gateway.url, logger: silent });
+      const run = worker.run(() => undefined);
+      await waitFor("the worker's acks", () => worker.stats.acked >= COUNT, 120_000);
+      await worker.stop();
+      await run;
+    }),
+  );
+  rows.push(
+    await measure("@nats-io/jetstream consume(), m.ack()", async () => {
+      const consumer = await js.consumers.get("ORDERS", "natsjs");
+      const messages = await consumer.consume({ max_messages: 100 });
+      let acked = 0;
+      for await (const message of messages) {
+        message.ack();
+        if (++acked === COUNT) break;
+      }
+      await nc.flush();
+    }),
+  );
+  rows.push(
+    await measure("bare ws loop, 100 ids acked in band", async () => {
+      const socket = new WebSocket(`${gateway.url.replace("http", "ws")}/streams/ORDERS/consumers/bare/ws?max_in_flight=100&encoding=base64`, { perMessageDeflate: false });
+      let ids: string[] = [];
+      let acked = 0;
+      let flushing = false;
+      const flush = (): void => {
+        flushing = false;
+        if (ids.length > 0) socket.send(JSON.stringify({ op: "ack", ids }));
+        ids = [];
+      };
+      await new Promise<void>((done, fail) => {
+        socket.on("error", fail);
+        socket.on("message", (data) => {
+          const frame = JSON.parse(data.toString()) as { type: string; id: string; results?: unknown[] };
+          if (frame.type === "message") {
+            ids.push(frame.id);
+            if (ids.length === 100) flush();
+            else if (!flushing) {
+              flushing = true;
+              setImmediate(flush);
+            }
+          } else if (frame.type === "settled") {
+            acked += frame.results?.length ?? 0;
+            if (acked >= COUNT) done();
+          }
+        });
+      });
+      socket.close();
+    }),
+  );
+
+  const rate = (row: Row): number => COUNT / row.seconds;
+  const [worker, native, bare] = rows.map(rate) as [number, number, number];
+  console.log(`${COUNT} messages of ${payload.length} B, one nats-server, one run`);
+  console.log("row | msg/s | × nats.js | × bare ws | CPU µs/msg (this process)");
+  for (const row of rows) {
+    console.log(
+      `${row.name} | ${Math.round(rate(row))} | ${(rate(row) / native).toFixed(2)} | ${(rate(row) / bare).toFixed(2)} | ${(row.cpuMicros / COUNT).toFixed(1)}`,
+    );
+  }
+  console.log(`worker/nats.js ${(worker / native).toFixed(2)} (issue: >= 1.0), worker/bare ws ${(worker / bare).toFixed(2)} (issue: >= 0.8)`);
+} finally {
+  await nc.close();
+  await gateway.stop();
+}

@@ -1,0 +1,131 @@
+// Settles and extensions on their way to the gateway: those of concurrent handlers are
+// coalesced into operations of many ids (flushed within 5 ms, at once when a burst is over),
+// sent in band while the stream's connection carries them and over HTTP otherwise, and an
+// id whose answer is a retryable failure is sent again while its lease lives.
+
+import { AuthError, HttpError } from "./errors.js";
+import type { Api } from "./http.js";
+import type { Connection } from "./transport.js";
+import type { SettleExtra, SettleOp, SettleResult } from "./wire.js";
+
+/** The longest a settle waits for others to share its operation. */
+export const COALESCE_MS = 5;
+/** Ids per operation, the gateway's limit. */
+const MAX_IDS = 1000;
+/** A burst this large goes out without waiting. */
+const FLUSH_AT = 64;
+
+/** One id waiting for its answer. */
+export interface Item {
+  id: string;
+  /** Called with the id's answer; returns true when it should be sent again (after a pause). */
+  answered(result: SettleResult): boolean;
+}
+
+interface Group {
+  op: SettleOp;
+  extra: SettleExtra;
+  items: Item[];
+}
+
+/** Status given to an id whose request never got an answer (gateway unreachable, connection lost). */
+export const UNREACHABLE = 0;
+
+export class Settler {
+  private readonly groups = new Map<string, Group>();
+  private pending = 0;
+  private timer: ReturnType<typeof setTimeout> | undefined;
+  private immediate: ReturnType<typeof setImmediate> | undefined;
+  /** Operations sent and not yet answered. */
+  private inFlight = 0;
+
+  constructor(
+    private readonly api: Api,
+    private readonly connection: () => Connection | undefined,
+    /** True when nothing else will be settled soon (no handler running): flush at once. */
+    private readonly idle: () => boolean,
+  ) {}
+
+  submit(op: SettleOp, extra: SettleExtra, item: Item): void {
+    const key = `${op}|${extra.delay_ms ?? ""}|${extra.reason ?? ""}`;
+    let group = this.groups.get(key);
+    if (group === undefined) {
+      group = { op, extra, items: [] };
+      this.groups.set(key, group);
+    }
+    group.items.push(item);
+    this.pending++;
+    if (this.pending >= FLUSH_AT || this.idle()) {
+      this.flushSoon();
+    } else if (this.timer === undefined) {
+      this.timer = setTimeout(() => this.flush(), COALESCE_MS);
+    }
+  }
+
+  /** After the current burst of events (the settles of handlers that ended together). */
+  flushSoon(): void {
+    if (this.immediate === undefined) this.immediate = setImmediate(() => this.flush());
+  }
+
+  flush(): void {
+    if (this.timer !== undefined) clearTimeout(this.timer);
+    if (this.immediate !== undefined) clearImmediate(this.immediate);
+    this.timer = undefined;
+    this.immediate = undefined;
+    const groups = [...this.groups.values()];
+    this.groups.clear();
+    this.pending = 0;
+    for (const group of groups) {
+      for (let start = 0; start < group.items.length; start += MAX_IDS) {
+        void this.send(group.op, group.extra, group.items.slice(start, start + MAX_IDS));
+      }
+    }
+  }
+
+  /** Operations sent and not yet answered, and ids waiting to be sent. */
+  busy(): boolean {
+    return this.inFlight > 0 || this.pending > 0;
+  }
+
+  private async send(op: SettleOp, extra: SettleExtra, items: Item[]): Promise<void> {
+    const ids = items.map((item) => item.id);
+    this.inFlight++;
+    let results: SettleResult[];
+    try {
+      results = await this.deliver(op, ids, extra);
+    } catch (err) {
+      const status = err instanceof AuthError || err instanceof HttpError ? err.status : UNREACHABLE;
+      const detail = err instanceof Error ? err.message : String(err);
+      results = ids.map((id) => ({ id, status, detail }));
+    } finally {
+      this.inFlight--;
+    }
+    const byId = new Map(results.map((result) => [result.id, result]));
+    const again: Item[] = [];
+    for (const item of items) {
+      const result = byId.get(item.id) ?? { id: item.id, status: UNREACHABLE, detail: "no answer for this id" };
+      if (item.answered(result)) again.push(item);
+    }
+    if (again.length > 0) {
+      // A retryable failure (503, 504, unreachable): a short pause, then once more.
+      const pause = 200 + Math.random() * 300;
+      setTimeout(() => {
+        for (const item of again) this.submit(op, extra, item);
+        this.flushSoon();
+      }, pause);
+    }
+  }
+
+  /** In band while the stream's connection is open, else (or when it closes before answering) over HTTP. */
+  private async deliver(op: SettleOp, ids: string[], extra: SettleExtra): Promise<SettleResult[]> {
+    const connection = this.connection();
+    if (connection?.sendInBand !== undefined) {
+      try {
+        return await connection.sendInBand(op, ids, extra);
+      } catch {
+        // The connection ended first: a settle repeated answers as the first did, so HTTP is safe.
+      }
+    }
+    return this.api.settle(op, ids, extra);
+  }
+}

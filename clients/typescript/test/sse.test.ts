@@ -1,0 +1,5 @@
+// The integration suite over transport "sse".
+
+import { defineSuite } from "./suite.js";
+
+defineSuite("sse");
