@@ -359,15 +359,17 @@ async fn edge(
     let response = if span.is_disabled() {
         logs::within(log, metrics::guard(&edge.guard, request, next)).await
     } else {
-        // The closing line inside the log context too: it carries the request's ids.
-        logs::within(log, async {
+        // The closing line inside the log context too: it carries the request's ids. Boxed:
+        // unboxed, this traced variant's state would sit beside the plain one's in every
+        // request's future — a kilobyte more held by each idle long poll, traced or not.
+        Box::pin(logs::within(log, async {
             let started = Instant::now();
             let response = metrics::guard(&edge.guard, request, next)
                 .instrument(span.clone())
                 .await;
             finish_request_span(&response, started.elapsed(), &span);
             response
-        })
+        }))
         .await
     };
     let mut response = problem::name_instance(response, &path);

@@ -61,7 +61,8 @@ impl Consumer {
             let leased = self.lease_for(demand, caller).await?;
             if caller.is_some_and(Caller::has_hung_up) {
                 // It left while the answer was on its way: nobody would see these leases.
-                self.give_back(leased).await;
+                // Boxed, as the forward to a pinned replica below.
+                Box::pin(self.give_back(leased)).await;
                 return Err(Error::ClientGone);
             }
             let count = leased.len();
@@ -247,7 +248,8 @@ impl Consumer {
         if self.accepting.load(Ordering::Relaxed)
             && let Some(pinned) = self.pinned_elsewhere()
         {
-            return self.lease_at_pinned(pinned, demand).await;
+            // Boxed: unboxed, the forward's state would be part of every fetch's future.
+            return Box::pin(self.lease_at_pinned(pinned, demand)).await;
         }
         self.lease_here(demand).await
     }
