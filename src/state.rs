@@ -250,10 +250,10 @@ impl LeaseState {
     pub(crate) fn new_epoch(&self) {
         self.epoch.fetch_add(1, Ordering::Relaxed);
         self.highest_consumer_sequence.store(0, Ordering::Relaxed);
-        let mut old = std::mem::replace(
-            &mut *self.leases(),
-            LeaseTable::new(LEASE_MEMORY, LEASE_MEMORY_MAX),
-        );
+        let mut leases = self.leases();
+        let successor = leases.successor();
+        let mut old = std::mem::replace(&mut *leases, successor);
+        drop(leases);
         self.metrics.leases_expired(old.take_expired());
     }
 

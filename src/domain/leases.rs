@@ -104,6 +104,14 @@ impl LeaseTable {
         }
     }
 
+    /// The table of a new epoch: no lease of this one carries over, but the acks and terms
+    /// still in motion do — their answers may still end messages the new epoch delivers.
+    pub(crate) fn successor(&mut self) -> Self {
+        let mut next = Self::new(self.retention, self.max_retired);
+        next.ending = std::mem::take(&mut self.ending);
+        next
+    }
+
     /// Leases that are live (issued, not settled, not expired) at `now`.
     pub(crate) fn in_flight(&mut self, now: Instant) -> usize {
         self.expire(now);

@@ -256,3 +256,28 @@ async fn a_message_is_ending_while_an_ack_or_term_of_it_is_on_its_way() {
     );
     assert!(!leases.is_ending(1));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_new_epoch_keeps_the_settles_in_motion_and_no_lease() {
+    let mut leases = table();
+    let now = Instant::now();
+    leases.issue(key(1, 1), reply(), now + WAIT);
+    assert!(
+        leases
+            .begin_settle(key(1, 1), SettleKind::Term, now)
+            .is_ok()
+    );
+    // The server forgot its deliveries: a new epoch, while the term is on its way.
+    let mut next = leases.successor();
+    assert!(
+        next.is_ending(1),
+        "the term's answer may still end the message"
+    );
+    assert_eq!(next.in_flight(now), 0);
+    assert_eq!(
+        next.begin_settle(key(1, 1), SettleKind::Term, now),
+        Err(Refusal::Unknown)
+    );
+    next.finish_settle(key(1, 1), SettleKind::Term, true, now);
+    assert!(!next.is_ending(1));
+}
