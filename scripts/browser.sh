@@ -114,11 +114,7 @@ for tool in node npm curl python3; do
 done
 
 step "tools: npm ci in ${BROWSER_DIR#"$ROOT"/}"
-stamp="$(cat "$BROWSER_DIR/package.json" "$BROWSER_DIR/package-lock.json" | sha256sum | cut -d' ' -f1)"
-if [[ "$(cat "$BROWSER_DIR/node_modules/.stamp" 2>/dev/null)" != "$stamp" ]]; then
-    (cd "$BROWSER_DIR" && npm ci --no-audit --no-fund --loglevel=error)
-    echo "$stamp" >"$BROWSER_DIR/node_modules/.stamp"
-fi
+ensure_node_modules "$BROWSER_DIR"
 
 step "build the gateway"
 # The binary the integration tests use (see lib.sh).

@@ -41,14 +41,7 @@ command -v python3 >/dev/null 2>&1 || die "python3 not found (apt-get install py
 python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' || die "Python >= 3.10 is needed"
 
 log "venv: ${VENV#"$ROOT"/} (pinned: clients/python/requirements.txt)"
-STAMP="$(sha256sum "$PACKAGE/requirements.txt" | cut -d' ' -f1)"
-if [[ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$STAMP" ]]; then
-    rm -rf "$VENV"
-    python3 -m venv "$VENV" || die "could not make a venv (on Debian/Ubuntu: apt-get install python3-venv)"
-    PIP_ROOT_USER_ACTION=ignore "$VENV/bin/python" -m pip install --disable-pip-version-check \
-        --no-input --quiet -r "$PACKAGE/requirements.txt"
-    echo "$STAMP" >"$VENV/.stamp"
-fi
+ensure_venv "$VENV" "$PACKAGE/requirements.txt"
 # The package as a user installs it (no build isolation: setuptools from the venv, offline).
 PIP_ROOT_USER_ACTION=ignore "$VENV/bin/python" -m pip install --disable-pip-version-check \
     --no-input --quiet --no-deps --no-build-isolation --force-reinstall "$PACKAGE"

@@ -51,12 +51,8 @@ node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 20 ? 0 : 1)
     || die "Node.js $(node --version) is too old: the package needs >= 20"
 
 step "npm ci in ${PACKAGE#"$ROOT"/}"
-stamp="$(cat "$PACKAGE/package.json" "$PACKAGE/package-lock.json" | sha256sum | cut -d' ' -f1)"
-if [[ "$(cat "$PACKAGE/node_modules/.stamp" 2>/dev/null)" != "$stamp" ]]; then
-    # --ignore-scripts: the build is the next step, with its own output.
-    (cd "$PACKAGE" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error)
-    echo "$stamp" >"$PACKAGE/node_modules/.stamp"
-fi
+# --ignore-scripts: the build is the next step, with its own output.
+ensure_node_modules "$PACKAGE" --ignore-scripts
 
 step "tsc --strict: the package, then the tests and the benchmark"
 rm -rf "$PACKAGE/dist" "$PACKAGE/build"

@@ -124,25 +124,11 @@ command -v npm >/dev/null 2>&1 || die "npm not found: Node.js >= 20.19 with npm 
 node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 20 || (a === 20 && b >= 19) ? 0 : 1)' \
     || die "Node.js $(node --version) is too old: @redocly/cli needs >= 20.19"
 
-# A hash of the files a tool folder was installed from; the folder is reused while it matches.
-stamp_of() { cat "$@" | sha256sum | cut -d' ' -f1; }
-
 step "tools: Python packages (pinned) into ${VENV#"$ROOT"/}"
-PY_STAMP="$(stamp_of "$CLIENTS/python/requirements.txt")"
-if [[ "$(cat "$VENV/.stamp" 2>/dev/null)" != "$PY_STAMP" ]]; then
-    rm -rf "$VENV"
-    python3 -m venv "$VENV" || die "could not make a venv (on Debian/Ubuntu: apt-get install python3-venv)"
-    PIP_ROOT_USER_ACTION=ignore "$VENV/bin/python" -m pip install --disable-pip-version-check \
-        --no-input --quiet -r "$CLIENTS/python/requirements.txt"
-    echo "$PY_STAMP" >"$VENV/.stamp"
-fi
+ensure_venv "$VENV" "$CLIENTS/python/requirements.txt"
 
 step "tools: npm ci in ${TS#"$ROOT"/}"
-NPM_STAMP="$(stamp_of "$TS/package.json" "$TS/package-lock.json")"
-if [[ "$(cat "$TS/node_modules/.stamp" 2>/dev/null)" != "$NPM_STAMP" ]]; then
-    (cd "$TS" && npm ci --no-audit --no-fund --loglevel=error)
-    echo "$NPM_STAMP" >"$TS/node_modules/.stamp"
-fi
+ensure_node_modules "$TS"
 # No telemetry or update checks from redocly: CI reaches package registries only.
 npx_ts() { (cd "$TS" && REDOCLY_TELEMETRY=off REDOCLY_SUPPRESS_UPDATE_NOTICE=true npx --no-install "$@"); }
 

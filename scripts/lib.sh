@@ -6,7 +6,8 @@
 # It sets ROOT (the repository, symlinks resolved) and defines: log/die (messages on stderr,
 # prefixed with the calling script's name), need_cargo, use_nats_server (NATS_SERVER_BIN from
 # scripts/nats-server.sh), stop_pid (TERM, a bounded wait, KILL), at_exit (one cleanup on every
-# way out) and guard_leftovers (whatever a run leaves behind is stopped and fails the run).
+# way out), guard_leftovers (whatever a run leaves behind is stopped and fails the run), and
+# ensure_venv/ensure_node_modules (pinned tool folders, made again only when their pins change).
 # It changes no shell options and no directory: each script says that itself.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
@@ -33,6 +34,32 @@ for line in sys.stdin:
 }
 
 # A TCP port free on 127.0.0.1 now.
+# A venv at $1 holding exactly the pins of the requirements file $2, made (again) only when
+# that file changed since: its hash is kept in $1/.stamp, written once the install succeeded.
+ensure_venv() {
+    local venv="$1" requirements="$2" stamp
+    stamp="$(sha256sum "$requirements" | cut -d' ' -f1)"
+    [[ "$(cat "$venv/.stamp" 2>/dev/null)" == "$stamp" ]] && return 0
+    command -v python3 >/dev/null 2>&1 || die "python3 not found (apt-get install python3 python3-venv)"
+    rm -rf "$venv"
+    python3 -m venv "$venv" || die "could not make a venv (on Debian/Ubuntu: apt-get install python3-venv)"
+    PIP_ROOT_USER_ACTION=ignore "$venv/bin/python" -m pip install --disable-pip-version-check \
+        --no-input --quiet --no-compile -r "$requirements" || die "pip install -r ${requirements#"$ROOT"/} failed"
+    echo "$stamp" >"$venv/.stamp"
+}
+
+# `npm ci` in the folder $1 (further arguments go to npm ci), again only when its package.json
+# or package-lock.json changed since: their hash is kept in node_modules/.stamp.
+ensure_node_modules() {
+    local dir="$1" stamp
+    shift
+    stamp="$(cat "$dir/package.json" "$dir/package-lock.json" | sha256sum | cut -d' ' -f1)"
+    [[ "$(cat "$dir/node_modules/.stamp" 2>/dev/null)" == "$stamp" ]] && return 0
+    command -v npm >/dev/null 2>&1 || die "npm not found: Node.js >= 20 with npm is needed"
+    (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error "$@") || die "npm ci in ${dir#"$ROOT"/} failed"
+    echo "$stamp" >"$dir/node_modules/.stamp"
+}
+
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 need_cargo() {

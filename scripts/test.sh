@@ -21,16 +21,6 @@ guard_leftovers test
 # low. Raise it as far as allowed (the hard limit), and go on if even that fails.
 ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
-# --lib --tests: the library's unit tests, then every target in tests/ (the integration suite
-# and the ledger). Not --all-targets: the binary has no tests of its own (test = false in
-# Cargo.toml) and the benchmark example is compiled by clippy in .ci/run, so neither would
-# add more than an empty "0 passed" summary.
-# The previous release, for the ledger's rolling-upgrade run (built once, then kept under
-# target/): before this build's tests, since it shares their target directory.
-RUSTSTREAM_PREVIOUS_RELEASE_BIN="$("$ROOT/scripts/previous-release.sh")"
-export RUSTSTREAM_PREVIOUS_RELEASE_BIN
-cargo test --lib --tests "$@"
-
 # The worker libraries (scripts/client-*.sh: clients/python, clients/typescript), type-checked
 # and tested against the gateway. The spec as its users meet it (scripts/ecosystem.sh): redocly lint, generated Python and
 # TypeScript clients driving the lease flow, schemathesis against a live gateway; then
@@ -48,6 +38,36 @@ if [[ -n "$skip" && "${CI:-}" == true ]]; then
     log "running scripts/ecosystem.sh although $skip: CI never skips it"
     skip=""
 fi
+# Their tool folders (venvs, node_modules: downloads, mostly waiting on the network) are
+# made by scripts/tools.sh in the background while cargo builds and the tests run; in a
+# process group of its own, so that a run ending early stops all of it.
+TOOLS_PID=""
+TOOLS_LOG="$(mktemp "${TMPDIR:-/tmp}/ruststream-tools.XXXXXX")"
+# shellcheck disable=SC2317  # only called through at_exit
+finish_test() {
+    if [[ -n "$TOOLS_PID" ]] && kill -0 "$TOOLS_PID" 2>/dev/null; then
+        kill -TERM -- "-$TOOLS_PID" 2>/dev/null || true
+        wait "$TOOLS_PID" 2>/dev/null || true
+    fi
+    rm -f "$TOOLS_LOG"
+    stop_leftovers
+}
+at_exit finish_test
+if [[ -z "$skip" ]]; then
+    setsid "$ROOT/scripts/tools.sh" >"$TOOLS_LOG" 2>&1 &
+    TOOLS_PID=$!
+fi
+
+# --lib --tests: the library's unit tests, then every target in tests/ (the integration suite
+# and the ledger). Not --all-targets: the binary has no tests of its own (test = false in
+# Cargo.toml) and the benchmark example is compiled by clippy in .ci/run, so neither would
+# add more than an empty "0 passed" summary.
+# The previous release, for the ledger's rolling-upgrade run (built once, then kept under
+# target/): before this build's tests, since it shares their target directory.
+RUSTSTREAM_PREVIOUS_RELEASE_BIN="$("$ROOT/scripts/previous-release.sh")"
+export RUSTSTREAM_PREVIOUS_RELEASE_BIN
+cargo test --lib --tests "$@"
+
 if [[ -n "$skip" ]]; then
     log "SKIPPED: scripts/client-*.sh (the worker libraries), because $skip; run each alone"
     log "SKIPPED: scripts/ecosystem.sh (lint, generated clients, schemathesis), because $skip; run it alone with scripts/ecosystem.sh"
@@ -55,6 +75,10 @@ if [[ -n "$skip" ]]; then
 else
     # Each runs even when one before failed; the run fails if any did. The worker libraries
     # (clients/) first: their suites drive the gateway binary the integration tests built.
+    # The tool folders made in the background; whatever failed there its own script makes
+    # again, saying why.
+    wait "$TOOLS_PID" || log "scripts/tools.sh failed (each suite makes its own tools again):"
+    cat "$TOOLS_LOG" >&2
     status=0
     for client in "$ROOT"/scripts/client-*.sh; do
         "$client" || status=$?

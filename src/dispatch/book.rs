@@ -48,6 +48,13 @@ struct Waiter {
     /// pull: a fetch short of its batch for that pulls again at once, so that a busy key
     /// never stands between it and other keys' messages.
     diverted: usize,
+    /// It took messages the ordering gate released (a key settled) while its pull was open,
+    /// and none of that pull's: it is answered at once rather than when that pull ends. Such
+    /// a pull found nothing at the server (an ordered consumer's messages wait in the gate
+    /// here, not there), and each step of a key would wait out a pull's expiry.
+    took_released: bool,
+    /// Deliveries its pulls brought it.
+    from_pull: usize,
     answer: Answer,
 }
 
@@ -180,6 +187,8 @@ impl<R> Book<R> {
             retry_at: None,
             pulled: pull.is_some(),
             diverted: 0,
+            took_released: false,
+            from_pull: 0,
             answer,
         });
     }
@@ -322,6 +331,7 @@ impl<R> Book<R> {
         match waiter {
             Some(waiter) if waiter.accepts(&delivery) && !waiter.answer.is_closed() => {
                 waiter.take(delivery);
+                waiter.from_pull += 1;
             }
             Some(waiter) => {
                 waiter.full = !waiter.got.is_empty();
@@ -445,8 +455,19 @@ impl<R> Book<R> {
         released
     }
 
+    /// Messages the ordering gate released are handed to waiting fetches ahead of anything
+    /// held, and those fetches answered without waiting for their pulls to end.
+    pub(super) fn hand_out_released(&mut self, released: Vec<Delivery>) {
+        self.give_back(None, released);
+        self.hand_out(true);
+    }
+
     /// Deliveries held are handed to waiting fetches, first come first served.
     pub(super) fn hand_out_held(&mut self) {
+        self.hand_out(false);
+    }
+
+    fn hand_out(&mut self, released: bool) {
         for waiter in &mut self.waiters {
             while let Some(delivery) = self.held.front() {
                 if !waiter.accepts(delivery) {
@@ -457,6 +478,7 @@ impl<R> Book<R> {
                 }
                 if let Some(delivery) = self.held.pop_front() {
                     waiter.take(delivery);
+                    waiter.took_released |= released;
                 }
             }
             if self.held.is_empty() {
@@ -498,6 +520,10 @@ impl<R> Book<R> {
                 || (!waiter.got.is_empty()
                     && (waiter.pull.is_none() || waiter.demand.stream.is_some())
                     && !(self.pull_room && waiter.pulls_again(now)))
+                || (!waiter.got.is_empty()
+                    && waiter.pull.is_some()
+                    && waiter.took_released
+                    && waiter.from_pull == 0)
                 || (waiter.pull.is_none() && now >= waiter.deadline)
                 || now >= waiter.deadline + PULL_GRACE;
             if !done {

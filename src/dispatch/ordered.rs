@@ -125,7 +125,7 @@ impl Dispatcher {
             delivery.received_at = now;
         }
         if !ready.is_empty() {
-            self.book.give_back(None, ready);
+            self.book.hand_out_released(ready);
         }
     }
 

@@ -72,8 +72,50 @@ const RECOVERY_BOUND: Duration = Duration::from_secs(20);
 /// The longest one run may take before it is declared stuck.
 const RUN_DEADLINE: Duration = Duration::from_secs(90);
 
-/// Runs share two cores: one at a time.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// A ledger run, started as a task of its own.
+type LedgerRun = fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Every ledger run, one after another, in one test. The runs share two cores, so they never
+/// overlap; as five tests, the ones waiting for their turn held the suite's other test
+/// threads idle (about 100 s of a CI run). Each run is a task: one that fails (its panic is
+/// printed above) does not keep the others from running. `RUSTSTREAM_LEDGER=<part of a
+/// name>` runs only the matching ones, e.g. `RUSTSTREAM_LEDGER=cluster cargo test --test it
+/// ledger::`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_ledger_run_in_turn() {
+    let only = std::env::var("RUSTSTREAM_LEDGER").unwrap_or_default();
+    let runs: [(&str, LedgerRun); 5] = [
+        ("single_node_faults", || {
+            Box::pin(ledger_single_node_faults())
+        }),
+        ("cluster_faults", || Box::pin(ledger_cluster_faults())),
+        ("non_sticky_replicas", || {
+            Box::pin(ledger_non_sticky_replicas())
+        }),
+        ("three_consumers_on_two_replicas", || {
+            Box::pin(ledger_three_consumers_on_two_replicas())
+        }),
+        ("rolling_upgrade_from_the_previous_release", || {
+            Box::pin(ledger_rolling_upgrade_from_the_previous_release())
+        }),
+    ];
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for (name, run) in runs {
+        if !name.contains(only.as_str()) {
+            continue;
+        }
+        ran += 1;
+        if tokio::spawn(run()).await.is_err() {
+            failed.push(name);
+        }
+    }
+    assert!(ran > 0, "RUSTSTREAM_LEDGER={only} names no ledger run");
+    assert!(
+        failed.is_empty(),
+        "ledger runs failed: {failed:?} (each one's failure is printed above)"
+    );
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Outcome {
@@ -1714,9 +1756,7 @@ fn check(report: &Report, faulty: bool, duplicates_allowed: bool, replicas: bool
     failures
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_single_node_faults() {
-    let _one = ONE_AT_A_TIME.lock().await;
     let mut reports = Vec::new();
     let mut failures = Vec::new();
     // A server killed -9 forgets acks it had confirmed; the gateway, still running, settles
@@ -1748,9 +1788,7 @@ async fn ledger_single_node_faults() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_cluster_faults() {
-    let _one = ONE_AT_A_TIME.lock().await;
     let mut reports = Vec::new();
     let mut failures = Vec::new();
     for scenario in [
@@ -1772,9 +1810,7 @@ async fn ledger_cluster_faults() {
 
 /// Three replicas behind no sticky balancer: every settle at another replica than the
 /// fetch, through replica and server faults.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_rolling_upgrade_from_the_previous_release() {
-    let _one = ONE_AT_A_TIME.lock().await;
     // Nothing is killed: every settle answered 2xx must hold, on old and new replicas alike.
     let report = run(Scenario::RollingUpgrade).await;
     let mut failures = check(&report, true, false, true);
@@ -1823,9 +1859,7 @@ fn previous_release() -> String {
     String::from_utf8_lossy(&output.stdout).trim().to_owned()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_non_sticky_replicas() {
-    let _one = ONE_AT_A_TIME.lock().await;
     // Replicas are killed: their memory of confirmed settles dies with them, so duplicates
     // are reported, not failed (as for the single gateway killed).
     let report = run(Scenario::NonSticky { cluster: false }).await;
@@ -1957,9 +1991,7 @@ async fn many_worker(
 /// replica is killed -9, the other rolled, and the server killed -9 (at its default sync
 /// interval). Every consumer settles every message; none is handed another's lease; no
 /// settle answers what a fault cannot explain.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_three_consumers_on_two_replicas() {
-    let _one = ONE_AT_A_TIME.lock().await;
     let started = Instant::now();
     let mut cluster = Cluster::start(1, false).await;
     let urls = cluster.urls();

@@ -291,6 +291,49 @@ fn max_bytes_holds_the_overflow_for_the_next_fetch() {
 }
 
 #[test]
+fn a_fetch_handed_what_the_ordering_gate_released_is_answered_at_once_though_its_pull_is_open() {
+    // An ordered consumer: the messages wait in the gate here, so the fetch's pull waits at
+    // the server with nothing to bring; what the gate releases for it once a key is settled
+    // must not wait out that pull's expiry.
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let (_answered, pull_id) = waiting(&mut book, demand(100, 5000), now);
+    assert!(book.take_finished(now, false, EPOCH).is_empty());
+    book.hand_out_released(vec![delivery(4, 1, now), delivery(5, 1, now)]);
+    let finished = book.take_finished(now, false, EPOCH);
+    assert_eq!(finished.len(), 1, "answered before its pull ended");
+    assert_eq!(sequences(&finished[0].got), [4, 5]);
+    assert_eq!(finished[0].pull, Some(pull_id));
+    // What the pull still brings then is held for the next fetch.
+    book.detach_pull(finished[0].pull);
+    let owner = book.count_delivery(pull_id, now);
+    assert_eq!(owner, None);
+    book.place(owner, delivery(6, 1, now));
+    assert_eq!(book.held_len(), 1);
+
+    // Held deliveries of another fetch's pull end no fetch early: more may follow them.
+    let mut book = Book::<()>::new();
+    let (_answered, _pull_id) = waiting(&mut book, demand(100, 5000), now);
+    book.give_back(None, vec![delivery(7, 1, now)]);
+    book.hand_out_held();
+    assert!(book.take_finished(now, false, EPOCH).is_empty());
+
+    // A fetch whose pull is bringing messages still takes what that pull brings.
+    let mut book = Book::<()>::new();
+    let (_answered, pull_id) = waiting(&mut book, demand(100, 5000), now);
+    let owner = book.count_delivery(pull_id, now);
+    book.place(owner, delivery(1, 1, now));
+    book.hand_out_released(vec![delivery(2, 1, now)]);
+    assert!(
+        book.take_finished(now, false, EPOCH).is_empty(),
+        "its pull is still bringing"
+    );
+    book.end_pull(pull_id, false, now);
+    let finished = book.take_finished(now, false, EPOCH);
+    assert_eq!(sequences(&finished[0].got), [1, 2]);
+}
+
+#[test]
 fn a_withdrawn_fetch_gives_its_deliveries_to_the_next_one_first() {
     let now = Instant::now();
     let mut book = Book::<()>::new();
