@@ -240,6 +240,10 @@ class Worker:
             msg.state = SETTLING
             self.settler.add("nak", msg, 0, None)
             return
+        if (not self.buffer and self.running < self.concurrency and not self._dispatching
+                and now < msg.deadline and (msg.key is None or msg.key not in self.busy_keys)):
+            self._start(msg)  # nothing waits before it and a slot is free: no buffer
+            return
         self.buffer.append(msg)
         self.buffered_bytes += msg.size
         if self.max_bytes is not None and self.buffered_bytes >= self.max_bytes:
@@ -408,10 +412,10 @@ class Worker:
             self._dispatch()
         if self.running == 0:
             self._idle.set()
-        if len(self.buffer) < self.concurrency and not self._flush_soon:
-            # The buffer cannot keep every handler slot busy: more comes only as settles free
-            # the gateway's credit, so what is pending goes at the end of this loop turn (with
-            # what other handlers ending in it settle), not after the coalescing window.
+        if not self.buffer and not self._flush_soon:
+            # Nothing waits to start: more comes only as settles free the gateway's credit, so
+            # what is pending goes at the end of this loop turn (with what other handlers
+            # ending in it settle), not after the coalescing window.
             self._flush_soon = True
             assert self.loop is not None
             self.loop.call_soon(self._flush_idle)
