@@ -3,7 +3,8 @@
 one nats-server and one gateway started here; then the Worker with a 10 ms handler and
 concurrency 64 against its bound (concurrency / handler time). Each row prints this
 process's CPU per message (the gateway and nats-server are other processes). Needs nats-py
-(bench-requirements.txt).
+(bench-requirements.txt); with aiohttp installed too, a row of the issue's own baseline, the
+same bare loop over aiohttp.
 
     python bench.py [--messages 20000] [--size 256] [--profile FILE]
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import importlib.util
 import json
 import sys
 import tempfile
@@ -72,6 +74,25 @@ async def bare_ws_row(url: str, count: int) -> None:
                     ids = []
 
 
+async def bare_aiohttp_row(url: str, count: int) -> None:
+    """The issue's own baseline: the same loop over aiohttp, whose WebSocket reader is C."""
+    import aiohttp
+
+    done = 0
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(url.replace("http", "ws") + "/streams/BENCH/consumers/"
+                                      "bareaio/ws?max_in_flight=100", compress=0) as ws:
+            ids: list[str] = []
+            while done < count:
+                event = json.loads((await ws.receive()).data)
+                if event["type"] == "message":
+                    ids.append(event["id"])
+                    done += 1
+                    if len(ids) == 100 or done == count:
+                        await ws.send_str(json.dumps({"op": "ack", "ids": ids}))
+                        ids = []
+
+
 async def worker_row(url: str, count: int, consumer: str = "worker", concurrency: int = 16,
                      handler_seconds: float = 0.0) -> None:
     worker = Worker(url, stream="BENCH", consumer=consumer, max_in_flight=100,
@@ -122,7 +143,8 @@ async def main() -> None:
         '[[consumer]]\nstream = "BENCH"\nname = "bare"\nfilter_subject = "bench.ws.>"\n'
         'ack_wait = "30s"\n\n[[consumer]]\nstream = "BENCH"\nname = "worker"\n'
         'filter_subject = "bench.worker.>"\nack_wait = "30s"\n\n[[consumer]]\nstream = "BENCH"\n'
-        'name = "slow"\nfilter_subject = "bench.slow.>"\nack_wait = "30s"\n')
+        'name = "slow"\nfilter_subject = "bench.slow.>"\nack_wait = "30s"\n\n[[consumer]]\n'
+        'stream = "BENCH"\nname = "bareaio"\nfilter_subject = "bench.aio.>"\nack_wait = "30s"\n')
     gateway = Gateway(server, "BENCH", "--consumers-file", str(consumers), ack_wait="30s")
     nc = await nats.connect(server.url)
     js = nc.jetstream()
@@ -134,6 +156,10 @@ async def main() -> None:
         await fill(js, nc, "bench.ws.x", count, payload)
         rows.append(("bare websockets loop (ack 100 in band)",
                      *await timed(lambda: bare_ws_row(gateway.url, count))))
+        if importlib.util.find_spec("aiohttp") is not None:
+            await fill(js, nc, "bench.aio.x", count, payload)
+            rows.append(("bare aiohttp loop (ack 100 in band)",
+                         *await timed(lambda: bare_aiohttp_row(gateway.url, count))))
         await fill(js, nc, "bench.worker.x", count, payload)
         rows.append(("ruststream Worker (ws, no-op handler)",
                      *await timed(lambda: worker_row(gateway.url, count),

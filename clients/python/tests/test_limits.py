@@ -1,5 +1,6 @@
-"""The worker's own limits against a real gateway: max_lease ends the extensions of a handler
-that runs too long (logged once), and max_bytes bounds the payload waiting in its buffer."""
+"""The worker's own limits and a handler's own settles, against a real gateway: max_lease ends
+the extensions of a handler that runs too long (logged once), max_bytes bounds the payload
+waiting in its buffer, and explicit settles settle exactly once."""
 
 from __future__ import annotations
 
@@ -77,3 +78,32 @@ async def test_max_bytes_bounds_the_buffered_payload(gateway: Gateway, transport
         await eventually(lambda: len(handled) == total, 20, "every message handled")
     assert max_bytes <= worker.most_buffered < max_bytes + size
     assert worker.stats.acked == total and worker.stats.expired_in_buffer == 0
+
+
+async def test_explicit_settles_settle_once(gateway: Gateway, transport: str) -> None:
+    """ack / nak / term / extend from the handler; its return then settles nothing more."""
+    seen: list[tuple[int, int]] = []
+
+    async def handle(msg: Message) -> None:
+        seen.append((msg.stream_sequence, msg.delivered))
+        if msg.stream_sequence == 1:
+            await msg.extend()
+            await msg.ack()
+        elif msg.stream_sequence == 2 and msg.delivered == 1:
+            await msg.nak(0)
+            raise RuntimeError("after an explicit nak: settles nothing more")
+        elif msg.stream_sequence == 2:
+            await msg.ack()
+        else:
+            await msg.term("explicitly")
+
+    await publish(gateway, [f"{gateway.stream.lower()}.e"] * 3)
+    worker = Worker(gateway.url, transport=transport)
+    async with Running(worker, handle):
+        await eventually(lambda: worker.stats.acked == 2 and worker.stats.termed == 1, 10,
+                         "two acked, one termed")
+        await eventually(lambda: gateway.consumer()["num_ack_pending"] == 0, 5,
+                         "nothing pending")
+    assert sorted(seen) == [(1, 1), (2, 1), (2, 2), (3, 1)]
+    assert worker.stats.naked == 1 and worker.stats.extended == 1
+    assert worker.stats.handler_errors == 1 and worker.stats.settle_failures == {}

@@ -408,6 +408,11 @@ class Worker:
                                  "nak, redelivery in %.2fs", msg.stream, msg.consumer,
                                  msg.stream_sequence, msg.delivered, delay, exc_info=error)
                 self.settler.add("nak", msg, int(delay * 1000), None)
+        elif error is not None and not isinstance(error, (Nak, Term)):
+            # Settled by the handler already: nothing more is sent, but the failure is not lost.
+            self.stats.handler_errors += 1
+            self.log.warning("ruststream: handler failed on %s/%s seq %s after settling it",
+                             msg.stream, msg.consumer, msg.stream_sequence, exc_info=error)
         if self.buffer:
             self._dispatch()
         if self.running == 0:
