@@ -17,6 +17,7 @@ from ruststream import Message, Worker
 
 
 async def test_max_lease_stops_extending_and_logs_once(gateway_factory: GatewayFactory,
+                                                       transport: str,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     gateway = gateway_factory(ack_wait="1s")
     deliveries: list[int] = []
@@ -33,7 +34,8 @@ async def test_max_lease_stops_extending_and_logs_once(gateway_factory: GatewayF
 
     caplog.set_level(logging.INFO, logger="ruststream")
     await publish(gateway, [f"{gateway.stream.lower()}.long"])
-    worker = Worker(gateway.url, max_lease=1.2, concurrency=2, max_in_flight=10)
+    worker = Worker(gateway.url, transport=transport, max_lease=1.2, concurrency=2,
+                    max_in_flight=10)
     async with Running(worker, outlives_max_lease):
         await eventually(lambda: worker.stats.acked == 1 and sum(
             worker.stats.settle_failures.values()) == 1, 20,
