@@ -1,8 +1,15 @@
 """Benchmark rows: the Worker (no-op handler, ws) against a nats-py pull worker (fetch 100,
 ``await msg.ack()`` each) and a bare websockets loop acking 100 ids in band, in one run, on
-one nats-server and one gateway started here. Needs nats-py (bench-requirements.txt).
+one nats-server and one gateway started here; then the Worker with a 10 ms handler and
+concurrency 64 against its bound (concurrency / handler time). Each row prints this
+process's CPU per message (the gateway and nats-server are other processes). Needs nats-py
+(bench-requirements.txt); with aiohttp installed too, a row of the issue's own baseline, the
+same bare loop over aiohttp.
 
-    python bench.py [--messages 20000] [--size 256]
+    python bench.py [--messages 20000] [--size 256] [--profile FILE]
+
+``--profile`` writes cProfiles of the Worker rows to FILE.noop and FILE.slow (their rates
+are then not comparable).
 
 Env: RUSTSTREAM_BIN (the gateway), NATS_SERVER_BIN, as for the tests."""
 
@@ -10,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import importlib.util
 import json
 import sys
 import tempfile
@@ -25,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).with_name("tests")))
 from servers import Gateway, NatsServer  # noqa: E402
 
 from ruststream import Message, Worker  # noqa: E402
+
+SLOW_MS, SLOW_CONCURRENCY = 10, 64
 
 
 async def fill(js: Any, nc: Any, subject: str, count: int, payload: bytes) -> None:
@@ -63,11 +74,35 @@ async def bare_ws_row(url: str, count: int) -> None:
                     ids = []
 
 
-async def worker_row(url: str, count: int) -> None:
-    worker = Worker(url, stream="BENCH", consumer="worker", max_in_flight=100, concurrency=16)
+async def bare_aiohttp_row(url: str, count: int) -> None:
+    """The issue's own baseline: the same loop over aiohttp, whose WebSocket reader is C."""
+    import aiohttp
+
+    done = 0
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(url.replace("http", "ws") + "/streams/BENCH/consumers/"
+                                      "bareaio/ws?max_in_flight=100", compress=0) as ws:
+            ids: list[str] = []
+            while done < count:
+                event = json.loads((await ws.receive()).data)
+                if event["type"] == "message":
+                    ids.append(event["id"])
+                    done += 1
+                    if len(ids) == 100 or done == count:
+                        await ws.send_str(json.dumps({"op": "ack", "ids": ids}))
+                        ids = []
+
+
+async def worker_row(url: str, count: int, consumer: str = "worker", concurrency: int = 16,
+                     handler_seconds: float = 0.0) -> None:
+    worker = Worker(url, stream="BENCH", consumer=consumer, max_in_flight=100,
+                    concurrency=concurrency)
 
     async def noop(msg: Message) -> None:
         return None
+
+    async def slow(msg: Message) -> None:
+        await asyncio.sleep(handler_seconds)
 
     async def watch() -> None:
         while worker.stats.acked < count:
@@ -75,20 +110,30 @@ async def worker_row(url: str, count: int) -> None:
         worker.stop()
 
     watcher = asyncio.get_running_loop().create_task(watch())
-    await worker.run(noop)
+    await worker.run(slow if handler_seconds else noop)
     await watcher
 
 
-async def timed(run: Callable[[], Coroutine[Any, Any, None]]) -> tuple[float, float]:
+async def timed(run: Callable[[], Coroutine[Any, Any, None]],
+                profile: str | None = None) -> tuple[float, float]:
+    profiler = cProfile.Profile() if profile else None
     cpu, wall = time.process_time(), time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     await run()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    if profiler is not None:
+        profiler.disable()
+    elapsed = time.perf_counter() - wall, time.process_time() - cpu
+    if profiler is not None and profile:
+        profiler.dump_stats(profile)
+    return elapsed
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--profile")
     args = parser.parse_args()
     count, payload = args.messages, b"x" * args.size
     server = NatsServer()
@@ -97,7 +142,9 @@ async def main() -> None:
     consumers.write_text(
         '[[consumer]]\nstream = "BENCH"\nname = "bare"\nfilter_subject = "bench.ws.>"\n'
         'ack_wait = "30s"\n\n[[consumer]]\nstream = "BENCH"\nname = "worker"\n'
-        'filter_subject = "bench.worker.>"\nack_wait = "30s"\n')
+        'filter_subject = "bench.worker.>"\nack_wait = "30s"\n\n[[consumer]]\nstream = "BENCH"\n'
+        'name = "slow"\nfilter_subject = "bench.slow.>"\nack_wait = "30s"\n\n[[consumer]]\n'
+        'stream = "BENCH"\nname = "bareaio"\nfilter_subject = "bench.aio.>"\nack_wait = "30s"\n')
     gateway = Gateway(server, "BENCH", "--consumers-file", str(consumers), ack_wait="30s")
     nc = await nats.connect(server.url)
     js = nc.jetstream()
@@ -109,9 +156,19 @@ async def main() -> None:
         await fill(js, nc, "bench.ws.x", count, payload)
         rows.append(("bare websockets loop (ack 100 in band)",
                      *await timed(lambda: bare_ws_row(gateway.url, count))))
+        if importlib.util.find_spec("aiohttp") is not None:
+            await fill(js, nc, "bench.aio.x", count, payload)
+            rows.append(("bare aiohttp loop (ack 100 in band)",
+                         *await timed(lambda: bare_aiohttp_row(gateway.url, count))))
         await fill(js, nc, "bench.worker.x", count, payload)
         rows.append(("ruststream Worker (ws, no-op handler)",
-                     *await timed(lambda: worker_row(gateway.url, count))))
+                     *await timed(lambda: worker_row(gateway.url, count),
+                                 args.profile and args.profile + ".noop")))
+        await fill(js, nc, "bench.slow.x", count, payload)
+        rows.append((f"Worker, {SLOW_MS} ms handler, concurrency {SLOW_CONCURRENCY}",
+                     *await timed(lambda: worker_row(gateway.url, count, "slow",
+                                                     SLOW_CONCURRENCY, SLOW_MS / 1000),
+                                  args.profile and args.profile + ".slow")))
     finally:
         await nc.close()
         gateway.stop()
@@ -120,11 +177,15 @@ async def main() -> None:
     base, bare = count / rows[0][1], count / rows[1][1]
     print(f"{count} messages of {args.size} B, one nats-server, one gateway (debug or release "
           "as RUSTSTREAM_BIN is)")
-    print(f"{'row':44} {'msg/s':>9} {'× nats-py':>10} {'× bare ws':>10} {'CPU µs/msg':>11}")
+    bound = SLOW_CONCURRENCY / (SLOW_MS / 1000)
+    print(f"{'row':44} {'msg/s':>9} {'× nats-py':>10} {'× bare ws':>10} {'× bound':>8} "
+          f"{'CPU µs/msg':>11}")
     for name, wall, cpu in rows:
         rate = count / wall
-        print(f"{name:44} {rate:9.0f} {rate / base:10.2f} {rate / bare:10.2f} "
+        of_bound = f"{rate / bound:8.2f}" if name.startswith("Worker,") else f"{'':8}"
+        print(f"{name:44} {rate:9.0f} {rate / base:10.2f} {rate / bare:10.2f} {of_bound} "
               f"{cpu / count * 1e6:11.1f}")
+    print(f"bound of the {SLOW_MS} ms row: concurrency / handler time = {bound:.0f} msg/s")
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ class Gateway:
         key.write_bytes(os.urandom(32))
         key.chmod(0o600)
         self.port = free_port()
+        self.nats_port = nats.port
         self.stream = stream
         self.args = [
             _binary("RUSTSTREAM_BIN", REPO / "target/debug/ruststream-nats"),

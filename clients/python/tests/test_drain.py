@@ -28,7 +28,7 @@ async def test_sigterm_drains_within_drain_timeout(gateway_factory: GatewayFacto
                                                    transport: str, kind: str) -> None:
     gateway = gateway_factory(ack_wait="30s")
     total = 300
-    await publish(gateway.url, [f"{gateway.stream.lower()}.d"] * total)
+    await publish(gateway, [f"{gateway.stream.lower()}.d"] * total)
     process = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("worker_process.py")), gateway.url,
          transport, kind], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

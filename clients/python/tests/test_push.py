@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import GatewayFactory
-from helpers import eventually, publish
+from helpers import eventually, publish_through_gateway
 from ruststream import push
 from servers import free_port
 
@@ -106,7 +106,8 @@ async def test_a_real_push_verified_and_settled(gateway_factory: GatewayFactory)
             f'url = "http://127.0.0.1:{port}/hook"\nsigning_secret_file = "secret"\n')
         gateway = gateway_factory("--consumers-file", str(Path(folder.name, "consumers.toml")),
                                   stream=stream)
-        await publish(gateway.url, [f"{stream.lower()}.good", f"{stream.lower()}.bad"])
+        await publish_through_gateway(gateway.url,
+                                      [f"{stream.lower()}.good", f"{stream.lower()}.bad"])
         await eventually(lambda: len(received) >= 2, 20, "both pushed")
 
         def settled() -> bool:

@@ -30,7 +30,7 @@ async def test_handler_slower_than_the_lease_is_extended(gateway: Gateway,
         calls.append(msg.delivered)
         await asyncio.sleep(6.0)  # 3 × ack_wait (2 s)
 
-    await publish(gateway.url, [f"{gateway.stream.lower()}.slow"])
+    await publish(gateway, [f"{gateway.stream.lower()}.slow"])
     worker = Worker(gateway.url, transport=transport, concurrency=2, max_in_flight=10)
     async with Running(worker, slow):
         await eventually(lambda: worker.stats.acked == 1, 15, "the slow message acked")
@@ -65,7 +65,7 @@ async def test_bounded_concurrency_and_leases(gateway: Gateway, transport: str) 
                 await asyncio.sleep(0.01)
 
         watcher = asyncio.get_running_loop().create_task(watch())
-        await publish(gateway.url, [f"{gateway.stream.lower()}.n"] * total)
+        await publish(gateway, [f"{gateway.stream.lower()}.n"] * total)
         worker = Worker(gateway.url, transport=transport, concurrency=concurrency,
                         max_in_flight=max_in_flight)
         async with Running(worker, handle):
@@ -88,7 +88,7 @@ async def test_exceptions_nak_with_growing_backoff(gateway: Gateway, transport: 
             ends.append(time.monotonic())
             raise RuntimeError(f"attempt {msg.delivered} fails")
 
-    await publish(gateway.url, [f"{gateway.stream.lower()}.flaky"])
+    await publish(gateway, [f"{gateway.stream.lower()}.flaky"])
     worker = Worker(gateway.url, transport=transport, backoff_initial=0.2, backoff_max=10)
     async with Running(worker, flaky):
         await eventually(lambda: worker.stats.acked == 1, 20, "acked at the 4th delivery")
@@ -107,7 +107,7 @@ async def test_term_dead_letters_with_its_reason(gateway_factory: GatewayFactory
     async def poison(msg: Message) -> None:
         raise Term(f"bad payload {msg.stream_sequence}")
 
-    await publish(gateway.url, [f"{gateway.stream.lower()}.poison"])
+    await publish(gateway, [f"{gateway.stream.lower()}.poison"])
     worker = Worker(gateway.url, transport=transport)
     letters: list[dict[str, Any]] = []
 
@@ -141,7 +141,7 @@ async def test_ordering_per_key(gateway_factory: GatewayFactory, transport: str)
         order.setdefault(key, []).append(msg.stream_sequence)
         active.discard(key)
 
-    await publish(gateway.url, subjects)
+    await publish(gateway, subjects)
     worker = Worker(gateway.url, transport=transport, concurrency=16)
     async with Running(worker, handle):
         await eventually(lambda: worker.stats.acked == len(subjects), 60, "every message acked")
@@ -160,14 +160,14 @@ async def test_gateway_killed_and_restarted_under_the_worker(gateway: Gateway,
         handled.add(msg.stream_sequence)
 
     subject = f"{gateway.stream.lower()}.k"
-    await publish(gateway.url, [subject] * 300)
+    await publish(gateway, [subject] * 300)
     worker = Worker(gateway.url, transport=transport, concurrency=4, max_in_flight=50)
     async with Running(worker, handle):
         await eventually(lambda: len(handled) >= 50, 20, "50 handled before the kill")
         gateway.kill()
         await asyncio.sleep(0.3)  # a worker facing no gateway for a moment
         gateway.start()
-        await publish(gateway.url, [subject] * 100)
+        await publish(gateway, [subject] * 100)
         await eventually(lambda: len(handled) == 400, 60,
                          "every message handled after the restart")
         await eventually(lambda: settled_at_gateway(gateway), 15, "nothing pending")

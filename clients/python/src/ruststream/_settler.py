@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from .message import Message
     from .worker import Worker
 
-# How long settles wait to be sent together.
-COALESCE_SECONDS = 0.005
+# How long settles wait to be sent together (the issue allows 5 ms; a shorter wait gives the
+# gateway its credit back sooner where handlers end one by one, at a few more operations).
+COALESCE_SECONDS = 0.002
 # Statuses retried while the lease lives: unavailable, no confirmation in time, no answer.
 RETRIED = frozenset((0, 503, 504))
 
@@ -95,11 +96,16 @@ class Settler:
                 results = await worker.transport.settle_in_band(op, ids, delay_ms, reason)
                 if results is None:
                     results = await self._over_http(op, ids, delay_ms, reason)
-                by_id = {str(r.get("id")): r for r in results}
+                by_id: dict[str, dict[str, Any]] | None = None
                 retry: list[Item] = []
                 now = time.monotonic()
-                for msg, waiter in items:
-                    result = by_id.get(msg.id) or {"id": msg.id, "status": 0}
+                for index, (msg, waiter) in enumerate(items):
+                    # Results come in the order of the ids; look one up only where they do not.
+                    result = results[index] if index < len(results) else {}
+                    if result.get("id") != msg.id:
+                        if by_id is None:
+                            by_id = {str(r.get("id")): r for r in results}
+                        result = by_id.get(msg.id) or {"id": msg.id, "status": 0}
                     status = int(result.get("status") or 0)
                     if status in RETRIED and now < msg.deadline and not worker.abandoned:
                         retry.append((msg, waiter))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from types import CoroutineType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Coroutine
 
 if TYPE_CHECKING:
@@ -43,14 +44,18 @@ def _span(msg: Message) -> Any:
 
 def wrap_async(handler: Callable[[Message], Awaitable[Any]],
                msg: Message) -> Coroutine[Any, Any, Any]:
-    """The coroutine to run for ``msg``."""
+    """The coroutine to run for ``msg``: the handler's own when it returns one (no layer in
+    between, the usual case), else one awaiting what it returned."""
     if _OTEL is None:
-        return _plain(handler, msg)
+        awaitable = handler(msg)
+        if isinstance(awaitable, CoroutineType):
+            return awaitable
+        return _plain(awaitable)
     return _traced(handler, msg)
 
 
-async def _plain(handler: Callable[[Message], Awaitable[Any]], msg: Message) -> Any:
-    return await handler(msg)
+async def _plain(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
 
 
 async def _traced(handler: Callable[[Message], Awaitable[Any]], msg: Message) -> Any:

@@ -30,8 +30,9 @@ IN_BAND_ANSWER_SECONDS = 15.0
 # An SSE stream is read after a drain began until nothing came for SSE_QUIET seconds (at
 # most SSE_QUIET_MAX in all).
 SSE_QUIET, SSE_QUIET_MAX = 0.25, 1.5
-# The longest a fetch waits at the gateway while nothing comes.
-FETCH_WAIT_MS = 2000.0
+# The longest a fetch waits at the gateway while nothing comes; shorter for a consumer ordered
+# per key, where a waiting fetch is not woken when a settle frees a key's next message.
+FETCH_WAIT_MS, FETCH_WAIT_ORDERED_MS = 2000.0, 250.0
 
 
 class Backoff:
@@ -107,7 +108,11 @@ class WsTransport(Transport):
                 ws = await websockets.connect(
                     gateway.ws_url(f"max_in_flight={credit}&encoding=utf8"),
                     additional_headers=gateway.headers, max_size=None, compression=None,
-                    open_timeout=10, close_timeout=5, ping_interval=20, ping_timeout=40)
+                    open_timeout=10, close_timeout=5, ping_interval=20, ping_timeout=40,
+                    # Frames read ahead of the worker: the credit bounds them anyway, and a
+                    # queue that pauses the socket every 16 frames costs loop turns; with
+                    # max_bytes, the library's default keeps what waits unread small.
+                    max_queue=16 if worker.max_bytes is not None else credit + 16)
             except InvalidStatus as error:
                 status = error.response.status_code
                 if status in (401, 403):
@@ -155,9 +160,10 @@ class WsTransport(Transport):
         worker = self.worker
         accept = worker.accept
         loads = json.loads
+        recv = ws.recv
         try:
-            async for frame in ws:
-                event = loads(frame)
+            while True:
+                event = loads(await recv())
                 kind = event.get("type")
                 if kind == "message":
                     accept(event)
@@ -271,7 +277,9 @@ class SseTransport(Transport):
                     "GET", gateway.route("events"),
                     params={"max_in_flight": credit, "encoding": "utf8"},
                     timeout=httpx.Timeout(10.0, read=60.0)) as response:
-                raise_for_auth(response)
+                if response.status_code in (401, 403):
+                    await response.aread()  # the problem's detail, for the error
+                    raise_for_auth(response)
                 if response.status_code != 200:
                     worker.log.warning("ruststream: /events answered %s; connecting again",
                                        response.status_code)
@@ -311,7 +319,9 @@ class FetchTransport(Transport):
     async def run(self) -> None:
         worker = self.worker
         self.reserved = 0
-        self.wait_ms = int(min(FETCH_WAIT_MS, max(100.0, worker.drain_timeout * 250)))
+        self.reserved_bytes = 0
+        longest = FETCH_WAIT_MS if worker.ordering is None else FETCH_WAIT_ORDERED_MS
+        self.wait_ms = int(min(longest, max(100.0, worker.drain_timeout * 250)))
         count = max(1, min(self.POLLERS, worker.max_in_flight // 10))
         self.share = -(-worker.max_in_flight // count)
         await asyncio.gather(*(self._poll() for _ in range(count)))
@@ -325,22 +335,29 @@ class FetchTransport(Transport):
                 break
             batch = min(credit, self.share, 1000)
             body: dict[str, Any] = {"batch": batch, "wait_ms": self.wait_ms, "encoding": "utf8"}
+            budget = 0
             if worker.max_bytes is not None:
-                body["max_bytes"] = max(1, worker.max_bytes - worker.buffered_bytes)
+                # The polls under way share max_bytes: each asks for what the buffer and the
+                # others leave, so that together they never bring in more.
+                budget = await self._byte_budget(worker.max_bytes)
+                if budget <= 0:
+                    break
+                body["max_bytes"] = budget
             self.reserved += batch
+            self.reserved_bytes += budget
             try:
                 response = await gateway.http.post(gateway.route("fetch"), json=body,
                                                    timeout=self.wait_ms / 1000 + 15)
             except httpx.HTTPError as error:
-                self.reserved -= batch
-                worker.credit_freed()
                 worker.log.warning("ruststream: fetch from %s failed (%s); again",
                                    gateway.url, error)
                 if not await self.pause():
                     break
                 continue
-            self.reserved -= batch
-            worker.credit_freed()
+            finally:
+                self.reserved -= batch
+                self.reserved_bytes -= budget
+                worker.credit_freed()
             raise_for_auth(response)
             if response.status_code == 200:
                 if not self.connected_once or self.backoff.delay > BACKOFF_FIRST:
@@ -361,6 +378,16 @@ class FetchTransport(Transport):
             worker.log.warning("ruststream: fetch answered %s; again", response.status_code)
             if not await self.pause():
                 break
+
+    async def _byte_budget(self, max_bytes: int) -> int:
+        """Payload bytes the next poll may bring in; 0 once the worker drains."""
+        worker = self.worker
+        while not self.withdrawn.is_set():
+            room = max_bytes - worker.buffered_bytes - self.reserved_bytes
+            if room > 0:
+                return room
+            await worker.bytes_freed()
+        return 0
 
 
 TRANSPORTS: dict[str, type[Transport]] = {

@@ -32,8 +32,8 @@ def parse_rfc3339(text: str) -> float:
                 _SECOND_CACHE.clear()
             base = datetime.fromisoformat(prefix).replace(tzinfo=timezone.utc).timestamp()
             _SECOND_CACHE[prefix] = base
-        fraction = text[19:-1]
-        return base + float("0" + fraction) if fraction else base
+        fraction = text[19:-1]  # ".123456789": float() reads it as it is
+        return base + float(fraction) if fraction else base
     # Any other offset: the full parse (Python 3.10 takes neither "Z" nor nanoseconds).
     head, _, tail = text.partition(".")
     digits = "".join(c for c in tail if c.isdigit())
@@ -61,11 +61,13 @@ class Message:
     """One leased message. ``id`` is its lease id; the lease is the worker's to keep alive."""
 
     __slots__ = (
-        "_raw", "_worker", "_data", "state", "deadline", "extend_at", "received_at",
+        "id", "_raw", "_worker", "_data", "state", "deadline", "extend_at", "received_at",
         "key", "user_settled", "size", "started",
     )
 
     def __init__(self, raw: dict[str, Any], worker: Worker, now: float, lease: float) -> None:
+        #: the lease id, which settles the message
+        self.id: str = raw["id"]
         self._raw = raw
         self._worker = worker
         self._data: bytes | None = None
@@ -79,10 +81,6 @@ class Message:
         self.started = False
 
     # --- what the gateway sent -------------------------------------------------------------
-    @property
-    def id(self) -> str:
-        return str(self._raw["id"])
-
     @property
     def data(self) -> bytes:
         """The payload's exact bytes."""

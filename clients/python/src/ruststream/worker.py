@@ -5,6 +5,7 @@ per key, and drains cleanly on stop()/SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 import math
@@ -14,7 +15,8 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable, Union
+from functools import partial
+from typing import Any, Awaitable, Callable, Coroutine, Generator, Union
 
 from . import _tracing
 from ._gateway import Gateway
@@ -27,7 +29,40 @@ from .stats import WorkerStats
 
 Handler = Callable[[Message], Union[Awaitable[Any], Any]]
 
-_EAGER = sys.version_info >= (3, 12)  # tasks that start at once: no loop turn per message
+
+def _drive(coro: Coroutine[Any, Any, Any], waited: Any) -> Generator[Any, Any, Any]:
+    """Steps ``coro`` as a task does, from the point where its first step (run by the worker
+    outside any task) stopped waiting on ``waited``."""
+    while True:
+        try:
+            value = yield waited
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as error:  # a cancellation, thrown in as a task would
+            try:
+                waited = coro.throw(error)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                waited = coro.send(value)
+            except StopIteration as stop:
+                return stop.value
+
+
+class _Resume:
+    __slots__ = ("coro", "waited")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], waited: Any) -> None:
+        self.coro, self.waited = coro, waited
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        return _drive(self.coro, self.waited)
+
+
+async def _resumed(coro: Coroutine[Any, Any, Any], waited: Any) -> Any:
+    return await _Resume(coro, waited)
 
 
 class Worker:
@@ -105,6 +140,7 @@ class Worker:
         self.busy_keys: set[str] = set()
         self.tasks: dict[int, asyncio.Future[Any]] = {}
         self._flush_soon = False
+        self._dispatching = False
         self.gateway = Gateway(self.url, self.token, self.stream, self.consumer)
         self.settler = Settler(self)
         try:
@@ -153,8 +189,17 @@ class Worker:
                 info = await self.gateway.consumer_info()
                 break
             except AuthError as error:
-                self._error = error
-                return False
+                if error.status == 401:
+                    self._error = error
+                    return False
+                # 403: reading a consumer takes the `admin` scope, which a worker's token
+                # (fetch, settle) has no need of. Leases then come with their own expiry, and
+                # the gateway still leases a key's messages one at a time.
+                self.log.info("ruststream: the token may not read the consumer (%s); going on "
+                              "with each lease's own expiry and no ordering key of its own",
+                              error.detail)
+                info = {}
+                break
             except (GatewayError, OSError, Exception) as error:  # noqa: B014 (httpx errors)
                 self.log.warning("ruststream: cannot read the consumer at %s (%s); retrying",
                                  self.url, error)
@@ -188,12 +233,16 @@ class Worker:
         now = time.monotonic()
         msg = Message(raw, self, now, self._lease_seconds(raw.get("lease_expires_at"), time.time()))
         self.stats.received += 1
-        self.held[raw["id"]] = msg
+        self.held[msg.id] = msg
         if self.ordering is not None:
             msg.key = self._key_of(raw)
         if self.stopping:
             msg.state = SETTLING
             self.settler.add("nak", msg, 0, None)
+            return
+        if (not self.buffer and self.running < self.concurrency and not self._dispatching
+                and now < msg.deadline and (msg.key is None or msg.key not in self.busy_keys)):
+            self._start(msg)  # nothing waits before it and a slot is free: no buffer
             return
         self.buffer.append(msg)
         self.buffered_bytes += msg.size
@@ -233,6 +282,8 @@ class Worker:
 
     def credit_freed(self) -> None:
         self._room.set()
+        if self.max_bytes is not None:
+            self._bytes_room.set()
 
     async def room_for_bytes(self) -> None:
         while self.bytes_full and not self.stopping:
@@ -242,6 +293,16 @@ class Worker:
             stopper.cancel()
             room.cancel()
 
+    async def bytes_freed(self) -> None:
+        """Until a buffered message started or a poll ended (``max_bytes`` only), or the
+        worker drains."""
+        self._bytes_room.clear()
+        stopper = asyncio.ensure_future(self._stop_event.wait())
+        room = asyncio.ensure_future(self._bytes_room.wait())
+        await asyncio.wait({stopper, room}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        room.cancel()
+
     def on_gateway_shutdown(self, reason: str) -> None:
         """The gateway ends the stream: give the buffer back at once for others to take."""
         self.log.info("ruststream: the gateway ends the stream (%s); reconnecting", reason)
@@ -249,24 +310,28 @@ class Worker:
 
     # --- running handlers ------------------------------------------------------------------
     def _dispatch(self) -> None:
-        if self.stopping:
-            return
-        buffer = self.buffer
-        while self.running < self.concurrency and buffer:
-            if self.ordering is not None:
-                msg = self._next_in_key_order()
-                if msg is None:
-                    break
-            else:
-                msg = buffer.popleft()
-            if msg.state != BUFFERED:
-                continue  # dropped (lease gone) while waiting
-            self.buffered_bytes -= msg.size
-            if time.monotonic() >= msg.deadline:
-                self._expired(msg)
-                continue
-            self._start(msg)
-        if self.bytes_full and (self.max_bytes is None or self.buffered_bytes < self.max_bytes):
+        if self.stopping or self._dispatching:
+            return  # the loop below, further up the stack, starts what is startable
+        self._dispatching = True
+        try:
+            buffer = self.buffer
+            while self.running < self.concurrency and buffer:
+                if self.ordering is not None:
+                    msg = self._next_in_key_order()
+                    if msg is None:
+                        break
+                else:
+                    msg = buffer.popleft()
+                if msg.state != BUFFERED:
+                    continue  # dropped (lease gone) while waiting
+                self.buffered_bytes -= msg.size
+                if time.monotonic() >= msg.deadline:
+                    self._expired(msg)
+                    continue
+                self._start(msg)
+        finally:
+            self._dispatching = False
+        if self.max_bytes is not None and self.buffered_bytes < self.max_bytes:
             self.bytes_full = False
             self._bytes_room.set()
 
@@ -290,26 +355,44 @@ class Worker:
         loop = self.loop
         assert loop is not None
         if self._sync:
-            future: asyncio.Future[Any] = loop.run_in_executor(
-                self._pool, _tracing.wrap_sync(self._handler, msg), msg)
-        elif _EAGER:
-            future = asyncio.Task(_tracing.wrap_async(self._handler, msg), loop=loop,
-                                  eager_start=True)  # type: ignore[call-arg,unused-ignore]
-        else:
-            future = loop.create_task(_tracing.wrap_async(self._handler, msg))
-        if future.done():
-            self._finished(msg, future)
+            future = loop.run_in_executor(self._pool, _tracing.wrap_sync(self._handler, msg), msg)
+            self.tasks[id(msg)] = future
+            future.add_done_callback(partial(self._future_done, msg))
             return
-        self.tasks[id(msg)] = future
-        future.add_done_callback(lambda f, m=msg: self._finished(m, f))  # type: ignore[misc]
+        if sys.version_info >= (3, 11):
+            # The handler's first step runs here and now, as a task started eagerly would
+            # (3.12's eager_start): a handler that ends without waiting costs no task and no
+            # loop turn. One that waits goes on in a task, from where it stopped, in its own
+            # context (a task's context must be given at its creation: 3.11).
+            context = contextvars.copy_context()
+            try:
+                coro = _tracing.wrap_async(self._handler, msg)
+                waited = context.run(coro.send, None)
+            except StopIteration:
+                self._finished(msg, None)
+                return
+            except (Exception, asyncio.CancelledError) as error:
+                self._finished(msg, error)
+                return
+            task = loop.create_task(_resumed(coro, waited), context=context)
+        else:
+            task = loop.create_task(_tracing.wrap_async(self._handler, msg))
+        self.tasks[id(msg)] = task
+        task.add_done_callback(partial(self._future_done, msg))
 
-    def _finished(self, msg: Message, future: asyncio.Future[Any]) -> None:
-        self.running -= 1
+    def _future_done(self, msg: Message, future: asyncio.Future[Any]) -> None:
         self.tasks.pop(id(msg), None)
+        if future.cancelled():
+            self._finished(msg, None, cancelled=True)
+        else:
+            self._finished(msg, future.exception())
+
+    def _finished(self, msg: Message, error: BaseException | None,
+                  cancelled: bool = False) -> None:
+        self.running -= 1
         if not msg.user_settled:
-            error = None if future.cancelled() else future.exception()
             msg.state = SETTLING
-            if future.cancelled():
+            if cancelled:
                 pass  # nak'd by the drain already
             elif error is None:
                 self.settler.add("ack", msg, None, None)
@@ -325,14 +408,22 @@ class Worker:
                                  "nak, redelivery in %.2fs", msg.stream, msg.consumer,
                                  msg.stream_sequence, msg.delivered, delay, exc_info=error)
                 self.settler.add("nak", msg, int(delay * 1000), None)
-        self._dispatch()
+        elif error is not None and not isinstance(error, (Nak, Term)):
+            # Settled by the handler already: nothing more is sent, but the failure is not lost.
+            self.stats.handler_errors += 1
+            self.log.warning("ruststream: handler failed on %s/%s seq %s after settling it",
+                             msg.stream, msg.consumer, msg.stream_sequence, exc_info=error)
+        if self.buffer:
+            self._dispatch()
         if self.running == 0:
             self._idle.set()
-            if not self._flush_soon:
-                # Nothing runs: send what is pending once this loop turn's handlers are done.
-                self._flush_soon = True
-                assert self.loop is not None
-                self.loop.call_soon(self._flush_idle)
+        if not self.buffer and not self._flush_soon:
+            # Nothing waits to start: more comes only as settles free the gateway's credit, so
+            # what is pending goes at the end of this loop turn (with what other handlers
+            # ending in it settle), not after the coalescing window.
+            self._flush_soon = True
+            assert self.loop is not None
+            self.loop.call_soon(self._flush_idle)
 
     def _flush_idle(self) -> None:
         self._flush_soon = False
