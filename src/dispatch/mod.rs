@@ -53,6 +53,9 @@ const STRAGGLER_READ: Duration = Duration::from_secs(30);
 const SETTLE_AGAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often deliveries waiting for the answer to a settle of their message look again.
 const SETTLE_ANSWER_POLL: Duration = Duration::from_millis(20);
+/// How long the leader elections are followed after the last pull ended: as long as a
+/// consumer takes to fall silent.
+const ELECTIONS_KEPT: Duration = Duration::from_secs(10);
 
 pub(crate) enum Command {
     Fetch {
@@ -122,9 +125,13 @@ pub(crate) struct Dispatcher {
     rebind_requested: bool,
     /// Reply subjects of messages that were no usable delivery, to nak.
     unusable: Vec<Subject>,
-    /// The bound consumer's leader elections: its open pulls may have died with the old
-    /// leader.
+    /// The bound consumer's leader elections, followed while pulls are open (they may die
+    /// with the old leader): an idle consumer keeps no subscription (some 6 KB each).
     leader_elections: Option<async_nats::Subscriber>,
+    /// The server refused that subscription under this binding (no permission).
+    elections_refused: bool,
+    /// When a pull was last seen open: the subscription is let go [`ELECTIONS_KEPT`] later.
+    pulled_at: Option<Instant>,
     /// Ordering per key: the epoch whose heads the gate knows, the consumer's max_deliver,
     /// the task that lifts the gate's fence, and when hot keys were last warned of.
     ordered_epoch: Option<u32>,
@@ -149,6 +156,8 @@ impl Dispatcher {
             rebind_requested: false,
             unusable: Vec::new(),
             leader_elections: None,
+            elections_refused: false,
+            pulled_at: None,
             ordered_epoch: None,
             max_deliver: None,
             fence_watch: None,
@@ -164,8 +173,10 @@ impl Dispatcher {
         mut bound: watch::Receiver<Option<Arc<Bound>>>,
         capacity_freed: Arc<Notify>,
     ) {
+        // A rebind, and the stop, are rare: boxed, they add nothing to the size of this
+        // future, which every served consumer keeps for as long as it is served.
         let initial = bound.borrow_and_update().clone();
-        self.rebind(initial).await;
+        Box::pin(self.rebind(initial)).await;
         loop {
             let wake = self.next_wake();
             tokio::select! {
@@ -207,7 +218,7 @@ impl Dispatcher {
                         break;
                     }
                     let next = bound.borrow_and_update().clone();
-                    self.rebind(next).await;
+                    Box::pin(self.rebind(next)).await;
                 }
                 () = capacity_freed.notified() => {}
                 Some(_) = next_election(&mut self.leader_elections) => {
@@ -218,10 +229,14 @@ impl Dispatcher {
             }
             self.pump().await;
             self.inboxes.let_go_if_empty();
+            self.follow_elections().await;
         }
         self.shutting_down = true;
-        self.pump().await;
-        self.drain_open_pulls().await;
+        Box::pin(async {
+            self.pump().await;
+            self.drain_open_pulls().await;
+        })
+        .await;
     }
 
     /// Before stopping, let the open pulls end (they are short) and nak what they bring, so
@@ -275,10 +290,8 @@ impl Dispatcher {
             .as_ref()
             .is_some_and(|bound| self.ordered_epoch != Some(bound.epoch));
         self.release_ordered(new_epoch).await;
-        self.leader_elections = match &bound {
-            Some(bound) => pull::leader_elections(bound).await,
-            None => None,
-        };
+        self.leader_elections = None;
+        self.elections_refused = false;
         if let Some(bound) = &bound {
             self.bind_ordering(bound, new_epoch);
         }
@@ -305,10 +318,15 @@ impl Dispatcher {
         let keep_alive = self.state.next_keep_alive();
         // A settle's answer wakes nobody here: look again soon while deliveries wait for one.
         let settle_answer = (!self.awaiting_settle.is_empty()).then_some(now + SETTLE_ANSWER_POLL);
+        let elections_let_go = self
+            .pulled_at
+            .filter(|_| self.leader_elections.is_some())
+            .map(|at| at + ELECTIONS_KEPT);
         book.into_iter()
             .chain(reaps)
             .chain(keep_alive)
             .chain(settle_answer)
+            .chain(elections_let_go)
             .min()
             .unwrap_or(far)
     }
@@ -425,6 +443,32 @@ impl Drop for Dispatcher {
                 "dispatcher stopped with unleased deliveries; the server redelivers them after ack_wait"
             );
         }
+    }
+}
+
+impl Dispatcher {
+    /// Follow the consumer's leader elections while pulls are open, and only then.
+    async fn follow_elections(&mut self) {
+        let now = Instant::now();
+        if !self.book.has_open_pulls() {
+            // Kept a while: a busy consumer's pulls end and begin again all the time.
+            if self.pulled_at.is_none_or(|at| now >= at + ELECTIONS_KEPT) {
+                self.leader_elections = None;
+                self.pulled_at = None;
+            }
+            return;
+        }
+        self.pulled_at = Some(now);
+        if self.leader_elections.is_some() || self.elections_refused {
+            return;
+        }
+        let Some(bound) = self.bound.clone() else {
+            return;
+        };
+        // Boxed: a subscription is made once per burst of pulls, and this future lives in
+        // every served consumer's task.
+        self.leader_elections = Box::pin(pull::leader_elections(&bound)).await;
+        self.elections_refused = self.leader_elections.is_none();
     }
 }
 

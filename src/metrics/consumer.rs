@@ -221,8 +221,11 @@ fn by_outcome(ok: impl FnOnce() -> IntCounter) -> ByOutcome {
 }
 
 /// One consumer's metrics: handles into the shared families, labelled with its stream and
-/// consumer. Every series without a result label, and each family's `ok` one, exists (at 0)
-/// from the start, so rates work from the first scrape; the other results appear on first use.
+/// consumer. The series of what every consumer does (leases, deliveries, fetches, settles
+/// with result `ok`, its settings) exist (at 0) from the start, so rates work from the first
+/// scrape; those of what most consumers never see (other settle results, forwarded settles,
+/// refusals, skipped dead letters, settles repeated, ordering) appear on first use: a
+/// thousand idle consumers' unused series would cost megabytes.
 pub(crate) struct Metrics {
     families: Arc<Families>,
     stream: String,
@@ -236,28 +239,29 @@ pub(crate) struct Metrics {
     deliveries_received: IntCounter,
     redeliveries: IntCounter,
     deliveries_released: IntCounter,
-    settled_again_ack: IntCounter,
-    settled_again_term: IntCounter,
+    settled_again_ack: OnFirstUse,
+    settled_again_term: OnFirstUse,
     fetch_wait: prometheus::Histogram,
     fetch_latency: prometheus::Histogram,
     fetches_empty: IntCounter,
     fetches_in_progress: IntGauge,
-    fetches_refused_at_capacity: IntCounter,
-    fetches_refused_unavailable: IntCounter,
-    fetches_refused_token_limit: IntCounter,
+    fetches_refused_at_capacity: OnFirstUse,
+    fetches_refused_unavailable: OnFirstUse,
+    fetches_refused_token_limit: OnFirstUse,
     max_ack_pending: IntGauge,
     ack_wait: prometheus::Gauge,
     delayed_naks: IntGauge,
     dead_lettered: IntCounter,
-    dead_letters_missing: IntCounter,
-    dead_letters_failed: IntCounter,
+    dead_letters_missing: OnFirstUse,
+    dead_letters_failed: OnFirstUse,
     /// Indexed by `SettleOutcome as usize`.
     settles_forwarded: ByOutcome,
     forwarded_settles_received: ByOutcome,
     replicas: IntGauge,
-    ordering_held: IntGauge,
-    ordering_busy_keys: IntGauge,
-    ordering_keys_rejected: IntCounter,
+    /// Made by an ordered consumer's gate, on its first use.
+    ordering_held: OnceLock<IntGauge>,
+    ordering_busy_keys: OnceLock<IntGauge>,
+    ordering_keys_rejected: OnFirstUse,
     /// The last fifteen minutes of deliveries and settles, for the console's chart.
     history: History,
 }
@@ -294,29 +298,28 @@ impl Metrics {
             deliveries_received: counter(&f.deliveries_received, &[]),
             redeliveries: counter(&f.redeliveries, &[]),
             deliveries_released: counter(&f.deliveries_released, &[]),
-            settled_again_ack: counter(&f.settled_again, &["ack"]),
-            settled_again_term: counter(&f.settled_again, &["term"]),
+            settled_again_ack: OnFirstUse::default(),
+            settled_again_term: OnFirstUse::default(),
             fetch_wait: histogram(&f.fetch_wait),
             fetch_latency: histogram(&f.fetch_latency),
             fetches_empty: counter(&f.fetches_empty, &[]),
             fetches_in_progress: gauge(&f.fetches_in_progress),
-            fetches_refused_at_capacity: counter(&f.fetches_refused, &["at_capacity"]),
-            fetches_refused_unavailable: counter(&f.fetches_refused, &["unavailable"]),
-            fetches_refused_token_limit: counter(&f.fetches_refused, &["token_limit"]),
+            fetches_refused_at_capacity: OnFirstUse::default(),
+            fetches_refused_unavailable: OnFirstUse::default(),
+            fetches_refused_token_limit: OnFirstUse::default(),
             max_ack_pending: gauge(&f.max_ack_pending),
             ack_wait: f.ack_wait.with_label_values(&[stream, consumer]),
             delayed_naks: gauge(&f.delayed_naks),
             dead_lettered: counter(&f.dead_lettered, &[]),
-            dead_letters_missing: counter(&f.dead_letters_skipped, &["missing"]),
-            dead_letters_failed: counter(&f.dead_letters_skipped, &["failed"]),
-            settles_forwarded: by_outcome(|| counter(&f.settles_forwarded, &[ok])),
-            forwarded_settles_received: by_outcome(|| {
-                counter(&f.forwarded_settles_received, &[ok])
-            }),
+            dead_letters_missing: OnFirstUse::default(),
+            dead_letters_failed: OnFirstUse::default(),
+            // Only replicas forward: made on first use, as every result.
+            settles_forwarded: ByOutcome::default(),
+            forwarded_settles_received: ByOutcome::default(),
             replicas: gauge(&f.replicas),
-            ordering_held: gauge(&f.ordering_held),
-            ordering_busy_keys: gauge(&f.ordering_busy_keys),
-            ordering_keys_rejected: counter(&f.ordering_keys_rejected, &[]),
+            ordering_held: OnceLock::new(),
+            ordering_busy_keys: OnceLock::new(),
+            ordering_keys_rejected: OnFirstUse::default(),
             history: History::default(),
             families: families.clone(),
         };
@@ -433,15 +436,21 @@ impl Metrics {
 
     /// An ordered consumer's held messages and busy keys.
     pub(crate) fn ordering(&self, held: usize, busy_keys: usize) {
+        let pair = [self.stream.as_str(), self.consumer.as_str()];
+        let f = &self.families;
         self.ordering_held
+            .get_or_init(|| f.ordering_held.with_label_values(&pair))
             .set(i64::try_from(held).unwrap_or(i64::MAX));
         self.ordering_busy_keys
+            .get_or_init(|| f.ordering_busy_keys.with_label_values(&pair))
             .set(i64::try_from(busy_keys).unwrap_or(i64::MAX));
     }
 
     /// A message's ordering key was too long to be one.
     pub(crate) fn ordering_key_rejected(&self) {
-        self.ordering_keys_rejected.inc();
+        let family = &self.families.ordering_keys_rejected;
+        self.labelled(&self.ordering_keys_rejected, family, &[])
+            .inc();
     }
 
     /// How many replicas are live, this one included.
@@ -479,11 +488,13 @@ impl Metrics {
 
     /// A redelivery of a message acked (`term`: terminated) before was settled again.
     pub(crate) fn settled_again(&self, term: bool) {
-        if term {
-            self.settled_again_term.inc();
+        let (series, kind) = if term {
+            (&self.settled_again_term, "term")
         } else {
-            self.settled_again_ack.inc();
-        }
+            (&self.settled_again_ack, "ack")
+        };
+        self.labelled(series, &self.families.settled_again, &[kind])
+            .inc();
     }
 
     pub(crate) fn fetch_waited(&self, wait: Duration) {
@@ -506,11 +517,13 @@ impl Metrics {
 
     /// A fetch the gateway refused.
     pub(crate) fn fetch_refused(&self, refusal: FetchRefusal) {
-        match refusal {
-            FetchRefusal::AtCapacity => self.fetches_refused_at_capacity.inc(),
-            FetchRefusal::Unavailable => self.fetches_refused_unavailable.inc(),
-            FetchRefusal::TokenLimit => self.fetches_refused_token_limit.inc(),
-        }
+        let (series, reason) = match refusal {
+            FetchRefusal::AtCapacity => (&self.fetches_refused_at_capacity, "at_capacity"),
+            FetchRefusal::Unavailable => (&self.fetches_refused_unavailable, "unavailable"),
+            FetchRefusal::TokenLimit => (&self.fetches_refused_token_limit, "token_limit"),
+        };
+        self.labelled(series, &self.families.fetches_refused, &[reason])
+            .inc();
     }
 
     /// A message was stored in the dead-letter stream.
@@ -526,12 +539,16 @@ impl Metrics {
 
     /// A dead-letter advisory named a message no longer in the stream.
     pub(crate) fn dead_letter_missing(&self) {
-        self.dead_letters_missing.inc();
+        let family = &self.families.dead_letters_skipped;
+        self.labelled(&self.dead_letters_missing, family, &["missing"])
+            .inc();
     }
 
     /// A dead letter could not be published.
     pub(crate) fn dead_letter_failed(&self) {
-        self.dead_letters_failed.inc();
+        let family = &self.families.dead_letters_skipped;
+        self.labelled(&self.dead_letters_failed, family, &["failed"])
+            .inc();
     }
 }
 

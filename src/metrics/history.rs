@@ -4,7 +4,8 @@
 //!
 //! May import: nothing of the crate.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use time::OffsetDateTime;
@@ -37,19 +38,22 @@ pub(crate) struct Bucket {
     pub(crate) dead_lettered: u64,
 }
 
+/// 32-bit counts: a ten-second bucket never sees four billion of anything, and a thousand
+/// consumers' rings are half the size.
 #[derive(Default)]
 struct Slot {
     /// The bucket number it counts now (buckets since the ring was made), plus one: 0 is
     /// "never used".
-    number: AtomicU64,
-    counts: [AtomicU64; KINDS],
+    number: AtomicU32,
+    counts: [AtomicU32; KINDS],
 }
 
-/// The ring.
+/// The ring, made on the first count: an idle consumer (most of a thousand) keeps none of
+/// its 4 KB.
 pub(crate) struct History {
     made: Instant,
     made_at: OffsetDateTime,
-    slots: Box<[Slot]>,
+    slots: OnceLock<Box<[Slot]>>,
 }
 
 impl Default for History {
@@ -57,21 +61,24 @@ impl Default for History {
         Self {
             made: Instant::now(),
             made_at: OffsetDateTime::now_utc(),
-            slots: (0..BUCKETS).map(|_| Slot::default()).collect(),
+            slots: OnceLock::new(),
         }
     }
 }
 
 impl History {
-    fn number_now(&self) -> u64 {
+    fn number_now(&self) -> u32 {
         let elapsed = self.made.elapsed().as_millis() / BUCKET.as_millis();
-        u64::try_from(elapsed).unwrap_or(u64::MAX - 1)
+        u32::try_from(elapsed).unwrap_or(u32::MAX - 1)
     }
 
     /// Count `count` of `activity` now.
     pub(crate) fn record(&self, activity: Activity, count: u64) {
         let number = self.number_now() + 1;
-        let slot = &self.slots[(number as usize) % BUCKETS];
+        let slots = self
+            .slots
+            .get_or_init(|| (0..BUCKETS).map(|_| Slot::default()).collect());
+        let slot = &slots[(number as usize) % BUCKETS];
         let seen = slot.number.load(Ordering::Acquire);
         // A new bucket takes the slot over; the one who wins clears it. (An add racing the
         // clear at a bucket's first moment may be lost: a chart's error, never a metric's.)
@@ -85,22 +92,25 @@ impl History {
                 counter.store(0, Ordering::Relaxed);
             }
         }
+        let count = u32::try_from(count).unwrap_or(u32::MAX);
         slot.counts[activity as usize].fetch_add(count, Ordering::Relaxed);
     }
 
     /// The buckets of the last fifteen minutes, oldest first, the current one last.
     pub(crate) fn buckets(&self) -> Vec<Bucket> {
         let now = self.number_now() + 1;
-        let first = now.saturating_sub(BUCKETS as u64 - 1).max(1);
+        let first = now.saturating_sub(BUCKETS as u32 - 1).max(1);
         (first..=now)
             .map(|number| {
-                let slot = &self.slots[(number as usize) % BUCKETS];
-                let counts: [u64; KINDS] = if slot.number.load(Ordering::Acquire) == number {
-                    std::array::from_fn(|kind| slot.counts[kind].load(Ordering::Relaxed))
-                } else {
-                    [0; KINDS]
-                };
-                let offset = BUCKET * u32::try_from(number - 1).unwrap_or(u32::MAX);
+                let slot = self
+                    .slots
+                    .get()
+                    .map(|slots| &slots[(number as usize) % BUCKETS])
+                    .filter(|slot| slot.number.load(Ordering::Acquire) == number);
+                let counts: [u64; KINDS] = slot.map_or([0; KINDS], |slot| {
+                    std::array::from_fn(|kind| u64::from(slot.counts[kind].load(Ordering::Relaxed)))
+                });
+                let offset = BUCKET * (number - 1);
                 Bucket {
                     starts_at: self.made_at + offset,
                     delivered: counts[Activity::Delivered as usize],
@@ -121,6 +131,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn counts_land_in_their_bucket_and_age_out_after_fifteen_minutes() {
         let history = History::default();
+        assert!(
+            history.buckets().iter().all(|b| b.delivered == 0),
+            "a ring never counted in reads as empty"
+        );
+        assert!(history.slots.get().is_none(), "and is not made by reading");
         history.record(Activity::Delivered, 3);
         history.record(Activity::Acked, 2);
         tokio::time::advance(BUCKET).await;

@@ -445,12 +445,10 @@ mod tests {
             DELIVERIES_RECEIVED,
             REDELIVERIES,
             DELIVERIES_RELEASED,
-            SETTLED_AGAIN,
             FETCH_WAIT,
             FETCH_LATENCY,
             FETCHES_EMPTY,
             FETCHES_IN_PROGRESS,
-            FETCHES_REFUSED,
             NATS_CONNECTED,
             NATS_RECONNECTS,
             MAX_ACK_PENDING,
@@ -458,13 +456,32 @@ mod tests {
             DELAYED_NAKS,
             BUILD_INFO,
             CONSUMERS,
-            ORDERING_HELD,
-            ORDERING_BUSY_KEYS,
-            ORDERING_KEYS_REJECTED,
         ] {
             assert!(
                 text.contains(&format!("# TYPE {name} ")),
                 "{name} missing:\n{text}"
+            );
+        }
+        // What most consumers never see is listed once it happens.
+        let rare = [
+            SETTLED_AGAIN,
+            FETCHES_REFUSED,
+            ORDERING_HELD,
+            ORDERING_BUSY_KEYS,
+            ORDERING_KEYS_REJECTED,
+        ];
+        for name in rare {
+            assert!(
+                !text.contains(&format!("\n{name}{{")),
+                "{name} listed before its first use:\n{text}"
+            );
+        }
+        record_every_rare_series(&billing);
+        let text = process.render(false, SpanCounts::default());
+        for name in rare {
+            assert!(
+                text.contains(&format!("\n{name}{{")),
+                "{name} missing after its first use:\n{text}"
             );
         }
         let series = |kind: &str, result: &str| {
@@ -481,6 +498,17 @@ mod tests {
         assert_eq!(value(&text, &series("in_progress", "ok")), Some(0.0));
     }
 
+    /// Count once in each series made on first use.
+    fn record_every_rare_series(metrics: &Metrics) {
+        metrics.settled_again(false);
+        metrics.fetch_refused(FetchRefusal::AtCapacity);
+        metrics.ordering(1, 1);
+        metrics.ordering_key_rejected();
+        metrics.dead_letter_missing();
+        metrics.settle_forwarded(SettleOutcome::Ok);
+        metrics.forwarded_settle_received(SettleOutcome::Ok);
+    }
+
     /// The metrics page's table (docs/metrics.md, linked from the README) names every
     /// metric, with its type.
     #[test]
@@ -490,7 +518,8 @@ mod tests {
         )
         .expect("read docs/metrics.md");
         let process = ProcessMetrics::new();
-        let _billing = process.for_consumer("ORDERS", "billing");
+        let billing = process.for_consumer("ORDERS", "billing");
+        record_every_rare_series(&billing);
         let text = process.render(false, SpanCounts::default());
         let missing: Vec<&str> = text
             .lines()

@@ -397,9 +397,9 @@ async fn messages_acked_or_termed_before_a_server_crash_are_never_leased_again()
                 }
                 let after = Scrape::of(&gateway).await;
                 Some(
-                    after.get(&again("ack")) + after.get(&again("term"))
-                        - before.get(&again("ack"))
-                        - before.get(&again("term")),
+                    after.get_or_zero(&again("ack")) + after.get_or_zero(&again("term"))
+                        - before.get_or_zero(&again("ack"))
+                        - before.get_or_zero(&again("term")),
                 )
             },
         )
@@ -514,8 +514,8 @@ async fn a_recreated_consumer_leases_only_what_did_not_end_here() {
         Duration::from_secs(10),
         || async {
             let after = Scrape::of(&gateway).await;
-            after.get(&kind("ack")) - before.get(&kind("ack")) == 2.0
-                && after.get(&kind("term")) - before.get(&kind("term")) == 2.0
+            after.get_or_zero(&kind("ack")) - before.get_or_zero(&kind("ack")) == 2.0
+                && after.get_or_zero(&kind("term")) - before.get_or_zero(&kind("term")) == 2.0
         },
     )
     .await;

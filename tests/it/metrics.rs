@@ -54,6 +54,27 @@ async fn metrics_move_with_fetches_settles_expiry_and_refusals() {
         1.0,
         "build info carries the crate version"
     );
+    // What most consumers never see costs an idle one no series (a thousand consumers'
+    // would cost megabytes): those appear on first use.
+    for family in [
+        "ruststream_fetches_refused_total",
+        "ruststream_dead_letters_skipped_total",
+        "ruststream_redeliveries_settled_again_total",
+        "ruststream_settles_forwarded_total",
+        "ruststream_forwarded_settles_received_total",
+        "ruststream_ordering_held",
+        "ruststream_ordering_busy_keys",
+        "ruststream_ordering_keys_rejected_total",
+    ] {
+        assert!(
+            !start
+                .text
+                .lines()
+                .any(|line| line.starts_with(&format!("{family}{{"))),
+            "{family} listed before its first use:\n{}",
+            start.text
+        );
+    }
 
     // An empty fetch, then three leases: max_ack_pending is full, the next fetch is a 429.
     assert!(gateway.fetch_n(1, 0).await.is_empty());

@@ -100,7 +100,7 @@ async fn any_replica_settles_any_lease_as_its_owner_would() {
     let after = Scrape::of(&b).await;
     assert_eq!(
         after.get(r#"ruststream_settles_forwarded_total{result="ok"}"#)
-            - before.get(r#"ruststream_settles_forwarded_total{result="ok"}"#),
+            - before.get_or_zero(r#"ruststream_settles_forwarded_total{result="ok"}"#),
         2.0,
         "B forwarded the ack and the nak"
     );

@@ -9,6 +9,7 @@
 //! May import: as the rest of `gateway`.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use time::OffsetDateTime;
@@ -19,6 +20,7 @@ use tracing::{debug, error, info, warn};
 use super::super::process::HEARTBEAT_TTL;
 use super::Consumer;
 use crate::domain::lease_id::InstanceId;
+use crate::nats::Bound;
 use crate::nats::replicas::ReplicaRecord;
 
 /// How often a busy consumer looks at the others and at the consumer.
@@ -145,62 +147,77 @@ impl Consumer {
             let Ok(bound) = self.connected() else {
                 continue;
             };
-            if fresh_view {
-                fleet.step_now().await;
+            // Boxed: this task lives as long as its consumer, and most of a thousand
+            // consumers are idle; the step's futures would make every one of them 4 KB.
+            Box::pin(self.step(&bound, fresh_view, &mut reported_keys, &consumer_full)).await;
+            self.activity.stepped();
+        }
+    }
+
+    /// One step of a consumer that is not idle: the other replicas' view (and an earlier
+    /// release's, in the consumer's own shared stream), and the consumer as the server has it.
+    async fn step(
+        &self,
+        bound: &Arc<Bound>,
+        fresh_view: bool,
+        reported_keys: &mut HashSet<String>,
+        consumer_full: &watch::Sender<bool>,
+    ) {
+        let fleet = &self.process.fleet;
+        if fresh_view {
+            fleet.step_now().await;
+        }
+        let mut others = fleet.busy_on(
+            &self.name,
+            &self.process.fleet_fingerprint,
+            self.state.signer().key_fingerprint(),
+        );
+        if let Some(per_consumer) = bound.per_consumer.as_ref().filter(|p| !p.is_gone()) {
+            let beat = per_consumer
+                .announce(self.process.instance, &self.own_record(), HEARTBEAT_TTL)
+                .await;
+            if let Err(err) = beat {
+                debug!(error = %format!("{err:#}"), "cannot beat in the shared stream of an earlier release");
+                per_consumer.look_again().await;
             }
-            let mut others = fleet.busy_on(
-                &self.name,
-                &self.process.fleet_fingerprint,
-                self.state.signer().key_fingerprint(),
-            );
-            if let Some(per_consumer) = bound.per_consumer.as_ref().filter(|p| !p.is_gone()) {
-                let beat = per_consumer
-                    .announce(self.process.instance, &self.own_record(), HEARTBEAT_TTL)
-                    .await;
-                if let Err(err) = beat {
-                    debug!(error = %format!("{err:#}"), "cannot beat in the shared stream of an earlier release");
-                    per_consumer.look_again().await;
-                }
-                match per_consumer.replicas().await {
-                    Ok(records) => {
-                        for record in records {
-                            if !others
-                                .iter()
-                                .any(|other| other.instance_id == record.instance_id)
-                            {
-                                others.push(record);
-                            }
+            match per_consumer.replicas().await {
+                Ok(records) => {
+                    for record in records {
+                        if !others
+                            .iter()
+                            .any(|other| other.instance_id == record.instance_id)
+                        {
+                            others.push(record);
                         }
                     }
-                    Err(err) => {
-                        debug!(error = %format!("{err:#}"), "cannot list the replicas of an earlier release")
-                    }
+                }
+                Err(err) => {
+                    debug!(error = %format!("{err:#}"), "cannot list the replicas of an earlier release")
                 }
             }
-            self.saw_replicas(others, &mut reported_keys);
-            match crate::nats::publish::consumer_info(&bound).await {
-                // Made again under the same name (perhaps as something the gateway cannot
-                // lease) while no pull was open to hear of the deletion: bound anew.
-                Ok(info) if info.created != bound.created => {
-                    info!(consumer = %info.name, "the consumer was made again; binding it anew");
-                    self.state.request_rebind();
-                }
-                Ok(info) => {
-                    let max_ack_pending =
-                        usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX);
-                    self.follow_settings(info.config.ack_wait, max_ack_pending);
-                    self.follow_pause(info.paused, info.config.pause_until);
-                    self.follow_moves(&info);
-                    // Other replicas hold slots this one does not count: the server's count
-                    // of unacknowledged deliveries says when all of them together are full.
-                    let full = self.state.replicas() > 1
-                        && max_ack_pending > 0
-                        && info.num_ack_pending >= max_ack_pending;
-                    consumer_full.send_if_modified(|was| std::mem::replace(was, full) != full);
-                }
-                Err(err) => debug!(error = %format!("{err:#}"), "cannot read the consumer's state"),
+        }
+        self.saw_replicas(others, reported_keys);
+        match crate::nats::publish::consumer_info(bound).await {
+            // Made again under the same name (perhaps as something the gateway cannot
+            // lease) while no pull was open to hear of the deletion: bound anew.
+            Ok(info) if info.created != bound.created => {
+                info!(consumer = %info.name, "the consumer was made again; binding it anew");
+                self.state.request_rebind();
             }
-            self.activity.stepped();
+            Ok(info) => {
+                let max_ack_pending =
+                    usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX);
+                self.follow_settings(info.config.ack_wait, max_ack_pending);
+                self.follow_pause(info.paused, info.config.pause_until);
+                self.follow_moves(&info);
+                // Other replicas hold slots this one does not count: the server's count
+                // of unacknowledged deliveries says when all of them together are full.
+                let full = self.state.replicas() > 1
+                    && max_ack_pending > 0
+                    && info.num_ack_pending >= max_ack_pending;
+                consumer_full.send_if_modified(|was| std::mem::replace(was, full) != full);
+            }
+            Err(err) => debug!(error = %format!("{err:#}"), "cannot read the consumer's state"),
         }
     }
 
