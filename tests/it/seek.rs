@@ -145,7 +145,17 @@ async fn a_seek_voids_live_leases_here_and_at_another_replica_and_bad_input_chan
     wait_until(
         "the other replica sees the move",
         Duration::from_secs(3),
-        || async { there.leases_in_flight().await == 0 },
+        || async {
+            // Having seen it, that replica binds the consumer again: meanwhile its view is
+            // 503 with Retry-After, never anything else.
+            let view = there.get("/consumer").await;
+            assert!(
+                matches!(view.status, 200 | 503),
+                "GET /consumer: {}",
+                view.text
+            );
+            view.status == 200 && view.body["leases_in_flight"] == 0
+        },
     )
     .await;
     assert_eq!(there.ack(&held_there[0].id).await, 410, "void there too");
