@@ -49,9 +49,11 @@ struct Waiter {
     /// never stands between it and other keys' messages.
     diverted: usize,
     /// It took messages the ordering gate released (a key settled) while its pull was open,
-    /// and none of that pull's: it is answered at once rather than when that pull ends. Such
-    /// a pull found nothing at the server (an ordered consumer's messages wait in the gate
-    /// here, not there), and each step of a key would wait out a pull's expiry.
+    /// and that pull brought nothing, not even to the gate: it is answered at once rather
+    /// than when that pull ends. Such a pull found nothing at the server (an ordered
+    /// consumer's messages wait in the gate here, not there), and each step of a key would
+    /// wait out a pull's expiry. A pull that is bringing messages is waited for, so that the
+    /// fetch gets every key they free.
     took_released: bool,
     /// Deliveries its pulls brought it.
     from_pull: usize,
@@ -523,7 +525,8 @@ impl<R> Book<R> {
                 || (!waiter.got.is_empty()
                     && waiter.pull.is_some()
                     && waiter.took_released
-                    && waiter.from_pull == 0)
+                    && waiter.from_pull == 0
+                    && waiter.diverted == 0)
                 || (waiter.pull.is_none() && now >= waiter.deadline)
                 || now >= waiter.deadline + PULL_GRACE;
             if !done {
