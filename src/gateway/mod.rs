@@ -23,7 +23,9 @@ mod registry;
 mod settles;
 
 use consumer::publish_refusal;
-pub(crate) use consumer::{Caller, EndsWhen, Idempotency, LeaseStream, STREAM_SLICE, Step};
+pub(crate) use consumer::{
+    AnswersOwed, Caller, EndsWhen, Idempotency, LeaseStream, STREAM_SLICE, Step,
+};
 pub(crate) use consumer::{Consumer, SeekTarget, SettleResult};
 pub(crate) use dead_letters::{Cursor, DeadLetterId, Listing as DeadLetterListing};
 pub(crate) use redrive::{

@@ -17,28 +17,27 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade, close_
 use axum::http::Uri;
 use axum::response::{IntoResponse, Response};
 use futures::{SinkExt as _, StreamExt as _};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 
 use super::auth::{Principal, Revocation};
 use super::consumers::ConsumerPath;
-use super::dto::{MessageDto, rfc3339};
+use super::dto::MessageDto;
 use super::events::{SHUTTING_DOWN, StreamParams, StreamQuery};
-use super::messages::{Settler, nak_command, term_command};
+use super::messages::Settler;
 use super::responses::{FetchRefusals, Guarded, NamedFetchRefusals, QueryRefusals};
-use super::scopes::Scope;
 use tracing::Instrument as _;
 
-use crate::domain::consumers::ConsumerName;
 use crate::domain::delivery::Leased;
-use crate::domain::settle::AckCommand;
 use crate::error::Error;
-use crate::gateway::{Consumer, EndsWhen, Gateway, LeaseStream, STREAM_SLICE, Step, Target};
+use crate::gateway::{
+    AnswersOwed, Consumer, EndsWhen, Gateway, LeaseStream, STREAM_SLICE, Step, Target,
+};
+use operations::{Outgoing, take_operation, text};
 
-/// Most ids one operation may name, as a batch settle.
-const MAX_IDS: usize = 1000;
+mod operations;
+
 /// The gateway pings this often.
 const PING_EVERY: Duration = Duration::from_secs(15);
 /// A client heard from (any frame, a pong included) less recently than this is gone.
@@ -46,28 +45,6 @@ const SILENT_AT_MOST: Duration = Duration::from_secs(45);
 /// Frames waiting to be written: leases are bounded by the credit anyway, answers by the
 /// client's own operations.
 const OUTGOING: usize = 256;
-
-/// What waits to be written to the client. A lease stays a lease until it is written, so
-/// that those still waiting when the client goes are given back, not stranded.
-enum Outgoing {
-    Lease(Box<Leased>),
-    Frame(Message),
-}
-
-/// One operation a client sends.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Operation {
-    op: String,
-    ids: Vec<String>,
-    #[serde(default)]
-    delay_ms: Option<u64>,
-    #[serde(default)]
-    reason: Option<String>,
-    /// Echoed in the `settled` frame, whatever it is.
-    #[serde(default, rename = "ref")]
-    reference: Option<Value>,
-}
 
 /// Stream leases over a WebSocket and settle them in band.
 ///
@@ -224,12 +201,14 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
     // The in-band operations under way: their answers (the settle that ended the grace's
     // too) go out before the goodbye.
     let operations = tokio_util::task::TaskTracker::new();
+    let answers_owed = Arc::new(AnswersOwed::default());
     let leases = tokio::spawn(send_leases(
         LeaseStream::new(
             session.consumer.clone(),
             session.query.max_in_flight,
             session.ends_when.take(),
-        ),
+        )
+        .answering(answers_owed.clone()),
         (gateway.clone(), operations.clone()),
         outgoing.clone(),
         unflushed.clone(),
@@ -290,7 +269,12 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
                             let _ = sink.send(close(close_code::SIZE, "frame over --max-body-bytes")).await;
                             break;
                         }
-                        take_operation(&gateway, text.as_str(), &session.settler, (&outgoing, &operations));
+                        take_operation(
+                            &gateway,
+                            text.as_str(),
+                            &session.settler,
+                            (&outgoing, &operations, &answers_owed),
+                        );
                     }
                     Some(Ok(Message::Binary(_))) => {
                         let _ = sink.send(close(close_code::UNSUPPORTED, "text frames only")).await;
@@ -405,162 +389,6 @@ async fn send_leases(
             Step::Gone => return,
         }
     }
-}
-
-/// Parse a client's frame and start its operation; the answer is sent when it is done.
-fn take_operation(
-    gateway: &Arc<Gateway>,
-    frame: &str,
-    settler: &Arc<Settler>,
-    (outgoing, operations): (&mpsc::Sender<Outgoing>, &tokio_util::task::TaskTracker),
-) {
-    let operation = match parse_operation(frame) {
-        Ok(operation) => operation,
-        Err(err) => {
-            let problem = err.problem();
-            let mut answer = json!({
-                "type": "error",
-                "status": problem.status,
-                "title": problem.title,
-                "detail": problem.detail,
-            });
-            if let Some(field) = problem.field {
-                answer["field"] = field.into();
-            }
-            let _ = outgoing.try_send(Outgoing::Frame(text(&answer)));
-            return;
-        }
-    };
-    let (gateway, outgoing, settler) = (gateway.clone(), outgoing.clone(), settler.clone());
-    operations.spawn(
-        async move {
-            let answer = run_operation(&gateway, operation, &settler).await;
-            let _ = outgoing.send(Outgoing::Frame(answer)).await;
-        }
-        .instrument(tracing::Span::current()),
-    );
-}
-
-/// A frame as an operation, checked as the HTTP batch settle checks its body.
-fn parse_operation(frame: &str) -> Result<(Operation, Option<AckCommand>), Error> {
-    let operation: Operation = serde_json::from_str(frame).map_err(|err| {
-        if err.is_data() {
-            Error::Invalid {
-                field: None,
-                detail: format!("not an operation: {err}"),
-            }
-        } else {
-            Error::Malformed {
-                detail: format!("not a JSON object: {err}"),
-            }
-        }
-    })?;
-    if operation.ids.is_empty() || operation.ids.len() > MAX_IDS {
-        return Err(Error::invalid(
-            "ids",
-            format!(
-                "ids: must hold 1 to {MAX_IDS} lease ids, got {}",
-                operation.ids.len()
-            ),
-        ));
-    }
-    let command = match operation.op.as_str() {
-        "ack" => Some(AckCommand::Ack),
-        "nak" => Some(nak_command(operation.delay_ms)?),
-        "term" => Some(term_command(operation.reason.clone())?),
-        "in_progress" => None,
-        other => {
-            return Err(Error::invalid(
-                "op",
-                format!("op: must be ack, nak, term or in_progress, got {other:?}"),
-            ));
-        }
-    };
-    Ok((operation, command))
-}
-
-/// Settle (or extend) the operation's ids: the `settled` frame, once all are answered.
-async fn run_operation(
-    gateway: &Gateway,
-    (operation, command): (Operation, Option<AckCommand>),
-    settler: &Settler,
-) -> Message {
-    let may = |name: &ConsumerName| settler.may(name);
-    let outcomes: Vec<Result<Option<time::OffsetDateTime>, Error>> = if !settler.reaches_any() {
-        let refusal = Error::Forbidden {
-            scope: Scope::Settle.as_str(),
-        };
-        operation.ids.iter().map(|_| Err(refusal.clone())).collect()
-    } else if let Some(command) = command {
-        gateway
-            .settle_many(&operation.ids, &command, &may)
-            .await
-            .into_iter()
-            .map(|outcome| outcome.map(|()| None))
-            .collect()
-    } else {
-        let extensions = operation.ids.iter().map(|id| gateway.extend(id, &may));
-        futures::future::join_all(extensions)
-            .await
-            .into_iter()
-            .map(|outcome| outcome.map(Some))
-            .collect()
-    };
-    let frame = SettledFrame {
-        kind: "settled",
-        op: &operation.op,
-        reference: operation.reference.as_ref(),
-        results: operation
-            .ids
-            .iter()
-            .zip(outcomes)
-            .map(|(id, outcome)| SettledResult::of(id, outcome))
-            .collect(),
-    };
-    // Strings, numbers and JSON values only: cannot fail.
-    Message::Text(serde_json::to_string(&frame).unwrap_or_default().into())
-}
-
-/// A `settled` frame, serialized straight to text (no JSON tree per operation).
-#[derive(serde::Serialize)]
-struct SettledFrame<'a> {
-    #[serde(rename = "type")]
-    kind: &'static str,
-    op: &'a str,
-    #[serde(rename = "ref", skip_serializing_if = "Option::is_none")]
-    reference: Option<&'a Value>,
-    results: Vec<SettledResult<'a>>,
-}
-
-/// One id's result: what its HTTP settle would answer (204, or 200 with the new expiry).
-#[derive(serde::Serialize)]
-struct SettledResult<'a> {
-    id: &'a str,
-    status: u16,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    detail: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    lease_expires_at: Option<String>,
-}
-
-impl<'a> SettledResult<'a> {
-    fn of(id: &'a str, outcome: Result<Option<time::OffsetDateTime>, Error>) -> Self {
-        let (status, detail, lease_expires_at) = match outcome {
-            Ok(None) => (204, None, None),
-            Ok(Some(expires_at)) => (200, None, Some(rfc3339(expires_at))),
-            Err(err) => (err.status().as_u16(), Some(err.public_detail()), None),
-        };
-        Self {
-            id,
-            status,
-            detail,
-            lease_expires_at,
-        }
-    }
-}
-
-fn text(value: &Value) -> Message {
-    Message::Text(value.to_string().into())
 }
 
 /// The close code and reason for what the client sent in violation of the protocol; `None`

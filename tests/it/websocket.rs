@@ -257,3 +257,48 @@ async fn a_client_that_stops_reading_strands_a_slice_not_its_whole_credit() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_an_in_band_ack_makes_room_for_comes_after_that_acks_answer() {
+    let (_server, js, gateway) = Setup::consumer("ws-answer-first")
+        .ack_wait("30s")
+        .start()
+        .await;
+    let (count, credit) = (3000, 50);
+    js.publish_many("orders.1", count, "ws").await;
+    // Leases acked four at a time in one operation, as a worker coalesces them: a client
+    // counting what it holds until each answer must never count more than its credit.
+    let mut socket = open_socket(&gateway, &format!("?max_in_flight={credit}&encoding=utf8")).await;
+    let (mut received, mut answered, mut most_held) = (0, 0, 0);
+    let mut to_ack = Vec::new();
+    while answered < count {
+        let frame = crate::support::streams::frame(&mut socket, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|| panic!("a frame after {received} leases, {answered} answers"));
+        match frame["type"].as_str() {
+            Some("message") => {
+                received += 1;
+                most_held = most_held.max(received - answered);
+                to_ack.push(frame["id"].clone());
+                if to_ack.len() == 10 || received == count {
+                    send(&mut socket, json!({ "op": "ack", "ids": to_ack })).await;
+                    to_ack = Vec::new();
+                }
+            }
+            Some("settled") => {
+                let results = frame["results"].as_array().expect("results");
+                assert!(
+                    results.iter().all(|result| result["status"] == 204),
+                    "{frame}"
+                );
+                answered += results.len();
+            }
+            _ => panic!("an unexpected frame: {frame}"),
+        }
+    }
+    assert_eq!(received, count);
+    assert!(
+        most_held <= credit,
+        "held {most_held} leases not yet answered about, over the credit {credit}"
+    );
+}

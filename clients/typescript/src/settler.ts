@@ -77,7 +77,7 @@ export class Settler {
     this.pending = 0;
     for (const group of groups) {
       for (let start = 0; start < group.items.length; start += MAX_IDS) {
-        void this.send(group.op, group.extra, group.items.slice(start, start + MAX_IDS));
+        this.send(group.op, group.extra, group.items.slice(start, start + MAX_IDS));
       }
     }
   }
@@ -87,19 +87,28 @@ export class Settler {
     return this.inFlight > 0 || this.pending > 0;
   }
 
-  private async send(op: SettleOp, extra: SettleExtra, items: Item[]): Promise<void> {
+  private send(op: SettleOp, extra: SettleExtra, items: Item[]): void {
     const ids = items.map((item) => item.id);
     this.inFlight++;
-    let results: SettleResult[];
-    try {
-      results = await this.deliver(op, ids, extra);
-    } catch (err) {
-      const status = err instanceof AuthError || err instanceof HttpError ? err.status : UNREACHABLE;
-      const detail = err instanceof Error ? err.message : String(err);
-      results = ids.map((id) => ({ id, status, detail }));
-    } finally {
+    const answer = (results: SettleResult[]): void => {
       this.inFlight--;
-    }
+      this.answered(op, extra, items, results);
+    };
+    const overHttp = (): void => {
+      this.api.settle(op, ids, extra).then(answer, (err: unknown) => {
+        const status = err instanceof AuthError || err instanceof HttpError ? err.status : UNREACHABLE;
+        const detail = err instanceof Error ? err.message : String(err);
+        answer(ids.map((id) => ({ id, status, detail })));
+      });
+    };
+    // In band while the stream's connection is open; over HTTP otherwise, or when it ends
+    // before answering (a settle repeated answers as the first did, so that is safe).
+    const inBand = this.connection()?.sendInBand?.(op, ids, extra, { answered: answer, lost: overHttp }) ?? false;
+    if (!inBand) overHttp();
+  }
+
+  /** Each id's answer to its item; those to send again go out after a short pause. */
+  private answered(op: SettleOp, extra: SettleExtra, items: Item[], results: SettleResult[]): void {
     const byId = new Map(results.map((result) => [result.id, result]));
     const again: Item[] = [];
     for (const item of items) {
@@ -114,18 +123,5 @@ export class Settler {
         this.flushSoon();
       }, pause);
     }
-  }
-
-  /** In band while the stream's connection is open, else (or when it closes before answering) over HTTP. */
-  private async deliver(op: SettleOp, ids: string[], extra: SettleExtra): Promise<SettleResult[]> {
-    const connection = this.connection();
-    if (connection?.sendInBand !== undefined) {
-      try {
-        return await connection.sendInBand(op, ids, extra);
-      } catch {
-        // The connection ended first: a settle repeated answers as the first did, so HTTP is safe.
-      }
-    }
-    return this.api.settle(op, ids, extra);
   }
 }

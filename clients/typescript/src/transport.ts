@@ -17,8 +17,13 @@ export interface Feed {
 export interface Connection {
   /** Resolves when the connection ended (either side); rejects with AuthError on 401/403. */
   readonly closed: Promise<void>;
-  /** Send a settle in band; rejects when the connection ends before the answer (the caller retries over HTTP). Absent: settles go over HTTP. */
-  sendInBand?(op: SettleOp, ids: string[], extra: SettleExtra): Promise<SettleResult[]>;
+  /**
+   * Send a settle in band; false when the connection is not open. `answer` is called with the
+   * results as their frame is read, before any frame after it (a lease the settle made room
+   * for is not counted while the settled one still is), `lost` when the connection ends
+   * before the answer (the caller retries over HTTP). Absent: settles go over HTTP.
+   */
+  sendInBand?(op: SettleOp, ids: string[], extra: SettleExtra, answer: InBandAnswer): boolean;
   /** Stop taking leases for now (the local buffer is over maxBytes); resume() undoes it. */
   pause(): void;
   resume(): void;
@@ -26,6 +31,12 @@ export interface Connection {
   wake(): void;
   /** Take nothing more: the credit is withdrawn. */
   close(): void;
+}
+
+/** Where an in-band settle's answer goes. */
+export interface InBandAnswer {
+  answered(results: SettleResult[]): void;
+  lost(): void;
 }
 
 export interface Transport {

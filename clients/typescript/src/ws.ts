@@ -5,7 +5,7 @@
 
 import { AuthError, HttpError } from "./errors.js";
 import { Api, consumerPath } from "./http.js";
-import { deferred, isNode, type Connection, type Deferred, type Feed, type Transport } from "./transport.js";
+import { deferred, isNode, type Connection, type Feed, type InBandAnswer, type Transport } from "./transport.js";
 import type { SettleExtra, SettleOp, SettleResult, WireMessage } from "./wire.js";
 
 interface Frame {
@@ -96,7 +96,7 @@ class WsConnection implements Connection {
   private socket: Socket | undefined;
   private pauseSocket: () => void = () => undefined;
   private resumeSocket: () => void = () => undefined;
-  private readonly ops = new Map<number, Deferred<SettleResult[]>>();
+  private readonly ops = new Map<number, InBandAnswer>();
   private nextRef = 1;
   private readonly end = deferred<void>();
   readonly closed = this.end.promise;
@@ -123,7 +123,9 @@ class WsConnection implements Connection {
         const op = frame.ref === undefined ? undefined : this.ops.get(frame.ref);
         if (op !== undefined && frame.ref !== undefined) {
           this.ops.delete(frame.ref);
-          op.resolve(frame.results ?? []);
+          // At once, not on a later tick: the socket may hand over the next frame (a lease
+          // this settle made room for) in the same turn.
+          op.answered(frame.results ?? []);
         }
         break;
       }
@@ -140,20 +142,23 @@ class WsConnection implements Connection {
 
   ended(): void {
     this.open = false;
-    for (const op of this.ops.values()) op.reject(new Error("the WebSocket closed before the settle was answered"));
-    this.ops.clear();
+    this.loseAnswers();
     this.end.resolve();
   }
 
-  sendInBand(op: SettleOp, ids: string[], extra: SettleExtra): Promise<SettleResult[]> {
-    if (!this.open || this.socket === undefined || this.socket.readyState !== 1) {
-      return Promise.reject(new Error("the WebSocket is not open"));
-    }
+  sendInBand(op: SettleOp, ids: string[], extra: SettleExtra, answer: InBandAnswer): boolean {
+    if (!this.open || this.socket === undefined || this.socket.readyState !== 1) return false;
     const ref = this.nextRef++;
-    const answer = deferred<SettleResult[]>();
     this.ops.set(ref, answer);
     this.socket.send(JSON.stringify({ op, ids, ref, ...extra }));
-    return answer.promise;
+    return true;
+  }
+
+  /** The settles sent and never answered: over HTTP instead. */
+  private loseAnswers(): void {
+    const lost = [...this.ops.values()];
+    this.ops.clear();
+    for (const op of lost) op.lost();
   }
 
   pause(): void {
@@ -171,8 +176,7 @@ class WsConnection implements Connection {
   close(): void {
     if (!this.open) return;
     this.open = false;
-    for (const op of this.ops.values()) op.reject(new Error("the WebSocket was closed by the worker"));
-    this.ops.clear();
+    this.loseAnswers();
     this.socket?.close(1000, "worker stopping");
   }
 }

@@ -92,7 +92,10 @@ export function defineSuite(transport: TransportName): void {
       assert.equal(mostRunning, 8);
       assert.ok(mostLeases <= maxInFlight, `leases_in_flight reached ${mostLeases}`);
       assert.ok(mostLeases > 0);
-      assert.ok(mostHeld <= maxInFlight, `the worker held ${mostHeld}`);
+      // Over ws a settle's answer comes before any lease it made room for, and a poll asks
+      // only for the room left; over sse the answer comes over HTTP, racing the stream, so
+      // there the bound is the gateway's count above.
+      if (transport !== "sse") assert.ok(mostHeld <= maxInFlight, `the worker held ${mostHeld}`);
       assert.equal((await gateway.consumer()).leases_in_flight, 0);
     });
   });

@@ -26,7 +26,7 @@ pub(crate) use fetch::{Caller, Idempotency};
 pub(crate) use seek::SeekTarget;
 pub(crate) use settings::SettingsChange;
 use stream::StreamsEnd;
-pub(crate) use stream::{EndsWhen, LeaseStream, STREAM_SLICE, Step};
+pub(crate) use stream::{AnswersOwed, EndsWhen, LeaseStream, STREAM_SLICE, Step};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -8,14 +8,14 @@
 //!
 //! May import: as the rest of `gateway`.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use super::{Caller, Consumer};
@@ -122,6 +122,66 @@ impl Ends {
     }
 }
 
+/// The leases a WebSocket client is settling in band and has not yet been answered about.
+/// They keep counting against its credit after they end, until the `settled` frame saying so
+/// is queued: a lease they make room for is written after that frame, so a client counting
+/// what it holds until each answer never counts more than its credit.
+#[derive(Default)]
+pub(crate) struct AnswersOwed {
+    /// Each id, with how many operations under way name it.
+    ids: Mutex<HashMap<String, u32>>,
+    answered: Notify,
+}
+
+impl AnswersOwed {
+    /// An operation naming `ids` is under way: call before it settles anything.
+    pub(crate) fn owe(&self, ids: &[String]) {
+        let mut owed = self.ids.lock().unwrap_or_else(PoisonError::into_inner);
+        for id in ids {
+            *owed.entry(id.clone()).or_default() += 1;
+        }
+    }
+
+    /// The answer about `ids` is queued: they count no longer, and the stream looks again.
+    pub(crate) fn answered(&self, ids: &[String]) {
+        let mut owed = self.ids.lock().unwrap_or_else(PoisonError::into_inner);
+        for id in ids {
+            if let Some(count) = owed.get_mut(id.as_str()) {
+                *count -= 1;
+                if *count == 0 {
+                    owed.remove(id.as_str());
+                }
+            }
+        }
+        drop(owed);
+        // One waiter (the stream); a permit is kept if it is not waiting yet.
+        self.answered.notify_one();
+    }
+
+    fn owes(&self, id: &str) -> bool {
+        self.ids
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(id)
+    }
+}
+
+/// Resolves when an answer `owed` waited for is queued; never without answers owed.
+async fn answer_queued(owed: Option<&AnswersOwed>) {
+    match owed {
+        Some(owed) => owed.answered.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A lease written to a stream and issued here.
+struct Written {
+    key: DeliveryKey,
+    expires_at: Instant,
+    /// Its id, kept only where answers may be owed about it.
+    id: Option<Box<str>>,
+}
+
 /// One open stream's leases: those written to it and still live, and those leased for it
 /// and not yet written (given back if the stream ends first).
 pub(crate) struct LeaseStream {
@@ -134,7 +194,7 @@ pub(crate) struct LeaseStream {
     /// Its credit: shared with whoever may change it while the stream is open (a push
     /// worker's window).
     max_in_flight: Arc<AtomicUsize>,
-    written: Vec<(DeliveryKey, Instant)>,
+    written: Vec<Written>,
     /// Of those, the ones the replica pinned to an ordered consumer issued (this one
     /// forwarded the stream's demands there): their ids, since only it knows when they end.
     written_elsewhere: Vec<(String, Instant)>,
@@ -149,6 +209,8 @@ pub(crate) struct LeaseStream {
     /// How long it waits before asking again after its last demand failed.
     retry_in: Duration,
     unwritten: VecDeque<Leased>,
+    /// A WebSocket's in-band settles not yet answered: what they name keeps counting.
+    answers_owed: Option<Arc<AnswersOwed>>,
     ends: Ends,
     /// The span of the request that opened the stream: each batch's receive span is its
     /// child (a disabled span when tracing is off).
@@ -190,6 +252,7 @@ impl LeaseStream {
             idle: true,
             retry_in: RETRY_FIRST,
             unwritten: VecDeque::new(),
+            answers_owed: None,
             ends: Ends {
                 consumer,
                 opened_at,
@@ -207,6 +270,13 @@ impl LeaseStream {
         stream.patient = true;
         stream._awake = None;
         stream
+    }
+
+    /// The same stream, whose leases named by in-band settles not yet answered keep
+    /// counting against its credit (see [`AnswersOwed`]).
+    pub(crate) fn answering(mut self, owed: Arc<AnswersOwed>) -> Self {
+        self.answers_owed = Some(owed);
+        self
     }
 
     /// The step that ends the stream for `reason`.
@@ -246,7 +316,7 @@ impl LeaseStream {
                     let expiry = self
                         .written
                         .iter()
-                        .map(|(_, expires_at)| *expires_at)
+                        .map(|written| written.expires_at)
                         .chain(self.written_elsewhere.iter().map(|(_, at)| *at))
                         .min()
                         .unwrap_or_else(Instant::now);
@@ -261,6 +331,7 @@ impl LeaseStream {
                         .unwrap_or(quiet_at);
                     tokio::select! {
                         () = settled.as_mut() => break,
+                        () = answer_queued(self.answers_owed.as_deref()) => break,
                         () = tokio::time::sleep_until(until) => {
                             self.forget_ended();
                             self.forget_ended_elsewhere().await;
@@ -348,8 +419,14 @@ impl LeaseStream {
                 self.written_elsewhere
                     .push((leased.id.clone(), leased.expires_at));
             } else {
-                self.written
-                    .push((leased.delivery.coordinates.key, leased.expires_at));
+                self.written.push(Written {
+                    key: leased.delivery.coordinates.key,
+                    expires_at: leased.expires_at,
+                    id: self
+                        .answers_owed
+                        .is_some()
+                        .then(|| leased.id.as_str().into()),
+                });
             }
         }
         Some(Box::new(leased))
@@ -369,24 +446,33 @@ impl LeaseStream {
             .iter()
             .map(|(id, _)| id.clone())
             .collect();
+        let owed = self.answers_owed.as_deref();
+        let owes = |id: &str| owed.is_some_and(|owed| owed.owes(id));
         match self.gateway.live_where_issued(ids).await {
             // Its replica is gone, and its leases with it.
-            Some(live) if live.is_empty() => self.written_elsewhere.clear(),
+            Some(live) if live.is_empty() => self.written_elsewhere.retain(|(id, _)| owes(id)),
             Some(live) => {
                 let mut live = live.into_iter();
                 self.written_elsewhere
-                    .retain(|_| live.next().unwrap_or(true));
+                    .retain(|(id, _)| live.next().unwrap_or(true) || owes(id));
             }
             None => {}
         }
     }
 
-    /// Drop the written leases that are no longer live (settled, expired, superseded).
+    /// Drop the written leases that are no longer live (settled, and answered where an answer
+    /// is owed; expired; superseded).
     fn forget_ended(&mut self) {
         let now = Instant::now();
         let leases = self.gateway.state.leases();
-        self.written
-            .retain(|(key, expires_at)| *expires_at > now && leases.is_live(*key, now));
+        let owed = self.answers_owed.as_deref();
+        self.written.retain(|written| {
+            written.expires_at > now
+                && (leases.is_live(written.key, now)
+                    || owed
+                        .zip(written.id.as_deref())
+                        .is_some_and(|(owed, id)| owed.owes(id)))
+        });
     }
 }
 
