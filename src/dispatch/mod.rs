@@ -432,21 +432,7 @@ impl Dispatcher {
             debug!("pull limit reached; fetches wait their turn");
         }
     }
-}
 
-impl Drop for Dispatcher {
-    fn drop(&mut self) {
-        let held = self.book.held_len() + self.awaiting_settle.len();
-        if held > 0 {
-            info!(
-                held,
-                "dispatcher stopped with unleased deliveries; the server redelivers them after ack_wait"
-            );
-        }
-    }
-}
-
-impl Dispatcher {
     /// Follow the consumer's leader elections while pulls are open, and only then.
     async fn follow_elections(&mut self) {
         let now = Instant::now();
@@ -469,6 +455,18 @@ impl Dispatcher {
         // every served consumer's task.
         self.leader_elections = Box::pin(pull::leader_elections(&bound)).await;
         self.elections_refused = self.leader_elections.is_none();
+    }
+}
+
+impl Drop for Dispatcher {
+    fn drop(&mut self) {
+        let held = self.book.held_len() + self.awaiting_settle.len();
+        if held > 0 {
+            info!(
+                held,
+                "dispatcher stopped with unleased deliveries; the server redelivers them after ack_wait"
+            );
+        }
     }
 }
 

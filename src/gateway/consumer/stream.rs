@@ -8,8 +8,9 @@
 //!
 //! May import: as the rest of `gateway`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
+use std::hash::BuildHasher as _;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -20,6 +21,7 @@ use tokio::time::Instant;
 
 use super::{Caller, Consumer};
 use crate::dispatch::Command;
+use crate::domain::SequenceMap;
 use crate::domain::delivery::{Demand, Leased};
 use crate::domain::lease_id::DeliveryKey;
 use crate::error::Error;
@@ -126,30 +128,40 @@ impl Ends {
 /// They keep counting against its credit after they end, until the `settled` frame saying so
 /// is queued: a lease they make room for is written after that frame, so a client counting
 /// what it holds until each answer never counts more than its credit.
+///
+/// Ids are kept as 64-bit fingerprints (seeded per session, so a client cannot choose a
+/// collision): no copy of an id per lease or operation. A collision only keeps a lease
+/// counted until the other id's answer is queued.
 #[derive(Default)]
 pub(crate) struct AnswersOwed {
-    /// Each id, with how many operations under way name it.
-    ids: Mutex<HashMap<String, u32>>,
+    fingerprints: foldhash::fast::RandomState,
+    /// Each id's fingerprint, with how many operations under way name it.
+    owed: Mutex<SequenceMap<u64, u32>>,
     answered: Notify,
 }
 
 impl AnswersOwed {
+    fn fingerprint(&self, id: &str) -> u64 {
+        self.fingerprints.hash_one(id)
+    }
+
     /// An operation naming `ids` is under way: call before it settles anything.
     pub(crate) fn owe(&self, ids: &[String]) {
-        let mut owed = self.ids.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut owed = self.owed.lock().unwrap_or_else(PoisonError::into_inner);
         for id in ids {
-            *owed.entry(id.clone()).or_default() += 1;
+            *owed.entry(self.fingerprint(id)).or_default() += 1;
         }
     }
 
     /// The answer about `ids` is queued: they count no longer, and the stream looks again.
     pub(crate) fn answered(&self, ids: &[String]) {
-        let mut owed = self.ids.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut owed = self.owed.lock().unwrap_or_else(PoisonError::into_inner);
         for id in ids {
-            if let Some(count) = owed.get_mut(id.as_str()) {
+            let fingerprint = self.fingerprint(id);
+            if let Some(count) = owed.get_mut(&fingerprint) {
                 *count -= 1;
                 if *count == 0 {
-                    owed.remove(id.as_str());
+                    owed.remove(&fingerprint);
                 }
             }
         }
@@ -158,11 +170,11 @@ impl AnswersOwed {
         self.answered.notify_one();
     }
 
-    fn owes(&self, id: &str) -> bool {
-        self.ids
+    fn owes(&self, fingerprint: u64) -> bool {
+        self.owed
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .contains_key(id)
+            .contains_key(&fingerprint)
     }
 }
 
@@ -178,8 +190,8 @@ async fn answer_queued(owed: Option<&AnswersOwed>) {
 struct Written {
     key: DeliveryKey,
     expires_at: Instant,
-    /// Its id, kept only where answers may be owed about it.
-    id: Option<Box<str>>,
+    /// Its id's fingerprint, kept only where answers may be owed about it.
+    id: Option<u64>,
 }
 
 /// One open stream's leases: those written to it and still live, and those leased for it
@@ -424,8 +436,8 @@ impl LeaseStream {
                     expires_at: leased.expires_at,
                     id: self
                         .answers_owed
-                        .is_some()
-                        .then(|| leased.id.as_str().into()),
+                        .as_deref()
+                        .map(|owed| owed.fingerprint(&leased.id)),
                 });
             }
         }
@@ -447,7 +459,7 @@ impl LeaseStream {
             .map(|(id, _)| id.clone())
             .collect();
         let owed = self.answers_owed.as_deref();
-        let owes = |id: &str| owed.is_some_and(|owed| owed.owes(id));
+        let owes = |id: &str| owed.is_some_and(|owed| owed.owes(owed.fingerprint(id)));
         match self.gateway.live_where_issued(ids).await {
             // Its replica is gone, and its leases with it.
             Some(live) if live.is_empty() => self.written_elsewhere.retain(|(id, _)| owes(id)),
@@ -469,9 +481,7 @@ impl LeaseStream {
         self.written.retain(|written| {
             written.expires_at > now
                 && (leases.is_live(written.key, now)
-                    || owed
-                        .zip(written.id.as_deref())
-                        .is_some_and(|(owed, id)| owed.owes(id)))
+                    || owed.zip(written.id).is_some_and(|(owed, id)| owed.owes(id)))
         });
     }
 }

@@ -30,9 +30,9 @@ IN_BAND_ANSWER_SECONDS = 15.0
 # An SSE stream is read after a drain began until nothing came for SSE_QUIET seconds (at
 # most SSE_QUIET_MAX in all).
 SSE_QUIET, SSE_QUIET_MAX = 0.25, 1.5
-# The longest a fetch waits at the gateway while nothing comes; shorter for a consumer ordered
-# per key, where a waiting fetch is not woken when a settle frees a key's next message.
-FETCH_WAIT_MS, FETCH_WAIT_ORDERED_MS = 2000.0, 250.0
+# The longest a fetch waits at the gateway while nothing comes (a fetch of a consumer ordered
+# per key is answered as soon as a settle frees a key's next message, as any other).
+FETCH_WAIT_MS = 2000.0
 
 
 class Backoff:
@@ -320,8 +320,7 @@ class FetchTransport(Transport):
         worker = self.worker
         self.reserved = 0
         self.reserved_bytes = 0
-        longest = FETCH_WAIT_MS if worker.ordering is None else FETCH_WAIT_ORDERED_MS
-        self.wait_ms = int(min(longest, max(100.0, worker.drain_timeout * 250)))
+        self.wait_ms = int(min(FETCH_WAIT_MS, max(100.0, worker.drain_timeout * 250)))
         count = max(1, min(self.POLLERS, worker.max_in_flight // 10))
         self.share = -(-worker.max_in_flight // count)
         await asyncio.gather(*(self._poll() for _ in range(count)))
