@@ -214,7 +214,10 @@ export function defineSuite(transport: TransportName): void {
       await waitFor("nothing left leased", async () => (await gateway.consumer()).num_pending === 0 && worker.inFlight === 0, 20_000);
       await worker.stop();
       await run;
-      assert.ok(worker.stats.reconnects >= 1);
+      // A stream's connection is broken by the kill, so it reconnects. Polls have no
+      // connection to lose: when none was under way at the kill (the worker full, waiting
+      // for room), the next one simply reaches the restarted gateway.
+      if (transport !== "fetch") assert.ok(worker.stats.reconnects >= 1);
     });
   });
 
