@@ -353,10 +353,13 @@ impl LeaseState {
             }
         });
         let mut leases = self.leases();
+        // Read once for the batch: each id carries its expiry as wall-clock time.
+        let (now, wall_now) = (Instant::now(), time::OffsetDateTime::now_utc());
         deliveries
             .into_iter()
             .map(|delivery| {
                 let expires_at = delivery.received_at + lifetime;
+                let expires_unix_ms = crate::domain::unix_ms_from(expires_at, now, wall_now);
                 leases.issue(delivery.coordinates.key, delivery.reply.clone(), expires_at);
                 if let Some(note) =
                     telemetry::spans::note_of(&delivery.subject, delivery.headers.as_ref())
@@ -364,7 +367,7 @@ impl LeaseState {
                     leases.annotate(delivery.coordinates.key, note);
                 }
                 Leased {
-                    id: self.signer.encode(&delivery.coordinates),
+                    id: self.signer.encode(&delivery.coordinates, expires_unix_ms),
                     delivery,
                     expires_at,
                 }

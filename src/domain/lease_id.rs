@@ -7,9 +7,12 @@
 //! forward its settle there, without a shared table.
 //!
 //! Version 3 also carries the stream and consumer names in the clear, so a gateway serving
-//! many consumers knows from the id alone which one to settle it on ([`named_in`]). The
-//! default consumer (`--stream`/`--consumer`) still issues version 2, which releases before
-//! named consumers read: in a fleet being rolled, an old replica can settle its leases.
+//! many consumers knows from the id alone which one to settle it on ([`named_in`]); the
+//! default consumer (`--stream`/`--consumer`) issued version 2, without them. Version 4, the
+//! one issued now, adds the lease's expiry as issued (before any extension), named or not:
+//! a replica that cannot reach the issuer knows from the id alone that an expired lease's
+//! settle reaches nothing. Ids of every version are read, so leases issued by a replica of an
+//! earlier release still settle here.
 //!
 //! May import: the rest of `domain` only.
 
@@ -137,6 +140,9 @@ impl std::fmt::Display for InstanceId {
 pub(crate) struct SignedLease {
     pub(crate) owner: InstanceId,
     pub(crate) lease: LeaseCoordinates,
+    /// When the lease expired as issued (Unix milliseconds); an `in-progress` may have
+    /// extended it since. `None` in an id of an earlier release (version 2 or 3).
+    pub(crate) issued_expiry_unix_ms: Option<i64>,
 }
 
 /// Everything an id names.
@@ -154,7 +160,11 @@ pub(crate) struct LeaseCoordinates {
 const VERSION: u8 = 2;
 /// Version 3 added the stream and consumer names, after the coordinates.
 const VERSION_NAMED: u8 = 3;
+/// Version 4 added the expiry as issued, after the coordinates; the names follow when the
+/// signer names its consumer.
+const VERSION_EXPIRING: u8 = 4;
 const BODY_LEN: usize = 1 + 8 + 4 + 8 * 4;
+const EXPIRY_LEN: usize = 8;
 /// The longest stream or consumer name a version 3 id carries (one length byte each);
 /// NATS allows 255 bytes for a stream.
 pub(crate) const MAX_NAME_LEN: usize = 255;
@@ -163,8 +173,8 @@ const TAG_LEN: usize = 16;
 const ID_LEN: usize = BODY_LEN + TAG_LEN;
 /// A version 2 id's length in unpadded base64.
 const V2_ID_CHARS: usize = (4 * ID_LEN).div_ceil(3);
-/// The longest id: version 3 with the longest names, in unpadded base64.
-const MAX_ID_CHARS: usize = (4 * (ID_LEN + 2 + 2 * MAX_NAME_LEN)).div_ceil(3);
+/// The longest id: version 4 with the longest names, in unpadded base64.
+const MAX_ID_CHARS: usize = (4 * (ID_LEN + EXPIRY_LEN + 2 + 2 * MAX_NAME_LEN)).div_ceil(3);
 
 /// Signs and verifies lease ids for one stream/consumer pair, issuing them as one instance.
 pub(crate) struct LeaseSigner {
@@ -240,24 +250,38 @@ impl LeaseSigner {
         &self.fingerprint
     }
 
-    pub(crate) fn encode(&self, lease: &LeaseCoordinates) -> String {
-        let names = match &self.names {
-            Some(names) if self.issue_named => names.as_slice(),
-            _ => &[],
-        };
-        let mut raw = Vec::with_capacity(ID_LEN + names.len());
-        raw.push(if names.is_empty() {
-            VERSION
-        } else {
-            VERSION_NAMED
-        });
+    /// The id of `lease`, expiring (as issued) at `expires_unix_ms`.
+    pub(crate) fn encode(&self, lease: &LeaseCoordinates, expires_unix_ms: i64) -> String {
+        let mut raw = self.body(VERSION_EXPIRING, lease);
+        raw.extend_from_slice(&expires_unix_ms.to_be_bytes());
+        self.name_and_sign(raw)
+    }
+
+    /// The id a replica of an earlier release issued for `lease`: version 3 when this
+    /// signer names its consumer, else version 2.
+    #[cfg(test)]
+    pub(crate) fn encode_as_earlier_release(&self, lease: &LeaseCoordinates) -> String {
+        let named = self.issue_named && self.names.is_some();
+        self.name_and_sign(self.body(if named { VERSION_NAMED } else { VERSION }, lease))
+    }
+
+    fn body(&self, version: u8, lease: &LeaseCoordinates) -> Vec<u8> {
+        let mut raw = Vec::with_capacity(ID_LEN + EXPIRY_LEN + 2 + 2 * MAX_NAME_LEN);
+        raw.push(version);
         raw.extend_from_slice(&self.owner.0.to_be_bytes());
         raw.extend_from_slice(&lease.epoch.to_be_bytes());
         raw.extend_from_slice(&lease.key.stream_sequence.to_be_bytes());
         raw.extend_from_slice(&lease.consumer_sequence.to_be_bytes());
         raw.extend_from_slice(&lease.key.delivered.to_be_bytes());
         raw.extend_from_slice(&lease.published_unix_nanos.to_be_bytes());
-        raw.extend_from_slice(names);
+        raw
+    }
+
+    /// Append the names (when this signer names its consumer) and the tag over everything.
+    fn name_and_sign(&self, mut raw: Vec<u8>) -> String {
+        if let Some(names) = self.names.as_ref().filter(|_| self.issue_named) {
+            raw.extend_from_slice(names);
+        }
         let tag = self.tag(&raw);
         raw.extend_from_slice(&tag[..TAG_LEN]);
         URL_SAFE_NO_PAD.encode(raw)
@@ -283,18 +307,23 @@ impl LeaseSigner {
             return None;
         }
         let raw = URL_SAFE_NO_PAD.decode(id).ok()?;
-        let signed_len = match *raw.first()? {
-            VERSION if raw.len() == ID_LEN => BODY_LEN,
-            VERSION_NAMED => {
-                let names = self.names.as_deref()?;
-                let signed_len = BODY_LEN + names.len();
-                if raw.len() != signed_len + TAG_LEN || &raw[BODY_LEN..signed_len] != names {
-                    return None;
-                }
-                signed_len
-            }
+        let version = *raw.first()?;
+        let body_len = match version {
+            VERSION | VERSION_NAMED => BODY_LEN,
+            VERSION_EXPIRING => BODY_LEN + EXPIRY_LEN,
             _ => return None,
         };
+        let signed_len = raw.len().checked_sub(TAG_LEN)?;
+        let names = raw.get(body_len..signed_len)?;
+        let named_as_this = || self.names.as_deref() == Some(names);
+        let well_formed = match version {
+            VERSION => names.is_empty(),
+            VERSION_NAMED => named_as_this(),
+            _ => names.is_empty() || named_as_this(),
+        };
+        if !well_formed {
+            return None;
+        }
         if verify {
             let mut mac = self.mac.clone();
             mac.update(&raw[..signed_len]);
@@ -319,6 +348,8 @@ impl LeaseSigner {
                 consumer_sequence: u64::from_be_bytes(word(21)),
                 published_unix_nanos: i64::from_be_bytes(word(37)),
             },
+            issued_expiry_unix_ms: (version == VERSION_EXPIRING)
+                .then(|| i64::from_be_bytes(word(BODY_LEN))),
         })
     }
 
@@ -332,16 +363,18 @@ impl LeaseSigner {
 /// The stream and consumer a version 3 id names, unverified: which consumer's signer to
 /// ask. `None` for a version 2 id (the default consumer's) or anything else.
 pub(crate) fn named_in(id: &str) -> Option<(String, String)> {
-    // A version 2 id has exactly this length, a version 3 one is longer: most settles (the
-    // default consumer's) are told apart without decoding.
+    // A version 2 id has exactly this length, a named one is longer: most settles of the
+    // default consumer's version 2 ids are told apart without decoding.
     if id.len() <= V2_ID_CHARS || id.len() > MAX_ID_CHARS {
         return None;
     }
     let raw = URL_SAFE_NO_PAD.decode(id).ok()?;
-    if raw.first() != Some(&VERSION_NAMED) {
-        return None;
-    }
-    let rest = raw.get(BODY_LEN..raw.len().checked_sub(TAG_LEN)?)?;
+    let body_len = match *raw.first()? {
+        VERSION_NAMED => BODY_LEN,
+        VERSION_EXPIRING => BODY_LEN + EXPIRY_LEN,
+        _ => return None,
+    };
+    let rest = raw.get(body_len..raw.len().checked_sub(TAG_LEN)?)?;
     let (stream, rest) = length_prefixed(rest)?;
     let (consumer, rest) = length_prefixed(rest)?;
     rest.is_empty()
@@ -355,235 +388,4 @@ fn length_prefixed(bytes: &[u8]) -> Option<(&str, &[u8])> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn sample() -> LeaseCoordinates {
-        LeaseCoordinates {
-            epoch: 2,
-            key: DeliveryKey {
-                stream_sequence: 42,
-                delivered: 3,
-            },
-            consumer_sequence: 7,
-            published_unix_nanos: 1_790_230_470_084_404_000,
-        }
-    }
-
-    #[test]
-    fn key_files_hold_hex_base64_or_raw_bytes_of_at_least_32() {
-        let raw: Vec<u8> = (0u8..32).collect();
-        let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
-        let b64 = base64::engine::general_purpose::STANDARD.encode(&raw);
-        for text in [
-            format!("{hex}\n"),
-            format!("  {b64}\n"),
-            b64.trim_end_matches('=').into(),
-        ] {
-            assert_eq!(
-                LeaseKey::parse(text.as_bytes()).expect("valid").bytes(),
-                raw
-            );
-        }
-        let binary: Vec<u8> = (200u8..=255).collect();
-        assert_eq!(LeaseKey::parse(&binary).expect("raw").bytes(), binary);
-        let err = LeaseKey::parse(b"short-secret-key\n").expect_err("too short");
-        assert!(
-            err.contains("at least 32 bytes") && !err.contains("short-secret"),
-            "{err}"
-        );
-        assert!(
-            LeaseKey::parse(&hex.as_bytes()[..62]).is_err(),
-            "31 bytes as hex"
-        );
-        assert_eq!(
-            format!("{:?}", LeaseKey::parse(&binary).expect("raw")),
-            "LeaseKey(<redacted>)"
-        );
-    }
-
-    #[test]
-    fn round_trips_and_is_url_safe() {
-        let signer = LeaseSigner::random("ORDERS", "billing", InstanceId(0xfeed));
-        let id = signer.encode(&sample());
-        assert!(
-            id.chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-        );
-        assert_eq!(
-            signer.decode(&id),
-            Some(SignedLease {
-                owner: InstanceId(0xfeed),
-                lease: sample()
-            })
-        );
-    }
-
-    #[test]
-    fn an_issued_id_parses_as_decode_would_without_the_tag_checked() {
-        let signer = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
-        let id = signer.encode(&sample());
-        assert_eq!(signer.decode_issued(&id), signer.decode(&id));
-        // Only what the process holds as issued goes this way: a forged tag still parses,
-        // where decode refuses it.
-        let forger = LeaseSigner::with_key(b"other", "ORDERS", "billing", InstanceId(1));
-        let forged = forger.encode(&sample());
-        assert_eq!(signer.decode(&forged), None);
-        assert_eq!(signer.decode_issued(&forged), signer.decode(&id));
-        assert_eq!(signer.decode_issued("not-a-lease"), None);
-    }
-
-    #[test]
-    fn rejects_tampered_truncated_and_foreign_ids() {
-        let signer = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
-        let id = signer.encode(&sample());
-        assert_eq!(signer.decode(&id[..id.len() - 1]), None);
-        assert_eq!(signer.decode(""), None);
-        assert_eq!(signer.decode("not-a-lease"), None);
-        let mut tampered = id.clone().into_bytes();
-        tampered[5] = if tampered[5] == b'A' { b'B' } else { b'A' };
-        assert_eq!(
-            signer.decode(std::str::from_utf8(&tampered).expect("ascii")),
-            None
-        );
-        let other_consumer = LeaseSigner::with_key(b"key", "ORDERS", "shipping", InstanceId(1));
-        assert_eq!(other_consumer.decode(&id), None);
-        let other_key = LeaseSigner::with_key(b"other", "ORDERS", "billing", InstanceId(1));
-        assert_eq!(other_key.decode(&id), None);
-        // Another replica with the same key verifies it and sees whose it is.
-        let replica = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(2));
-        assert_eq!(
-            replica.decode(&id).map(|signed| signed.owner),
-            Some(InstanceId(1))
-        );
-    }
-
-    #[test]
-    fn named_ids_carry_their_consumer_and_verify_only_for_it() {
-        let billing = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1)).naming();
-        let id = billing.encode(&sample());
-        assert_eq!(
-            named_in(&id),
-            Some(("ORDERS".to_owned(), "billing".to_owned()))
-        );
-        assert_eq!(
-            billing.decode(&id).map(|signed| signed.lease),
-            Some(sample())
-        );
-        // The same key, another consumer: neither version crosses over.
-        let shipping = LeaseSigner::with_key(b"key", "ORDERS", "shipping", InstanceId(1)).naming();
-        assert_eq!(shipping.decode(&id), None);
-        assert_eq!(billing.decode(&shipping.encode(&sample())), None);
-        // A version 2 id (the default consumer's) names nothing and still verifies.
-        let default = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
-        let old = default.encode(&sample());
-        assert_eq!(named_in(&old), None);
-        assert!(billing.decode(&old).is_some());
-        assert_eq!(
-            default.decode(&id).map(|signed| signed.lease),
-            Some(sample()),
-            "a consumer served as the default reads the ids it issued as a named one"
-        );
-    }
-
-    #[test]
-    fn key_fingerprints_match_only_for_the_same_key() {
-        let one = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
-        let two = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(2));
-        let other = LeaseSigner::with_key(b"kez", "ORDERS", "billing", InstanceId(1));
-        assert_eq!(one.key_fingerprint(), two.key_fingerprint());
-        assert_ne!(one.key_fingerprint(), other.key_fingerprint());
-        assert_eq!(one.key_fingerprint().len(), 16);
-    }
-
-    #[test]
-    fn instance_ids_print_as_16_hex_digits() {
-        assert_eq!(
-            InstanceId(0x00ab_cdef_0123_4567).to_string(),
-            "00abcdef01234567"
-        );
-    }
-
-    mod properties {
-        use super::*;
-        use proptest::prelude::*;
-
-        fn coordinates() -> impl Strategy<Value = LeaseCoordinates> {
-            (
-                any::<u32>(),
-                any::<u64>(),
-                any::<u64>(),
-                any::<u64>(),
-                any::<i64>(),
-            )
-                .prop_map(
-                    |(epoch, stream_sequence, delivered, consumer_sequence, published)| {
-                        LeaseCoordinates {
-                            epoch,
-                            key: DeliveryKey {
-                                stream_sequence,
-                                delivered,
-                            },
-                            consumer_sequence,
-                            published_unix_nanos: published,
-                        }
-                    },
-                )
-        }
-
-        fn signer() -> LeaseSigner {
-            LeaseSigner::with_key(&[7u8; 32], "ORDERS", "billing", InstanceId(7))
-        }
-
-        proptest! {
-            #[test]
-            fn every_id_round_trips(lease in coordinates()) {
-                let signer = signer();
-                let id = signer.encode(&lease);
-                prop_assert_eq!(signer.decode(&id).map(|signed| signed.lease), Some(lease));
-            }
-
-            #[test]
-            fn arbitrary_text_never_panics_and_never_verifies(text in any::<String>()) {
-                prop_assert_eq!(signer().decode(&text), None);
-            }
-
-            #[test]
-            fn arbitrary_bytes_never_verify(bytes in proptest::collection::vec(any::<u8>(), 0..100)) {
-                let text = String::from_utf8_lossy(&bytes);
-                prop_assert_eq!(signer().decode(&text), None);
-                // Bytes of an id's length, base64-encoded: well-formed but unsigned.
-                let well_formed = URL_SAFE_NO_PAD.encode(&bytes);
-                prop_assert_eq!(signer().decode(&well_formed), None);
-            }
-
-            #[test]
-            fn changing_any_character_is_rejected(
-                lease in coordinates(),
-                at in any::<proptest::sample::Index>(),
-                replacement in proptest::sample::select(
-                    b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_".to_vec()
-                ),
-            ) {
-                let signer = signer();
-                let id = signer.encode(&lease);
-                let at = at.index(id.len());
-                let mut bytes = id.clone().into_bytes();
-                prop_assume!(bytes[at] != replacement);
-                bytes[at] = replacement;
-                let tampered = String::from_utf8(bytes).expect("ascii");
-                // The last character carries only 4 bits of the tag plus 2 padding bits that
-                // a lenient decoder could ignore: this one must not, and all must fail.
-                prop_assert_eq!(signer.decode(&tampered), None, "{} → {}", id, tampered);
-            }
-
-            #[test]
-            fn truncating_or_extending_is_rejected(lease in coordinates(), cut in 1usize..82) {
-                let signer = signer();
-                let id = signer.encode(&lease);
-                prop_assert_eq!(signer.decode(&id[..id.len() - cut.min(id.len())]), None);
-                prop_assert_eq!(signer.decode(&format!("{id}A")), None);
-            }
-        }
-    }
-}
+mod tests;

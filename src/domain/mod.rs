@@ -28,8 +28,17 @@ pub(crate) type SequenceMap<K, V> = std::collections::HashMap<K, V, foldhash::fa
 
 /// The wall-clock time of a monotonic instant.
 pub(crate) fn wall_clock(at: Instant) -> OffsetDateTime {
-    let now = Instant::now();
-    let wall_now = OffsetDateTime::now_utc();
+    wall_clock_from(at, Instant::now(), OffsetDateTime::now_utc())
+}
+
+/// [`wall_clock`] of `at` in Unix milliseconds, the clocks read once by the caller
+/// (`now`, `wall_now`) for many instants.
+pub(crate) fn unix_ms_from(at: Instant, now: Instant, wall_now: OffsetDateTime) -> i64 {
+    let nanos = wall_clock_from(at, now, wall_now).unix_timestamp_nanos() / 1_000_000;
+    i64::try_from(nanos).unwrap_or(i64::MAX)
+}
+
+fn wall_clock_from(at: Instant, now: Instant, wall_now: OffsetDateTime) -> OffsetDateTime {
     if at >= now {
         wall_now + (at - now)
     } else {

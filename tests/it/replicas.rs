@@ -229,6 +229,41 @@ async fn an_owner_killed_answers_410_a_stalled_one_504_and_a_rolled_one_keeps_se
     assert!(started.elapsed() < Duration::from_secs(3));
 }
 
+/// A killed owner's lease past its `lease_expires_at` is refused 410 at once at another
+/// replica: its id says when it ended, so the owner is not asked again for 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_owners_expired_lease_is_refused_410_at_once_at_another_replica() {
+    let (server, js) = crate::support::server_with_stream().await;
+    let key = shared_key();
+    let setup = Setup::consumer("expired")
+        .lease_key_file(key.path())
+        .ack_wait("3s");
+    let mut owner = setup.process(&server.url()).await;
+    let other = setup.ready(&server.url()).await;
+    wait_replicas(&other, 2).await;
+    js.publish_many("orders.1", 2, "m").await;
+    let leased = owner.fetch_n(2, 1000).await;
+    assert_eq!(leased.len(), 2);
+    owner.kill9();
+    let expires = leased[0].lease_expires().max(leased[1].lease_expires());
+    wait_until(
+        "the leases are past their lease_expires_at",
+        Duration::from_secs(10),
+        || async { time::OffsetDateTime::now_utc() > expires },
+    )
+    .await;
+    for (lease, action) in leased.iter().zip([Action::Ack, Action::Nak]) {
+        let started = Instant::now();
+        let reply = other.settle(&lease.id, action, None).await;
+        assert_eq!(reply.status, 410, "{}", reply.text);
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "answered after {:?}: the owner was asked again as if the lease could be live",
+            started.elapsed()
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn capacity_is_the_consumers_not_the_replicas() {
     let (_server, js, [a, b, c], _key) =

@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use time::OffsetDateTime;
 use tokio::time::Instant;
 use tracing::debug;
 
@@ -213,18 +214,23 @@ impl Consumer {
         };
         let timeout = self.config.settle_timeout + FORWARD_GRACE;
         let to = (owner, self.subjects.settle(owner));
+        let expired_as_issued = self.expired_as_issued(&request.ids);
         let asked = async {
             // Nobody listening is not yet a dead owner: one reconnecting (its node killed)
             // has no subscription for a moment, and in a cluster a subscription reaches the
             // other servers a moment after it is made. Asked again for a while (well within
             // 3 s) before the owner is called gone; its heartbeats missing do not shorten
             // that: a live owner whose heartbeats are not stored may still hold live leases.
+            // Leases past their expiry as issued are not asked again: only an extension
+            // could have kept them live, and a 410 for one still settles nothing.
             let give_up_at = Instant::now() + NO_RESPONDERS_FOR;
             loop {
                 match forward::forward(&client, &self.process.trust, to.clone(), &request, timeout)
                     .await
                 {
-                    Err(ForwardError::OwnerGone) if Instant::now() < give_up_at => {
+                    Err(ForwardError::OwnerGone)
+                        if !expired_as_issued && Instant::now() < give_up_at =>
+                    {
                         tokio::time::sleep(NO_RESPONDERS_RETRY).await;
                     }
                     other => return other,
@@ -241,6 +247,23 @@ impl Consumer {
             answer = asked => answer,
             () = connection_dropped => Err(ForwardError::TimedOut),
         }
+    }
+
+    /// Whether every one of `ids` names a lease past its expiry as issued (its id says when;
+    /// ids of an earlier release do not). A settle of such a lease that reaches nobody
+    /// settled nothing: the lease was over unless its owner extended it.
+    fn expired_as_issued(&self, ids: &[String]) -> bool {
+        let now_unix_ms =
+            i64::try_from(OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000)
+                .unwrap_or(i64::MAX);
+        let signer = self.state.signer();
+        !ids.is_empty()
+            && ids.iter().all(|id| {
+                signer
+                    .decode(id)
+                    .and_then(|signed| signed.issued_expiry_unix_ms)
+                    .is_some_and(|expiry| expiry <= now_unix_ms)
+            })
     }
 
     /// The replica pinned to this ordered consumer, when it is another one: it alone leases

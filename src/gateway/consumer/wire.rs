@@ -300,6 +300,7 @@ mod tests {
                     consumer_sequence: 1,
                     published_unix_nanos: 0,
                 },
+                issued_expiry_unix_ms: None,
             })
         };
         let (here, elsewhere) = by_owner(
