@@ -8,13 +8,16 @@
 //!
 //! Version 3 also carries the stream and consumer names in the clear, so a gateway serving
 //! many consumers knows from the id alone which one to settle it on ([`named_in`]); the
-//! default consumer (`--stream`/`--consumer`) issued version 2, without them. Version 4, the
-//! one issued now, adds the lease's expiry as issued (before any extension), named or not:
-//! a replica that cannot reach the issuer knows from the id alone that an expired lease's
-//! settle reaches nothing. Ids of every version are read, so leases issued by a replica of an
-//! earlier release still settle here.
+//! default consumer (`--stream`/`--consumer`) issues version 2, without them. Version 4 adds
+//! the lease's expiry as issued (before any extension), named or not: a replica that cannot
+//! reach the issuer knows from the id alone that an expired lease's settle reaches nothing.
+//! It is issued only while every replica that may be asked to settle it reads it (the
+//! heartbeats say so); ids of every version are read, so in a fleet being rolled each
+//! release settles the other's leases.
 //!
 //! May import: the rest of `domain` only.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -183,8 +186,11 @@ pub(crate) struct LeaseSigner {
     /// The length-prefixed names, as a version 3 id carries them after its coordinates
     /// (`None` for names too long to carry).
     names: Option<Vec<u8>>,
-    /// Whether the ids issued are version 3 (they name their consumer).
+    /// Whether the ids issued name their consumer (version 3, or 4 with the names).
     issue_named: bool,
+    /// Whether the ids issued are version 4 (they carry their expiry): only once every
+    /// replica that may be asked to settle them reads that version.
+    issue_expiring: AtomicBool,
     /// See [`LeaseSigner::key_fingerprint`].
     fingerprint: String,
 }
@@ -223,6 +229,7 @@ impl LeaseSigner {
             owner,
             names,
             issue_named: false,
+            issue_expiring: AtomicBool::new(false),
             fingerprint: String::new(),
         };
         // Distinct from any id body: those start with the version byte and are BODY_LEN long.
@@ -238,6 +245,19 @@ impl LeaseSigner {
         self
     }
 
+    /// Issue version 4 ids from now on (`true`: every replica that may be asked to settle
+    /// them reads that version), or again the version an earlier release reads.
+    pub(crate) fn issue_expiring(&self, expiring: bool) {
+        self.issue_expiring.store(expiring, Ordering::Relaxed);
+    }
+
+    /// [`LeaseSigner::issue_expiring`] at once, for a signer made to issue version 4.
+    #[cfg(test)]
+    pub(crate) fn expiring(self) -> Self {
+        self.issue_expiring(true);
+        self
+    }
+
     /// The instance whose ids this signer issues.
     pub(crate) fn owner(&self) -> InstanceId {
         self.owner
@@ -250,17 +270,20 @@ impl LeaseSigner {
         &self.fingerprint
     }
 
-    /// The id of `lease`, expiring (as issued) at `expires_unix_ms`.
+    /// The id of `lease`, expiring (as issued) at `expires_unix_ms`; without the expiry
+    /// while a replica of an earlier release may be asked to settle it.
     pub(crate) fn encode(&self, lease: &LeaseCoordinates, expires_unix_ms: i64) -> String {
+        if !self.issue_expiring.load(Ordering::Relaxed) {
+            return self.encode_as_earlier_release(lease);
+        }
         let mut raw = self.body(VERSION_EXPIRING, lease);
         raw.extend_from_slice(&expires_unix_ms.to_be_bytes());
         self.name_and_sign(raw)
     }
 
-    /// The id a replica of an earlier release issued for `lease`: version 3 when this
+    /// The id a replica of an earlier release issues for `lease`: version 3 when this
     /// signer names its consumer, else version 2.
-    #[cfg(test)]
-    pub(crate) fn encode_as_earlier_release(&self, lease: &LeaseCoordinates) -> String {
+    fn encode_as_earlier_release(&self, lease: &LeaseCoordinates) -> String {
         let named = self.issue_named && self.names.is_some();
         self.name_and_sign(self.body(if named { VERSION_NAMED } else { VERSION }, lease))
     }

@@ -112,6 +112,7 @@ impl Gateway {
             lease_key_fingerprint: process.fleet_fingerprint.clone(),
             listen: process.config.listen.to_string(),
             consumers,
+            reads_expiring_lease_ids: true,
         }
     }
 

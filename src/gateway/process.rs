@@ -153,6 +153,16 @@ impl Fleet {
             .collect()
     }
 
+    /// Whether every other replica that beat in the last round reads lease ids that carry
+    /// their expiry; `false` without a fleet stream to tell.
+    pub(crate) fn all_read_expiring_ids(&self) -> bool {
+        self.stream.get().is_some()
+            && self
+                .seen
+                .lock()
+                .is_ok_and(|seen| seen.iter().all(|record| record.reads_expiring_lease_ids))
+    }
+
     /// The replica pinned to ordered consumer `name`, as the last heartbeat round said.
     pub(crate) fn pinned_on(&self, name: &ConsumerName) -> Option<InstanceId> {
         let seen = self.seen.lock().ok()?;

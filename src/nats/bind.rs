@@ -52,6 +52,9 @@ pub(crate) struct Bound {
     /// The consumer's own shared stream, where an earlier release made one: its replicas
     /// still meet there during a rolling upgrade.
     pub(crate) per_consumer: Option<Box<Shared>>,
+    /// Every other replica seen while binding reads lease ids that carry their expiry
+    /// (version 4): this one may issue them.
+    pub(crate) everyone_reads_expiring_ids: bool,
 }
 
 impl Bound {
@@ -114,15 +117,21 @@ pub(crate) async fn bind(
     let stream_subjects = stream.cached_info().config.subjects.clone();
     let deletes_on_term =
         super::dead_letter::is_deleted_on_term(stream.cached_info().config.retention);
-    let (mut consumer, shared, per_consumer) = if config.ephemeral {
+    let (mut consumer, shared, per_consumer, everyone_reads_expiring_ids) = if config.ephemeral {
         let mut ephemeral = desired_config(config, None);
         ephemeral.name = Some(binder.ephemeral_name.to_owned());
-        (create_consumer(&stream, ephemeral).await?, None, None)
+        // This process's alone: no other replica settles its leases.
+        (create_consumer(&stream, ephemeral).await?, None, None, true)
     } else {
         let replicas = stream.cached_info().config.num_replicas;
-        let (shared, per_consumer, others) = share(config, &js, binder, replicas).await?;
-        let consumer = bind_durable(config, &stream, &others, binder.first).await?;
-        (consumer, shared, per_consumer)
+        let seen = share(config, &js, binder, replicas).await?;
+        let consumer = bind_durable(config, &stream, &seen.others, binder.first).await?;
+        (
+            consumer,
+            seen.fleet,
+            seen.per_consumer,
+            seen.everyone_reads_expiring_ids,
+        )
     };
     if let Some(subject) = &config.dead_letter_subject
         && !config.ephemeral
@@ -167,6 +176,7 @@ pub(crate) async fn bind(
         consumer,
         shared,
         per_consumer,
+        everyone_reads_expiring_ids,
     };
     bound.read_back(&info);
     Ok(bound)
@@ -236,6 +246,16 @@ fn is_not_found(err: &jetstream::context::ConsumerInfoError) -> bool {
     )
 }
 
+/// What binding learnt of the other replicas: see [`share`].
+struct Shares {
+    fleet: Option<Arc<Shared>>,
+    per_consumer: Option<Box<Shared>>,
+    /// The other live replicas busy on this consumer.
+    others: Vec<ReplicaRecord>,
+    /// Every live replica listed reads lease ids that carry their expiry.
+    everyone_reads_expiring_ids: bool,
+}
+
 /// The streams replicas share (the fleet's; the consumer's own of an earlier release) and
 /// the other live replicas on this consumer they list. Without the fleet stream (a NATS
 /// user not allowed to make it) the gateway still works, and forwards settles; only what
@@ -246,9 +266,11 @@ async fn share(
     js: &jetstream::Context,
     binder: &Binder<'_>,
     replicas: usize,
-) -> anyhow::Result<(Option<Arc<Shared>>, Option<Box<Shared>>, Vec<ReplicaRecord>)> {
+) -> anyhow::Result<Shares> {
     let me = binder.instance.to_string();
     let mut others: Vec<ReplicaRecord> = Vec::new();
+    // Unknown without the fleet's view: as if a replica of an earlier release were there.
+    let mut everyone_reads_expiring_ids = false;
     let fleet = binder
         .fleet
         .ensure(js, &config.internal_prefix, replicas, binder.trust)
@@ -262,10 +284,16 @@ async fn share(
     };
     if let Some(fleet) = &fleet {
         match fleet.replicas().await {
-            Ok(records) => others.extend(records.into_iter().filter(|record| {
-                record.instance_id != me
-                    && record.busy_on(&config.stream, &config.consumer).is_some()
-            })),
+            Ok(records) => {
+                // Any replica may be asked to settle a lease, busy on this consumer or not.
+                everyone_reads_expiring_ids = records
+                    .iter()
+                    .all(|record| record.instance_id == me || record.reads_expiring_lease_ids);
+                others.extend(records.into_iter().filter(|record| {
+                    record.instance_id != me
+                        && record.busy_on(&config.stream, &config.consumer).is_some()
+                }));
+            }
             Err(err) => warn!(error = %format!("{err:#}"), "cannot list the replicas"),
         }
     }
@@ -291,6 +319,8 @@ async fn share(
         match per_consumer.replicas().await {
             Ok(records) => {
                 for record in records {
+                    everyone_reads_expiring_ids &=
+                        record.instance_id == me || record.reads_expiring_lease_ids;
                     if record.instance_id != me
                         && !others
                             .iter()
@@ -305,7 +335,12 @@ async fn share(
             }
         }
     }
-    Ok((fleet, per_consumer, others))
+    Ok(Shares {
+        fleet,
+        per_consumer,
+        others,
+        everyone_reads_expiring_ids,
+    })
 }
 
 async fn get_or_create_stream(

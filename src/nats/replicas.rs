@@ -107,6 +107,10 @@ pub(crate) struct ReplicaRecord {
     /// holds no lease). Absent from a per-consumer stream's records.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub(crate) consumers: Vec<BusyOn>,
+    /// It reads lease ids that carry their expiry (version 4); absent from an earlier
+    /// release's heartbeat, which does not.
+    #[serde(default)]
+    pub(crate) reads_expiring_lease_ids: bool,
 }
 
 impl ReplicaRecord {

@@ -51,7 +51,7 @@ fn key_files_hold_hex_base64_or_raw_bytes_of_at_least_32() {
 
 #[test]
 fn round_trips_and_is_url_safe() {
-    let signer = LeaseSigner::random("ORDERS", "billing", InstanceId(0xfeed));
+    let signer = LeaseSigner::random("ORDERS", "billing", InstanceId(0xfeed)).expiring();
     let id = signer.encode(&sample(), EXPIRY);
     assert!(
         id.chars()
@@ -74,7 +74,9 @@ fn ids_of_earlier_releases_still_verify_and_carry_no_expiry() {
         if naming {
             signer = signer.naming();
         }
-        let earlier = signer.encode_as_earlier_release(&sample());
+        // Issued while a replica of an earlier release may be asked to settle it.
+        let earlier = signer.encode(&sample(), EXPIRY);
+        signer.issue_expiring(true);
         let current = signer.encode(&sample(), EXPIRY);
         assert!(current.len() > earlier.len(), "the expiry makes ids longer");
         assert_eq!(
@@ -101,12 +103,12 @@ fn ids_of_earlier_releases_still_verify_and_carry_no_expiry() {
 
 #[test]
 fn an_issued_id_parses_as_decode_would_without_the_tag_checked() {
-    let signer = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
+    let signer = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1)).expiring();
     let id = signer.encode(&sample(), EXPIRY);
     assert_eq!(signer.decode_issued(&id), signer.decode(&id));
     // Only what the process holds as issued goes this way: a forged tag still parses,
     // where decode refuses it.
-    let forger = LeaseSigner::with_key(b"other", "ORDERS", "billing", InstanceId(1));
+    let forger = LeaseSigner::with_key(b"other", "ORDERS", "billing", InstanceId(1)).expiring();
     let forged = forger.encode(&sample(), EXPIRY);
     assert_eq!(signer.decode(&forged), None);
     assert_eq!(signer.decode_issued(&forged), signer.decode(&id));
@@ -115,7 +117,7 @@ fn an_issued_id_parses_as_decode_would_without_the_tag_checked() {
 
 #[test]
 fn rejects_tampered_truncated_and_foreign_ids() {
-    let signer = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
+    let signer = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1)).expiring();
     let id = signer.encode(&sample(), EXPIRY);
     assert_eq!(signer.decode(&id[..id.len() - 1]), None);
     assert_eq!(signer.decode(""), None);
@@ -126,12 +128,13 @@ fn rejects_tampered_truncated_and_foreign_ids() {
         signer.decode(std::str::from_utf8(&tampered).expect("ascii")),
         None
     );
-    let other_consumer = LeaseSigner::with_key(b"key", "ORDERS", "shipping", InstanceId(1));
+    let other_consumer =
+        LeaseSigner::with_key(b"key", "ORDERS", "shipping", InstanceId(1)).expiring();
     assert_eq!(other_consumer.decode(&id), None);
-    let other_key = LeaseSigner::with_key(b"other", "ORDERS", "billing", InstanceId(1));
+    let other_key = LeaseSigner::with_key(b"other", "ORDERS", "billing", InstanceId(1)).expiring();
     assert_eq!(other_key.decode(&id), None);
     // Another replica with the same key verifies it and sees whose it is.
-    let replica = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(2));
+    let replica = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(2)).expiring();
     assert_eq!(
         replica.decode(&id).map(|signed| signed.owner),
         Some(InstanceId(1))
@@ -140,7 +143,9 @@ fn rejects_tampered_truncated_and_foreign_ids() {
 
 #[test]
 fn named_ids_carry_their_consumer_and_verify_only_for_it() {
-    let billing = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1)).naming();
+    let billing = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1))
+        .naming()
+        .expiring();
     let id = billing.encode(&sample(), EXPIRY);
     assert_eq!(
         named_in(&id),
@@ -151,11 +156,13 @@ fn named_ids_carry_their_consumer_and_verify_only_for_it() {
         Some(sample())
     );
     // The same key, another consumer: neither version crosses over.
-    let shipping = LeaseSigner::with_key(b"key", "ORDERS", "shipping", InstanceId(1)).naming();
+    let shipping = LeaseSigner::with_key(b"key", "ORDERS", "shipping", InstanceId(1))
+        .naming()
+        .expiring();
     assert_eq!(shipping.decode(&id), None);
     assert_eq!(billing.decode(&shipping.encode(&sample(), EXPIRY)), None);
     // The default consumer's ids name nothing and still verify.
-    let default = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
+    let default = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1)).expiring();
     let old = default.encode(&sample(), EXPIRY);
     assert_eq!(named_in(&old), None);
     assert!(billing.decode(&old).is_some());
@@ -168,9 +175,9 @@ fn named_ids_carry_their_consumer_and_verify_only_for_it() {
 
 #[test]
 fn key_fingerprints_match_only_for_the_same_key() {
-    let one = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1));
-    let two = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(2));
-    let other = LeaseSigner::with_key(b"kez", "ORDERS", "billing", InstanceId(1));
+    let one = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(1)).expiring();
+    let two = LeaseSigner::with_key(b"key", "ORDERS", "billing", InstanceId(2)).expiring();
+    let other = LeaseSigner::with_key(b"kez", "ORDERS", "billing", InstanceId(1)).expiring();
     assert_eq!(one.key_fingerprint(), two.key_fingerprint());
     assert_ne!(one.key_fingerprint(), other.key_fingerprint());
     assert_eq!(one.key_fingerprint().len(), 16);

@@ -96,6 +96,7 @@ impl Consumer {
             lease_key_fingerprint: self.state.signer().key_fingerprint().to_owned(),
             listen: self.config.listen.to_string(),
             consumers: Vec::new(),
+            reads_expiring_lease_ids: true,
         }
     }
 
@@ -231,6 +232,11 @@ impl Consumer {
             .filter(|record| record.instance_id != me)
             .collect();
         self.state.set_replicas(records.len() + 1);
+        // Any replica may be asked to settle a lease, busy on this consumer or not.
+        self.state.signer().issue_expiring(
+            self.process.fleet.all_read_expiring_ids()
+                && records.iter().all(|record| record.reads_expiring_lease_ids),
+        );
         for record in &records {
             if record.lease_key_fingerprint != mine
                 && !self.process.fleet.has_instance(&record.instance_id)

@@ -230,6 +230,9 @@ pub(super) async fn supervise(
             // name the new deliveries too: start a new epoch.
             let forgot_deliveries = bound.delivered_consumer_sequence < highest_before_asking;
             state.apply_settings(bound.ack_wait, bound.max_ack_pending);
+            state
+                .signer()
+                .issue_expiring(bound.everyone_reads_expiring_ids);
             let recreated = identity_seen.as_ref() != Some(&identity);
             if recreated || forgot_deliveries {
                 if identity_seen.is_some() {
