@@ -7,3 +7,4 @@ export { Message } from "./message.js";
 export { Nak, Term, AuthError, HttpError } from "./errors.js";
 export type { WorkerOptions, WorkerStats, Logger, TransportName } from "./options.js";
 export { Client, type ClientOptions, type PublishOptions, type PublishResult } from "./client.js";
+export { verifyPush, readPush, PushAnswer, PushVerificationError, SETTLE_HEADER, type PushedMessage } from "./push.js";

@@ -1,11 +1,21 @@
 // The push receiver's side (docs/push.md): verify a push's Standard Webhooks signature
 // (HMAC-SHA256 over "id.timestamp.body", constant-time compare, 5 min tolerance, several
 // secrets for rotation), read the pushed message(s) with their lease ids, and answer with a
-// Ruststream-Settle header value. Node only (node:crypto).
-
-import { createHmac, timingSafeEqual } from "node:crypto";
+// Ruststream-Settle header value. Verifying needs Node (node:crypto, fetched when first used,
+// never imported: the package's main entry, which exports this too, stays bundleable for
+// browsers — where verifying has no place, as it needs the secret).
 
 import { decodeData, type WireMessage } from "./wire.js";
+
+type NodeCrypto = typeof import("node:crypto");
+
+/** node:crypto from Node's own modules (Node 20.16 or later), without an import a browser bundler would have to resolve. */
+function nodeCrypto(): NodeCrypto {
+  const process = (globalThis as { process?: { getBuiltinModule?: (id: string) => unknown } }).process;
+  const crypto = process?.getBuiltinModule?.("node:crypto") as NodeCrypto | undefined;
+  if (crypto === undefined) throw new Error("verifyPush needs Node 20.16 or later (node:crypto through process.getBuiltinModule)");
+  return crypto;
+}
 
 /** The answer header the gateway reads. */
 export const SETTLE_HEADER = "Ruststream-Settle";
@@ -89,6 +99,7 @@ export function verifyPush(secrets: string | string[], headers: HeaderSource, bo
     .split(" ")
     .filter((entry) => entry.startsWith("v1,"))
     .map((entry) => Buffer.from(entry.slice(3), "base64"));
+  const { createHmac, timingSafeEqual } = nodeCrypto();
   let matched = false;
   for (const secret of Array.isArray(secrets) ? secrets : [secrets]) {
     const expected = createHmac("sha256", secretKey(secret)).update(signed).digest();

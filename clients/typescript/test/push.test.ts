@@ -9,6 +9,7 @@ import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { test } from "node:test";
 
+import * as main from "../src/index.js";
 import { Client } from "../src/index.js";
 import { PushAnswer, PushVerificationError, SETTLE_HEADER, verifyPush, type PushedMessage } from "../src/push.js";
 import { Fixture, waitFor } from "./fixture.js";
@@ -39,6 +40,16 @@ test("verifyPush accepts a signature of any of several secrets and returns the m
   assert.equal(message?.delivered, 2);
   // A Headers object works as well as a plain record.
   assert.equal(verifyPush(current, new Headers(headers), new TextEncoder().encode(body), now).length, 1);
+});
+
+test("the package's main entry exports the push helpers too", () => {
+  const current = secret();
+  const now = Date.now();
+  const headers = sign([current], "ORDERS:7", Math.floor(now / 1000), body);
+  assert.equal(main.verifyPush(current, headers, body, now)[0]?.id, "lease-1");
+  assert.throws(() => main.verifyPush(secret(), headers, body, now), main.PushVerificationError);
+  assert.equal(main.PushAnswer.nak(250), "nak; delay=250");
+  assert.equal(main.SETTLE_HEADER, SETTLE_HEADER);
 });
 
 test("verifyPush refuses a wrong secret, a tampered body, a stale or future timestamp, missing headers", () => {
