@@ -188,10 +188,7 @@ async fn connections_past_the_cap_wait_until_one_closes() {
 /// admin listener still answers `/healthz`, `/readyz` and `/metrics` — and nothing else.
 #[tokio::test]
 async fn the_admin_listener_answers_probes_while_the_main_listener_is_full() {
-    let admin_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port();
+    let admin_port = crate::support::nats::free_port();
     let (_server, _js, mut gateway) = Setup::consumer("admin-port")
         .flag("--max-connections", "2")
         .flag("--admin-listen", format!("127.0.0.1:{admin_port}"))

@@ -11,6 +11,7 @@ pub mod process;
 
 use std::net::TcpListener as StdListener;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -255,10 +256,35 @@ pub fn quoted(path: &Path) -> String {
     serde_json::to_string(&path.display().to_string()).expect("a string serializes")
 }
 
-/// A port nothing listens on right now (bind port 0, read it, let it go).
+/// A port nothing listens on right now, handed out once per test process, below the
+/// kernel's ephemeral range (`ip_local_port_range`, 32768–60999 by default). Ports in that
+/// range are what `bind(0)` and every outgoing connection take, so a port probed free there
+/// can be taken before the server binds it, or while a killed node is down before its
+/// restart on the same port (a cluster node once failed to start in CI: "address already in
+/// use"). Below it only these picks hand ports out.
 pub fn free_port() -> u16 {
-    let listener = StdListener::bind("127.0.0.1:0").expect("bind a free port");
-    listener.local_addr().expect("local addr").port()
+    const LOWEST: u32 = 10_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral_from.saturating_sub(LOWEST);
+    if span < 1_000 {
+        let listener = StdListener::bind("127.0.0.1:0").expect("bind a free port");
+        return listener.local_addr().expect("local addr").port();
+    }
+    // Another test process (a second `cargo test`) starts elsewhere in the span.
+    let offset = std::process::id().wrapping_mul(7_919) % span;
+    for _ in 0..span {
+        let next = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = LOWEST + (offset + next) % span;
+        let port = u16::try_from(port).expect("below the ephemeral range");
+        if StdListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port below {ephemeral_from}");
 }
 
 /// A JetStream client for arranging and inspecting what the gateway sees.
