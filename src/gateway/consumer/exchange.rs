@@ -214,7 +214,6 @@ impl Consumer {
         };
         let timeout = self.config.settle_timeout + FORWARD_GRACE;
         let to = (owner, self.subjects.settle(owner));
-        let expired_as_issued = self.expired_as_issued(&request.ids);
         let asked = async {
             // Nobody listening is not yet a dead owner: one reconnecting (its node killed)
             // has no subscription for a moment, and in a cluster a subscription reaches the
@@ -228,8 +227,9 @@ impl Consumer {
                 match forward::forward(&client, &self.process.trust, to.clone(), &request, timeout)
                     .await
                 {
+                    // The ids decoded again only then: an owner that answers needs none of it.
                     Err(ForwardError::OwnerGone)
-                        if !expired_as_issued && Instant::now() < give_up_at =>
+                        if Instant::now() < give_up_at && !self.expired_as_issued(&request.ids) =>
                     {
                         tokio::time::sleep(NO_RESPONDERS_RETRY).await;
                     }
