@@ -122,12 +122,12 @@ GATEWAY_BIN="$(test_gateway_binary)"
 
 step "start nats-server and the gateway"
 NATS_BIN="$("$ROOT/scripts/nats-server.sh")"
-NATS_PORT="$(free_port)"
+free_port NATS_PORT
 "$NATS_BIN" -js -a 127.0.0.1 -p "$NATS_PORT" -sd "$WORK" -l "$WORK/nats-server.log" </dev/null &
 NATS_PID=$!
-HTTP_PORT="$(free_port)"
+free_port HTTP_PORT
 # The origin of the stream-tickets test's page (served by its script).
-PAGE_PORT="$(free_port)"
+free_port PAGE_PORT
 BASE="http://127.0.0.1:$HTTP_PORT"
 TOKEN="browser-$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
 ADMIN_TOKEN="admin-$(python3 -c 'import secrets; print(secrets.token_hex(16))')"

@@ -158,10 +158,10 @@ except Exception:
     sys.exit(1)
 PY
 }
-NATS_PORT="$(free_port)"
+free_port NATS_PORT
 "$NATS_BIN" -js -a 127.0.0.1 -p "$NATS_PORT" -sd "$WORK" -l "$WORK/nats-server.log" </dev/null &
 NATS_PID=$!
-HTTP_PORT="$(free_port)"
+free_port HTTP_PORT
 BASE="http://127.0.0.1:$HTTP_PORT"
 # The spec declares bearer authentication on every protected operation, so the gateway runs
 # with it on: one token with every scope, which the clients and schemathesis send.
@@ -174,7 +174,7 @@ while IFS= read -r name; do
 done < <(compgen -e | grep -E '^(RUSTSTREAM|NATS)_' || true)
 # A named consumer beside the default one: the clients fetch it by name. Two push consumers
 # deliver to push_receiver.py (started by its check): one signed, one as CloudEvents.
-PUSH_PORT="$(free_port)"
+free_port PUSH_PORT
 PUSH_SECRET="whsec_$(python3 -c 'import base64, secrets; print(base64.b64encode(secrets.token_bytes(32)).decode())')"
 echo "$PUSH_SECRET" >"$WORK/push-secret"
 cat >"$WORK/consumers.toml" <<TOML

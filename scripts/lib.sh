@@ -60,7 +60,42 @@ ensure_node_modules() {
     echo "$stamp" >"$dir/node_modules/.stamp"
 }
 
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# `free_port NAME` sets NAME to a port free now, below the kernel's ephemeral range: ports
+# in that range are what bind(0) and every outgoing connection take, so one probed free there
+# can be taken before its server binds it. Ports handed out by this script are not handed out
+# again (a server started in the background may not have bound its port yet).
+FREE_PORTS_GIVEN=""
+free_port() {
+    local port
+    port="$(python3 - "$FREE_PORTS_GIVEN" <<'PY'
+import random, socket, sys
+given = {int(p) for p in sys.argv[1].split()}
+try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_from = int(f.read().split()[0])
+except (OSError, ValueError, IndexError):
+    ephemeral_from = 32768
+candidates = list(range(10000, ephemeral_from)) if ephemeral_from - 10000 >= 1000 else []
+random.shuffle(candidates)
+for port in candidates:
+    if port in given:
+        continue
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+    print(port)
+    break
+else:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        print(s.getsockname()[1])
+PY
+)" || die "no free port"
+    FREE_PORTS_GIVEN+=" $port"
+    printf -v "$1" '%s' "$port"
+}
 
 need_cargo() {
     command -v cargo >/dev/null 2>&1 || die "cargo not found: install the Rust toolchain (rustup) first"

@@ -4,6 +4,7 @@ leases), always stopped."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -18,11 +19,40 @@ import httpx
 REPO = Path(__file__).resolve().parents[3]
 
 
+_LOWEST_PORT = 10_000
+_ports_given = itertools.count()
+
+
+def _ephemeral_from() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            return int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port free now, below the kernel's ephemeral range, never handed out twice by this
+    process. Ports in that range are what bind(0) and every outgoing connection take, so one
+    probed free there can be taken before its server binds it, or while a killed gateway is
+    down before its restart on the same port."""
+    span = _ephemeral_from() - _LOWEST_PORT
+    if span < 1_000:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+            return port
+    # Another test process starts elsewhere in the span.
+    offset = os.getpid() * 7_919 % span
+    for _ in range(span):
+        port = _LOWEST_PORT + (offset + next(_ports_given)) % span
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {_LOWEST_PORT + span}")
 
 
 def _binary(variable: str, default: Path) -> str:

@@ -5,7 +5,7 @@
 
 import { spawn, type ChildProcess } from "node:child_process";
 import { randomBytes } from "node:crypto";
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
@@ -43,15 +43,44 @@ export interface Fetched {
   headers: Record<string, string[]>;
 }
 
-export async function freePort(): Promise<number> {
-  return new Promise((ok, fail) => {
+const LOWEST_PORT = 10_000;
+let portsGiven = 0;
+
+function ephemeralFrom(): number {
+  try {
+    const first = Number(readFileSync("/proc/sys/net/ipv4/ip_local_port_range", "utf8").trim().split(/\s+/)[0]);
+    return Number.isInteger(first) ? first : 32_768;
+  } catch {
+    return 32_768;
+  }
+}
+
+function bindable(port: number): Promise<boolean> {
+  return new Promise((ok) => {
     const server = createServer();
-    server.once("error", fail);
-    server.listen(0, "127.0.0.1", () => {
-      const address = server.address();
-      server.close(() => (typeof address === "object" && address !== null ? ok(address.port) : fail(new Error("no port"))));
-    });
+    server.once("error", () => ok(false));
+    server.listen(port, "127.0.0.1", () => server.close(() => ok(true)));
   });
+}
+
+/**
+ * A port free now, below the kernel's ephemeral range, never handed out twice by this process.
+ * Ports in that range are what listen(0) and every outgoing connection take, so one probed free
+ * there can be taken before its server binds it, or while a killed gateway is down before its
+ * restart on the same port.
+ */
+export async function freePort(): Promise<number> {
+  const span = ephemeralFrom() - LOWEST_PORT;
+  if (span < 1_000) {
+    throw new Error(`the ephemeral port range starts at ${span + LOWEST_PORT}: too low for the tests`);
+  }
+  // Another test process (node --test runs each file in its own) starts elsewhere in the span.
+  const offset = (process.pid * 7_919) % span;
+  for (let tried = 0; tried < span; tried++) {
+    const port = LOWEST_PORT + ((offset + portsGiven++) % span);
+    if (await bindable(port)) return port;
+  }
+  throw new Error(`no free port below ${span + LOWEST_PORT}`);
 }
 
 /** Poll `check` until it returns a value other than undefined/false, or fail at the deadline. */
