@@ -480,6 +480,9 @@ class Worker:
                                  msg.stream_sequence, status)
             return
         if status in (200, 204):
+            # One line per confirmed settle (an audit trail: which delivery ended how).
+            self.log.debug("ruststream: %s of %s/%s seq %s (delivery %s) answered %s", op,
+                           msg.stream, msg.consumer, msg.stream_sequence, msg.delivered, status)
             if op == "ack":
                 self.stats.acked += 1
             elif op == "nak":
