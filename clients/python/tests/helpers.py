@@ -7,25 +7,29 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from servers import Gateway
 from ruststream import Client, Worker
 
 
-async def publish(gateway: Gateway, subjects: list[str], payload: bytes = b"x" * 32) -> None:
+async def publish(gateway: Gateway, subjects: list[str],
+                  payload: bytes | Sequence[bytes] = b"x" * 32) -> None:
     """Publish one message per subject, in order, to the gateway's nats-server, and return
     once JetStream acked each (stored). Over one NATS connection, pipelined: a thousand take
-    milliseconds, not the seconds one POST /publish each takes through a debug gateway."""
+    milliseconds, not the seconds one POST /publish each takes through a debug gateway.
+    ``payload``: one for all, or one per subject."""
+    payloads = [payload] * len(subjects) if isinstance(payload, bytes) else list(payload)
+    assert len(payloads) == len(subjects)
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.nats_port)
     try:
         await asyncio.wait_for(reader.readline(), 10)  # INFO
         inbox = "_INBOX.tests"
         frames = [b'CONNECT {"verbose":false,"pedantic":false}\r\n',
                   f"SUB {inbox}.* 1\r\n".encode()]
-        for n, subject in enumerate(subjects):
-            frames.append(f"PUB {subject} {inbox}.{n} {len(payload)}\r\n".encode()
-                          + payload + b"\r\n")
+        for n, (subject, body) in enumerate(zip(subjects, payloads)):
+            frames.append(f"PUB {subject} {inbox}.{n} {len(body)}\r\n".encode()
+                          + body + b"\r\n")
         writer.write(b"".join(frames))
         await writer.drain()
         acked = 0

@@ -146,6 +146,13 @@ class Gateway:
         assert self.process is not None
         _stop(self.process, kill=True)
 
+    def terminate(self) -> int | None:
+        """SIGTERM, as an orchestrator stops it (it drains for ``--shutdown-grace``); its
+        exit status."""
+        assert self.process is not None
+        _stop(self.process)
+        return self.process.returncode
+
     def stop(self) -> None:
         if self.process is not None:
             _stop(self.process)
