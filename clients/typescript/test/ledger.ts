@@ -21,14 +21,17 @@ import { Fixture, waitFor } from "./fixture.js";
 const HERE = dirname(fileURLToPath(import.meta.url));
 const TOTAL = 20_000;
 const PAYLOAD_BYTES = 256;
+/** ledger-child.ts's drainTimeoutMs. */
+const DRAIN_TIMEOUT_MS = 5_000;
 
 /** What happens once this many distinct messages were handled (a different point of the drain each time). */
 const PLAN: { at: number; action: "kill -9 the worker" | "restart the gateway (SIGTERM)" | "restart the gateway (kill -9)" }[] = [
   { at: 2_500, action: "kill -9 the worker" },
   { at: 5_500, action: "restart the gateway (SIGTERM)" },
   { at: 8_500, action: "kill -9 the worker" },
-  { at: 11_500, action: "restart the gateway (kill -9)" },
-  { at: 14_500, action: "kill -9 the worker" },
+  { at: 11_500, action: "kill -9 the worker" },
+  // The last worker lives through this one, and must still drain to a clean exit.
+  { at: 14_500, action: "restart the gateway (kill -9)" },
 ];
 
 const idOf = (i: number): string => `ledger-${String(i).padStart(5, "0")}`;
@@ -145,10 +148,15 @@ class WorkerProcess {
     await this.exited;
   }
 
-  /** SIGTERM: the worker drains and exits 0; its stats. */
+  /** SIGTERM: the worker drains and exits 0 (within its drainTimeoutMs and a margin); its stats. */
   async terminate(): Promise<WorkerStats> {
     this.child.kill("SIGTERM");
-    const { code, signal } = await this.exited;
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const late = new Promise<"late">((ok) => (timer = setTimeout(() => ok("late"), DRAIN_TIMEOUT_MS + 10_000)));
+    const exit = await Promise.race([this.exited, late]);
+    clearTimeout(timer);
+    assert.notEqual(exit, "late", "the last worker did not exit after SIGTERM");
+    const { code, signal } = exit as Awaited<typeof this.exited>;
     assert.equal(code, 0, `the last worker exited with ${String(code ?? signal)}: ${this.stdout}`);
     return JSON.parse(this.stdout.trim()) as WorkerStats;
   }
@@ -216,12 +224,11 @@ export function defineLedger(transport: TransportName): void {
         assert.deepEqual(ackedTwice, []);
         assert.deepEqual(ledger.ackedBeforeHandled, []);
         assert.equal(ledger.processes, 4);
-        // The last worker saw no restart: each of its handlings has its confirmed ack, nothing failed.
-        const lastHandled = ledger.handled.filter((handling) => handling.process === 4);
-        const unconfirmed = lastHandled.filter(({ sequence, delivered }) => !(ledger.acks.get(sequence) ?? []).some((ack) => ack.process === 4 && ack.delivered === delivered));
-        assert.deepEqual(unconfirmed, []);
-        assert.equal(stats.acked, lastHandled.length);
-        assert.deepEqual(stats.settleFailures, {});
+        // The last worker lived through the gateway's kill -9 and still drained to a clean exit
+        // (run() returns once every lease it held was settled or given up), having logged each
+        // confirmed ack it counted.
+        assert.equal(stats.acked, [...ledger.acks.values()].flat().filter((ack) => ack.process === 4).length);
+        assert.ok(stats.reconnects >= 1 || transport === "fetch", JSON.stringify(stats));
         assert.deepEqual(ledger.logs.get("error") ?? [], []);
 
         const confirmedAcks = [...ledger.acks.values()].reduce((sum, acks) => sum + acks.length, 0);
@@ -232,6 +239,7 @@ export function defineLedger(transport: TransportName): void {
           `${transport}: handled ${ledger.handled.length} times for ${TOTAL} messages: ${ledger.handled.length - TOTAL} duplicate handlings (${redelivered} handlings of a redelivery); ` +
             `${confirmedAcks} acks confirmed to the workers, none twice; ${(ledger.logs.get("warn") ?? []).length} warnings logged`,
         );
+        t.diagnostic(`${transport}: the last worker's stats: ${JSON.stringify(stats)}`);
         t.diagnostic(
           `${transport}: published in ${published - began} ms (with the start-up), drained in ${drained - published} ms, ${Date.now() - began} ms in all`,
         );
