@@ -2,7 +2,7 @@
 
 export type TransportName = "ws" | "sse" | "fetch";
 
-/** Anything with console's four methods; the default is console. */
+/** Anything with console's four methods; the default is console with `debug` silenced. */
 export interface Logger {
   debug(message: string, ...rest: unknown[]): void;
   info(message: string, ...rest: unknown[]): void;
@@ -34,7 +34,7 @@ export interface WorkerOptions {
   backoffInitialMs?: number;
   /** The longest such delay: 60 000. */
   backoffMaxMs?: number;
-  /** Where the worker logs: console by default. */
+  /** Where the worker logs: console by default, without its debug lines (one per confirmed settle; pass `console` to see them). */
   logger?: Logger;
 }
 
@@ -53,6 +53,14 @@ export interface ResolvedOptions {
   backoffMaxMs: number;
   logger: Logger;
 }
+
+/** console, but without the debug line per confirmed settle: a busy worker would print one per message. */
+const DEFAULT_LOGGER: Logger = {
+  debug: () => undefined,
+  info: (message, ...rest) => console.info(message, ...rest),
+  warn: (message, ...rest) => console.warn(message, ...rest),
+  error: (message, ...rest) => console.error(message, ...rest),
+};
 
 function positive(name: string, value: number, max = Number.MAX_SAFE_INTEGER): number {
   if (!Number.isFinite(value) || value <= 0 || value > max) {
@@ -83,7 +91,7 @@ export function resolveOptions(options: WorkerOptions): ResolvedOptions {
     drainTimeoutMs: positive("drainTimeoutMs", options.drainTimeoutMs ?? 30_000),
     backoffInitialMs: positive("backoffInitialMs", options.backoffInitialMs ?? 1_000),
     backoffMaxMs: positive("backoffMaxMs", options.backoffMaxMs ?? 60_000),
-    logger: options.logger ?? console,
+    logger: options.logger ?? DEFAULT_LOGGER,
   };
 }
 

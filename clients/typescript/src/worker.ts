@@ -341,6 +341,8 @@ export class Worker implements MessageOwner {
   private settleAnswered(held: Held, op: "ack" | "nak" | "term", result: SettleResult): boolean {
     const { status } = result;
     if (status === 200 || status === 204) {
+      const { message } = held;
+      this.options.logger.debug(`ruststream: ${op} of ${message.stream}#${message.streamSequence} (delivery ${message.delivered}) confirmed (${status})`);
       if (op === "ack") this.stats.acked++;
       else if (op === "nak") this.stats.naked++;
       else this.stats.termed++;

@@ -181,11 +181,20 @@ export class Fixture {
   }
 
   /** kill -9 the gateway (the worker's leases stay valid at the server until ack_wait). */
-  async killGateway(): Promise<void> {
+  killGateway(): Promise<void> {
+    return this.signalGateway("SIGKILL");
+  }
+
+  /** Stop the gateway with SIGTERM (its graceful stop: settles taken for --shutdown-grace, then what is still leased nak'd) and wait for its exit. */
+  terminateGateway(): Promise<void> {
+    return this.signalGateway("SIGTERM");
+  }
+
+  private async signalGateway(signal: NodeJS.Signals): Promise<void> {
     const child = this.gateway;
-    if (child === undefined || child.exitCode !== null) return;
+    if (child === undefined || child.exitCode !== null || child.signalCode !== null) return;
     const exited = new Promise((ok) => child.once("exit", ok));
-    child.kill("SIGKILL");
+    child.kill(signal);
     await exited;
   }
 
