@@ -8,7 +8,14 @@
 # the page's answer), or swagger-ui-failed.png (the page when a step failed). Then
 # tests/browser/stream-tickets.mjs: a page of another origin (the gateway runs with
 # --cors-allow-origin for it) asks for stream tickets with the token, opens an EventSource and
-# a WebSocket with them, and settles a message over each. Last tests/browser/console.mjs: the
+# a WebSocket with them, and settles a message over each. Then tests/browser/ruststream-worker.mjs:
+# a page of that origin loads the TypeScript worker library (clients/typescript, npm
+# `ruststream`, built here by its own tsc into a temporary folder and served as it is, ESM
+# named by an import map) and runs `new Worker({ url, token, transport: "ws" })` with the
+# token: the library asks for a stream ticket (a browser WebSocket cannot send
+# Authorization), handles 50 messages published beforehand, acks each in band and stops;
+# every message handled once, the WebSocket's URL holding a ticket and not the token, and
+# GET /consumer showing nothing pending, ack-pending or leased. Last tests/browser/console.mjs: the
 # console (GET /console) asks for a token, shows a publish in its table without a reload, draws
 # a consumer's chart, and redrives a terminated message by its buttons; no request leaves the
 # gateway's origin, and axe-core (pinned) finds no serious or critical violation. Its
@@ -18,14 +25,16 @@
 # (CI=true) as root it is installed with apt-get when missing; elsewhere without it the test
 # is SKIPPED, saying so. Nothing downloads a browser build: playwright-core has no browser of
 # its own, and is installed pinned by `npm ci` from tests/browser/package-lock.json into
-# tests/browser/node_modules (git-ignored, reused while the pins are unchanged).
+# tests/browser/node_modules (git-ignored, reused while the pins are unchanged); the
+# TypeScript library's own pins (typescript for its build) likewise into
+# clients/typescript/node_modules.
 #
 # It builds the gateway as scripts/ecosystem.sh does (a no-op after scripts/test.sh's cargo
 # test), starts nats-server (free port, temporary store) and the gateway (--create-stream,
 # a bearer token with the fetch, settle and publish scopes and one with admin, dead letters to
 # dlq.orders), publishes one message with
 # curl, and always stops everything it started. The last line counts, e.g.
-# `browser: 3 passed, 0 failed`; the exit status is non-zero unless the test passed (or was
+# `browser: 4 passed, 0 failed`; the exit status is non-zero unless the test passed (or was
 # skipped outside CI).
 set -euo pipefail
 
@@ -34,6 +43,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$ROOT"
 
 BROWSER_DIR="$ROOT/tests/browser"
+TS_PACKAGE="$ROOT/clients/typescript"
 ARTEFACTS="$ROOT/target/browser"
 SCREENSHOT="$ARTEFACTS/swagger-ui.png"
 CHROMIUM_BIN="${CHROMIUM_BIN:-/usr/bin/chromium}"
@@ -42,7 +52,9 @@ export CHROMIUM_BIN
 started=$SECONDS
 step() { printf '\n== browser: %s (at %ss)\n' "$*" "$((SECONDS - started))" >&2; }
 
-TESTS=("Swagger UI: authorize, fetch, ack" "Stream tickets: EventSource and WebSocket from another origin" "Console: live table, redrive by its buttons, only its origin, axe-core")
+TESTS=("Swagger UI: authorize, fetch, ack" "Stream tickets: EventSource and WebSocket from another origin"
+    "TypeScript worker library in the browser: consumes over ws with a stream ticket"
+    "Console: live table, redrive by its buttons, only its origin, axe-core")
 PASSED=()
 FAILED=()
 SKIPPED=()
@@ -113,8 +125,14 @@ for tool in node npm curl python3; do
     command -v "$tool" >/dev/null 2>&1 || die "$tool not found (the browser test needs Node.js with npm, curl and Python 3)"
 done
 
-step "tools: npm ci in ${BROWSER_DIR#"$ROOT"/}"
+step "tools: npm ci in ${BROWSER_DIR#"$ROOT"/} and ${TS_PACKAGE#"$ROOT"/}"
 ensure_node_modules "$BROWSER_DIR"
+# --ignore-scripts: its prepare script would build dist/; the build this test serves is the next step's.
+ensure_node_modules "$TS_PACKAGE" --ignore-scripts
+
+step "build the TypeScript worker library (tsc) for the browser"
+# Into a folder of this run, not the package's dist/ (scripts/client-typescript.sh's).
+(cd "$TS_PACKAGE" && npx --no-install tsc -p tsconfig.json --outDir "$WORK/ruststream")
 
 step "build the gateway"
 # The binary the integration tests use (see lib.sh).
@@ -190,14 +208,27 @@ else
 fi
 
 step "${TESTS[2]}"
+# Before the console's test, which leaves messages on the consumer: this one starts from an
+# empty consumer, so that it can count every message its worker handles.
+mkdir -p "$WORK/profile-worker"
+if timeout --kill-after=10 90 node "$BROWSER_DIR/ruststream-worker.mjs" "$BASE" "$TOKEN" "$ADMIN_TOKEN" "$PAGE_PORT" \
+    "$WORK/ruststream" "$WORK/profile-worker"; then
+    PASSED+=("${TESTS[2]}")
+    log "passed: ${TESTS[2]}"
+else
+    FAILED+=("${TESTS[2]}")
+    log "FAILED: ${TESTS[2]}"
+fi
+
+step "${TESTS[3]}"
 mkdir -p "$WORK/profile-console"
 rm -f "$ARTEFACTS/console.png"
 if timeout --kill-after=10 120 node "$BROWSER_DIR/console.mjs" "$BASE" "$NATS_PORT" "$TOKEN" "$ADMIN_TOKEN" \
     "$ARTEFACTS/console.png" "$WORK/profile-console"; then
     [[ -s "$ARTEFACTS/console.png" ]] || die "the console test passed but wrote no screenshot"
-    PASSED+=("${TESTS[2]}")
-    log "passed: ${TESTS[2]}; screenshot ${ARTEFACTS#"$ROOT"/}/console.png (docs/console.png is a copy)"
+    PASSED+=("${TESTS[3]}")
+    log "passed: ${TESTS[3]}; screenshot ${ARTEFACTS#"$ROOT"/}/console.png (docs/console.png is a copy)"
 else
-    FAILED+=("${TESTS[2]}")
-    log "FAILED: ${TESTS[2]}"
+    FAILED+=("${TESTS[3]}")
+    log "FAILED: ${TESTS[3]}"
 fi

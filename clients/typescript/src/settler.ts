@@ -28,6 +28,21 @@ interface Group {
   items: Item[];
 }
 
+/**
+ * Run `callback` once the events of this turn were handled, returning its cancel: Node's
+ * setImmediate (after the I/O callbacks of this loop pass, so the settles of handlers that
+ * ended together share one operation); a browser has none, and there a zero-delay timer (the
+ * next task) does the same.
+ */
+export function afterThisTurn(callback: () => void): () => void {
+  if (typeof setImmediate === "function") {
+    const immediate = setImmediate(callback);
+    return () => clearImmediate(immediate);
+  }
+  const timer = setTimeout(callback, 0);
+  return () => clearTimeout(timer);
+}
+
 /** Status given to an id whose request never got an answer (gateway unreachable, connection lost). */
 export const UNREACHABLE = 0;
 
@@ -35,7 +50,8 @@ export class Settler {
   private readonly groups = new Map<string, Group>();
   private pending = 0;
   private timer: ReturnType<typeof setTimeout> | undefined;
-  private immediate: ReturnType<typeof setImmediate> | undefined;
+  /** Cancels the flush flushSoon() scheduled, while it has not run. */
+  private cancelSoon: (() => void) | undefined;
   /** Operations sent and not yet answered. */
   private inFlight = 0;
 
@@ -64,14 +80,14 @@ export class Settler {
 
   /** After the current burst of events (the settles of handlers that ended together). */
   flushSoon(): void {
-    if (this.immediate === undefined) this.immediate = setImmediate(() => this.flush());
+    if (this.cancelSoon === undefined) this.cancelSoon = afterThisTurn(() => this.flush());
   }
 
   flush(): void {
     if (this.timer !== undefined) clearTimeout(this.timer);
-    if (this.immediate !== undefined) clearImmediate(this.immediate);
+    this.cancelSoon?.();
     this.timer = undefined;
-    this.immediate = undefined;
+    this.cancelSoon = undefined;
     const groups = [...this.groups.values()];
     this.groups.clear();
     this.pending = 0;

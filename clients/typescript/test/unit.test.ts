@@ -1,4 +1,5 @@
-// Unit tests of the pure parts: options and their defaults, the retry backoff, ordering keys.
+// Unit tests of the pure parts: options and their defaults, the retry backoff, ordering keys,
+// and the settler's coalescing where there is no setImmediate (a browser).
 
 import assert from "node:assert/strict";
 import { test } from "node:test";
@@ -6,6 +7,9 @@ import { test } from "node:test";
 import { keyFunction } from "../src/keys.js";
 import { Message } from "../src/message.js";
 import { backoffDelay, resolveOptions } from "../src/options.js";
+import { Settler } from "../src/settler.js";
+import type { Api } from "../src/http.js";
+import type { Connection } from "../src/transport.js";
 import type { WireMessage } from "../src/wire.js";
 
 test("options: the contract's defaults, and refusals", () => {
@@ -51,4 +55,37 @@ test("ordering keys: subject token, named header, the default header; too long c
   assert.equal(keyFunction(undefined)(message("o", { "Ruststream-Ordering-Key": ["k"] })), "k");
   assert.equal(keyFunction(undefined)(message("o", {})), undefined);
   assert.equal(keyFunction("header")(message("o", { "Ruststream-Ordering-Key": ["k".repeat(1025)] })), undefined);
+});
+
+test("settler without setImmediate, as in a browser: settles of one turn go out together in the next task", async () => {
+  const saved = Object.getOwnPropertyDescriptor(globalThis, "setImmediate");
+  delete (globalThis as { setImmediate?: unknown }).setImmediate;
+  try {
+    const sent: string[][] = [];
+    const connection = {
+      sendInBand: (_op: string, ids: string[], _extra: unknown, answer: { answered(results: { id: string; status: number }[]): void }) => {
+        sent.push(ids);
+        answer.answered(ids.map((id) => ({ id, status: 204 })));
+        return true;
+      },
+    } as unknown as Connection;
+    const api = { settle: () => Promise.reject(new Error("not over HTTP: the connection carries it")) } as unknown as Api;
+    const settler = new Settler(api, () => connection, () => true);
+    const answered: string[] = [];
+    const item = (id: string) => ({ id, answered: () => (answered.push(id), false) });
+    // Idle (no handler running): flushed after this turn, both in one operation.
+    settler.submit("ack", {}, item("a"));
+    settler.submit("ack", {}, item("b"));
+    assert.deepEqual(sent, []);
+    await new Promise((resolve) => setTimeout(resolve, 0));
+    assert.deepEqual(sent, [["a", "b"]]);
+    assert.deepEqual(answered, ["a", "b"]);
+    // A flush at once cancels the one scheduled: nothing is sent twice.
+    settler.submit("ack", {}, item("c"));
+    settler.flush();
+    await new Promise((resolve) => setTimeout(resolve, 10));
+    assert.deepEqual(sent, [["a", "b"], ["c"]]);
+  } finally {
+    if (saved !== undefined) Object.defineProperty(globalThis, "setImmediate", saved);
+  }
 });
