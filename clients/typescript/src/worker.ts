@@ -12,6 +12,7 @@ import { backoffDelay, newStats, resolveOptions, type ResolvedOptions, type Work
 import { Settler, UNREACHABLE } from "./settler.js";
 import { FetchTransport, SseTransport } from "./streams.js";
 import { deferred, type Connection, type Feed, type Transport } from "./transport.js";
+import { tracedHandler } from "./tracing.js";
 import type { SettleResult, WireMessage } from "./wire.js";
 import { WsTransport } from "./ws.js";
 
@@ -104,6 +105,8 @@ export class Worker implements MessageOwner {
       process.on("SIGINT", onSignal);
     }
     try {
+      // In a consumer span per message where OpenTelemetry's API can be imported (tracing.ts).
+      this.handler = await tracedHandler(handler);
       await this.readOrderingKey();
       this.ticker = setInterval(() => this.keepLeases(), TICK_MS);
       const loop = this.connectLoop();
