@@ -64,12 +64,6 @@ pub(crate) struct Leased {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Demand {
     pub(crate) batch: usize,
-    /// How many a stream's pull, kept open at the server between its demands, may ask for:
-    /// the stream's credit, of which each demand takes at most `batch` and the next demand
-    /// the rest — so that each slice of a stream does not wait for a pull of its own. What
-    /// arrives between two demands is held, unleased, for whichever fetch comes first.
-    /// `batch` for a fetch.
-    pub(crate) credit: usize,
     pub(crate) wait: Duration,
     pub(crate) max_bytes: Option<usize>,
     /// The open stream (SSE or WebSocket) asking, by its id; `None` for a fetch. A stream's

@@ -365,7 +365,6 @@ impl LeaseStream {
             let demand = Demand {
                 // In slices: what a stuck client is sent and never reads is at most one.
                 batch: credit.min(STREAM_SLICE),
-                credit,
                 wait: match (self.patient, patient) {
                     (_, true) => PATIENT_QUIET_AT_MOST,
                     (true, false) => BUSY_QUIET_AFTER,
