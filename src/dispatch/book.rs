@@ -49,11 +49,14 @@ struct Waiter {
     /// never stands between it and other keys' messages.
     diverted: usize,
     /// It took messages the ordering gate released (a key settled) while its pull was open,
-    /// and that pull brought nothing, not even to the gate: it is answered at once rather
-    /// than when that pull ends. Such a pull found nothing at the server (an ordered
-    /// consumer's messages wait in the gate here, not there), and each step of a key would
-    /// wait out a pull's expiry. A pull that is bringing messages is waited for, so that the
-    /// fetch gets every key they free.
+    /// and that pull brought nothing, not even to the gate, and the server had nothing more
+    /// when it last delivered: it is answered at once rather than when that pull ends. Such
+    /// a pull found nothing at the server (an ordered consumer's messages wait in the gate
+    /// here, not there), and each step of a key would wait out a pull's expiry. A pull that
+    /// is bringing messages is waited for, so that the fetch gets every key they free — and
+    /// so is one just sent while the server still had messages (its first ones are on their
+    /// way: answered at once, a fetch took only a busy key's head while other keys' messages
+    /// were about to come).
     took_released: bool,
     /// Deliveries its pulls brought it.
     from_pull: usize,
@@ -151,6 +154,10 @@ pub(super) struct Book<R> {
     /// Whether the last planning had capacity and pull slots left: a fetch waits to pull
     /// again (see [`Waiter::pulls_again`]) only then.
     pull_room: bool,
+    /// How many messages the server still had for the consumer after its latest delivery
+    /// (the delivery's own count): none, and an open pull that brought nothing found
+    /// nothing.
+    server_pending: u64,
 }
 
 impl<R> Book<R> {
@@ -162,6 +169,7 @@ impl<R> Book<R> {
             silent: Vec::new(),
             next_pull_id: 0,
             pull_room: false,
+            server_pending: 0,
         }
     }
 
@@ -278,6 +286,18 @@ impl<R> Book<R> {
     /// When the last open pull is given up on.
     pub(super) fn last_give_up(&self) -> Option<Instant> {
         self.pulls.values().map(|pull| pull.give_up_at).max()
+    }
+
+    /// [`Book::count_delivery`] of a delivery after which the server still had `pending`
+    /// messages for the consumer.
+    pub(super) fn count_delivery_from(
+        &mut self,
+        pull_id: u64,
+        now: Instant,
+        pending: u64,
+    ) -> Option<u64> {
+        self.server_pending = pending;
+        self.count_delivery(pull_id, now)
     }
 
     /// One more message of `pull_id` arrived; returns the fetch it is for.
@@ -526,7 +546,8 @@ impl<R> Book<R> {
                     && waiter.pull.is_some()
                     && waiter.took_released
                     && waiter.from_pull == 0
-                    && waiter.diverted == 0)
+                    && waiter.diverted == 0
+                    && self.server_pending == 0)
                 || (waiter.pull.is_none() && now >= waiter.deadline)
                 || now >= waiter.deadline + PULL_GRACE;
             if !done {

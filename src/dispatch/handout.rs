@@ -53,7 +53,9 @@ impl Dispatcher {
                 return;
             }
         };
-        let owner = self.book.count_delivery(pull_id, now);
+        let owner = self
+            .book
+            .count_delivery_from(pull_id, now, delivery.pending);
         // First of all: a message that ended through this gateway is settled again, never
         // leased nor released, whatever its delivery count and whichever binding it came by
         // (the server can lose a confirmed settle, and lose it again after the next crash).

@@ -326,6 +326,28 @@ fn a_fetch_handed_what_the_ordering_gate_released_is_answered_at_once_though_its
     book.hand_out_released(vec![delivery(8, 1, now)]);
     assert!(book.take_finished(now, false, EPOCH).is_empty());
 
+    // Nor when its pull was just sent while the server still had messages: the fence lifts
+    // between that pull going out and its first delivery (a busy key's head released, the
+    // other keys' messages on their way). Once the server has nothing more, it is.
+    let mut book = Book::<()>::new();
+    let (_answered, first_pull) = waiting(&mut book, demand(10, 5000), now);
+    let owner = book.count_delivery_from(first_pull, now, 25);
+    book.diverted(owner);
+    book.end_pull(first_pull, false, now);
+    let planned = book.plan_pulls(now, 1000, LIMITS);
+    let next_pull = book.next_pull_id();
+    book.pull_opened(planned[0], next_pull, ());
+    book.hand_out_released(vec![delivery(1, 1, now)]);
+    assert!(
+        book.take_finished(now, false, EPOCH).is_empty(),
+        "the server had 25 more: this pull brings some"
+    );
+    let owner = book.count_delivery_from(next_pull, now, 0);
+    book.place(owner, delivery(31, 1, now));
+    book.end_pull(next_pull, false, now);
+    let finished = book.take_finished(now, false, EPOCH);
+    assert_eq!(sequences(&finished[0].got), [1, 31]);
+
     // A fetch whose pull is bringing messages still takes what that pull brings.
     let mut book = Book::<()>::new();
     let (_answered, pull_id) = waiting(&mut book, demand(100, 5000), now);
