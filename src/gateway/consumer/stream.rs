@@ -379,6 +379,17 @@ impl LeaseStream {
                 // The fetch dropped is withdrawn: what its pull brings goes to the next.
                 reason = self.ends.wait() => return self.ended(reason),
             };
+            // The client may have left while these were on their way, its hang-up and the
+            // leases ready at once (and `select!` takes either): written into the closed
+            // connection nobody would read them, and they would wait out their expiry. Asked
+            // of the socket itself, as a fetch does before answering.
+            let leased = match leased {
+                Ok(got) if !got.is_empty() && caller.is_some_and(Caller::has_hung_up) => {
+                    self.gateway.give_back(got).await;
+                    return Step::Gone;
+                }
+                leased => leased,
+            };
             self.idle = leased.as_ref().is_ok_and(Vec::is_empty);
             let retry_in = self.retry_in;
             self.retry_in = if leased.is_ok() {
