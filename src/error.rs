@@ -51,9 +51,25 @@ pub(crate) enum Error {
     /// The gateway is shutting down: no new fetches, and not ready.
     #[error("the gateway is shutting down; no new fetches")]
     ShuttingDown,
-    /// A publish whose `Nats-Expected-*` header did not hold.
+    /// A publish whose expectation did not hold: one of its `Nats-Expected-*` headers
+    /// (`by_header`), or its `expected_last_sequence`/`expected_last_subject_sequence`
+    /// field; the sequence the server compared with, when it said.
+    #[error("{detail}")]
+    PublishPrecondition {
+        detail: String,
+        last_sequence: Option<u64>,
+        by_header: bool,
+    },
+    /// An atomic batch whose msg ids the stream already has: an earlier attempt stored it.
     #[error("{0}")]
-    PublishPrecondition(String),
+    BatchAlreadyStored(String),
+    /// The stream's configuration does not allow what a publish asks for (a TTL, an atomic
+    /// batch, a schedule): the stream setting that would.
+    #[error("{detail}")]
+    StreamDisallows {
+        setting: &'static str,
+        detail: String,
+    },
     #[error(
         "the NATS server did not confirm in time; the lease is still valid and retrying is safe"
     )]

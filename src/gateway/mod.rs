@@ -7,7 +7,8 @@
 //! dispatcher, binding supervisor, replica view, idempotency); [`process`] and
 //! [`connection`] what the process shares; [`fleet`] its one heartbeat and its one
 //! subscription for forwarded settles; [`registry`] which consumers are served;
-//! [`declared`] the consumers file kept in force; [`settles`] which consumer a settle goes to.
+//! [`declared`] the consumers file kept in force; [`settles`] which consumer a settle goes to;
+//! [`publishing`] which stream a published message goes to.
 //!
 //! May import: `dispatch`, `nats`, `state`, `domain`, `config`, `error`, `metrics`. Never `http`.
 
@@ -18,11 +19,11 @@ mod declared;
 mod existing;
 mod fleet;
 mod process;
+mod publishing;
 mod redrive;
 mod registry;
 mod settles;
 
-use consumer::publish_refusal;
 pub(crate) use consumer::{
     AnswersOwed, Caller, EndsWhen, Idempotency, LeaseStream, STREAM_SLICE, Step,
 };
@@ -372,69 +373,6 @@ impl Gateway {
         };
         served.touch();
         Ok(served.consumer.clone())
-    }
-
-    /// Publish to whichever served stream captures `subject`.
-    pub(crate) async fn publish(
-        &self,
-        subject: String,
-        headers: async_nats::HeaderMap,
-        payload: bytes::Bytes,
-    ) -> Result<async_nats::jetstream::publish::PublishAck, Error> {
-        let mut served: Vec<Arc<Served>> = self
-            .0
-            .registry
-            .all()
-            .into_iter()
-            .map(|(_, served)| served)
-            .filter(|served| !served.is_retired())
-            .collect();
-        // The default consumer first: its stream's error is the one a single-consumer
-        // gateway has always answered.
-        served.sort_by_key(|served| served.source != Source::Default);
-        let mut first_refusal = None;
-        for served in &served {
-            match served.consumer.captures(&subject) {
-                Ok(true) => return served.consumer.publish(subject, headers, payload).await,
-                Ok(false) => {}
-                Err(err) => {
-                    first_refusal.get_or_insert(err);
-                }
-            }
-        }
-        if let Some(err) = first_refusal {
-            return Err(err);
-        }
-        // A stream --serve-existing names: bound or not, so one rule holds for it (a
-        // stream's publishers should not depend on whether one of its consumers is idle).
-        if let Some(patterns) = &self.config().serve_existing
-            && let Some(client) = self.0.process.connection.get()
-        {
-            let js = async_nats::jetstream::new(client);
-            let stream = crate::nats::publish::stream_capturing(&js, &subject)
-                .await
-                .map_err(publish_refusal)?;
-            if let Some(stream) = stream.filter(|stream| patterns.matches_stream(stream)) {
-                return crate::nats::publish::publish_to(
-                    &js,
-                    &stream,
-                    subject,
-                    headers,
-                    payload,
-                    self.config().settle_timeout,
-                )
-                .await
-                .map_err(publish_refusal);
-            }
-        }
-        let Some(first) = served.first() else {
-            return Err(Error::invalid(
-                "subject",
-                "this gateway serves no consumer yet, so no stream to publish to",
-            ));
-        };
-        // No stream captures it: the default consumer's own error names its subjects.
-        first.consumer.publish(subject, headers, payload).await
     }
 
     /// What `GET /consumers` lists: the served consumers, and with `--serve-existing` the

@@ -30,28 +30,56 @@ where
     type Rejection = Error;
 
     async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
-        let rules = req
-            .extensions()
-            .get::<Connection>()
-            .map(|connection| connection.body);
-        let limit = rules.map_or(BODY_LIMIT, |rules| rules.limit);
-        let too_large = || Error::PayloadTooLarge { limit };
-        let declared = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|length| length.to_str().ok())
-            .and_then(|length| length.parse::<usize>().ok());
-        if declared.is_some_and(|length| length > DRAIN_LIMIT.max(limit)) {
-            return Err(too_large());
+        parse(&read_body(req).await?).map(JsonBody)
+    }
+}
+
+/// A JSON request body that must be there: an empty body is refused (422) rather than read
+/// as "all defaults", for an endpoint whose defaults would do too much (a redrive of every
+/// dead letter); `{}` still asks for the defaults.
+pub(crate) struct RequiredJsonBody<T>(pub T);
+
+impl<S, T> FromRequest<S> for RequiredJsonBody<T>
+where
+    S: Send + Sync,
+    T: DeserializeOwned + Default,
+{
+    type Rejection = Error;
+
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = read_body(req).await?;
+        if bytes.is_empty() {
+            return Err(Error::Invalid {
+                field: None,
+                detail: "this endpoint needs a JSON body (`{}` for all defaults)".into(),
+            });
         }
-        let read = read_limited(req.into_body(), limit);
-        let bytes = match rules.map(|rules| rules.read_timeout) {
-            Some(timeout) => tokio::time::timeout(timeout, read)
-                .await
-                .map_err(|_| Error::BodyTimeout { timeout })??,
-            None => read.await?,
-        };
-        parse(&bytes).map(JsonBody)
+        parse(&bytes).map(RequiredJsonBody)
+    }
+}
+
+/// Read a request's body within the connection's limit and read timeout.
+async fn read_body(req: Request) -> Result<Vec<u8>, Error> {
+    let rules = req
+        .extensions()
+        .get::<Connection>()
+        .map(|connection| connection.body);
+    let limit = rules.map_or(BODY_LIMIT, |rules| rules.limit);
+    let too_large = || Error::PayloadTooLarge { limit };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|length| length.to_str().ok())
+        .and_then(|length| length.parse::<usize>().ok());
+    if declared.is_some_and(|length| length > DRAIN_LIMIT.max(limit)) {
+        return Err(too_large());
+    }
+    let read = read_limited(req.into_body(), limit);
+    match rules.map(|rules| rules.read_timeout) {
+        Some(timeout) => tokio::time::timeout(timeout, read)
+            .await
+            .map_err(|_| Error::BodyTimeout { timeout })?,
+        None => read.await,
     }
 }
 

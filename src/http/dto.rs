@@ -302,6 +302,22 @@ pub(crate) struct PublishBody {
     /// `Ruststream-Ordering-Key` header: a consumer ordered by `header` leases the messages
     /// of one key one at a time, in stream order.
     pub(crate) ordering_key: Option<String>,
+    /// De-duplication id (the `Nats-Msg-Id` header): the stream stores a message with an id
+    /// it has seen within its duplicate window only once (`duplicate: true` then).
+    #[schema(min_length = 1, max_length = 1024)]
+    pub(crate) msg_id: Option<String>,
+    /// How long the stream keeps the message (the `Nats-TTL` header): whole seconds as a
+    /// duration (`30s`, `10m`, `1h30m`, `2`), at least 1 s, or `never`. The stream must
+    /// allow it (`allow_msg_ttl`), else 409 `ttl-not-allowed`.
+    #[schema(example = "10m")]
+    pub(crate) ttl: Option<String>,
+    /// Store only if the stream's last sequence is this one (`Nats-Expected-Last-Sequence`;
+    /// 0: the stream is empty), else 412 `precondition-failed` with `last_sequence`.
+    pub(crate) expected_last_sequence: Option<u64>,
+    /// Store only if the last message on this subject has this sequence
+    /// (`Nats-Expected-Last-Subject-Sequence`; 0: none yet), else 412
+    /// `precondition-failed` with the subject's `last_sequence`.
+    pub(crate) expected_last_subject_sequence: Option<u64>,
 }
 
 /// `POST /publish` answer.

@@ -21,6 +21,7 @@ mod ops;
 mod principal;
 pub(crate) mod problem;
 mod publish;
+mod publish_batch;
 mod push;
 mod redrive;
 pub(crate) mod responses;
@@ -92,6 +93,7 @@ fn api() -> OpenApiRouter<Shared> {
         .routes(routes!(messages::nak_many))
         .routes(routes!(messages::term_many))
         .routes(routes!(publish::publish))
+        .routes(routes!(publish_batch::publish_batch))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))
         .routes(routes!(consumers::consumer))

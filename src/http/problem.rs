@@ -54,6 +54,15 @@ pub(crate) struct Problem {
     /// The running redrive task in the way, for `redrive-overlaps`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) task: Option<String>,
+    /// For a failed publish precondition: the sequence the server compared with — the
+    /// stream's last sequence (`expected_last_sequence`), or the subject's
+    /// (`expected_last_subject_sequence`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) last_sequence: Option<u64>,
+    /// The stream setting that would allow what was refused (`allow_msg_ttl`,
+    /// `allow_atomic`, `allow_msg_schedules`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) setting: Option<String>,
 }
 
 impl Error {
@@ -66,7 +75,10 @@ impl Error {
             Self::UnknownLease | Self::NotFound(_) | Self::ConsumerNotFound(_) => {
                 StatusCode::NOT_FOUND
             }
-            Self::ConsumerUnsuitable(_) | Self::ConsumerPaused { .. } => StatusCode::CONFLICT,
+            Self::ConsumerUnsuitable(_)
+            | Self::ConsumerPaused { .. }
+            | Self::StreamDisallows { .. }
+            | Self::BatchAlreadyStored(_) => StatusCode::CONFLICT,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             Self::LeaseGone | Self::OwnerGone => StatusCode::GONE,
@@ -81,7 +93,7 @@ impl Error {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Self::TimedOut => StatusCode::GATEWAY_TIMEOUT,
-            Self::PublishPrecondition(_) => StatusCode::PRECONDITION_FAILED,
+            Self::PublishPrecondition { .. } => StatusCode::PRECONDITION_FAILED,
             Self::UriTooLong { .. } => StatusCode::URI_TOO_LONG,
             Self::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
         }
@@ -117,9 +129,22 @@ impl Error {
             }
             Self::BodyTimeout { .. } => ("body-timeout", "Request body too slow"),
             Self::TimedOut => ("not-confirmed", "Settle not confirmed in time"),
-            Self::PublishPrecondition(_) => {
-                ("publish-precondition-failed", "Publish expectation failed")
-            }
+            // The header form kept the type it has always had; the fields name the plainer one.
+            Self::PublishPrecondition {
+                by_header: true, ..
+            } => ("publish-precondition-failed", "Publish expectation failed"),
+            Self::PublishPrecondition {
+                by_header: false, ..
+            } => ("precondition-failed", "Precondition failed"),
+            Self::BatchAlreadyStored(_) => ("batch-already-stored", "Batch already stored"),
+            Self::StreamDisallows { setting, .. } => match *setting {
+                "allow_msg_ttl" => ("ttl-not-allowed", "Stream does not allow per-message TTL"),
+                "allow_atomic" => ("atomic-not-allowed", "Stream does not allow atomic batches"),
+                _ => (
+                    "schedules-not-allowed",
+                    "Stream does not allow message schedules",
+                ),
+            },
         }
     }
 
@@ -190,6 +215,14 @@ impl Error {
                 Self::RedriveOverlaps { task } => Some(task.clone()),
                 _ => None,
             },
+            last_sequence: match self {
+                Self::PublishPrecondition { last_sequence, .. } => *last_sequence,
+                _ => None,
+            },
+            setting: match self {
+                Self::StreamDisallows { setting, .. } => Some((*setting).to_owned()),
+                _ => None,
+            },
         }
     }
 }
@@ -249,6 +282,8 @@ pub(crate) fn panic_response(panic: Box<dyn std::any::Any + Send + 'static>) -> 
         retry_after: None,
         paused_until: None,
         task: None,
+        last_sequence: None,
+        setting: None,
     };
     let body = serde_json::to_vec(&problem).unwrap_or_default();
     let mut response = (

@@ -1,4 +1,5 @@
-//! `POST /publish`: put a message on the stream (for trying the gateway with curl).
+//! `POST /publish`: put a message on the stream, with its options (de-duplication id, TTL,
+//! expectations, ordering key) turned into the NATS headers that carry them.
 //!
 //! May import: as the rest of `http`.
 
@@ -36,6 +37,72 @@ pub(crate) async fn publish(
     State(gateway): State<Arc<Gateway>>,
     JsonBody(body): JsonBody<PublishBody>,
 ) -> Result<(StatusCode, Json<PublishResponse>), Error> {
+    let Prepared {
+        subject,
+        mut headers,
+        payload,
+        expects_by_field,
+    } = prepare(body)?;
+    let mut span = telemetry::spans::send_span(&subject, &mut headers);
+    let published = gateway
+        .publish(subject, headers, payload)
+        .await
+        .map_err(|err| expectation_named(err, expects_by_field));
+    record_outcome(&mut span, &published);
+    let ack = published?;
+    Ok((
+        StatusCode::CREATED,
+        Json(PublishResponse {
+            stream: ack.stream,
+            sequence: ack.sequence,
+            duplicate: ack.duplicate,
+        }),
+    ))
+}
+
+/// Put a publish's outcome on its span: where it was stored, or the status it failed with.
+pub(crate) fn record_outcome(
+    span: &mut telemetry::spans::MessageSpan,
+    published: &Result<async_nats::jetstream::publish::PublishAck, Error>,
+) {
+    telemetry::spans::sent(
+        span,
+        published
+            .as_ref()
+            .map(|ack| (ack.stream.as_str(), ack.sequence))
+            .map_err(|err| err.status().as_u16()),
+    );
+}
+
+/// A publish body checked and turned into what goes to NATS.
+pub(crate) struct Prepared {
+    pub(crate) subject: String,
+    pub(crate) headers: async_nats::HeaderMap,
+    pub(crate) payload: bytes::Bytes,
+    /// An `expected_last_*` field set the expectation (not a `Nats-Expected-*` header).
+    pub(crate) expects_by_field: bool,
+}
+
+/// A precondition set by a field is answered as `precondition-failed`; one set by a header
+/// keeps the type it always had.
+pub(crate) fn expectation_named(err: Error, by_field: bool) -> Error {
+    match err {
+        Error::PublishPrecondition {
+            detail,
+            last_sequence,
+            ..
+        } if by_field => Error::PublishPrecondition {
+            detail,
+            last_sequence,
+            by_header: false,
+        },
+        other => other,
+    }
+}
+
+/// Check a publish body and build its subject, headers and payload; every refusal names
+/// its field.
+pub(crate) fn prepare(body: PublishBody) -> Result<Prepared, Error> {
     validate_publish_subject(&body.subject)
         .map_err(|why| Error::invalid("subject", format!("subject: {why}")))?;
     let payload = match body.encoding.unwrap_or(Encoding::Utf8) {
@@ -84,27 +151,101 @@ pub(crate) async fn publish(
                 ),
             ));
         }
-        let value = async_nats::HeaderValue::from_str(&key).map_err(|_| {
-            Error::invalid("ordering_key", "ordering_key: not a valid header value")
-        })?;
-        headers.insert(ORDERING_KEY_HEADER, value);
+        headers.insert(ORDERING_KEY_HEADER, header_value("ordering_key", &key)?);
     }
-    let mut span = telemetry::spans::send_span(&body.subject, &mut headers);
-    let published = gateway.publish(body.subject, headers, payload.into()).await;
-    telemetry::spans::sent(
-        &mut span,
-        published
-            .as_ref()
-            .map(|ack| (ack.stream.as_str(), ack.sequence))
-            .map_err(|err| err.status().as_u16()),
-    );
-    let ack = published?;
-    Ok((
-        StatusCode::CREATED,
-        Json(PublishResponse {
-            stream: ack.stream,
-            sequence: ack.sequence,
-            duplicate: ack.duplicate,
-        }),
-    ))
+    if let Some(id) = body.msg_id {
+        if id.is_empty() || id.len() > MAX_MSG_ID_BYTES || id.chars().any(char::is_control) {
+            return Err(Error::invalid(
+                "msg_id",
+                format!("msg_id: must be 1 to {MAX_MSG_ID_BYTES} bytes without control characters"),
+            ));
+        }
+        headers.insert("Nats-Msg-Id", header_value("msg_id", &id)?);
+    }
+    if let Some(ttl) = body.ttl {
+        headers.insert("Nats-TTL", ttl_header(&ttl)?);
+    }
+    let expects_by_field =
+        body.expected_last_sequence.is_some() || body.expected_last_subject_sequence.is_some();
+    if let Some(sequence) = body.expected_last_sequence {
+        headers.insert("Nats-Expected-Last-Sequence", sequence.to_string().as_str());
+    }
+    if let Some(sequence) = body.expected_last_subject_sequence {
+        headers.insert(
+            "Nats-Expected-Last-Subject-Sequence",
+            sequence.to_string().as_str(),
+        );
+    }
+    Ok(Prepared {
+        subject: body.subject,
+        headers,
+        payload: payload.into(),
+        expects_by_field,
+    })
+}
+
+/// Longest `msg_id` taken: ids are kept by the stream for its whole duplicate window.
+const MAX_MSG_ID_BYTES: usize = 1024;
+/// Longest TTL taken: what nats-server's duration type holds (about 292 years).
+const MAX_TTL_SECS: u64 = 9_223_372_036;
+
+fn header_value(field: &str, value: &str) -> Result<async_nats::HeaderValue, Error> {
+    async_nats::HeaderValue::from_str(value)
+        .map_err(|_| Error::invalid(field, format!("{field}: not a valid header value")))
+}
+
+/// The `Nats-TTL` value for a `ttl` field: `never`, or whole seconds (at least 1).
+fn ttl_header(ttl: &str) -> Result<async_nats::HeaderValue, Error> {
+    let refused = |why: &str| {
+        Error::invalid(
+            "ttl",
+            format!(
+                "ttl: {why} (a duration of whole seconds such as 30s, 10m or 1h30m, at least 1s, or \"never\")"
+            ),
+        )
+    };
+    if ttl == "never" {
+        return header_value("ttl", "never");
+    }
+    let duration = match ttl.parse::<u64>() {
+        Ok(secs) => std::time::Duration::from_secs(secs),
+        Err(_) => humantime::parse_duration(ttl).map_err(|_| refused("not a duration"))?,
+    };
+    if duration < std::time::Duration::from_secs(1) {
+        return Err(refused("below 1s"));
+    }
+    if duration.subsec_nanos() != 0 {
+        return Err(refused("not whole seconds"));
+    }
+    if duration.as_secs() > MAX_TTL_SECS {
+        return Err(refused("too long"));
+    }
+    header_value("ttl", &format!("{}s", duration.as_secs()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ttl_is_whole_seconds_of_at_least_one_or_never() {
+        let header = |ttl: &str| ttl_header(ttl).map(|value| value.as_str().to_owned());
+        assert_eq!(header("never").ok().as_deref(), Some("never"));
+        assert_eq!(header("2").ok().as_deref(), Some("2s"));
+        assert_eq!(header("10m").ok().as_deref(), Some("600s"));
+        assert_eq!(header("1h30m").ok().as_deref(), Some("5400s"));
+        for bad in [
+            "",
+            "0",
+            "0s",
+            "500ms",
+            "1500ms",
+            "soon",
+            "-1s",
+            "1e3",
+            "99999999999s",
+        ] {
+            assert!(header(bad).is_err(), "{bad:?} is refused");
+        }
+    }
 }

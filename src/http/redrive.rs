@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use super::body::JsonBody;
+use super::body::RequiredJsonBody;
 use super::dead_letters::DeadLetterDto;
 use super::dto::Encoding;
 use super::responses::{BodyRefusals, Guarded, RedriveRefusals, RedriveTaskRefusals};
@@ -158,7 +158,7 @@ impl From<TaskRecord> for RedriveTaskDto {
 )]
 pub(crate) async fn redrive(
     State(gateway): State<Arc<Gateway>>,
-    JsonBody(body): JsonBody<RedriveBody>,
+    RequiredJsonBody(body): RequiredJsonBody<RedriveBody>,
 ) -> Result<Response, Error> {
     let request = request_of(body)?;
     match gateway.redrive(request).await? {

@@ -40,6 +40,7 @@ pub(crate) enum ProblemKind {
     Unavailable,
     NotConfirmed,
     PublishPrecondition,
+    PublishConflict,
     ConsumerNotFound,
     ConsumerUnsuitable,
     ServerTooOld,
@@ -49,7 +50,7 @@ pub(crate) enum ProblemKind {
 }
 
 impl ProblemKind {
-    const ALL: [Self; 19] = [
+    const ALL: [Self; 20] = [
         Self::Unauthorized,
         Self::Forbidden,
         Self::BodyTimeout,
@@ -63,6 +64,7 @@ impl ProblemKind {
         Self::Unavailable,
         Self::NotConfirmed,
         Self::PublishPrecondition,
+        Self::PublishConflict,
         Self::ConsumerNotFound,
         Self::ConsumerUnsuitable,
         Self::ServerTooOld,
@@ -86,6 +88,7 @@ impl ProblemKind {
             Self::Unavailable => "Unavailable",
             Self::NotConfirmed => "NotConfirmed",
             Self::PublishPrecondition => "PublishPrecondition",
+            Self::PublishConflict => "PublishConflict",
             Self::ConsumerNotFound => "ConsumerNotFound",
             Self::ConsumerUnsuitable => "ConsumerUnsuitable",
             Self::ServerTooOld => "ServerTooOld",
@@ -145,10 +148,13 @@ impl ProblemKind {
                 "A running redrive task (`task`) takes some of the same dead letters: a dead letter is published back at most once, so the new task is not made. Wait until that task ends, or cancel it, and ask again."
             }
             Self::ServerTooOld => {
-                "The NATS server lacks what this needs (a consumer reset needs nats-server 2.14 or later); the detail names its version."
+                "The NATS server lacks what this needs (a consumer reset needs nats-server 2.14 or later, an atomic batch 2.12); the detail names its version."
             }
             Self::PublishPrecondition => {
-                "A `Nats-Expected-*` header did not hold (expected stream, last sequence, last subject sequence or last message id): nothing was stored, and retrying as is cannot succeed."
+                "An expectation did not hold: `expected_last_sequence` or `expected_last_subject_sequence` (`precondition-failed`, with `last_sequence`: the stream's or the subject's last sequence now), or a `Nats-Expected-*` header (`publish-precondition-failed`). Nothing was stored, and retrying as is cannot succeed."
+            }
+            Self::PublishConflict => {
+                "The stream's configuration does not allow what the message asks for — `setting` names the stream setting that would (`allow_msg_ttl` for a `ttl`: `ttl-not-allowed`; `allow_atomic` for an atomic batch: `atomic-not-allowed`) —, or an atomic batch's msg ids are already stored (`batch-already-stored`: an earlier attempt stored it). Nothing was stored."
             }
         }
     }
@@ -220,10 +226,33 @@ impl ProblemKind {
             Self::RedriveOverlaps => vec![Error::RedriveOverlaps {
                 task: "5f1e0c2a9b7d4e11".into(),
             }],
-            Self::PublishPrecondition => vec![Error::PublishPrecondition(
-                "the stream refused the message: wrong last sequence: 7 (code 400, error code 10071)"
-                    .into(),
-            )],
+            Self::PublishPrecondition => vec![
+                Error::PublishPrecondition {
+                    detail: "the stream refused the message: wrong last sequence: 7 (code 400, error code 10071)"
+                        .into(),
+                    last_sequence: Some(7),
+                    by_header: false,
+                },
+                Error::PublishPrecondition {
+                    detail: "the stream refused the message: wrong last msg ID: 4f1c (code 400, error code 10070)"
+                        .into(),
+                    last_sequence: None,
+                    by_header: true,
+                },
+            ],
+            Self::PublishConflict => vec![
+                Error::StreamDisallows {
+                    setting: "allow_msg_ttl",
+                    detail: "the stream refused the message: per-message TTL is disabled (code 400, error code 10166); set `allow_msg_ttl: true` in the stream's configuration".into(),
+                },
+                Error::StreamDisallows {
+                    setting: "allow_atomic",
+                    detail: "the stream refused the message: atomic publish is disabled (code 400, error code 10174); set `allow_atomic: true` in the stream's configuration".into(),
+                },
+                Error::BatchAlreadyStored(
+                    "the stream already has messages with this batch's msg ids (stored by an earlier attempt); nothing was stored now".into(),
+                ),
+            ],
         }
     }
 
@@ -348,7 +377,10 @@ refusal_sets! {
     /// An endpoint reading its query string: a parameter out of range or unknown.
     QueryRefusals = [InvalidRequest];
     /// `POST /publish` beyond its body: an expectation header that did not hold, or no NATS.
-    PublishRefusals = [PublishPrecondition, Unavailable];
+    PublishRefusals = [PublishPrecondition, PublishConflict, Unavailable];
+    /// `POST /publish/batch` beyond its body: as [`PublishRefusals`], for an atomic batch
+    /// also a server without atomic batches.
+    PublishBatchRefusals = [PublishPrecondition, PublishConflict, ServerTooOld, Unavailable];
     /// A route naming its consumer, with the refusals of `POST /fetch` beyond its body.
     NamedFetchRefusals = [TooManyLeases, Unavailable, ConsumerNotFound, ConsumerUnsuitable];
     /// A route naming its consumer that needs the NATS server.

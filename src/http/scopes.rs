@@ -80,7 +80,7 @@ pub(crate) fn requirement(path: &str) -> Requirement {
         "/fetch" | "/events" | "/ws" => Requirement::Scope(Scope::Fetch),
         "/messages" => Requirement::Scope(Scope::Settle),
         _ if path.starts_with("/messages/") => Requirement::Scope(Scope::Settle),
-        "/publish" => Requirement::Scope(Scope::Publish),
+        "/publish" | "/publish/batch" => Requirement::Scope(Scope::Publish),
         "/consumer" | "/consumers" | "/metrics" => Requirement::Scope(Scope::Admin),
         // Dead letters: what failed, and sending it back, is an operator's business.
         "/dead-letters" => Requirement::Scope(Scope::Admin),

@@ -28,24 +28,26 @@ pub(crate) async fn consumer_info(bound: &Bound) -> anyhow::Result<consumer::Inf
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum PublishFailure {
     /// An expectation the publisher set did not hold (`Nats-Expected-Stream`,
-    /// `Nats-Expected-Last-Sequence`, `-Last-Subject-Sequence`, `-Last-Msg-Id`).
-    Expectation(String),
+    /// `Nats-Expected-Last-Sequence`, `-Last-Subject-Sequence`, `-Last-Msg-Id`); the
+    /// sequence the server compared with, when it said (`wrong last sequence: N`).
+    Expectation {
+        detail: String,
+        last_sequence: Option<u64>,
+    },
     /// The stream refused the message itself: a header it does not allow (`Nats-Rollup`
     /// without rollups, a malformed directive) or its size.
     Refused(String),
+    /// The stream's configuration does not allow what the message asks for: the setting
+    /// that would (`allow_msg_ttl`, `allow_atomic`, `allow_msg_schedules`).
+    Disallowed {
+        setting: &'static str,
+        detail: String,
+    },
+    /// An atomic batch whose `Nats-Msg-Id`s the stream already has: stored before (a
+    /// retry), so nothing was stored now.
+    AlreadyStored(String),
     /// NATS is unreachable, slow, or the stream has no leader; retrying may succeed.
     Unavailable(String),
-}
-
-/// Publish to the stream and wait for its acknowledgement.
-pub(crate) async fn publish(
-    bound: &Bound,
-    subject: String,
-    headers: async_nats::HeaderMap,
-    payload: Bytes,
-    timeout: Duration,
-) -> Result<jetstream::publish::PublishAck, PublishFailure> {
-    publish_on(&bound.jetstream, subject, headers, payload, timeout).await
 }
 
 /// The stream that captures `subject`, if one does.
@@ -66,35 +68,171 @@ pub(crate) async fn stream_capturing(
     }
 }
 
-/// Publish to `stream` (it must be the one that stores it) and wait for its acknowledgement.
-pub(crate) async fn publish_to(
-    js: &jetstream::Context,
-    stream: &str,
-    subject: String,
-    mut headers: async_nats::HeaderMap,
-    payload: Bytes,
+/// A message sent to the stream whose acknowledgement is still to come: a batch sends all
+/// its messages before it awaits the first acknowledgement.
+pub(crate) struct SentPublish {
+    ack: jetstream::context::PublishAckFuture,
     timeout: Duration,
-) -> Result<jetstream::publish::PublishAck, PublishFailure> {
-    headers.insert("Nats-Expected-Stream", stream);
-    publish_on(js, subject, headers, payload, timeout).await
 }
 
-async fn publish_on(
-    js: &jetstream::Context,
-    subject: String,
-    headers: async_nats::HeaderMap,
-    payload: Bytes,
+impl SentPublish {
+    /// Wait for the stream's acknowledgement.
+    pub(crate) async fn confirmed(self) -> Result<jetstream::publish::PublishAck, PublishFailure> {
+        tokio::time::timeout(self.timeout, self.ack.into_future())
+            .await
+            .map_err(|_| PublishFailure::Unavailable("the stream did not answer in time".into()))?
+            .map_err(|err| classify(&err))
+    }
+}
+
+/// Where a published message goes: the stream that stores it and the JetStream context
+/// that sends it there.
+#[derive(Clone)]
+pub(crate) struct Route {
+    js: jetstream::Context,
+    /// The stream that captures the subject.
+    pub(crate) stream: String,
+    /// Whether to send `Nats-Expected-Stream` (the stream was looked up by subject, not
+    /// bound: the server checks it is still the one).
+    expect_stream: bool,
     timeout: Duration,
-) -> Result<jetstream::publish::PublishAck, PublishFailure> {
-    let timed_out = |_| PublishFailure::Unavailable("the stream did not answer in time".into());
-    let ack = tokio::time::timeout(timeout, js.publish_with_headers(subject, headers, payload))
+}
+
+impl Route {
+    /// To the stream `bound` reads.
+    pub(crate) fn bound(bound: &Bound, stream: &str, timeout: Duration) -> Self {
+        Self {
+            js: bound.jetstream.clone(),
+            stream: stream.to_owned(),
+            expect_stream: false,
+            timeout,
+        }
+    }
+
+    /// To `stream`, found by its subjects.
+    pub(crate) fn looked_up(js: jetstream::Context, stream: String, timeout: Duration) -> Self {
+        Self {
+            js,
+            stream,
+            expect_stream: true,
+            timeout,
+        }
+    }
+
+    /// Send a message, not waiting for its acknowledgement.
+    pub(crate) async fn send(
+        &self,
+        subject: String,
+        mut headers: async_nats::HeaderMap,
+        payload: Bytes,
+    ) -> Result<SentPublish, PublishFailure> {
+        if self.expect_stream {
+            headers.insert("Nats-Expected-Stream", self.stream.as_str());
+        }
+        let ack = tokio::time::timeout(
+            self.timeout,
+            self.js.publish_with_headers(subject, headers, payload),
+        )
         .await
-        .map_err(timed_out)?
+        .map_err(|_| {
+            PublishFailure::Unavailable("the stream did not take the message in time".into())
+        })?
         .map_err(|err| classify(&err))?;
-    tokio::time::timeout(timeout, ack.into_future())
-        .await
-        .map_err(timed_out)?
-        .map_err(|err| classify(&err))
+        Ok(SentPublish {
+            ack,
+            timeout: self.timeout,
+        })
+    }
+
+    /// Publish `messages` as one atomic batch (nats-server 2.12+, the stream's
+    /// `allow_atomic`): the first as a request (the server says at once whether it takes the
+    /// batch), the middle ones without a reply, the last with the commit; the stream stores
+    /// all of them or none.
+    pub(crate) async fn publish_atomic(
+        &self,
+        messages: Vec<(String, async_nats::HeaderMap, Bytes)>,
+    ) -> Result<BatchAck, PublishFailure> {
+        let client = self.js.client();
+        let batch_id = batch_id();
+        let count = messages.len();
+        let unavailable = |what: String| PublishFailure::Unavailable(what);
+        for (index, (subject, mut headers, payload)) in messages.into_iter().enumerate() {
+            headers.insert("Nats-Batch-Id", batch_id.as_str());
+            headers.insert("Nats-Batch-Sequence", (index + 1).to_string().as_str());
+            if self.expect_stream {
+                headers.insert("Nats-Expected-Stream", self.stream.as_str());
+            }
+            let last = index + 1 == count;
+            if last {
+                headers.insert("Nats-Batch-Commit", "1");
+            }
+            if index > 0 && !last {
+                client
+                    .publish_with_headers(subject, headers, payload)
+                    .await
+                    .map_err(|err| unavailable(format!("sending the batch failed: {err}")))?;
+                continue;
+            }
+            let reply = tokio::time::timeout(
+                self.timeout,
+                client.request_with_headers(subject, headers, payload),
+            )
+            .await
+            .map_err(|_| {
+                unavailable(
+                    "the stream did not answer the batch in time; it may or may not be stored: retry it with the same msg ids".into(),
+                )
+            })?
+            .map_err(|err| {
+                unavailable(format!(
+                    "the batch was not confirmed ({err}); it may or may not be stored: retry it with the same msg ids"
+                ))
+            })?;
+            // The first message's answer is empty when the stream takes the batch.
+            if !last && reply.payload.is_empty() {
+                continue;
+            }
+            match serde_json::from_slice::<jetstream::response::Response<BatchAck>>(&reply.payload)
+            {
+                Ok(jetstream::response::Response::Ok(ack)) if last => return Ok(ack),
+                Ok(jetstream::response::Response::Err { error }) => {
+                    return Err(classify(&PublishError::with_source(
+                        PublishErrorKind::Other,
+                        error,
+                    )));
+                }
+                _ => {
+                    return Err(unavailable(
+                        "the stream answered the batch in a way this gateway does not know".into(),
+                    ));
+                }
+            }
+        }
+        Err(unavailable(
+            "an atomic batch needs at least one message".into(),
+        ))
+    }
+
+    /// Whether both routes go to the same stream.
+    pub(crate) fn same_stream(&self, other: &Self) -> bool {
+        self.stream == other.stream
+    }
+}
+
+/// The stream's answer to a committed atomic batch.
+#[derive(Debug, serde::Deserialize)]
+pub(crate) struct BatchAck {
+    pub(crate) stream: String,
+    /// The sequence of the batch's last message.
+    #[serde(rename = "seq")]
+    pub(crate) last_sequence: u64,
+    /// How many messages the batch stored.
+    pub(crate) count: u64,
+}
+
+/// A batch id nobody else uses (32 hex digits; the server takes up to 64 characters).
+fn batch_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
 }
 
 /// A client error (the publisher's headers or message) or an outage, by the JetStream error
@@ -103,7 +241,11 @@ fn classify(err: &PublishError) -> PublishFailure {
     let refused = |what: &dyn std::fmt::Display| format!("the stream refused the message: {what}");
     match err.kind() {
         PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence => {
-            PublishFailure::Expectation(refused(&source_or_kind(err)))
+            let said = source_or_kind(err);
+            PublishFailure::Expectation {
+                last_sequence: last_sequence_in(&said),
+                detail: refused(&said),
+            }
         }
         PublishErrorKind::MaxPayloadExceeded => {
             PublishFailure::Refused(refused(&"larger than the server's max_payload"))
@@ -119,15 +261,29 @@ fn classify(err: &PublishError) -> PublishFailure {
                     "the stream is still storing an earlier publish with this Nats-Msg-Id; retry: {api}"
                 ))
             }
+            Some(api)
+                if api.error_code() == ErrorCode::ATOMIC_PUBLISH_CONTAINS_DUPLICATE_MESSAGE =>
+            {
+                PublishFailure::AlreadyStored(format!(
+                    "the stream already has messages with this batch's msg ids (stored by an earlier attempt); nothing was stored now: {api}"
+                ))
+            }
             // By the JetStream error code first: the server answers some refusals of the
             // message itself (a rollup the stream does not allow) with a 500.
-            Some(api) if EXPECTATIONS.contains(&api.error_code()) => {
-                PublishFailure::Expectation(refused(api))
-            }
+            Some(api) if EXPECTATIONS.contains(&api.error_code()) => PublishFailure::Expectation {
+                last_sequence: last_sequence_in(&api.to_string()),
+                detail: refused(api),
+            },
             Some(api)
                 if REFUSALS.contains(&api.error_code()) || (400..500).contains(&api.code()) =>
             {
-                PublishFailure::Refused(refused(api))
+                match setting_to_allow(api.error_code()) {
+                    Some(setting) => PublishFailure::Disallowed {
+                        setting,
+                        detail: refused(api),
+                    },
+                    None => PublishFailure::Refused(refused(api)),
+                }
             }
             Some(api) => PublishFailure::Unavailable(format!("the stream is unavailable: {api}")),
             None => PublishFailure::Unavailable(format!("publishing failed: {err}")),
@@ -141,6 +297,24 @@ fn classify(err: &PublishError) -> PublishFailure {
             PublishFailure::Unavailable(format!("publishing failed: {}", err.kind()))
         }
     }
+}
+
+/// The stream setting whose absence the JetStream error `code` reports.
+fn setting_to_allow(code: ErrorCode) -> Option<&'static str> {
+    match code {
+        ErrorCode::MESSAGE_TTL_DISABLED => Some("allow_msg_ttl"),
+        ErrorCode::ATOMIC_PUBLISH_DISABLED => Some("allow_atomic"),
+        ErrorCode::MESSAGE_SCHEDULES_DISABLED => Some("allow_msg_schedules"),
+        _ => None,
+    }
+}
+
+/// The sequence in the server's `wrong last sequence: N`: the stream's last sequence for
+/// `Nats-Expected-Last-Sequence`, the subject's for `-Last-Subject-Sequence`.
+fn last_sequence_in(said: &str) -> Option<u64> {
+    let (_, rest) = said.split_once("wrong last sequence: ")?;
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
 }
 
 /// JetStream error codes of expectations that did not hold.
@@ -258,7 +432,17 @@ mod tests {
         ));
         assert!(matches!(
             answered(400, 10071, "wrong last sequence: 3"),
-            PublishFailure::Expectation(_)
+            PublishFailure::Expectation {
+                last_sequence: Some(3),
+                ..
+            }
+        ));
+        assert!(matches!(
+            answered(400, 10166, "per-message TTL is disabled"),
+            PublishFailure::Disallowed {
+                setting: "allow_msg_ttl",
+                ..
+            }
         ));
     }
 }

@@ -27,6 +27,7 @@ mod ordering;
 mod pause;
 mod poison;
 mod publish;
+mod publish_batch;
 mod push;
 mod readme;
 mod rebinding;

@@ -111,6 +111,9 @@ async fn a_filtered_redrive_sends_back_what_it_matched_once_and_leaves_the_rest(
         .post("/dead-letters/redrive", Some(&json!({"colour": "red"})))
         .await;
     assert_eq!(unknown.status, 422, "{}", unknown.text);
+    // A careless POST without a body sends nothing back (`{}` takes every dead letter).
+    let bodiless = gateway.post("/dead-letters/redrive", None).await;
+    assert_eq!(bodiless.status, 422, "{}", bodiless.text);
     for missing in ["0123456789abcdef", "not%20a%20task"] {
         let path = format!("/dead-letters/redrive/{missing}");
         assert_eq!(gateway.get(&path).await.status, 404, "GET {path}");

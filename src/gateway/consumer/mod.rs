@@ -115,7 +115,19 @@ pub(crate) type SettleResult = Result<(), Error>;
 /// What a client hears of a publish the stream did not store.
 pub(crate) fn publish_refusal(failure: PublishFailure) -> Error {
     match failure {
-        PublishFailure::Expectation(detail) => Error::PublishPrecondition(detail),
+        PublishFailure::Expectation {
+            detail,
+            last_sequence,
+        } => Error::PublishPrecondition {
+            detail,
+            last_sequence,
+            by_header: true,
+        },
+        PublishFailure::AlreadyStored(detail) => Error::BatchAlreadyStored(detail),
+        PublishFailure::Disallowed { setting, detail } => Error::StreamDisallows {
+            setting,
+            detail: format!("{detail}; set `{setting}: true` in the stream's configuration"),
+        },
         PublishFailure::Refused(detail) => Error::invalid("headers", detail),
         PublishFailure::Unavailable(detail) => Error::Unavailable(detail),
     }
@@ -509,18 +521,13 @@ impl Consumer {
         })
     }
 
-    /// Publish to the stream (subject already validated against the stream's subjects).
-    pub(crate) async fn publish(
-        &self,
-        subject: String,
-        headers: async_nats::HeaderMap,
-        payload: bytes::Bytes,
-    ) -> Result<async_nats::jetstream::publish::PublishAck, Error> {
+    /// Where a message to `subject` goes: this consumer's stream, if it captures it.
+    pub(crate) fn publish_route(&self, subject: &str) -> Result<nats::publish::Route, Error> {
         let bound = self.publishable()?;
         if !bound
             .stream_subjects
             .iter()
-            .any(|filter| subject::matches(filter, &subject))
+            .any(|filter| subject::matches(filter, subject))
         {
             return Err(Error::invalid(
                 "subject",
@@ -531,14 +538,10 @@ impl Consumer {
                 ),
             ));
         }
-        nats::publish::publish(
+        Ok(nats::publish::Route::bound(
             &bound,
-            subject,
-            headers,
-            payload,
+            &self.config.stream,
             self.config.settle_timeout,
-        )
-        .await
-        .map_err(publish_refusal)
+        ))
     }
 }
