@@ -69,6 +69,9 @@ mod day_two;
 /// `--ordering`: ordered per key against unordered, and the cost of a stuck key.
 #[path = "bench/ordering.rs"]
 mod ordering;
+/// `--producers`: batch, atomic and single publishes, and one-shot schedules.
+#[path = "bench/producers.rs"]
+mod producers;
 
 use std::future::IntoFuture as _;
 use std::path::{Path, PathBuf};
@@ -181,6 +184,16 @@ struct Args {
     /// (docs/benchmark.md, "Dead letters and the console").
     #[arg(long)]
     day_two: bool,
+
+    /// Instead of the drains: the publish side — `--messages` published in batches of 100
+    /// (4 clients; plain and atomic) and one by one (8 clients), and `--schedules` one-shot
+    /// schedules (docs/benchmark.md, "Producers").
+    #[arg(long)]
+    producers: bool,
+
+    /// One-shot schedules made by `--producers`, due over 20 s.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    schedules: u64,
 
     /// Instead of the drains: `--messages` over 1 000 keys drained by 8 workers (handler
     /// 1 ms) ordered per key against unordered, and with one stuck key (docs/benchmark.md,
@@ -329,6 +342,8 @@ async fn main() -> anyhow::Result<()> {
                 push::run(&args).await
             } else if args.day_two {
                 day_two::run(&args).await
+            } else if args.producers {
+                producers::run(&args).await
             } else if args.ordering {
                 ordering::run(&args).await
             } else if args.ordering_ledger {

@@ -180,6 +180,11 @@ pub struct Config {
     #[arg(long, env = "RUSTSTREAM_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
 
+    /// How far ahead a delayed message (`delay`, `deliver_at`) may be scheduled; further is
+    /// refused (422).
+    #[arg(long, env = "RUSTSTREAM_MAX_SCHEDULE_AHEAD", default_value = "365d", value_parser = parse_positive_duration)]
+    pub max_schedule_ahead: Duration,
+
     /// How long a settle waits for the NATS server's confirmation before answering 504.
     #[arg(long, env = "RUSTSTREAM_SETTLE_TIMEOUT", default_value = "5s", value_parser = parse_positive_duration)]
     pub settle_timeout: Duration,

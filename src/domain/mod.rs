@@ -12,6 +12,7 @@ pub(crate) mod lease_id;
 pub(crate) mod leases;
 pub(crate) mod ordering;
 pub(crate) mod push;
+pub(crate) mod schedule;
 pub(crate) mod seal;
 pub(crate) mod settle;
 pub(crate) mod subject;

@@ -8,7 +8,8 @@
 //! [`connection`] what the process shares; [`fleet`] its one heartbeat and its one
 //! subscription for forwarded settles; [`registry`] which consumers are served;
 //! [`declared`] the consumers file kept in force; [`settles`] which consumer a settle goes to;
-//! [`publishing`] which stream a published message goes to.
+//! [`publishing`] which stream a published message goes to; [`schedules`] delayed and
+//! recurring delivery.
 //!
 //! May import: `dispatch`, `nats`, `state`, `domain`, `config`, `error`, `metrics`. Never `http`.
 
@@ -22,6 +23,7 @@ mod process;
 mod publishing;
 mod redrive;
 mod registry;
+mod schedules;
 mod settles;
 
 pub(crate) use consumer::{
@@ -34,6 +36,7 @@ pub(crate) use redrive::{
     Selection,
 };
 pub(crate) use registry::Source;
+pub(crate) use schedules::{ScheduleChecks, Scheduled};
 
 use std::collections::HashMap;
 use std::sync::Arc;

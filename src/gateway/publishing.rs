@@ -144,13 +144,7 @@ impl Gateway {
     /// Publish `messages` as one atomic batch: all to one stream, stored whole or not at
     /// all. A message to another stream than the first's is refused naming its subject.
     pub(crate) async fn publish_atomic(&self, messages: Vec<Outgoing>) -> Result<BatchAck, Error> {
-        let version = self
-            .0
-            .process
-            .connection
-            .get()
-            .map(|client| client.server_info().version)
-            .ok_or_else(|| Error::Unavailable("not connected to NATS yet".into()))?;
+        let version = self.server_version()?;
         if !crate::nats::seek::at_least(&version, ATOMIC_SINCE) {
             return Err(Error::NotImplemented(format!(
                 "an atomic batch needs nats-server {}.{} or later; this server is {version}",

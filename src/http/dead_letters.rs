@@ -140,7 +140,7 @@ impl ListQuery {
 
 /// A query string's `name=value` pairs, percent-decoded (`+` stays a plus: an RFC 3339
 /// offset is written with one).
-fn pairs(query: Option<&str>) -> impl Iterator<Item = (String, String)> + '_ {
+pub(super) fn pairs(query: Option<&str>) -> impl Iterator<Item = (String, String)> + '_ {
     query
         .unwrap_or_default()
         .split('&')

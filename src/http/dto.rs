@@ -302,9 +302,9 @@ pub(crate) struct PublishBody {
     /// `Ruststream-Ordering-Key` header: a consumer ordered by `header` leases the messages
     /// of one key one at a time, in stream order.
     pub(crate) ordering_key: Option<String>,
-    /// De-duplication id (the `Nats-Msg-Id` header): the stream stores a message with an id
-    /// it has seen within its duplicate window only once (`duplicate: true` then).
-    #[schema(min_length = 1, max_length = 1024)]
+    /// De-duplication id (the `Nats-Msg-Id` header, 1 to 1024 bytes): the stream stores a
+    /// message with an id it has seen within its duplicate window only once (`duplicate:
+    /// true` then).
     pub(crate) msg_id: Option<String>,
     /// How long the stream keeps the message (the `Nats-TTL` header): whole seconds as a
     /// duration (`30s`, `10m`, `1h30m`, `2`), at least 1 s, or `never`. The stream must
@@ -313,11 +313,36 @@ pub(crate) struct PublishBody {
     pub(crate) ttl: Option<String>,
     /// Store only if the stream's last sequence is this one (`Nats-Expected-Last-Sequence`;
     /// 0: the stream is empty), else 412 `precondition-failed` with `last_sequence`.
+    #[serde(default, deserialize_with = "stream_sequence")]
     pub(crate) expected_last_sequence: Option<u64>,
     /// Store only if the last message on this subject has this sequence
     /// (`Nats-Expected-Last-Subject-Sequence`; 0: none yet), else 412
     /// `precondition-failed` with the subject's `last_sequence`.
+    #[serde(default, deserialize_with = "stream_sequence")]
     pub(crate) expected_last_subject_sequence: Option<u64>,
+    /// Deliver the message this long from now (`90s`, `24h`) instead of at once: it is
+    /// stored now as a schedule and delivered to `subject` then (`202`). Needs a stream set
+    /// up for schedules (docs/producers.md).
+    #[schema(example = "24h")]
+    pub(crate) delay: Option<String>,
+    /// Deliver the message at this time (RFC 3339) instead of at once; a time past is
+    /// delivered at once. Not with `delay`.
+    #[schema(example = "2026-12-24T09:00:00+01:00")]
+    pub(crate) deliver_at: Option<String>,
+}
+
+/// A stream sequence in a body: 0 to 2^63 - 1, as the spec's int64 says; a larger one is
+/// refused with the body (in a batch, the whole request: it does not match the spec).
+fn stream_sequence<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u64>, D::Error> {
+    let sequence = Option::<u64>::deserialize(deserializer)?;
+    match sequence {
+        Some(sequence) if i64::try_from(sequence).is_err() => Err(serde::de::Error::custom(
+            format!("at most {} (2^63 - 1), got {sequence}", i64::MAX),
+        )),
+        sequence => Ok(sequence),
+    }
 }
 
 /// `POST /publish` answer.

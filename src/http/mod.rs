@@ -25,6 +25,7 @@ mod publish_batch;
 mod push;
 mod redrive;
 pub(crate) mod responses;
+mod schedules;
 mod scopes;
 mod seek;
 pub(crate) mod serve;
@@ -94,6 +95,8 @@ fn api() -> OpenApiRouter<Shared> {
         .routes(routes!(messages::term_many))
         .routes(routes!(publish::publish))
         .routes(routes!(publish_batch::publish_batch))
+        .routes(routes!(schedules::create, schedules::list))
+        .routes(routes!(schedules::one, schedules::cancel))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))
         .routes(routes!(consumers::consumer))

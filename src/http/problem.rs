@@ -140,6 +140,14 @@ impl Error {
             Self::StreamDisallows { setting, .. } => match *setting {
                 "allow_msg_ttl" => ("ttl-not-allowed", "Stream does not allow per-message TTL"),
                 "allow_atomic" => ("atomic-not-allowed", "Stream does not allow atomic batches"),
+                "subjects" => (
+                    "schedules-not-set-up",
+                    "Stream does not capture the schedule subjects",
+                ),
+                "filter_subject" => (
+                    "schedules-would-be-leased",
+                    "A consumer would lease the schedules",
+                ),
                 _ => (
                     "schedules-not-allowed",
                     "Stream does not allow message schedules",

@@ -9,12 +9,16 @@ use std::sync::Arc;
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
 
 use super::body::JsonBody;
 use super::dto::{Encoding, HeaderValues, PublishBody, PublishResponse};
 use super::responses::{BodyRefusals, Guarded, PublishRefusals};
+use super::schedules::ScheduledResponse;
 use crate::domain::ordering::{MAX_KEY_BYTES, ORDERING_KEY_HEADER};
 use crate::domain::subject::validate_publish_subject;
 use crate::error::Error;
@@ -30,19 +34,31 @@ use crate::telemetry;
     request_body(content = PublishBody, content_type = "application/json"),
     responses(
         (status = 201, description = "Stored by the stream", body = PublishResponse),
+        (status = 202, description = "With `delay` or `deliver_at`: stored as a schedule, delivered to `subject` at `deliver_at`", body = ScheduledResponse),
         Guarded, BodyRefusals, PublishRefusals,
     )
 )]
 pub(crate) async fn publish(
     State(gateway): State<Arc<Gateway>>,
     JsonBody(body): JsonBody<PublishBody>,
-) -> Result<(StatusCode, Json<PublishResponse>), Error> {
+) -> Result<Response, Error> {
     let Prepared {
         subject,
         mut headers,
         payload,
         expects_by_field,
+        deliver_at,
     } = prepare(body)?;
+    if let Some((at, field)) = deliver_at {
+        let scheduled = gateway
+            .schedule_once(subject.clone(), headers, payload, at, field)
+            .await?;
+        return Ok((
+            StatusCode::ACCEPTED,
+            Json(ScheduledResponse::new(scheduled, subject, at)),
+        )
+            .into_response());
+    }
     let mut span = telemetry::spans::send_span(&subject, &mut headers);
     let published = gateway
         .publish(subject, headers, payload)
@@ -57,7 +73,8 @@ pub(crate) async fn publish(
             sequence: ack.sequence,
             duplicate: ack.duplicate,
         }),
-    ))
+    )
+        .into_response())
 }
 
 /// Put a publish's outcome on its span: where it was stored, or the status it failed with.
@@ -81,6 +98,8 @@ pub(crate) struct Prepared {
     pub(crate) payload: bytes::Bytes,
     /// An `expected_last_*` field set the expectation (not a `Nats-Expected-*` header).
     pub(crate) expects_by_field: bool,
+    /// When to deliver it, if not at once, and the field that said so.
+    pub(crate) deliver_at: Option<(OffsetDateTime, &'static str)>,
 }
 
 /// A precondition set by a field is answered as `precondition-failed`; one set by a header
@@ -165,6 +184,37 @@ pub(crate) fn prepare(body: PublishBody) -> Result<Prepared, Error> {
     if let Some(ttl) = body.ttl {
         headers.insert("Nats-TTL", ttl_header(&ttl)?);
     }
+    let deliver_at = match (body.delay, body.deliver_at) {
+        (Some(_), Some(_)) => {
+            return Err(Error::invalid(
+                "delay",
+                "delay: give delay or deliver_at, not both",
+            ));
+        }
+        (Some(delay), None) => {
+            let delay = humantime::parse_duration(&delay).map_err(|_| {
+                Error::invalid(
+                    "delay",
+                    format!("delay: {delay:?} is not a duration (e.g. 90s, 10m, 24h)"),
+                )
+            })?;
+            let delay = time::Duration::try_from(delay)
+                .map_err(|_| Error::invalid("delay", "delay: too long"))?;
+            Some((OffsetDateTime::now_utc() + delay, "delay"))
+        }
+        (None, Some(at)) => {
+            let at = OffsetDateTime::parse(&at, &Rfc3339).map_err(|_| {
+                Error::invalid(
+                    "deliver_at",
+                    format!(
+                        "deliver_at: {at:?} is not an RFC 3339 time (e.g. 2026-12-24T09:00:00Z)"
+                    ),
+                )
+            })?;
+            Some((at, "deliver_at"))
+        }
+        (None, None) => None,
+    };
     let expects_by_field =
         body.expected_last_sequence.is_some() || body.expected_last_subject_sequence.is_some();
     if let Some(sequence) = body.expected_last_sequence {
@@ -181,6 +231,7 @@ pub(crate) fn prepare(body: PublishBody) -> Result<Prepared, Error> {
         headers,
         payload: payload.into(),
         expects_by_field,
+        deliver_at,
     })
 }
 

@@ -13,13 +13,14 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::body::{JsonBody, parse};
+use super::body::JsonBody;
 use super::dto::PublishBody;
 use super::problem::Problem;
-use super::publish::{Prepared, expectation_named, prepare, record_outcome};
+use super::publish::{expectation_named, prepare, record_outcome};
 use super::responses::{BodyRefusals, Guarded, PublishBatchRefusals};
+use super::schedules::ScheduledResponse;
 use crate::error::Error;
-use crate::gateway::Gateway;
+use crate::gateway::{Gateway, ScheduleChecks};
 use crate::telemetry;
 
 /// Most messages one batch takes (nats-server's limit for an atomic batch, too).
@@ -33,12 +34,13 @@ pub(crate) const MAX_BATCH: usize = 1000;
     {"subject": "orders.created", "data": "order 2", "msg_id": "order-2"}
 ], "atomic": false}))]
 pub(crate) struct PublishBatchBody {
-    /// 1 to 1 000 messages, each as the body of `POST /publish` (schema `PublishBody`).
-    /// Each is checked on its own, whatever it holds: a bad one — even one that is not a
-    /// `PublishBody` at all — is refused alone, in its result (unless `atomic`); so the
-    /// items are described as any JSON value here.
-    #[schema(value_type = Vec<serde_json::Value>, min_items = 1, max_items = 1000)]
-    pub(crate) messages: Vec<serde_json::Value>,
+    /// 1 to 1 000 messages, each as the body of `POST /publish`. A message that is not
+    /// one (a field unknown or of the wrong type) refuses the whole request, naming it
+    /// (`messages[3].colour`); one the stream or the gateway refuses for what it says (a
+    /// subject no stream captures, bad base64, a bad TTL, an expectation) is refused alone,
+    /// in its result (unless `atomic`).
+    #[schema(min_items = 1, max_items = 1000)]
+    pub(crate) messages: Vec<PublishBody>,
     /// Store all the messages or none, as one nats-server atomic batch (all to one stream
     /// that allows it: `allow_atomic`; nats-server 2.12 or later).
     #[serde(default)]
@@ -56,6 +58,8 @@ pub(crate) struct PublishBatchResponse {
 #[serde(untagged)]
 pub(crate) enum BatchItemResult {
     Stored(StoredItem),
+    /// A message with `delay` or `deliver_at`: stored as a schedule.
+    Scheduled(ScheduledItem),
     /// The problem `POST /publish` would have answered, with its `status`; a field at fault
     /// is named with its index (`messages[3].subject`).
     Refused(Problem),
@@ -72,6 +76,15 @@ pub(crate) struct StoredItem {
     pub(crate) sequence: u64,
     /// The stream already had a message with this msg id (nothing stored again).
     pub(crate) duplicate: bool,
+}
+
+/// A message of a batch stored as a schedule (it had `delay` or `deliver_at`).
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct ScheduledItem {
+    /// 202.
+    pub(crate) status: u16,
+    #[serde(flatten)]
+    pub(crate) scheduled: ScheduledResponse,
 }
 
 /// `POST /publish/batch` answer for an atomic batch the stream stored.
@@ -109,9 +122,23 @@ pub(crate) async fn publish_batch(
             format!("messages: 1 to {MAX_BATCH} messages, not {count}"),
         ));
     }
-    let prepared = body.messages.iter().enumerate().map(prepare_item);
+    let prepared = body
+        .messages
+        .into_iter()
+        .enumerate()
+        .map(|(index, message)| prepare(message).map_err(|err| indexed(index, err)));
     if body.atomic {
         let prepared = prepared.collect::<Result<Vec<_>, _>>()?;
+        if let Some((index, (_, field))) = prepared
+            .iter()
+            .enumerate()
+            .find_map(|(index, item)| item.deliver_at.map(|at| (index, at)))
+        {
+            return Err(Error::invalid(
+                &format!("messages[{index}].{field}"),
+                format!("messages[{index}]: an atomic batch is stored now, all of it: no {field}"),
+            ));
+        }
         let expects_by_field = prepared.iter().any(|item| item.expects_by_field);
         let messages = prepared
             .into_iter()
@@ -131,56 +158,69 @@ pub(crate) async fn publish_batch(
         };
         return Ok((StatusCode::CREATED, Json(stored)).into_response());
     }
-    let mut spans = Vec::with_capacity(count);
-    let messages = prepared
-        .map(|item| {
-            item.map(|mut item| {
-                spans.push(Some((
-                    telemetry::spans::send_span(&item.subject, &mut item.headers),
-                    item.expects_by_field,
-                )));
-                (item.subject, item.headers, item.payload)
-            })
-            .inspect_err(|_| spans.push(None))
-        })
-        .collect();
-    let published = gateway.publish_many(messages).await;
-    let results = published
-        .into_iter()
-        .zip(spans)
-        .enumerate()
-        .map(|(index, (published, span))| {
-            let published = published.map_err(|err| indexed(index, err));
-            let published = match span {
-                Some((mut span, expects_by_field)) => {
-                    let published =
-                        published.map_err(|err| expectation_named(err, expects_by_field));
-                    record_outcome(&mut span, &published);
-                    published
-                }
-                None => published,
-            };
-            match published {
-                Ok(ack) => BatchItemResult::Stored(StoredItem {
-                    status: StatusCode::CREATED.as_u16(),
-                    stream: ack.stream,
-                    sequence: ack.sequence,
-                    duplicate: ack.duplicate,
-                }),
-                Err(err) => BatchItemResult::Refused(err.problem()),
+    let mut results: Vec<Option<BatchItemResult>> = (0..count).map(|_| None).collect();
+    // Messages published now, and delayed ones as their schedules: each group sent in one
+    // go, then its acknowledgements awaited together.
+    let (mut published_at, mut messages) = (Vec::new(), Vec::new());
+    let (mut scheduled_at, mut schedules) = (Vec::new(), Vec::new());
+    let mut checks = ScheduleChecks::default();
+    for (index, item) in prepared.enumerate() {
+        let mut item = match item {
+            Ok(item) => item,
+            Err(refused) => {
+                results[index] = Some(BatchItemResult::Refused(refused.problem()));
+                continue;
             }
-        })
-        .collect();
+        };
+        if let Some((at, field)) = item.deliver_at {
+            let target = item.subject.clone();
+            match gateway
+                .prepare_once(&mut checks, &item.subject, item.headers, at, field)
+                .await
+            {
+                Ok(prepared) => {
+                    scheduled_at.push((index, target, at));
+                    schedules.push((prepared, item.payload));
+                }
+                Err(err) => {
+                    results[index] = Some(BatchItemResult::Refused(indexed(index, err).problem()));
+                }
+            }
+            continue;
+        }
+        let span = telemetry::spans::send_span(&item.subject, &mut item.headers);
+        published_at.push((index, span, item.expects_by_field));
+        messages.push(Ok((item.subject, item.headers, item.payload)));
+    }
+    let published = gateway.publish_many(messages).await;
+    for ((index, mut span, expects_by_field), published) in published_at.into_iter().zip(published)
+    {
+        let published = published
+            .map_err(|err| indexed(index, err))
+            .map_err(|err| expectation_named(err, expects_by_field));
+        record_outcome(&mut span, &published);
+        results[index] = Some(match published {
+            Ok(ack) => BatchItemResult::Stored(StoredItem {
+                status: StatusCode::CREATED.as_u16(),
+                stream: ack.stream,
+                sequence: ack.sequence,
+                duplicate: ack.duplicate,
+            }),
+            Err(err) => BatchItemResult::Refused(err.problem()),
+        });
+    }
+    let stored = gateway.store_schedules(schedules, false).await;
+    for ((index, target, at), stored) in scheduled_at.into_iter().zip(stored) {
+        results[index] = Some(match stored {
+            Ok(scheduled) => BatchItemResult::Scheduled(ScheduledItem {
+                status: StatusCode::ACCEPTED.as_u16(),
+                scheduled: ScheduledResponse::new(scheduled, target, at),
+            }),
+            Err(err) => BatchItemResult::Refused(indexed(index, err).problem()),
+        });
+    }
+    let results = results.into_iter().flatten().collect();
     Ok((StatusCode::OK, Json(PublishBatchResponse { results })).into_response())
-}
-
-/// Check message `index` as `POST /publish` checks its body.
-fn prepare_item((index, item): (usize, &serde_json::Value)) -> Result<Prepared, Error> {
-    let bytes = serde_json::to_vec(item)
-        .map_err(|err| Error::invalid(&format!("messages[{index}]"), err.to_string()))?;
-    parse::<PublishBody>(&bytes)
-        .and_then(prepare)
-        .map_err(|err| indexed(index, err))
 }
 
 /// A refusal of message `index` naming it: its field as `messages[3].subject`.

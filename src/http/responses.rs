@@ -47,10 +47,11 @@ pub(crate) enum ProblemKind {
     DeadLetterNotFound,
     RedriveTaskNotFound,
     RedriveOverlaps,
+    ScheduleNotFound,
 }
 
 impl ProblemKind {
-    const ALL: [Self; 20] = [
+    const ALL: [Self; 21] = [
         Self::Unauthorized,
         Self::Forbidden,
         Self::BodyTimeout,
@@ -71,6 +72,7 @@ impl ProblemKind {
         Self::DeadLetterNotFound,
         Self::RedriveTaskNotFound,
         Self::RedriveOverlaps,
+        Self::ScheduleNotFound,
     ];
 
     fn name(self) -> &'static str {
@@ -95,6 +97,7 @@ impl ProblemKind {
             Self::DeadLetterNotFound => "DeadLetterNotFound",
             Self::RedriveTaskNotFound => "RedriveTaskNotFound",
             Self::RedriveOverlaps => "RedriveOverlaps",
+            Self::ScheduleNotFound => "ScheduleNotFound",
         }
     }
 
@@ -141,6 +144,9 @@ impl ProblemKind {
             Self::DeadLetterNotFound => {
                 "No dead letter has this id in a dead-letter stream of this gateway: it was redriven (and removed), removed by the stream's limits, or never was."
             }
+            Self::ScheduleNotFound => {
+                "No pending schedule has this id: it was cancelled, or it was a one-shot schedule that fired (gone once it fired), or the id is malformed."
+            }
             Self::RedriveTaskNotFound => {
                 "No redrive task has this id (a finished task's record is kept for 7 days)."
             }
@@ -148,13 +154,13 @@ impl ProblemKind {
                 "A running redrive task (`task`) takes some of the same dead letters: a dead letter is published back at most once, so the new task is not made. Wait until that task ends, or cancel it, and ask again."
             }
             Self::ServerTooOld => {
-                "The NATS server lacks what this needs (a consumer reset needs nats-server 2.14 or later, an atomic batch 2.12); the detail names its version."
+                "The NATS server lacks what this needs (a consumer reset or a recurring schedule needs nats-server 2.14 or later, an atomic batch or a delayed message 2.12); the detail names its version."
             }
             Self::PublishPrecondition => {
                 "An expectation did not hold: `expected_last_sequence` or `expected_last_subject_sequence` (`precondition-failed`, with `last_sequence`: the stream's or the subject's last sequence now), or a `Nats-Expected-*` header (`publish-precondition-failed`). Nothing was stored, and retrying as is cannot succeed."
             }
             Self::PublishConflict => {
-                "The stream's configuration does not allow what the message asks for — `setting` names the stream setting that would (`allow_msg_ttl` for a `ttl`: `ttl-not-allowed`; `allow_atomic` for an atomic batch: `atomic-not-allowed`) —, or an atomic batch's msg ids are already stored (`batch-already-stored`: an earlier attempt stored it). Nothing was stored."
+                "The stream's configuration does not allow what the message asks for — `setting` names the stream setting that would (`allow_msg_ttl` for a `ttl`: `ttl-not-allowed`; `allow_atomic` for an atomic batch: `atomic-not-allowed`) —, or an atomic batch's msg ids are already stored (`batch-already-stored`: an earlier attempt stored it); for a delayed message or a schedule, a stream not set up for schedules: `schedules-not-allowed` (`allow_msg_schedules`), `schedules-not-set-up` (it does not capture the gateway's schedule subjects), `schedules-would-be-leased` (a consumer's filter takes them; the detail names it). Nothing was stored."
             }
         }
     }
@@ -220,6 +226,9 @@ impl ProblemKind {
                 "moving a consumer needs nats-server 2.14 or later (its consumer reset); this server is 2.11.9".into(),
             )],
             Self::DeadLetterNotFound => vec![Error::NotFound("no dead letter DLQ:17".into())],
+            Self::ScheduleNotFound => vec![Error::NotFound(
+                "no pending schedule ORDERS.5f1e0c2a9b7d4e11: it was cancelled, or it fired (a one-shot schedule is gone once it fired)".into(),
+            )],
             Self::RedriveTaskNotFound => {
                 vec![Error::NotFound("no redrive task \"5f1e0c2a9b7d4e11\"".into())]
             }
@@ -377,7 +386,12 @@ refusal_sets! {
     /// An endpoint reading its query string: a parameter out of range or unknown.
     QueryRefusals = [InvalidRequest];
     /// `POST /publish` beyond its body: an expectation header that did not hold, or no NATS.
-    PublishRefusals = [PublishPrecondition, PublishConflict, Unavailable];
+    PublishRefusals = [PublishPrecondition, PublishConflict, ServerTooOld, Unavailable];
+    /// `POST /schedules` beyond its body: a stream not set up for schedules, a server
+    /// without recurring ones, or no NATS.
+    ScheduleCreateRefusals = [PublishConflict, ServerTooOld, Unavailable];
+    /// `GET` or `DELETE /schedules/{id}`: no such pending schedule, or no NATS.
+    ScheduleRefusals = [Unavailable, ScheduleNotFound];
     /// `POST /publish/batch` beyond its body: as [`PublishRefusals`], for an atomic batch
     /// also a server without atomic batches.
     PublishBatchRefusals = [PublishPrecondition, PublishConflict, ServerTooOld, Unavailable];

@@ -81,6 +81,9 @@ pub(crate) fn requirement(path: &str) -> Requirement {
         "/messages" => Requirement::Scope(Scope::Settle),
         _ if path.starts_with("/messages/") => Requirement::Scope(Scope::Settle),
         "/publish" | "/publish/batch" => Requirement::Scope(Scope::Publish),
+        // Listing them needs `admin` too: checked by the handler (the path is shared).
+        "/schedules" => Requirement::Scope(Scope::Publish),
+        _ if path.starts_with("/schedules/") => Requirement::Scope(Scope::Publish),
         "/consumer" | "/consumers" | "/metrics" => Requirement::Scope(Scope::Admin),
         // Dead letters: what failed, and sending it back, is an operator's business.
         "/dead-letters" => Requirement::Scope(Scope::Admin),

@@ -10,6 +10,7 @@
 //! - [`dead_letter`]: advisories of exhausted or terminated messages → dead-letter copies.
 //! - [`dead_letter_reader`]: the dead-letter stream read (found by subject), never changed.
 //! - [`redrive`]: redrive tasks' bucket; a dead letter published back, then removed.
+//! - [`schedules`]: message schedules made, read and cancelled at the server.
 //! - [`advisories`]: the stream capturing those advisories, drained by a durable consumer.
 //! - [`replicas`]: what replicas on one consumer share: heartbeats, keyed fetch answers.
 //! - [`forward`]: settles forwarded to the replica that issued the lease.
@@ -28,6 +29,7 @@ pub(crate) mod pull;
 pub(crate) mod reconcile;
 pub(crate) mod redrive;
 pub(crate) mod replicas;
+pub(crate) mod schedules;
 pub(crate) mod seek;
 pub(crate) mod settle;
 pub(crate) mod trust;

@@ -213,6 +213,11 @@ impl Route {
         ))
     }
 
+    /// The JetStream context it publishes through.
+    pub(crate) fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+
     /// Whether both routes go to the same stream.
     pub(crate) fn same_stream(&self, other: &Self) -> bool {
         self.stream == other.stream

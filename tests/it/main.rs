@@ -34,6 +34,7 @@ mod rebinding;
 mod redrive;
 mod replicas;
 mod robustness;
+mod schedules;
 mod security;
 mod seek;
 mod settle;

@@ -32,9 +32,10 @@ fn message(i: usize) -> Value {
     json!({ "subject": format!("orders.{}", i % 7), "data": format!("m{i}"), "msg_id": format!("id-{i}") })
 }
 
-/// 1 000 messages with three bad ones: the 997 others stored in request order with
-/// consecutive sequences, each bad one a 422 naming its index and field; nothing stored for
-/// them. The same batch again stores nothing twice (every good one a duplicate).
+/// 1 000 messages with three the stream or the gateway refuses: the 997 others stored in
+/// request order with consecutive sequences, each bad one a 422 naming its index and field;
+/// nothing stored for them. The same batch again stores nothing twice (every good one a
+/// duplicate). A message that is not one at all refuses the whole request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_stores_every_good_message_in_order_and_refuses_the_bad_alone() {
     let (_server, js, gateway) = Setup::consumer("batcher").start().await;
@@ -102,6 +103,15 @@ async fn a_batch_stores_every_good_message_in_order_and_refuses_the_bad_alone() 
         (
             json!({ "messages": [message(1)], "colour": "red" }),
             "colour",
+        ),
+        // Not a message at all: the request is refused whole, naming it.
+        (
+            json!({ "messages": [message(1), { "subject": "orders.1", "colour": "red" }] }),
+            "messages[1].colour",
+        ),
+        (
+            json!({ "messages": [message(1), { "data": "x" }] }),
+            "messages[1]",
         ),
     ] {
         gateway
