@@ -345,3 +345,61 @@ async fn schedules_are_refused_where_they_cannot_be_kept() {
     assert_eq!(leased.len(), 1, "a time past is delivered at once");
     assert_eq!(leased[0].data, "now");
 }
+
+/// Schedules due while the server is down, with the gateway gone too, fire once each after
+/// both are back: none lost, none fired twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schedules_due_while_everything_was_down_fire_once_after_recovery() {
+    let setup = setup("restarts");
+    let (mut server, js, gateway) = setup.start().await;
+    set_up_for_schedules(&js).await;
+    let messages: Vec<Value> = (0..20)
+        .map(|i| json!({ "subject": "orders.due", "data": format!("d{i}"), "delay": format!("{}ms", 1500 + i * 50) }))
+        .collect();
+    let reply = gateway
+        .post("/publish/batch", Some(&json!({ "messages": messages })))
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let last_due = reply.body["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .map(|result| parse_time(&result["deliver_at"]))
+        .max()
+        .expect("20 schedules");
+    drop(gateway);
+    server.stop_gracefully().await;
+    // What is under test is a schedule that came due while nothing ran: wait for the clock.
+    let down_for = (last_due - OffsetDateTime::now_utc()).max(time::Duration::ZERO)
+        + time::Duration::milliseconds(500);
+    tokio::time::sleep(down_for.try_into().unwrap_or_default()).await;
+    server.restart().await;
+    let gateway = setup.ready(&server.url()).await;
+
+    let mut delivered = std::collections::HashMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while delivered.len() < 20 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "all 20 fired within 20 s of the restart: {delivered:?}"
+        );
+        for message in gateway
+            .fetch(json!({ "batch": 20, "wait_ms": 1000, "encoding": "utf8" }))
+            .await
+        {
+            *delivered.entry(message.data.clone()).or_insert(0) += 1;
+            gateway.ack(&message.id).await;
+        }
+    }
+    let more = gateway
+        .fetch(json!({ "batch": 20, "wait_ms": 2000, "encoding": "utf8" }))
+        .await;
+    assert!(
+        more.is_empty(),
+        "none fired twice: {:?}",
+        more.iter().map(|m| &m.data).collect::<Vec<_>>()
+    );
+    assert!(delivered.values().all(|count| *count == 1), "{delivered:?}");
+    let listed = gateway.get("/schedules?stream=ORDERS").await;
+    assert_eq!(listed.body["schedules"], json!([]), "{}", listed.text);
+}
