@@ -91,8 +91,8 @@ pub(crate) struct Consumer {
     streams_end: Arc<watch::Sender<StreamsEnd>>,
     /// What its push worker says of itself, when it pushes.
     push: Arc<Mutex<Option<PushStatus>>>,
-    /// Until when the server has it paused, as last read (`None`: not paused).
-    paused: Arc<Mutex<Option<time::OffsetDateTime>>>,
+    /// Until when the server has it paused, as last read or changed here.
+    paused: Arc<Mutex<pause::PauseView>>,
     /// The mark of the last move (seek) of the consumer this replica knows of; `None`
     /// until its first read of the consumer.
     seek_mark: Arc<Mutex<Option<Option<String>>>>,

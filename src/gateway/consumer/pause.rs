@@ -27,6 +27,40 @@ pub(crate) const UNTIL_RESUMED: OffsetDateTime = OffsetDateTime::new_utc(
     },
 );
 
+/// The pause as this replica knows it: until when (`None`: not paused), and how many times
+/// it changed the pause itself. A step reads the server with the count it saw before
+/// asking: an answer from before this replica paused or resumed the consumer is older than
+/// that change and is not applied after it (it would undo the resume until the next read,
+/// and an idle push consumer reads nothing: its worker would wait, refused as paused).
+#[derive(Debug, Default)]
+pub(super) struct PauseView {
+    until: Option<OffsetDateTime>,
+    changes_here: u64,
+}
+
+impl PauseView {
+    /// The mark a read of the server starts from.
+    fn mark(&self) -> u64 {
+        self.changes_here
+    }
+
+    /// A change made here, as the server confirmed it.
+    fn changed_here(&mut self, until: Option<OffsetDateTime>) {
+        self.until = until;
+        self.changes_here += 1;
+    }
+
+    /// What a read begun at `mark` says; whether it was taken (not when a change was made
+    /// here since the read began).
+    fn read(&mut self, mark: u64, until: Option<OffsetDateTime>) -> bool {
+        if mark != self.changes_here {
+            return false;
+        }
+        self.until = until;
+        true
+    }
+}
+
 /// Whether a pause until `until` is the gateway's pause until resumed.
 pub(crate) fn is_until_resumed(until: OffsetDateTime) -> bool {
     until == UNTIL_RESUMED
@@ -35,7 +69,7 @@ pub(crate) fn is_until_resumed(until: OffsetDateTime) -> bool {
 impl Consumer {
     /// Until when the consumer is paused, while it is (`Some(None)`: until resumed).
     pub(crate) fn paused(&self) -> Option<Option<OffsetDateTime>> {
-        let until = self.paused.lock().ok().and_then(|paused| *paused)?;
+        let until = self.paused.lock().ok().and_then(|paused| paused.until)?;
         if until <= OffsetDateTime::now_utc() {
             return None;
         }
@@ -53,13 +87,20 @@ impl Consumer {
         }
     }
 
-    /// What the server says of the pause (`paused`, `pause_until`), read at each step.
-    pub(super) fn follow_pause(&self, paused: bool, until: Option<OffsetDateTime>) {
+    /// The mark to read the server's view of the pause with ([`Consumer::follow_pause`]).
+    pub(super) fn pause_mark(&self) -> u64 {
+        self.paused.lock().map_or(0, |view| view.mark())
+    }
+
+    /// What the server says of the pause (`paused`, `pause_until`), read at each step from
+    /// `mark`: ignored when this replica paused or resumed the consumer since.
+    pub(super) fn follow_pause(&self, mark: u64, paused: bool, until: Option<OffsetDateTime>) {
         let was_paused = self.paused().is_some();
-        if let Ok(mut held) = self.paused.lock() {
-            *held = until.filter(|_| paused);
-        }
-        if was_paused != paused {
+        let taken = self
+            .paused
+            .lock()
+            .is_ok_and(|mut view| view.read(mark, until.filter(|_| paused)));
+        if taken && was_paused != paused {
             self.pull_anew();
         }
     }
@@ -93,7 +134,9 @@ impl Consumer {
         let now = nats::publish::pause_consumer(&bound, &self.name().stream, asked)
             .await
             .map_err(|err| Error::Unavailable(format!("{err:#}")))?;
-        self.follow_pause(now.is_some(), now);
+        if let Ok(mut view) = self.paused.lock() {
+            view.changed_here(now);
+        }
         // Whether or not this replica had seen the state it changes.
         self.pull_anew();
         Ok(self.paused())
@@ -104,6 +147,25 @@ impl Consumer {
 mod tests {
     use super::*;
     use time::format_description::well_known::Rfc3339;
+
+    #[test]
+    fn a_read_from_before_a_change_made_here_is_not_applied_after_it() {
+        let paused = OffsetDateTime::parse("2030-01-01T00:00:00Z", &Rfc3339).expect("RFC 3339");
+        let mut view = PauseView::default();
+        assert!(
+            view.read(view.mark(), Some(paused)),
+            "a read with nothing in between"
+        );
+        // A step asks the server while the consumer is still paused there...
+        let mark = view.mark();
+        // ...a resume here is confirmed meanwhile...
+        view.changed_here(None);
+        // ...and the step's answer, paused, comes after it: too old to apply.
+        assert!(!view.read(mark, Some(paused)));
+        assert_eq!(view.until, None, "still resumed");
+        // The next step's read is taken.
+        assert!(view.read(view.mark(), None));
+    }
 
     #[test]
     fn only_the_mark_itself_is_until_resumed() {

@@ -198,6 +198,7 @@ impl Consumer {
             }
         }
         self.saw_replicas(others, reported_keys);
+        let pause_mark = self.pause_mark();
         match crate::nats::publish::consumer_info(bound).await {
             // Made again under the same name (perhaps as something the gateway cannot
             // lease) while no pull was open to hear of the deletion: bound anew.
@@ -209,7 +210,7 @@ impl Consumer {
                 let max_ack_pending =
                     usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX);
                 self.follow_settings(info.config.ack_wait, max_ack_pending);
-                self.follow_pause(info.paused, info.config.pause_until);
+                self.follow_pause(pause_mark, info.paused, info.config.pause_until);
                 self.follow_moves(&info);
                 // Other replicas hold slots this one does not count: the server's count
                 // of unacknowledged deliveries says when all of them together are full.
