@@ -42,6 +42,8 @@ struct Waiter {
     full: bool,
     pull: Option<u64>,
     retry_at: Option<Instant>,
+    /// Its no_wait pull was turned away as behind others: it pulls waiting in line.
+    in_line: bool,
     /// A pull was sent for this fetch at least once.
     pulled: bool,
     /// Deliveries of its pull the ordering gate held (their keys were busy) since its last
@@ -195,6 +197,7 @@ impl<R> Book<R> {
             full: false,
             pull,
             retry_at: None,
+            in_line: false,
             pulled: pull.is_some(),
             diverted: 0,
             took_released: false,

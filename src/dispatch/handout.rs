@@ -49,7 +49,11 @@ impl Dispatcher {
                 if current && status == 503 {
                     self.request_rebind();
                 }
-                self.book.end_pull(pull_id, refused, now);
+                if status == 408 && description == "Requests Pending" {
+                    self.book.end_pull_behind_others(pull_id, now);
+                } else {
+                    self.book.end_pull(pull_id, refused, now);
+                }
                 return;
             }
         };

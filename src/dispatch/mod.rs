@@ -194,13 +194,11 @@ impl Dispatcher {
                         }
                     }
                     Some(Command::Resumed) => {
-                        // Made anew, but still read a while: should the server serve a pull
-                        // from before the resume after all, what it sends is held and handed
-                        // to the fetch still waiting, not lost in a closed inbox until its
-                        // ack_wait.
-                        let now = Instant::now();
-                        for inbox in self.book.end_patient_pulls(None, now) {
-                            self.stragglers.push((now + STRAGGLER_READ, inbox));
+                        // Closed at once: a pull from before the resume that the server still
+                        // sees an inbox for is kept there, and stands before every new one
+                        // until it expires (a minute).
+                        for inbox in self.book.end_patient_pulls(None, Instant::now()) {
+                            inbox.abort();
                         }
                     }
                     Some(Command::GiveBack(deliveries)) => self.book.give_back(None, deliveries),

@@ -24,6 +24,21 @@ const MIN_EXPIRES: Duration = Duration::from_millis(10);
 const MAX_OPEN_PULLS: usize = 256;
 
 impl<R> Book<R> {
+    /// Pull `pull_id` was turned away as behind others at the server (408 "Requests
+    /// Pending": a no_wait pull gets it while older pulls wait there — this gateway's own,
+    /// from before a resume, which the server keeps until it sees them gone, up to a
+    /// minute). Its fetch pulls again after [`super::PULL_RETRY`], waiting in line this
+    /// time (a stream's; a plain fetch's pull stays no_wait).
+    pub(in crate::dispatch) fn end_pull_behind_others(&mut self, pull_id: u64, now: Instant) {
+        let owner = self.pulls.get(&pull_id).and_then(|pull| pull.owner);
+        self.end_pull(pull_id, true, now);
+        if let Some(waiter) =
+            owner.and_then(|owner| self.waiters.iter_mut().find(|waiter| waiter.id == owner))
+        {
+            waiter.in_line = true;
+        }
+    }
+
     /// The pulls to open now, in order: one per waiting fetch that has none, never more
     /// than half the consumer's max_waiting open at once, and never more messages asked
     /// for than `capacity` (free max_ack_pending slots). Open them in order and report each
@@ -70,8 +85,10 @@ impl<R> Book<R> {
                 fetch: waiter.id,
                 batch,
                 expires,
-                keep_open: waiter.demand.stream.is_some() && expires.is_some() && !patient,
-                patient: patient && expires.is_some(),
+                keep_open: waiter.demand.stream.is_some()
+                    && expires.is_some()
+                    && (!patient || waiter.in_line),
+                patient: patient && expires.is_some() && !waiter.in_line,
                 give_up_at: now + left + PULL_GRACE,
             });
             capacity -= batch;

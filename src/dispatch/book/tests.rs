@@ -435,6 +435,34 @@ fn a_refused_pull_is_retried_after_a_pause_and_a_zero_wait_fetch_pulls_once() {
     assert_eq!(book.take_finished(now, false, EPOCH).len(), 1);
 }
 
+/// After a resume the server keeps this gateway's pulls from before it (it serves them no
+/// more) until it sees them gone, and turns a no_wait pull away as behind them for as long
+/// (408 "Requests Pending"), up to a minute: a stream's fetch then pulls waiting in line.
+#[test]
+fn a_streams_pull_turned_away_as_behind_others_pulls_again_waiting_in_line() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let patient = Demand {
+        stream: Some(42),
+        patient: true,
+        ..demand(4, 120_000)
+    };
+    let (_answered, pull_id) = waiting(&mut book, patient, now);
+    assert!(
+        book.pulls[&pull_id].patient_for.is_some(),
+        "a no_wait patient pull first"
+    );
+    book.end_pull_behind_others(pull_id, now);
+    assert!(
+        book.plan_pulls(now, 10, LIMITS).is_empty(),
+        "waits PULL_RETRY"
+    );
+    let plan = book.plan_pulls(now + PULL_RETRY, 10, LIMITS);
+    assert_eq!(plan.len(), 1);
+    assert!(plan[0].keep_open, "waits in line: not no_wait");
+    assert!(!plan[0].patient);
+}
+
 #[test]
 fn a_fetch_whose_pull_stays_silent_is_answered_after_the_grace() {
     let now = Instant::now();
