@@ -194,7 +194,7 @@ pub struct Config {
     pub shutdown_grace: Duration,
 
     /// Create the stream when it does not exist (for a first try; off by default, when a missing
-    /// stream is an error).
+    /// stream is an error), set up for TTLs, atomic batches and schedules.
     #[arg(long, env = "RUSTSTREAM_CREATE_STREAM")]
     pub create_stream: bool,
 

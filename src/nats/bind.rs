@@ -14,9 +14,10 @@ use tracing::{info, warn};
 
 use crate::config::Config;
 use crate::domain::lease_id::InstanceId;
+use crate::domain::schedule::namespace;
 
 use super::API_TIMEOUT;
-use super::reconcile::{BindError, bind_durable, create_consumer, desired_config};
+use super::reconcile::{BindError, bind_durable, config_to_create, create_consumer};
 use super::replicas::{FleetStream, ReplicaRecord, Shared};
 
 /// A consumer the gateway is bound to, and what it needs to use it.
@@ -118,7 +119,7 @@ pub(crate) async fn bind(
     let deletes_on_term =
         super::dead_letter::is_deleted_on_term(stream.cached_info().config.retention);
     let (mut consumer, shared, per_consumer, everyone_reads_expiring_ids) = if config.ephemeral {
-        let mut ephemeral = desired_config(config, None);
+        let mut ephemeral = config_to_create(config, &stream, None);
         ephemeral.name = Some(binder.ephemeral_name.to_owned());
         // This process's alone: no other replica settles its leases.
         (create_consumer(&stream, ephemeral).await?, None, None, true)
@@ -343,6 +344,26 @@ async fn share(
     })
 }
 
+/// The stream `--create-stream` makes: the configured subjects, and ready for every producer
+/// feature the server has (TTLs from 2.11; atomic batches and schedules from 2.12, with the
+/// gateway's schedule subjects captured; docs/producers.md), so that a first try can use them.
+fn stream_for_a_first_try(config: &Config, js: &jetstream::Context) -> stream::Config {
+    let version = js.client().server_info().version;
+    let since_2_12 = super::seek::at_least(&version, (2, 12));
+    let mut subjects = config.stream_subjects.clone();
+    if since_2_12 {
+        subjects.push(namespace(&config.internal_prefix, &config.stream));
+    }
+    stream::Config {
+        name: config.stream.clone(),
+        subjects,
+        allow_message_ttl: super::seek::at_least(&version, (2, 11)),
+        allow_atomic_publish: since_2_12,
+        allow_message_schedules: since_2_12,
+        ..Default::default()
+    }
+}
+
 async fn get_or_create_stream(
     config: &Config,
     js: &jetstream::Context,
@@ -362,11 +383,7 @@ async fn get_or_create_stream(
             }
             let created = tokio::time::timeout(
                 API_TIMEOUT,
-                js.create_stream(stream::Config {
-                    name: config.stream.clone(),
-                    subjects: config.stream_subjects.clone(),
-                    ..Default::default()
-                }),
+                js.create_stream(stream_for_a_first_try(config, js)),
             )
             .await
             .map_err(|_| anyhow::anyhow!("timed out creating stream {}", config.stream))?;
@@ -377,7 +394,7 @@ async fn get_or_create_stream(
                     config.nats_url_redacted()
                 ))
             })?;
-            info!(stream = %config.stream, subjects = ?config.stream_subjects, "created stream");
+            info!(stream = %config.stream, subjects = ?created.cached_info().config.subjects, "created stream");
             Ok(created)
         }
         Err(err) => Err(BindError::Transient(

@@ -12,6 +12,8 @@ use tracing::{info, warn};
 use crate::config::{Config, DeliverPolicy};
 use crate::domain::consumers::{ConsumerName, ConsumerPatterns};
 use crate::domain::ordering::{PIN_GROUP, PIN_TIMEOUT};
+use crate::domain::schedule::{ScheduleId, subject_of};
+use crate::domain::subject;
 
 use super::API_TIMEOUT;
 use super::replicas::ReplicaRecord;
@@ -69,6 +71,38 @@ pub(super) fn desired_config(
     }
 }
 
+/// The config of a consumer the gateway makes: [`desired_config`], and, when no filter is
+/// given and the stream captures the gateway's schedule subjects, a filter of the stream's
+/// other subjects — so that the consumer never leases a schedule (docs/producers.md). Left
+/// unfiltered when those subjects would take schedules too (a stream on `>`).
+pub(super) fn config_to_create(
+    config: &Config,
+    stream: &stream::Stream,
+    durable_name: Option<String>,
+) -> consumer::pull::Config {
+    let mut wanted = desired_config(config, durable_name);
+    if config.filter_subject.is_some() {
+        return wanted;
+    }
+    let schedules = format!("{}.schedule.", config.internal_prefix);
+    let probe = subject_of(&config.internal_prefix, &ScheduleId::new(&config.stream));
+    let subjects = &stream.cached_info().config.subjects;
+    let others: Vec<String> = subjects
+        .iter()
+        .filter(|subject| !subject.starts_with(&schedules))
+        .cloned()
+        .collect();
+    let captures_schedules = others.len() < subjects.len();
+    let others_take_schedules = others.iter().any(|filter| subject::matches(filter, &probe));
+    if captures_schedules && !others.is_empty() && !others_take_schedules {
+        match <[String; 1]>::try_from(others) {
+            Ok([only]) => wanted.filter_subject = only,
+            Err(others) => wanted.filter_subjects = others,
+        }
+    }
+    wanted
+}
+
 fn deliver_policy(policy: &DeliverPolicy) -> consumer::DeliverPolicy {
     match policy {
         DeliverPolicy::All => consumer::DeliverPolicy::All,
@@ -116,7 +150,7 @@ pub(super) async fn bind_durable(
         info!(consumer = %config.consumer, "creating durable consumer");
         return create_consumer(
             stream,
-            desired_config(config, Some(config.consumer.clone())),
+            config_to_create(config, stream, Some(config.consumer.clone())),
         )
         .await;
     };

@@ -28,6 +28,7 @@ mod pause;
 mod poison;
 mod publish;
 mod publish_batch;
+mod publish_cluster;
 mod push;
 mod readme;
 mod rebinding;
