@@ -116,28 +116,39 @@ async fn delayed_messages_are_leased_from_their_time_on_and_never_before() {
     );
 }
 
-/// Schedules cancelled while they race their own time never fire: every cancel answered
+/// 500 schedules cancelled while they race their own time never fire: every cancel answered
 /// 204 leaves no message; every other schedule (cancel answered 404: it fired first) was
 /// delivered once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_schedule_never_fires() {
+    const COUNT: usize = 500;
     let (_server, js, gateway) = setup("cancels").start().await;
     set_up_for_schedules(&js).await;
+    // Due 2 ms apart from 0.3 s on, about as fast as the cancels below come: some cancels
+    // win, some come after the fire.
+    let messages: Vec<Value> = (0..COUNT)
+        .map(|i| json!({ "subject": "orders.race", "data": format!("r{i}"), "delay": format!("{}ms", 300 + i * 2) }))
+        .collect();
+    let reply = gateway
+        .post("/publish/batch", Some(&json!({ "messages": messages })))
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
     let mut ids = Vec::new();
-    for i in 0..60 {
-        let reply = gateway
-            .post(
-                "/publish",
-                Some(&json!({ "subject": "orders.race", "data": format!("r{i}"), "delay": format!("{}ms", 300 + i * 10) })),
-            )
-            .await;
-        assert_eq!(reply.status, 202, "{}", reply.text);
+    for (i, result) in reply.body["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(result["status"], 202, "{result}");
         ids.push((
             format!("r{i}"),
-            reply.body["schedule"].as_str().expect("id").to_owned(),
+            result["schedule"].as_str().expect("id").to_owned(),
         ));
     }
-    let pending = gateway.get(&format!("/schedules/{}", ids[59].1)).await;
+    let pending = gateway
+        .get(&format!("/schedules/{}", ids[COUNT - 1].1))
+        .await;
     assert_eq!(pending.status, 200, "{}", pending.text);
     assert_eq!(pending.body["kind"], "once");
     assert_eq!(pending.body["subject"], "orders.race");
@@ -152,8 +163,8 @@ async fn a_cancelled_schedule_never_fires() {
             other => panic!("cancel {id}: {other} {}", reply.text),
         }
     }
-    // Every schedule has fired or been cancelled by now (the last was due 0.9 s after it
-    // was made): what is there to lease is all that will ever come.
+    // Every schedule has fired or been cancelled once none is listed: what is there to lease
+    // is all that will ever come.
     wait_until("no schedule left", Duration::from_secs(10), || async {
         let listed = gateway.get("/schedules?stream=ORDERS").await;
         listed.body["schedules"]
@@ -180,9 +191,20 @@ async fn a_cancelled_schedule_never_fires() {
             "{data} was cancelled (204) and fired"
         );
     }
+    eprintln!(
+        "{} cancelled (204), {} fired first (404)",
+        cancelled.len(),
+        delivered.len()
+    );
+    let delivered_once: std::collections::HashSet<&String> = delivered.iter().collect();
+    assert_eq!(
+        delivered_once.len(),
+        delivered.len(),
+        "none delivered twice"
+    );
     assert_eq!(
         delivered.len() + cancelled.len(),
-        60,
+        COUNT,
         "each either delivered once or cancelled: {delivered:?}"
     );
 }
