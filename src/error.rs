@@ -63,6 +63,13 @@ pub(crate) enum Error {
     /// An atomic batch whose msg ids the stream already has: an earlier attempt stored it.
     #[error("{0}")]
     BatchAlreadyStored(String),
+    /// A cancel too close to the schedule's fire time to be sure it stops it: the server
+    /// fires what it took up before a delete that lands after (retry once it fired).
+    #[error("{detail}")]
+    ScheduleFiring {
+        detail: String,
+        retry_after: std::time::Duration,
+    },
     /// The stream's configuration does not allow what a publish asks for (a TTL, an atomic
     /// batch, a schedule): the stream setting that would.
     #[error("{detail}")]

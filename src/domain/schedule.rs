@@ -156,6 +156,50 @@ impl When {
     }
 }
 
+/// nats-server takes up a due schedule and only then fires it; a delete landing in between
+/// is confirmed and does not stop the fire. So a cancel is sure only when its delete is
+/// confirmed before the next fire time, less this allowance for the gateway's clock running
+/// behind the server's.
+pub(crate) const CLOCK_SKEW: Duration = Duration::from_millis(100);
+/// The least time before a fire a delete is sent with (its round trip and [`CLOCK_SKEW`]).
+pub(crate) const CANCEL_LEAD: Duration = Duration::from_millis(250);
+/// How late the server may fire an occurrence (it takes up due schedules a few times a
+/// second): a recurring schedule due this long ago may not have fired yet.
+pub(crate) const FIRES_LATE: Duration = Duration::from_millis(500);
+
+/// When a cancel can be sure to stop a schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CancelWindow {
+    /// Delete it now: confirmed before `deadline`, no fire follows.
+    Now { deadline: OffsetDateTime },
+    /// A recurring schedule firing about now: decide again at this time, after the fire.
+    After(OffsetDateTime),
+    /// A one-shot due now or overdue: it fires (or is firing); nothing to stop.
+    Firing { due: OffsetDateTime },
+}
+
+impl When {
+    /// When a cancel at `now` can be sure to stop this schedule (made at `made`).
+    pub(crate) fn cancel_window(&self, now: OffsetDateTime, made: OffsetDateTime) -> CancelWindow {
+        // The earliest fire still to come: a recurring occurrence due a moment ago may not
+        // have fired yet.
+        let Some(next) = self.next_after(now - FIRES_LATE, made) else {
+            return CancelWindow::Now {
+                deadline: now + Duration::from_secs(3600),
+            };
+        };
+        if next > now + CANCEL_LEAD {
+            return CancelWindow::Now {
+                deadline: next - CLOCK_SKEW,
+            };
+        }
+        match self {
+            Self::At(_) => CancelWindow::Firing { due: next },
+            _ => CancelWindow::After(next + FIRES_LATE),
+        }
+    }
+}
+
 fn parse_cron(expression: &str) -> Result<croner::Cron, String> {
     croner::parser::CronParser::builder()
         .seconds(croner::parser::Seconds::Required)
@@ -231,6 +275,49 @@ mod tests {
 
     fn at(text: &str) -> OffsetDateTime {
         OffsetDateTime::parse(text, &Rfc3339).expect("RFC 3339")
+    }
+
+    #[test]
+    fn a_cancel_deletes_only_when_sure_to_beat_the_next_fire() {
+        let now = at("2026-12-07T10:00:00Z");
+        let due = |text: &str| When::At(at(text));
+        assert_eq!(
+            due("2026-12-07T10:00:01Z").cancel_window(now, now),
+            CancelWindow::Now {
+                deadline: at("2026-12-07T10:00:00.900Z")
+            }
+        );
+        // Due in a moment, or overdue (the server down, or late): it fires; not stopped.
+        for firing in ["2026-12-07T10:00:00.200Z", "2026-12-07T09:59:00Z"] {
+            assert_eq!(
+                due(firing).cancel_window(now, now),
+                CancelWindow::Firing { due: at(firing) }
+            );
+        }
+        // Every second from 09:59:00: the fire at 10:00:00 may be under way (late), so wait
+        // until it is surely over, then beat the one at 10:00:01.
+        let every = When::Every(Duration::from_secs(1));
+        let made = at("2026-12-07T09:59:00Z");
+        assert_eq!(
+            every.cancel_window(now, made),
+            CancelWindow::After(at("2026-12-07T10:00:00.500Z"))
+        );
+        assert_eq!(
+            every.cancel_window(at("2026-12-07T10:00:00.500Z"), made),
+            CancelWindow::Now {
+                deadline: at("2026-12-07T10:00:00.900Z")
+            }
+        );
+        assert_eq!(
+            every.cancel_window(at("2026-12-07T10:00:00.600Z"), made),
+            CancelWindow::Now {
+                deadline: at("2026-12-07T10:00:00.900Z")
+            }
+        );
+        assert_eq!(
+            every.cancel_window(at("2026-12-07T10:00:00.800Z"), made),
+            CancelWindow::After(at("2026-12-07T10:00:01.500Z"))
+        );
     }
 
     #[test]

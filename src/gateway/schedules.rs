@@ -14,12 +14,12 @@ use futures::future::join_all;
 use super::Gateway;
 use super::consumer::publish_refusal;
 use crate::domain::schedule::{
-    SCHEDULE_HEADER, SCHEDULED_AT_HEADER, ScheduleId, TARGET_HEADER, TIME_ZONE_HEADER, When,
-    namespace, rfc3339, subject_of,
+    CLOCK_SKEW, CancelWindow, FIRES_LATE, SCHEDULE_HEADER, SCHEDULED_AT_HEADER, ScheduleId,
+    TARGET_HEADER, TIME_ZONE_HEADER, When, namespace, rfc3339, subject_of,
 };
 use crate::error::Error;
 use crate::nats::publish::Route;
-use crate::nats::schedules::{self, Schedule};
+use crate::nats::schedules::{self, Deletion, Schedule};
 
 /// The first nats-server with message schedules (`@at` only).
 const SCHEDULES_SINCE: (u64, u64) = (2, 12);
@@ -279,17 +279,48 @@ impl Gateway {
         Ok(listed)
     }
 
-    /// Cancel schedule `id`: once answered, it never fires.
+    /// Cancel schedule `id`: once answered, it never fires. The delete is sent only when
+    /// it can be confirmed before the next fire time (a recurring schedule firing now is
+    /// waited for, under a second); a one-shot due now is refused as firing.
     pub(crate) async fn cancel_schedule(&self, id: &ScheduleId) -> Result<(), Error> {
         let js = self.jetstream()?;
-        let cancelled = schedules::cancel(&js, &self.config().internal_prefix, id)
-            .await
-            .map_err(|err| Error::Unavailable(format!("{err:#}")))?;
-        if cancelled {
-            Ok(())
-        } else {
-            Err(no_schedule(id))
+        let unavailable = |err: anyhow::Error| Error::Unavailable(format!("{err:#}"));
+        let prefix = &self.config().internal_prefix;
+        // A recurring schedule is decided again once after the fire it waited for.
+        for _ in 0..2 {
+            let Some((schedule, sequence)) = schedules::find(&js, prefix, id)
+                .await
+                .map_err(unavailable)?
+            else {
+                return Err(no_schedule(id));
+            };
+            let now = OffsetDateTime::now_utc();
+            let due = match schedule.when.cancel_window(now, schedule.made) {
+                CancelWindow::Now { deadline } => {
+                    let within = std::time::Duration::try_from(deadline - now).unwrap_or_default();
+                    return match schedules::delete(&js, &id.stream, sequence, within)
+                        .await
+                        .map_err(unavailable)?
+                    {
+                        Deletion::Deleted => Ok(()),
+                        Deletion::Gone => Err(no_schedule(id)),
+                        Deletion::NotConfirmed => Err(Error::Unavailable(format!(
+                            "the cancel of schedule {id} was not confirmed before its next fire time ({}): it may or may not stop it; ask again (404 once it is gone)",
+                            rfc3339(deadline + CLOCK_SKEW)
+                        ))),
+                    };
+                }
+                CancelWindow::After(at) => {
+                    tokio::time::sleep(std::time::Duration::try_from(at - now).unwrap_or_default())
+                        .await;
+                    continue;
+                }
+                CancelWindow::Firing { due } => due,
+            };
+            return Err(firing(id, due, now));
         }
+        let now = OffsetDateTime::now_utc();
+        Err(firing(id, now, now))
     }
 
     /// The streams of the consumers served now, each once.
@@ -315,6 +346,18 @@ impl Gateway {
             .get()
             .map(|client| client.server_info().version)
             .ok_or_else(|| Error::Unavailable("not connected to NATS yet".into()))
+    }
+}
+
+/// A cancel refused as too close to schedule `id`'s fire time `due`.
+fn firing(id: &ScheduleId, due: OffsetDateTime, now: OffsetDateTime) -> Error {
+    let wait = std::time::Duration::try_from(due - now).unwrap_or_default() + FIRES_LATE;
+    Error::ScheduleFiring {
+        detail: format!(
+            "schedule {id} is due at {}: too close to its time for a cancel to be sure to stop it; retry after Retry-After seconds (once it fired, a one-shot answers 404)",
+            rfc3339(due)
+        ),
+        retry_after: wait,
     }
 }
 

@@ -78,7 +78,8 @@ impl Error {
             Self::ConsumerUnsuitable(_)
             | Self::ConsumerPaused { .. }
             | Self::StreamDisallows { .. }
-            | Self::BatchAlreadyStored(_) => StatusCode::CONFLICT,
+            | Self::BatchAlreadyStored(_)
+            | Self::ScheduleFiring { .. } => StatusCode::CONFLICT,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             Self::LeaseGone | Self::OwnerGone => StatusCode::GONE,
@@ -137,6 +138,7 @@ impl Error {
                 by_header: false, ..
             } => ("precondition-failed", "Precondition failed"),
             Self::BatchAlreadyStored(_) => ("batch-already-stored", "Batch already stored"),
+            Self::ScheduleFiring { .. } => ("schedule-firing", "Schedule about to fire"),
             Self::StreamDisallows { setting, .. } => match *setting {
                 "allow_msg_ttl" => ("ttl-not-allowed", "Stream does not allow per-message TTL"),
                 "allow_atomic" => ("atomic-not-allowed", "Stream does not allow atomic batches"),
@@ -156,14 +158,16 @@ impl Error {
         }
     }
 
-    /// Whole seconds to wait before retrying a 429 or a 503, never zero.
+    /// Whole seconds to wait before retrying a 429, a 503 or a cancel of a schedule about to
+    /// fire, never zero.
     fn retry_after_secs(&self) -> Option<u64> {
         match self {
             // A 503 is an outage of this gateway's NATS connection (or its shutdown): a
             // second is enough for a client to try again, here or at another replica.
             Self::Unavailable(_) | Self::Rebinding(_) | Self::ShuttingDown => Some(1),
             Self::AtCapacity { retry_after, .. }
-            | Self::TooManyWaitingFetches { retry_after, .. } => {
+            | Self::TooManyWaitingFetches { retry_after, .. }
+            | Self::ScheduleFiring { retry_after, .. } => {
                 let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
                 Some(secs.max(1))
             }

@@ -48,10 +48,11 @@ pub(crate) enum ProblemKind {
     RedriveTaskNotFound,
     RedriveOverlaps,
     ScheduleNotFound,
+    ScheduleFiring,
 }
 
 impl ProblemKind {
-    const ALL: [Self; 21] = [
+    const ALL: [Self; 22] = [
         Self::Unauthorized,
         Self::Forbidden,
         Self::BodyTimeout,
@@ -73,6 +74,7 @@ impl ProblemKind {
         Self::RedriveTaskNotFound,
         Self::RedriveOverlaps,
         Self::ScheduleNotFound,
+        Self::ScheduleFiring,
     ];
 
     fn name(self) -> &'static str {
@@ -98,6 +100,7 @@ impl ProblemKind {
             Self::RedriveTaskNotFound => "RedriveTaskNotFound",
             Self::RedriveOverlaps => "RedriveOverlaps",
             Self::ScheduleNotFound => "ScheduleNotFound",
+            Self::ScheduleFiring => "ScheduleFiring",
         }
     }
 
@@ -146,6 +149,9 @@ impl ProblemKind {
             }
             Self::ScheduleNotFound => {
                 "No pending schedule has this id: it was cancelled, or it was a one-shot schedule that fired (gone once it fired), or the id is malformed."
+            }
+            Self::ScheduleFiring => {
+                "The schedule is due within a moment (or overdue, as after a server outage): nats-server takes up a due schedule before it fires it, and a delete landing between the two does not stop it, so this cancel would not be sure to. Nothing was changed. Retry after `Retry-After` seconds: a one-shot that fired then answers 404, a recurring one is cancelled."
             }
             Self::RedriveTaskNotFound => {
                 "No redrive task has this id (a finished task's record is kept for 7 days)."
@@ -226,6 +232,10 @@ impl ProblemKind {
                 "moving a consumer needs nats-server 2.14 or later (its consumer reset); this server is 2.11.9".into(),
             )],
             Self::DeadLetterNotFound => vec![Error::NotFound("no dead letter DLQ:17".into())],
+            Self::ScheduleFiring => vec![Error::ScheduleFiring {
+                detail: "schedule ORDERS.5f1e0c2a9b7d4e11 is due at 2026-12-07T09:00:00.000Z: too close to its time for a cancel to be sure to stop it; retry after Retry-After seconds (once it fired, a one-shot answers 404)".into(),
+                retry_after: Duration::from_secs(1),
+            }],
             Self::ScheduleNotFound => vec![Error::NotFound(
                 "no pending schedule ORDERS.5f1e0c2a9b7d4e11: it was cancelled, or it fired (a one-shot schedule is gone once it fired)".into(),
             )],
@@ -392,6 +402,9 @@ refusal_sets! {
     ScheduleCreateRefusals = [PublishConflict, ServerTooOld, Unavailable];
     /// `GET` or `DELETE /schedules/{id}`: no such pending schedule, or no NATS.
     ScheduleRefusals = [Unavailable, ScheduleNotFound];
+    /// `DELETE /schedules/{id}`: as [`ScheduleRefusals`], and a schedule too close to its
+    /// fire time to be sure a cancel stops it.
+    ScheduleCancelRefusals = [Unavailable, ScheduleNotFound, ScheduleFiring];
     /// `POST /publish/batch` beyond its body: as [`PublishRefusals`], for an atomic batch
     /// also a server without atomic batches.
     PublishBatchRefusals = [PublishPrecondition, PublishConflict, ServerTooOld, Unavailable];

@@ -21,7 +21,8 @@ use super::dto::{Encoding, HeaderValues, PublishBody};
 use super::principal::Principal;
 use super::publish::{Prepared, prepare};
 use super::responses::{
-    BodyRefusals, Guarded, NatsRefusals, QueryRefusals, ScheduleCreateRefusals, ScheduleRefusals,
+    BodyRefusals, Guarded, NatsRefusals, QueryRefusals, ScheduleCancelRefusals,
+    ScheduleCreateRefusals, ScheduleRefusals,
 };
 use super::scopes::Scope;
 use crate::domain::schedule::{ScheduleId, When, rfc3339};
@@ -286,8 +287,8 @@ pub(crate) async fn one(
     Ok(Json(gateway.scheduled(&id).await?.into()))
 }
 
-/// Cancel a schedule: after this answer it never fires (the server removes it atomically
-/// with firing it: a schedule that fired first answers 404).
+/// Cancel a schedule: after this answer it never fires. A schedule that fired first answers
+/// 404; one due within a moment answers 409 `schedule-firing` (retry after it).
 #[utoipa::path(
     delete,
     path = "/schedules/{id}",
@@ -296,7 +297,7 @@ pub(crate) async fn one(
     params(ScheduleIdPath),
     responses(
         (status = 204, description = "Cancelled: it will not fire"),
-        Guarded, ScheduleRefusals,
+        Guarded, ScheduleCancelRefusals,
     )
 )]
 pub(crate) async fn cancel(

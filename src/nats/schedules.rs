@@ -2,8 +2,9 @@
 //! the gateway's namespace (`<prefix>.schedule.<stream>.<token>`), whose `Nats-Schedule`
 //! says when nats-server delivers its data and headers to `Nats-Schedule-Target`. Made by
 //! publishing it (as any message); here: whether a stream is set up for them, read back by
-//! subject, cancelled by deleting it (atomic with its firing at the server: a deleted
-//! schedule never fires).
+//! subject, cancelled by deleting it (not atomic with its firing: the server takes up a due
+//! schedule before it fires it, so the gateway deletes only well before a fire time —
+//! `domain::schedule::CancelWindow`).
 //!
 //! May import: as the rest of `nats`.
 
@@ -186,31 +187,47 @@ pub(crate) async fn list(
     Ok(schedules)
 }
 
-/// Cancel schedule `id`: delete its message, which the server does atomically with firing
-/// it. `false`: there was none left to cancel (it fired, or was cancelled before).
-pub(crate) async fn cancel(
+/// How deleting a schedule's message ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Deletion {
+    /// Deleted, confirmed in time.
+    Deleted,
+    /// Not there any more: it fired (a one-shot), or was cancelled, since it was read.
+    Gone,
+    /// Not confirmed in time: it may or may not be deleted.
+    NotConfirmed,
+}
+
+/// Delete schedule message `sequence` of `stream`, waiting at most `within` (and no longer
+/// than any API call) for the server's confirmation.
+pub(crate) async fn delete(
     js: &jetstream::Context,
-    prefix: &str,
-    id: &ScheduleId,
-) -> anyhow::Result<bool> {
+    stream: &str,
+    sequence: u64,
+    within: std::time::Duration,
+) -> anyhow::Result<Deletion> {
     use jetstream::stream::DeleteMessageErrorKind;
-    let Some((_, sequence)) = find(js, prefix, id).await? else {
-        return Ok(false);
-    };
     let stream = js
-        .get_stream_no_info(&id.stream)
+        .get_stream_no_info(stream)
         .await
         .context("looking up the stream")?;
-    match tokio::time::timeout(API_TIMEOUT, stream.delete_message(sequence))
-        .await
-        .context("timed out deleting the schedule")?
-    {
-        Ok(deleted) => Ok(deleted),
+    let within = within.min(API_TIMEOUT);
+    let Ok(deleted) = tokio::time::timeout(within, stream.delete_message(sequence)).await else {
+        return Ok(Deletion::NotConfirmed);
+    };
+    match deleted {
+        Ok(true) => Ok(Deletion::Deleted),
+        Ok(false) => Ok(Deletion::Gone),
+        // Fired (and so removed) since it was read: the server says the delete failed
+        // because there is no such message (10057 wrapping "no message found").
         Err(err)
             if matches!(err.kind(), DeleteMessageErrorKind::JetStream(api)
-                if api.error_code() == ErrorCode::NO_MESSAGE_FOUND || api.error_code() == ErrorCode::SEQUENCE_NOT_FOUND) =>
+                if api.error_code() == ErrorCode::NO_MESSAGE_FOUND
+                    || api.error_code() == ErrorCode::SEQUENCE_NOT_FOUND
+                    || (api.error_code() == ErrorCode::STREAM_MESSAGE_DELETE_FAILED
+                        && api.to_string().contains("no message found"))) =>
         {
-            Ok(false)
+            Ok(Deletion::Gone)
         }
         Err(err) => Err(err).context("deleting the schedule"),
     }
