@@ -245,6 +245,23 @@ impl ScheduleId {
         }
     }
 
+    /// The id of the schedule of a message with msg id `msg_id` on `stream`: always the
+    /// same, so that a retried publish, which the stream refuses as a duplicate of the
+    /// schedule it stored, is answered with that schedule's id (the first 64 bits of the
+    /// SHA-256 of the msg id).
+    pub(crate) fn of_msg_id(stream: &str, msg_id: &str) -> Self {
+        use sha2::Digest as _;
+        let digest = sha2::Sha256::digest(msg_id.as_bytes());
+        let token = digest[..8]
+            .iter()
+            .map(|byte| format!("{byte:02x}"))
+            .collect();
+        Self {
+            stream: stream.to_owned(),
+            token,
+        }
+    }
+
     /// The id a schedule subject names, if it is one of the gateway's.
     pub(crate) fn of_subject(prefix: &str, subject: &str) -> Option<Self> {
         let rest = subject.strip_prefix(prefix)?.strip_prefix(".schedule.")?;
@@ -275,6 +292,16 @@ mod tests {
 
     fn at(text: &str) -> OffsetDateTime {
         OffsetDateTime::parse(text, &Rfc3339).expect("RFC 3339")
+    }
+
+    #[test]
+    fn a_message_id_names_one_schedule() {
+        let id = ScheduleId::of_msg_id("ORDERS", "charge-41");
+        assert_eq!(id, ScheduleId::of_msg_id("ORDERS", "charge-41"));
+        assert_ne!(id, ScheduleId::of_msg_id("ORDERS", "charge-42"));
+        assert_eq!(id.token.len(), 16);
+        assert!(id.token.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_eq!(ScheduleId::parse(&id.to_string()), Some(id));
     }
 
     #[test]

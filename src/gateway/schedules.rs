@@ -185,7 +185,12 @@ impl Gateway {
             checks.set_up.insert(route.stream.clone());
         }
         let prefix = &self.config().internal_prefix;
-        let id = ScheduleId::new(&route.stream);
+        // A msg id makes the schedule's subject its own: the stream refuses a retry as a
+        // duplicate, and the answer names the schedule stored the first time.
+        let id = match headers.get("Nats-Msg-Id") {
+            Some(msg_id) => ScheduleId::of_msg_id(&route.stream, msg_id.as_str()),
+            None => ScheduleId::new(&route.stream),
+        };
         headers.insert(SCHEDULE_HEADER, when.header().as_str());
         headers.insert(TARGET_HEADER, target);
         if let When::Cron {

@@ -53,7 +53,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::client::{batch_results, http_builder};
-use crate::support::cluster::Cluster;
+use crate::support::cluster::{Cluster, jetstream_of};
 use crate::support::{Action, Client, FetchRequest, GatewayProcess, Reply, Setup, wait_for};
 
 const STREAM: &str = "LEDGER";
@@ -1020,12 +1020,7 @@ fn print_table(title: &str, reports: &[Report]) {
 /// Connect and create the work stream and the dead-letter stream (retrying while a fresh
 /// cluster elects its meta leader).
 async fn create_streams(urls: &str, replicas: usize) -> jetstream::Context {
-    let client = async_nats::ConnectOptions::new()
-        .retry_on_initial_connect()
-        .connect(urls.split(',').collect::<Vec<_>>().as_slice())
-        .await
-        .expect("connect the test client");
-    let js = jetstream::new(client);
+    let js = jetstream_of(urls).await;
     for (name, subject) in [(STREAM, "ledger.>"), (DLQ_STREAM, DLQ_SUBJECT)] {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {

@@ -9,7 +9,7 @@ use async_nats::jetstream::{self, stream};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-use crate::support::cluster::Cluster;
+use crate::support::cluster::{Cluster, jetstream_of};
 use crate::support::{STREAM, Setup};
 
 const ROUNDS: usize = 20;
@@ -18,12 +18,7 @@ const BATCH: usize = 200;
 /// Connect to the cluster and make ORDERS, R3 and open to atomic batches (retrying while a
 /// fresh cluster elects its meta leader).
 async fn create_atomic_stream(urls: &str) -> jetstream::Context {
-    let client = async_nats::ConnectOptions::new()
-        .retry_on_initial_connect()
-        .connect(urls.split(',').collect::<Vec<_>>().as_slice())
-        .await
-        .expect("connect the test client");
-    let js = jetstream::new(client);
+    let js = jetstream_of(urls).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let created = js

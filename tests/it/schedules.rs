@@ -291,6 +291,54 @@ async fn recurring_schedules_fire_until_cancelled() {
     }
 }
 
+/// A delayed message with a msg id published again (a client's retry after a lost answer):
+/// the stream keeps one schedule, both answers name it, and it is delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_delayed_message_is_one_schedule() {
+    let (_server, js, gateway) = setup("retried").start().await;
+    set_up_for_schedules(&js).await;
+    let body = json!({ "subject": "orders.retry", "data": "charge once", "msg_id": "charge-41", "delay": "1s" });
+    let first = gateway.post("/publish", Some(&body)).await;
+    assert_eq!(first.status, 202, "{}", first.text);
+    let again = gateway.post("/publish", Some(&body)).await;
+    assert_eq!(again.status, 202, "{}", again.text);
+    let id = first.body["schedule"].as_str().expect("a schedule id");
+    assert_eq!(
+        again.body["schedule"], id,
+        "the retry names the schedule stored"
+    );
+    let pending = gateway.get(&format!("/schedules/{id}")).await;
+    assert_eq!(pending.status, 200, "{}", pending.text);
+    let listed = gateway.get("/schedules?subject=orders.retry").await;
+    assert_eq!(
+        listed.body["schedules"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        listed.text
+    );
+    let mut delivered = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while delivered.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "delivered within 10 s"
+        );
+        for message in gateway
+            .fetch(json!({ "batch": 10, "wait_ms": 500, "encoding": "utf8" }))
+            .await
+        {
+            gateway.ack(&message.id).await;
+            delivered.push(message.data);
+        }
+    }
+    // Nothing else is due: a second delivery would come with the first.
+    let more = gateway
+        .fetch(json!({ "batch": 10, "wait_ms": 1500, "encoding": "utf8" }))
+        .await;
+    assert_eq!(delivered, ["charge once"]);
+    assert!(more.is_empty(), "delivered once: {more:?}");
+}
+
 /// A stream not set up for schedules, a consumer that would lease them, and bad input are
 /// refused naming what to change; nothing is stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

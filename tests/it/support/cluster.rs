@@ -4,6 +4,7 @@
 //! (routes on free ports, each with its own store and server name).
 //! Each node is a [`NatsServer`]: killed (-9), restarted on the same ports and store, paused.
 
+use async_nats::jetstream;
 use tempfile::TempDir;
 
 use super::nats::{NatsServer, free_port};
@@ -81,4 +82,15 @@ impl Cluster {
             .map(|(_, node)| node)
             .unwrap_or_else(|| panic!("no node named {name}"))
     }
+}
+
+/// A JetStream client of every node in `urls` (comma-separated), connecting while they
+/// still start.
+pub async fn jetstream_of(urls: &str) -> jetstream::Context {
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect(urls.split(',').collect::<Vec<_>>().as_slice())
+        .await
+        .expect("connect the test client");
+    jetstream::new(client)
 }
