@@ -5,7 +5,7 @@
 //!
 //! May import: as the rest of `gateway`.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use time::OffsetDateTime;
 
@@ -36,11 +36,12 @@ pub(crate) struct Scheduled {
     pub(crate) next: Option<OffsetDateTime>,
 }
 
-/// The streams one request already found set up for schedules (a batch of delayed messages
-/// checks each stream once), and the server's version.
-#[derive(Debug, Default)]
+/// What one request already looked up (a batch of delayed messages looks up each target
+/// subject's stream, and checks each stream's setup, once).
+#[derive(Default)]
 pub(crate) struct ScheduleChecks {
     set_up: HashSet<String>,
+    routes: HashMap<String, Route>,
 }
 
 /// A schedule ready to publish: its own subject, its headers (what to deliver, when and
@@ -179,7 +180,14 @@ impl Gateway {
                 since.1
             )));
         }
-        let route = self.publish_route(target).await?;
+        let route = match checks.routes.get(target) {
+            Some(route) => route.clone(),
+            None => {
+                let route = self.publish_route(target).await?;
+                checks.routes.insert(target.to_owned(), route.clone());
+                route
+            }
+        };
         if !checks.set_up.contains(&route.stream) {
             self.check_setup(&route).await?;
             checks.set_up.insert(route.stream.clone());
