@@ -299,8 +299,9 @@ impl Gateway {
         let js = self.jetstream()?;
         let unavailable = |err: anyhow::Error| Error::Unavailable(format!("{err:#}"));
         let prefix = &self.config().internal_prefix;
-        // A recurring schedule is decided again once after the fire it waited for.
-        for _ in 0..2 {
+        // A recurring schedule is decided again once, after the fire it waited for.
+        let mut waited = false;
+        loop {
             let Some((schedule, sequence)) = schedules::find(&js, prefix, id)
                 .await
                 .map_err(unavailable)?
@@ -308,7 +309,7 @@ impl Gateway {
                 return Err(no_schedule(id));
             };
             let now = OffsetDateTime::now_utc();
-            let due = match schedule.when.cancel_window(now, schedule.made) {
+            match schedule.when.cancel_window(now, schedule.made) {
                 CancelWindow::Now { deadline } => {
                     let within = std::time::Duration::try_from(deadline - now).unwrap_or_default();
                     return match schedules::delete(&js, &id.stream, sequence, within)
@@ -323,17 +324,15 @@ impl Gateway {
                         ))),
                     };
                 }
-                CancelWindow::After(at) => {
+                CancelWindow::After(at) if !waited => {
                     tokio::time::sleep(std::time::Duration::try_from(at - now).unwrap_or_default())
                         .await;
-                    continue;
+                    waited = true;
                 }
-                CancelWindow::Firing { due } => due,
-            };
-            return Err(firing(id, due, now));
+                CancelWindow::After(at) => return Err(firing(id, at - FIRES_LATE, now)),
+                CancelWindow::Firing { due } => return Err(firing(id, due, now)),
+            }
         }
-        let now = OffsetDateTime::now_utc();
-        Err(firing(id, now, now))
     }
 
     /// The streams of the consumers served now, each once.

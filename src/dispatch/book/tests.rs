@@ -52,6 +52,15 @@ fn demand(batch: usize, wait_ms: u64) -> Demand {
     }
 }
 
+/// What an idle push worker's stream `stream` asks for: `batch`, waiting up to 2 minutes.
+fn patient_stream(stream: u64, batch: usize) -> Demand {
+    Demand {
+        stream: Some(stream),
+        patient: true,
+        ..demand(batch, 120_000)
+    }
+}
+
 /// A book with one waiting fetch (id 1) whose pull is open; returns the answer receiver.
 fn waiting(
     book: &mut Book<()>,
@@ -216,11 +225,7 @@ fn a_streams_pull_stays_open_and_its_next_demand_takes_it_over() {
 fn an_idle_push_workers_pull_waits_a_minute_is_never_kept_open_and_ends_with_its_stream() {
     let now = Instant::now();
     let mut book = Book::<()>::new();
-    let patient = Demand {
-        stream: Some(42),
-        patient: true,
-        ..demand(4, 120_000)
-    };
+    let patient = patient_stream(42, 4);
     let (_answered, pull_id) = waiting(&mut book, patient, now);
     let pull = &book.pulls[&pull_id];
     assert_eq!(pull.stream, None, "not kept open for the next demand");
@@ -249,15 +254,7 @@ fn an_idle_push_workers_pull_waits_a_minute_is_never_kept_open_and_ends_with_its
     assert_eq!(book.end_patient_pulls(Some(7), now).len(), 0);
     assert_eq!(book.end_patient_pulls(Some(42), now).len(), 1);
     assert!(!book.is_open(pull_id) && book.is_open(other_pull));
-    let (_answered, again) = waiting(
-        &mut book,
-        Demand {
-            stream: Some(43),
-            patient: true,
-            ..demand(1, 120_000)
-        },
-        now,
-    );
+    let (_answered, again) = waiting(&mut book, patient_stream(43, 1), now);
     assert_eq!(book.end_patient_pulls(None, now).len(), 1);
     assert!(!book.is_open(again) && book.is_open(other_pull));
 }
@@ -442,11 +439,7 @@ fn a_refused_pull_is_retried_after_a_pause_and_a_zero_wait_fetch_pulls_once() {
 fn a_streams_pull_turned_away_as_behind_others_pulls_again_waiting_in_line() {
     let now = Instant::now();
     let mut book = Book::<()>::new();
-    let patient = Demand {
-        stream: Some(42),
-        patient: true,
-        ..demand(4, 120_000)
-    };
+    let patient = patient_stream(42, 4);
     let (_answered, pull_id) = waiting(&mut book, patient, now);
     assert!(
         book.pulls[&pull_id].patient_for.is_some(),
