@@ -70,6 +70,10 @@ pub(crate) enum Error {
         detail: String,
         retry_after: std::time::Duration,
     },
+    /// The consumer's settles are less durable than `--require-durability` asks: the
+    /// field of its `durability` that falls short.
+    #[error("{detail}")]
+    DurabilityInsufficient { field: &'static str, detail: String },
     /// The stream's configuration does not allow what a publish asks for (a TTL, an atomic
     /// batch, a schedule): the stream setting that would.
     #[error("{detail}")]

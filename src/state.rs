@@ -13,7 +13,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::domain::delivery::{Delivery, Leased};
-use crate::domain::finals::{Final, Finals, MessageKey};
+use crate::domain::finals::{Final, Finals, MessageKey, Source};
 use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
 use crate::domain::leases::LeaseTable;
 use crate::domain::ordering::{OrderingGate, OrderingKeySpec};
@@ -66,6 +66,9 @@ pub(crate) struct LeaseState {
     elsewhere: std::sync::OnceLock<Elsewhere>,
     /// The highest stream sequence delivered to this process, whatever the server forgot.
     highest_stream_sequence: AtomicU64,
+    /// The settled records of the fleet are not all read (the connection was lost, the
+    /// consumer is being bound): nothing is leased until they are.
+    fleet_behind: AtomicBool,
     pub(crate) metrics: Metrics,
 }
 
@@ -121,6 +124,7 @@ impl LeaseState {
             pin: Mutex::new(None),
             elsewhere: std::sync::OnceLock::new(),
             highest_stream_sequence: AtomicU64::new(0),
+            fleet_behind: AtomicBool::new(false),
             metrics,
         };
         state.apply_settings(ack_wait, max_ack_pending);
@@ -300,7 +304,35 @@ impl LeaseState {
     /// Remember that `message` ended elsewhere (another replica confirmed it, and the
     /// server lost that): a later redelivery here is settled again, not leased.
     pub(crate) fn ended_elsewhere(&self, message: MessageKey, outcome: Final) {
-        self.finals().record(message, outcome);
+        self.finals().record_from_fleet(message, outcome);
+    }
+
+    /// Records of the fleet say these messages ended (see `nats::settled`): a redelivery of
+    /// one is settled again, not leased. Those at or below `floor` (the consumer's ack
+    /// floor) are not kept: the server does not deliver them again unless it forgets, and
+    /// then its floor goes back and the records are read again.
+    pub(crate) fn ended_in_fleet(&self, settled: Vec<(MessageKey, Final)>, floor: u64) {
+        let mut finals = self.finals();
+        for (message, outcome) in settled {
+            if message.stream_sequence > floor {
+                finals.record_from_fleet(message, outcome);
+            }
+        }
+    }
+
+    /// Who confirmed how the message a delivery carries ended (when it did).
+    pub(crate) fn final_source(&self, coordinates: &LeaseCoordinates) -> Option<Source> {
+        self.finals().source(MessageKey::of(coordinates))
+    }
+
+    /// Whether the fleet's settled records may be missing some: then nothing is leased.
+    pub(crate) fn fleet_behind(&self) -> bool {
+        self.fleet_behind.load(Ordering::Acquire)
+    }
+
+    /// The fleet's settled records are (`false`), or may not be (`true`), all read.
+    pub(crate) fn set_fleet_behind(&self, behind: bool) {
+        self.fleet_behind.store(behind, Ordering::Release);
     }
 
     /// The consumer was moved on purpose (a seek): every live lease is void, and what

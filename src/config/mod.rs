@@ -5,11 +5,13 @@
 //! May import: `domain` (subject rules). Usable from every room.
 
 mod consumers_file;
+mod durability;
 mod nats_url;
 mod push;
 pub(crate) use push::CONNECTION_HEADERS;
 
 pub use consumers_file::{ConsumerSpec, load as load_consumers_file};
+pub use durability::DurabilityLevel;
 use nats_url::parse_nats_urls;
 pub use nats_url::{NatsServers, UrlCredentials};
 pub use push::{PushFormat, PushSpec};
@@ -184,6 +186,24 @@ pub struct Config {
     /// refused (422).
     #[arg(long, env = "RUSTSTREAM_MAX_SCHEDULE_AHEAD", default_value = "365d", value_parser = parse_positive_duration)]
     pub max_schedule_ahead: Duration,
+
+    /// How long the record of a confirmed ack or term is kept: for that long no gateway
+    /// sharing the consumer leases the message again, whatever the server forgot.
+    #[arg(long, env = "RUSTSTREAM_SETTLED_RETENTION", default_value = "7d", value_parser = parse_positive_duration)]
+    pub settled_retention: Duration,
+
+    /// Serve a consumer only when its settles are at least this durable (see the consumer's
+    /// `durability`): `fleet` (the settled records are stored), `replicated` (that, and the
+    /// stream, the consumer and the records on 3 replicas or more), `synced` (that, and the
+    /// server known to sync every write: needs --nats-monitor-url). Short of it: an error at
+    /// start, 503 `durability-insufficient` later. Not given: anything is served.
+    #[arg(long, env = "RUSTSTREAM_REQUIRE_DURABILITY", value_enum)]
+    pub require_durability: Option<DurabilityLevel>,
+
+    /// nats-server's monitoring endpoint (`http://host:8222`): its `/varz` tells the
+    /// server's sync policy, shown in each consumer's `durability`. Not given: `unknown`.
+    #[arg(long, env = "RUSTSTREAM_NATS_MONITOR_URL")]
+    pub nats_monitor_url: Option<String>,
 
     /// How long a settle waits for the NATS server's confirmation before answering 504.
     #[arg(long, env = "RUSTSTREAM_SETTLE_TIMEOUT", default_value = "5s", value_parser = parse_positive_duration)]

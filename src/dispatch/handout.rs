@@ -10,7 +10,7 @@ use tracing::{debug, info, warn};
 use super::ordered::take_pin;
 use super::{Dispatcher, SETTLE_AGAIN_TIMEOUT};
 use crate::domain::delivery::Delivery;
-use crate::domain::finals::Final;
+use crate::domain::finals::{Final, Source};
 use crate::nats::pull::PullEvent;
 use crate::nats::settle as nats_settle;
 
@@ -136,9 +136,10 @@ impl Dispatcher {
             return;
         };
         let command = outcome.command();
+        let by_fleet = self.state.final_source(&delivery.coordinates) == Some(Source::Fleet);
         self.state
             .metrics
-            .settled_again(matches!(outcome, Final::Terminated { .. }));
+            .settled_again(matches!(outcome, Final::Terminated { .. }), by_fleet);
         info!(
             stream_sequence = delivery.coordinates.key.stream_sequence,
             delivered = delivery.coordinates.key.delivered,
@@ -224,7 +225,11 @@ impl Dispatcher {
             // A settle confirmed after its message was delivered again (and held or placed
             // meanwhile) ends that delivery too: settled again, not leased.
             // One whose ack or term began meanwhile waits for that settle's answer.
-            let mut ending = Vec::new();
+            // While the fleet's settled records are not all read, none is leased: it may
+            // be one another gateway (or this one's earlier life) settled. Held, it is
+            // checked again when a fetch takes it, or released after the hold.
+            let fleet_behind = self.state.fleet_behind();
+            let (mut ending, mut unchecked) = (Vec::new(), Vec::new());
             fetch.got.retain(
                 |delivery| match self.state.final_of(&delivery.coordinates) {
                     Some(outcome) => {
@@ -235,11 +240,18 @@ impl Dispatcher {
                         ending.push(delivery.clone());
                         false
                     }
+                    None if fleet_behind => {
+                        unchecked.push(delivery.clone());
+                        false
+                    }
                     None => true,
                 },
             );
             for delivery in ending {
                 self.await_settle(delivery);
+            }
+            for delivery in unchecked {
+                self.book.hold(delivery);
             }
             let leased = self.state.lease(fetch.got);
             if let Err(unanswered) = fetch.answer.send(leased) {

@@ -239,7 +239,7 @@ async fn settle_if_ended_elsewhere(
         state.ended_elsewhere(message, outcome.clone());
         state
             .metrics
-            .settled_again(matches!(outcome, Final::Terminated { .. }));
+            .settled_again(matches!(outcome, Final::Terminated { .. }), true);
         info!(
             stream_sequence = message.stream_sequence,
             "a message that ended through another replica was delivered again (the server lost that); settling it again"

@@ -64,12 +64,20 @@ impl MessageKey {
     }
 }
 
+/// Who confirmed a final outcome: this process, or another gateway sharing the consumer (or
+/// an earlier life of this one) whose record of it was read back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Source {
+    Process,
+    Fleet,
+}
+
 /// Final outcomes by message, the oldest forgotten first once there are more than `max`.
 /// Not forgotten with time: a server may lose a settle it confirmed long ago (its consumer
 /// state is written behind), and may lose it more than once.
 #[derive(Debug)]
 pub(crate) struct Finals {
-    by_message: SequenceMap<MessageKey, Final>,
+    by_message: SequenceMap<MessageKey, (Final, Source)>,
     recorded: VecDeque<MessageKey>,
     max: usize,
 }
@@ -85,9 +93,28 @@ impl Finals {
 
     /// The server confirmed `outcome` for `message`.
     pub(crate) fn record(&mut self, message: MessageKey, outcome: Final) {
-        if self.by_message.insert(message, outcome).is_none() {
+        if self
+            .by_message
+            .insert(message, (outcome, Source::Process))
+            .is_none()
+        {
             self.recorded.push_back(message);
         }
+        self.forget_oldest();
+    }
+
+    /// Another gateway's record says `message` ended: kept unless it is known already (this
+    /// process's own records come back this way too).
+    pub(crate) fn record_from_fleet(&mut self, message: MessageKey, outcome: Final) {
+        if self.by_message.contains_key(&message) {
+            return;
+        }
+        self.by_message.insert(message, (outcome, Source::Fleet));
+        self.recorded.push_back(message);
+        self.forget_oldest();
+    }
+
+    fn forget_oldest(&mut self) {
         while self.recorded.len() > self.max {
             if let Some(oldest) = self.recorded.pop_front() {
                 self.by_message.remove(&oldest);
@@ -97,7 +124,14 @@ impl Finals {
 
     /// How `message` ended, if it did through this gateway.
     pub(crate) fn get(&self, message: MessageKey) -> Option<Final> {
-        self.by_message.get(&message).cloned()
+        self.by_message
+            .get(&message)
+            .map(|(outcome, _)| outcome.clone())
+    }
+
+    /// Who confirmed how `message` ended, if it did.
+    pub(crate) fn source(&self, message: MessageKey) -> Option<Source> {
+        self.by_message.get(&message).map(|(_, source)| *source)
     }
 }
 

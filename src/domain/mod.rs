@@ -6,6 +6,7 @@
 
 pub(crate) mod consumers;
 pub(crate) mod delivery;
+pub(crate) mod durability;
 pub(crate) mod finals;
 pub(crate) mod idempotency;
 pub(crate) mod lease_id;

@@ -34,6 +34,8 @@ pub(crate) enum Kind {
     KeyedAnswer,
     ForwardedSettle,
     ForwardedAnswer,
+    /// A record of confirmed acks and terms (see `nats::settled`).
+    SettledRecord,
 }
 
 impl Kind {
@@ -44,6 +46,7 @@ impl Kind {
             Self::KeyedAnswer => "keyed_answer",
             Self::ForwardedSettle => "forwarded_settle",
             Self::ForwardedAnswer => "forwarded_answer",
+            Self::SettledRecord => "settled_record",
         }
     }
 }

@@ -13,8 +13,8 @@ use serde::Serialize;
 use utoipa::{IntoParams, ToSchema};
 
 use super::dto::{
-    ConsumerConfigDto, ConsumerDto, ConsumersDto, PushDto, PushFailureDto, ReplicaDto,
-    ServedConsumerDto, rfc3339,
+    ConsumerConfigDto, ConsumerDto, ConsumersDto, DurabilityDto, PushDto, PushFailureDto,
+    ReplicaDto, ServedConsumerDto, rfc3339,
 };
 use super::responses::{Guarded, NamedNatsRefusals, NatsRefusals};
 use crate::domain::consumers::ConsumerName;
@@ -220,6 +220,7 @@ async fn describe(consumer: &Consumer) -> Result<ConsumerDto, Error> {
         held: status.held,
         busy_keys: status.busy_keys,
         instance_id: consumer.instance().to_string(),
+        durability: durability_of(consumer),
         replicas: consumer
             .replicas()
             .into_iter()
@@ -249,6 +250,32 @@ async fn describe(consumer: &Consumer) -> Result<ConsumerDto, Error> {
             }),
         }),
     })
+}
+
+/// A consumer's durability as its binding found it ("none" while unbound).
+fn durability_of(consumer: &Consumer) -> DurabilityDto {
+    match consumer.durability() {
+        Some(facts) => DurabilityDto {
+            stream_replicas: facts.stream_replicas,
+            consumer_replicas: facts.consumer_replicas,
+            promise: facts.promise().as_str().to_owned(),
+            warnings: facts.warnings(),
+            server_sync: facts.server_sync.describe(),
+            settled_record_replicas: facts.settled_record_replicas.unwrap_or(0),
+            storage: facts.storage,
+            persist_mode: facts.persist_mode,
+        },
+        None => DurabilityDto {
+            stream_replicas: 0,
+            consumer_replicas: 0,
+            storage: String::new(),
+            persist_mode: String::new(),
+            server_sync: "unknown".to_owned(),
+            settled_record_replicas: 0,
+            promise: crate::domain::durability::Promise::None.as_str().to_owned(),
+            warnings: vec!["not bound: nothing is known of the consumer's durability".to_owned()],
+        },
+    }
 }
 
 /// The name NATS itself uses for an enum value (`deliver_policy` is flattened with its

@@ -400,6 +400,19 @@ pub(crate) struct ConsumerConfigDto {
     "held": 4,
     "busy_keys": 3,
     "instance_id": "5f0c2a9e41d3b7c8",
+    "durability": {
+        "stream_replicas": 1,
+        "consumer_replicas": 1,
+        "storage": "file",
+        "persist_mode": "default",
+        "server_sync": "2m",
+        "settled_record_replicas": 1,
+        "promise": "fleet",
+        "warnings": [
+            "R1 stream at a sync interval of 2m: a published 201 can be lost on power failure (Jepsen NATS 2.12.1)",
+            "consumer R1: acks are confirmed before they are stored (the gateway's records keep them)"
+        ]
+    },
     "replicas": [
         {
             "instance_id": "5f0c2a9e41d3b7c8",
@@ -448,10 +461,34 @@ pub(crate) struct ConsumerDto {
     /// The live replicas on this consumer, this one included, oldest first, as their
     /// heartbeats (every second) say.
     pub(crate) replicas: Vec<ReplicaDto>,
+    /// How durable its settles are, and what a 2xx for an ack or term promises.
+    pub(crate) durability: DurabilityDto,
     /// Its push delivery, as this replica runs it; absent when it has no push table.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     pub(crate) push: Option<PushDto>,
+}
+
+/// How durable a consumer's settles are (see docs/guarantees.md#durability).
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct DurabilityDto {
+    pub(crate) stream_replicas: usize,
+    pub(crate) consumer_replicas: usize,
+    /// `file` or `memory`.
+    pub(crate) storage: String,
+    /// The stream's `persist_mode`: `default` or `async`.
+    pub(crate) persist_mode: String,
+    /// The server's sync policy, from `--nats-monitor-url`: `always`, the interval
+    /// (`2m`), or `unknown`.
+    pub(crate) server_sync: String,
+    /// Replicas of the settled records stream; 0 without one.
+    pub(crate) settled_record_replicas: usize,
+    /// `fleet`: no gateway on the consumer hands out again a message whose ack or term it
+    /// answered 2xx; `process`: only this process does not; `none`: not bound, unknown.
+    #[schema(pattern = "^(fleet|process|none)$")]
+    pub(crate) promise: String,
+    /// The weak links, weakest first.
+    pub(crate) warnings: Vec<String>,
 }
 
 /// A push consumer's delivery, as one replica runs it.

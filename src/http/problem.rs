@@ -90,9 +90,11 @@ impl Error {
             Self::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             Self::Forbidden { .. } => StatusCode::FORBIDDEN,
             Self::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            Self::Unavailable(_) | Self::Rebinding(_) | Self::ShuttingDown | Self::ClientGone => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            Self::Unavailable(_)
+            | Self::Rebinding(_)
+            | Self::ShuttingDown
+            | Self::ClientGone
+            | Self::DurabilityInsufficient { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Self::TimedOut => StatusCode::GATEWAY_TIMEOUT,
             Self::PublishPrecondition { .. } => StatusCode::PRECONDITION_FAILED,
             Self::UriTooLong { .. } => StatusCode::URI_TOO_LONG,
@@ -118,6 +120,9 @@ impl Error {
             Self::RedriveOverlaps { .. } => ("redrive-overlaps", "Redrive overlaps a running one"),
             Self::AtCapacity { .. } => ("too-many-leases", "Too many leases in flight"),
             Self::Unavailable(_) => ("unavailable", "NATS unavailable"),
+            Self::DurabilityInsufficient { .. } => {
+                ("durability-insufficient", "Durability insufficient")
+            }
             Self::Rebinding(_) => ("consumer-rebinding", "Consumer being bound anew"),
             Self::ShuttingDown => ("shutting-down", "Shutting down"),
             Self::ClientGone => ("client-gone", "Client closed the connection"),
@@ -165,6 +170,9 @@ impl Error {
             // A 503 is an outage of this gateway's NATS connection (or its shutdown): a
             // second is enough for a client to try again, here or at another replica.
             Self::Unavailable(_) | Self::Rebinding(_) | Self::ShuttingDown => Some(1),
+            // Held until the operator changes something; the binding is tried again within
+            // a minute.
+            Self::DurabilityInsufficient { .. } => Some(30),
             Self::AtCapacity { retry_after, .. }
             | Self::TooManyWaitingFetches { retry_after, .. }
             | Self::ScheduleFiring { retry_after, .. } => {
@@ -212,6 +220,7 @@ impl Error {
             instance: None,
             field: match self {
                 Self::Invalid { field, .. } => field.clone(),
+                Self::DurabilityInsufficient { field, .. } => Some((*field).to_owned()),
                 _ => None,
             },
             retry_after: self.retry_after_secs(),

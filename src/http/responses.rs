@@ -133,7 +133,7 @@ impl ProblemKind {
                 "All `max_ack_pending` leases are out (or, with authentication on, this token has as many fetches waiting as it may); retry after `Retry-After` seconds."
             }
             Self::Unavailable => {
-                "NATS is unreachable, the consumer is gone, or the gateway is shutting down; or the consumer is being bound anew because the consumers file changed a setting only a new binding applies (`consumer-rebinding`)."
+                "NATS is unreachable, the consumer is gone, or the gateway is shutting down; or the consumer is being bound anew because the consumers file changed a setting only a new binding applies (`consumer-rebinding`); or its settles are less durable than `--require-durability` asks (`durability-insufficient`; `field` names the field of its `durability` that falls short). On an ack or term: the server confirmed it, but its record for the fleet could not be stored — retry with the same id."
             }
             Self::NotConfirmed => {
                 "The NATS server did not confirm in time; the lease stays valid and retrying is safe."
@@ -214,6 +214,10 @@ impl ProblemKind {
                 Error::Rebinding(
                     "consumer ORDERS/shipping is bound anew with the settings the consumers file now gives it once its live leases have ended; they still settle".into(),
                 ),
+                Error::DurabilityInsufficient {
+                    field: "stream_replicas",
+                    detail: "consumer ORDERS/billing is not served: --require-durability replicated is not met: stream_replicas is 1; at least 3 are required".into(),
+                },
             ],
             Self::NotConfirmed => vec![Error::TimedOut],
             Self::ConsumerNotFound => vec![Error::ConsumerNotFound(

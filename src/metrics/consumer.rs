@@ -49,6 +49,7 @@ pub(super) struct Families {
     settles_forwarded: IntCounterVec,
     forwarded_settles_received: IntCounterVec,
     replicas: IntGaugeVec,
+    durability_promise: IntGaugeVec,
     ordering_held: IntGaugeVec,
     ordering_busy_keys: IntGaugeVec,
     ordering_keys_rejected: IntCounterVec,
@@ -104,8 +105,8 @@ impl Families {
             ),
             settled_again: reg.counter_vec(
                 SETTLED_AGAIN,
-                "Redeliveries of messages whose ack or term the server had confirmed (and forgot in a crash), settled again by the gateway instead of leased",
-                &labels(&["kind"]),
+                "Redeliveries of messages whose ack or term the server had confirmed (and forgot in a crash), settled again by the gateway instead of leased; source: this process confirmed it, or another gateway (or an earlier life of this one) whose record was read back",
+                &labels(&["kind", "source"]),
             ),
             fetch_wait: reg.histogram_vec(
                 FETCH_WAIT,
@@ -170,6 +171,11 @@ impl Families {
             replicas: reg.gauge_vec(
                 REPLICAS,
                 "Live replicas on the consumer, this one included, as their heartbeats say",
+                &plain,
+            ),
+            durability_promise: reg.gauge_vec(
+                DURABILITY_PROMISE,
+                "What a settle answered 2xx promises: 2 no gateway on the consumer hands the message out again (fleet), 1 this process does not (process), 0 not known (none)",
                 &plain,
             ),
             ordering_held: reg.gauge_vec(
@@ -239,8 +245,8 @@ pub(crate) struct Metrics {
     deliveries_received: IntCounter,
     redeliveries: IntCounter,
     deliveries_released: IntCounter,
-    settled_again_ack: OnFirstUse,
-    settled_again_term: OnFirstUse,
+    /// By kind (ack, term) and source (process, fleet).
+    settled_again: [[OnFirstUse; 2]; 2],
     fetch_wait: prometheus::Histogram,
     fetch_latency: prometheus::Histogram,
     fetches_empty: IntCounter,
@@ -258,6 +264,7 @@ pub(crate) struct Metrics {
     settles_forwarded: ByOutcome,
     forwarded_settles_received: ByOutcome,
     replicas: IntGauge,
+    durability_promise: IntGauge,
     /// Made by an ordered consumer's gate, on its first use.
     ordering_held: OnceLock<IntGauge>,
     ordering_busy_keys: OnceLock<IntGauge>,
@@ -298,8 +305,7 @@ impl Metrics {
             deliveries_received: counter(&f.deliveries_received, &[]),
             redeliveries: counter(&f.redeliveries, &[]),
             deliveries_released: counter(&f.deliveries_released, &[]),
-            settled_again_ack: OnFirstUse::default(),
-            settled_again_term: OnFirstUse::default(),
+            settled_again: Default::default(),
             fetch_wait: histogram(&f.fetch_wait),
             fetch_latency: histogram(&f.fetch_latency),
             fetches_empty: counter(&f.fetches_empty, &[]),
@@ -317,6 +323,7 @@ impl Metrics {
             settles_forwarded: ByOutcome::default(),
             forwarded_settles_received: ByOutcome::default(),
             replicas: gauge(&f.replicas),
+            durability_promise: gauge(&f.durability_promise),
             ordering_held: OnceLock::new(),
             ordering_busy_keys: OnceLock::new(),
             ordering_keys_rejected: OnFirstUse::default(),
@@ -348,6 +355,7 @@ impl Metrics {
         remove(&f.delayed_naks, &pair, &[]);
         remove(&f.dead_lettered, &pair, &[]);
         remove(&f.replicas, &pair, &[]);
+        remove(&f.durability_promise, &pair, &[]);
         remove(&f.ordering_held, &pair, &[]);
         remove(&f.ordering_busy_keys, &pair, &[]);
         remove(&f.ordering_keys_rejected, &pair, &[]);
@@ -365,7 +373,9 @@ impl Metrics {
             remove(&f.forwarded_settles_received, &pair, &[outcome.as_str()]);
         }
         for kind in ["ack", "term"] {
-            remove(&f.settled_again, &pair, &[kind]);
+            for source in ["process", "fleet"] {
+                remove(&f.settled_again, &pair, &[kind, source]);
+            }
         }
         for reason in ["at_capacity", "unavailable", "token_limit"] {
             remove(&f.fetches_refused, &pair, &[reason]);
@@ -453,6 +463,11 @@ impl Metrics {
             .inc();
     }
 
+    /// What a settle answered 2xx promises (see [`DURABILITY_PROMISE`]).
+    pub(crate) fn durability_promise(&self, level: i64) {
+        self.durability_promise.set(level);
+    }
+
     /// How many replicas are live, this one included.
     pub(crate) fn replicas(&self, count: usize) {
         self.replicas.set(i64::try_from(count).unwrap_or(i64::MAX));
@@ -486,14 +501,14 @@ impl Metrics {
         self.deliveries_released.inc();
     }
 
-    /// A redelivery of a message acked (`term`: terminated) before was settled again.
-    pub(crate) fn settled_again(&self, term: bool) {
-        let (series, kind) = if term {
-            (&self.settled_again_term, "term")
-        } else {
-            (&self.settled_again_ack, "ack")
-        };
-        self.labelled(series, &self.families.settled_again, &[kind])
+    /// A redelivery of a message acked (`term`: terminated) before was settled again;
+    /// `by_fleet`: that ack or term was known from another gateway's record (or an earlier
+    /// life of this one), not confirmed by this process.
+    pub(crate) fn settled_again(&self, term: bool, by_fleet: bool) {
+        let kind = if term { "term" } else { "ack" };
+        let source = if by_fleet { "fleet" } else { "process" };
+        let series = &self.settled_again[usize::from(term)][usize::from(by_fleet)];
+        self.labelled(series, &self.families.settled_again, &[kind, source])
             .inc();
     }
 

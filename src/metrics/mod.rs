@@ -92,6 +92,9 @@ pub(crate) const SETTLES_FORWARDED: &str = "ruststream_settles_forwarded_total";
 pub(crate) const FORWARDED_SETTLES_RECEIVED: &str = "ruststream_forwarded_settles_received_total";
 /// Live replicas on the consumer, this one included, as their heartbeats say (gauge).
 pub(crate) const REPLICAS: &str = "ruststream_replicas";
+/// What the gateway promises of a settle answered 2xx (gauge): 2 every gateway on the
+/// consumer (`fleet`), 1 this process (`process`), 0 not known (`none`).
+pub(crate) const DURABILITY_PROMISE: &str = "ruststream_durability_promise";
 /// Messages of an ordered consumer held until their key is free (gauge).
 pub(crate) const ORDERING_HELD: &str = "ruststream_ordering_held";
 /// Ordering keys of an ordered consumer with a message out (gauge).

@@ -76,7 +76,7 @@ fn every_family_is_listed_from_the_start_and_other_results_on_first_use() {
 
 /// Count once in each series made on first use.
 fn record_every_rare_series(metrics: &Metrics) {
-    metrics.settled_again(false);
+    metrics.settled_again(false, true);
     metrics.fetch_refused(FetchRefusal::AtCapacity);
     metrics.ordering(1, 1);
     metrics.ordering_key_rejected();

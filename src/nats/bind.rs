@@ -56,6 +56,15 @@ pub(crate) struct Bound {
     /// Every other replica seen while binding reads lease ids that carry their expiry
     /// (version 4): this one may issue them.
     pub(crate) everyone_reads_expiring_ids: bool,
+    /// The stream sequence below which the server has every message of the consumer
+    /// settled (its ack floor), as last read.
+    pub(crate) ack_floor_stream_sequence: u64,
+    /// How durable its settles are, as found at bind.
+    pub(crate) durability: crate::domain::durability::Facts,
+    /// Where the consumer's confirmed acks and terms are recorded for every gateway; `None`
+    /// with `--ephemeral` (the consumer dies with this process) or where the server refused
+    /// the records stream (then only this process remembers them).
+    pub(crate) settled_records: Option<Arc<super::settled::Records>>,
 }
 
 impl Bound {
@@ -118,6 +127,12 @@ pub(crate) async fn bind(
     let stream_subjects = stream.cached_info().config.subjects.clone();
     let deletes_on_term =
         super::dead_letter::is_deleted_on_term(stream.cached_info().config.retention);
+    let stream_config = stream.cached_info().config.clone();
+    let settled_records = if config.ephemeral {
+        None
+    } else {
+        records(config, &js, binder, &stream_config).await?
+    };
     let (mut consumer, shared, per_consumer, everyone_reads_expiring_ids) = if config.ephemeral {
         let mut ephemeral = config_to_create(config, &stream, None);
         ephemeral.name = Some(binder.ephemeral_name.to_owned());
@@ -178,6 +193,9 @@ pub(crate) async fn bind(
         shared,
         per_consumer,
         everyone_reads_expiring_ids,
+        ack_floor_stream_sequence: 0,
+        durability: durability_of(config, &stream_config, &info, settled_records.as_deref()).await,
+        settled_records,
     };
     bound.read_back(&info);
     Ok(bound)
@@ -189,6 +207,7 @@ impl Bound {
         self.consumer_name.clone_from(&info.name);
         self.created = info.created;
         self.delivered_consumer_sequence = info.delivered.consumer_sequence;
+        self.ack_floor_stream_sequence = info.ack_floor.stream_sequence;
         self.ack_wait = info.config.ack_wait;
         self.max_ack_pending = usize::try_from(info.config.max_ack_pending).unwrap_or(usize::MAX);
         self.max_waiting = usize::try_from(info.config.max_waiting).unwrap_or(512);
@@ -196,6 +215,74 @@ impl Bound {
             .ok()
             .filter(|max| *max > 0);
         self.max_expires = Some(info.config.max_expires).filter(|max| !max.is_zero());
+    }
+}
+
+/// The records stream of the consumer's confirmed settles (see [`super::settled`]): made
+/// or found; `None` where the server refuses it (said once per bind, loudly: the promise
+/// is then this process's alone). NATS unreachable fails the bind, which is retried.
+async fn records(
+    config: &Config,
+    js: &jetstream::Context,
+    binder: &Binder<'_>,
+    stream: &jetstream::stream::Config,
+) -> Result<Option<Arc<super::settled::Records>>, BindError> {
+    use super::settled::{EnsureError, Place, Records};
+    let place = Place {
+        prefix: &config.internal_prefix,
+        stream: &config.stream,
+        consumer: &config.consumer,
+        replicas: stream.num_replicas,
+        retention: config.settled_retention,
+    };
+    // Sealed only with a key a successor shares (see `settled`).
+    let trust = config
+        .lease_key_file
+        .is_some()
+        .then(|| binder.trust.clone());
+    match Records::ensure(js, &place, trust).await {
+        Ok(records) => Ok(Some(Arc::new(records))),
+        Err(EnsureError::Refused(why)) => {
+            warn!(reason = %why, stream = %config.stream, consumer = %config.consumer, "no settled records stream: a message whose ack the server confirmed and then forgot can be handed out again by another gateway or after a restart");
+            Ok(None)
+        }
+        Err(EnsureError::Transient(err)) => Err(BindError::Transient(
+            err.context("setting up the settled records stream"),
+        )),
+    }
+}
+
+/// What binding found of how durable the consumer's settles are (the server's sync policy
+/// read from `--nats-monitor-url`, when given).
+async fn durability_of(
+    config: &Config,
+    stream: &stream::Config,
+    consumer: &consumer::Info,
+    records: Option<&super::settled::Records>,
+) -> crate::domain::durability::Facts {
+    use crate::domain::durability::{Facts, ServerSync};
+    let stream_replicas = stream.num_replicas.max(1);
+    Facts {
+        stream_replicas,
+        consumer_replicas: match consumer.config.num_replicas {
+            0 => stream_replicas,
+            own => own,
+        },
+        storage: match stream.storage {
+            stream::StorageType::File => "file",
+            stream::StorageType::Memory => "memory",
+        }
+        .to_owned(),
+        persist_mode: match stream.persist_mode {
+            Some(stream::PersistenceMode::Async) => "async",
+            _ => "default",
+        }
+        .to_owned(),
+        server_sync: match &config.nats_monitor_url {
+            Some(url) => super::monitor::server_sync(url).await,
+            None => ServerSync::Unknown,
+        },
+        settled_record_replicas: records.map(super::settled::Records::replicas),
     }
 }
 

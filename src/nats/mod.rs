@@ -6,6 +6,7 @@
 //! - [`bind`]: find the stream, create or bind the consumer, read back its settings.
 //! - [`pull`]: pull requests, their inboxes, and parsing deliveries.
 //! - [`settle`]: ack/nak/term/in-progress with the server's confirmation; release.
+//! - [`settled`]: the records of confirmed acks and terms every gateway reads back.
 //! - [`publish`]: publish to the stream; the consumer's server-side state.
 //! - [`dead_letter`]: advisories of exhausted or terminated messages → dead-letter copies.
 //! - [`dead_letter_reader`]: the dead-letter stream read (found by subject), never changed.
@@ -14,6 +15,7 @@
 //! - [`advisories`]: the stream capturing those advisories, drained by a durable consumer.
 //! - [`replicas`]: what replicas on one consumer share: heartbeats, keyed fetch answers.
 //! - [`forward`]: settles forwarded to the replica that issued the lease.
+//! - [`monitor`]: the server's sync policy, from its monitoring endpoint.
 //! - [`trust`]: seals on all of that, and which messages under the prefix to believe.
 //!
 //! May import: `config`, `domain`, `metrics`. Never `state`, `dispatch`, `gateway` or `http`.
@@ -24,6 +26,7 @@ pub(crate) mod connect;
 pub(crate) mod dead_letter;
 pub(crate) mod dead_letter_reader;
 pub(crate) mod forward;
+pub(crate) mod monitor;
 pub(crate) mod publish;
 pub(crate) mod pull;
 pub(crate) mod reconcile;
@@ -32,6 +35,7 @@ pub(crate) mod replicas;
 pub(crate) mod schedules;
 pub(crate) mod seek;
 pub(crate) mod settle;
+pub(crate) mod settled;
 pub(crate) mod trust;
 
 use std::time::Duration;

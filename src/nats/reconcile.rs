@@ -29,6 +29,10 @@ pub(crate) enum BindError {
     /// other than explicit): the message names the field. A request for it is a 409.
     #[error("{0}")]
     Unsuitable(String),
+    /// Its settles are less durable than `--require-durability` asks: the field of its
+    /// `durability` that falls short. A request for it is a 503.
+    #[error("{detail}")]
+    Insufficient { field: &'static str, detail: String },
     /// NATS is unreachable or slow; try again.
     #[error(transparent)]
     Transient(#[from] anyhow::Error),

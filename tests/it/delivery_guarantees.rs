@@ -373,8 +373,12 @@ async fn messages_acked_or_termed_before_a_server_crash_are_never_leased_again()
     let (mut server, js, mut gateway) = Setup::consumer(consumer).ack_wait("2s").start().await;
     for round in 1..=2 {
         let forgotten = settle_then_crash(&mut server, &js, &mut gateway, consumer).await;
-        let again =
-            |kind: &str| format!("ruststream_redeliveries_settled_again_total{{kind=\"{kind}\"}}");
+        // This process confirmed them: source="process".
+        let again = |kind: &str| {
+            format!(
+                "ruststream_redeliveries_settled_again_total{{kind=\"{kind}\",source=\"process\"}}"
+            )
+        };
         let before = Scrape::of(&gateway).await;
         // Fetches pull again: the forgotten settles come back, and not one reaches a client.
         let fetched = gateway.fetch_n(CRASH_MESSAGES as u64, 4000).await;
@@ -507,8 +511,9 @@ async fn a_recreated_consumer_leases_only_what_did_not_end_here() {
         }
         deadline.tick_seeing(format_args!("{seen:?}")).await;
     }
-    let kind =
-        |kind: &str| format!("ruststream_redeliveries_settled_again_total{{kind=\"{kind}\"}}");
+    let kind = |kind: &str| {
+        format!("ruststream_redeliveries_settled_again_total{{kind=\"{kind}\",source=\"process\"}}")
+    };
     wait_until(
         "the four are settled again",
         Duration::from_secs(10),

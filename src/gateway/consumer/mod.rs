@@ -13,6 +13,7 @@ mod exchange;
 mod fetch;
 mod idle;
 mod pause;
+mod recorder;
 mod replicas;
 mod seek;
 mod settings;
@@ -40,7 +41,7 @@ use crate::config::Config;
 use crate::dispatch::{Command, Dispatcher};
 use crate::domain::consumers::ConsumerName;
 use crate::domain::delivery::Leased;
-use crate::domain::finals::MessageKey;
+use crate::domain::finals::{Final, MessageKey};
 use crate::domain::idempotency::IdempotencyCache;
 use crate::domain::push::{PushState, PushStatus};
 use crate::domain::settle::AckCommand;
@@ -98,6 +99,8 @@ pub(crate) struct Consumer {
     seek_mark: Arc<Mutex<Option<Option<String>>>>,
     /// The ack_wait and max_ack_pending a changed consumers file applied live.
     live_settings: Arc<settings::LiveSettings>,
+    /// Writes the records of confirmed acks and terms every gateway reads back.
+    recorder: recorder::Recorder,
 }
 
 /// Handles to the background tasks, for an orderly stop.
@@ -229,6 +232,7 @@ impl Consumer {
                 }
             }
         });
+        let recorder = recorder::Recorder::start(latest_binding.clone(), stop.clone());
         let (consumer_full_tx, consumer_full) = watch::channel(false);
         let subjects = Arc::new(Subjects::new(
             &config.internal_prefix,
@@ -257,6 +261,7 @@ impl Consumer {
             paused: Arc::default(),
             seek_mark: Arc::default(),
             live_settings,
+            recorder,
         };
         if gateway.config.ordering_key.is_some() {
             let (finals, highest) = (gateway.clone(), gateway.clone());
@@ -452,8 +457,19 @@ impl Consumer {
     /// did not land: a push the endpoint took whose ack the server never confirmed. Its
     /// redelivery is then settled again from memory, never pushed again by this process.
     pub(crate) fn remember_ended(&self, leased: &Leased, command: &AckCommand) {
-        self.state
-            .confirmed(MessageKey::of(&leased.delivery.coordinates), command);
+        let message = MessageKey::of(&leased.delivery.coordinates);
+        self.state.confirmed(message, command);
+        if let Some(outcome) = Final::of(command) {
+            self.recorder.record_later((message, outcome));
+        }
+    }
+
+    /// How durable its settles are, as its binding found; `None` before the first.
+    pub(crate) fn durability(&self) -> Option<crate::domain::durability::Facts> {
+        self.latest_binding
+            .borrow()
+            .as_ref()
+            .map(|bound| bound.durability.clone())
     }
 
     /// The state of its push, when it pushes.

@@ -105,6 +105,11 @@ impl Consumer {
             .await
             .map_err(unavailable)?;
         self.saw_mark(Some(mark));
+        // What the records say ended would be settled again when the move delivers it
+        // anew: forgotten first (should that fail, the consumer is not moved).
+        if let Some(records) = &bound.settled_records {
+            records.forget().await.map_err(unavailable)?;
+        }
         seek::reset(&bound, &info.stream_name, sequence)
             .await
             .map_err(unavailable)?;

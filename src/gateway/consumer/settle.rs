@@ -12,7 +12,7 @@ use time::OffsetDateTime;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::domain::finals::MessageKey;
+use crate::domain::finals::{Final, MessageKey};
 use crate::domain::lease_id::{DeliveryKey, InstanceId, LeaseCoordinates, SignedLease};
 use crate::domain::leases::{Refusal, SettleStart};
 use crate::domain::settle::{AckCommand, SettleKind};
@@ -292,8 +292,16 @@ impl Consumer {
     ) -> Result<Sent, Error> {
         let key = lease.key;
         let started = self.state.leases().begin_settle(key, kind, Instant::now());
+        let ending = Final::of(command).map(|outcome| (MessageKey::of(lease), outcome));
         let reply = match started {
-            Ok(SettleStart::AlreadyDone) => return Ok(Sent::Nothing),
+            // A retry: its record may be what failed the first time (then answered 503),
+            // and it is answered 2xx only with one stored.
+            Ok(SettleStart::AlreadyDone) => {
+                if let Some(ending) = ending {
+                    self.recorder.record(ending, deadline).await?;
+                }
+                return Ok(Sent::Nothing);
+            }
             Ok(SettleStart::Send(reply)) => reply,
             Err(refusal) => return Err(refused(refusal)),
         };
@@ -302,13 +310,15 @@ impl Consumer {
             key,
             kind,
         };
+        // Pending before the lease is finished: see `Recorder::reserve`.
+        let reservation = ending.is_some().then(|| self.recorder.reserve());
         let mut deadline = std::pin::pin!(deadline);
         let confirmed = match self.connected() {
             Ok(bound) => match self
                 .copy_before_term(&bound, key, command, &mut deadline)
                 .await
             {
-                Ok(()) => nats_settle::confirm(&bound, &reply, command, deadline).await,
+                Ok(()) => nats_settle::confirm(&bound, &reply, command, deadline.as_mut()).await,
                 Err(not_copied) => {
                     // Nothing was sent: the lease stays as it was, the term may be retried.
                     drop(in_motion);
@@ -332,7 +342,13 @@ impl Consumer {
         if confirmed.is_ok() {
             self.state.freed_capacity();
         }
-        confirmed.map(|()| Sent::Confirmed).map_err(unconfirmed)
+        confirmed.map_err(unconfirmed)?;
+        if let (Some(ending), Some(reservation)) = (ending, reservation) {
+            // Answered 2xx only once every gateway can know it ended (503 otherwise; the
+            // server has the settle, and a retry records it again).
+            reservation.record(ending, deadline).await?;
+        }
+        Ok(Sent::Confirmed)
     }
 
     /// Before a term of a message the stream deletes on term (work-queue or interest

@@ -46,6 +46,9 @@ impl Consumer {
             settled.as_mut().enable();
             let in_flight = self.state.in_flight();
             if in_flight == 0 {
+                // A settle that ended the last lease may still wait for its record: it is
+                // answered 2xx (or 503) only then.
+                let _ = tokio::time::timeout_at(deadline, self.recorder.idle()).await;
                 return;
             }
             if Instant::now() >= deadline {

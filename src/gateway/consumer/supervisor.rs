@@ -24,11 +24,14 @@ use crate::nats::{self, BindError, Bound, ConnectionEvent};
 use crate::state::LeaseState;
 
 use super::super::process::Process;
+use super::recorder::Reader;
 
 /// How soon a consumer that cannot be served as it is (see [`BindError::Unsuitable`]) is
 /// tried again, doubling to [`HELD_RETRY_AT_MOST`].
 const HELD_RETRY_FIRST: Duration = Duration::from_secs(1);
 const HELD_RETRY_AT_MOST: Duration = Duration::from_secs(60);
+/// How long a binding waits for the settled records to be read before it tries again.
+const CATCH_UP_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest wait between two checks of the consumer after a reconnect.
 const RECHECK_RETRY_AT_MOST: Duration = Duration::from_millis(250);
 
@@ -111,7 +114,14 @@ pub(super) async fn supervise(
     // A consumer held (it cannot be served as it is): why, and when it is tried again.
     let mut held_for: Option<String> = None;
     let mut held_backoff = HELD_RETRY_FIRST;
+    // Reads the consumer's settled records from its first binding with some on.
+    let mut records_reader: Option<Reader> = None;
+    // The weakest link of its durability is logged once.
+    let mut durability_told = false;
     loop {
+        // Until the binding is checked and the fleet's records read, nothing is leased: the
+        // server may have forgotten settles that other gateways recorded meanwhile.
+        state.set_fleet_behind(true);
         // Wait for the connection; async-nats reconnects on its own.
         while !nats::is_connected(&client) {
             match tokio::time::timeout(Duration::from_secs(1), events.recv()).await {
@@ -160,21 +170,33 @@ pub(super) async fn supervise(
                 Err(err) => Err(err),
             };
             drop(previous);
+            let binding = binding.and_then(|bound| durable_enough(config, bound));
             let bound = match binding {
                 Ok(bound) => bound,
                 // At start, what the operator must fix stops the process (exit 2).
-                Err(BindError::Fatal(message) | BindError::Unsuitable(message))
-                    if background.exit_on_fatal && identity_seen.is_none() =>
-                {
+                Err(
+                    BindError::Fatal(message)
+                    | BindError::Unsuitable(message)
+                    | BindError::Insufficient {
+                        detail: message, ..
+                    },
+                ) if background.exit_on_fatal && identity_seen.is_none() => {
                     anyhow::bail!(message)
                 }
                 // Later (the consumer made again as something else, a stream deleted, a
                 // consumer declared since), it is held, not served: requests hear why (409 or
                 // 503), and it is tried again with a backoff, logged once per reason.
-                Err(err @ (BindError::Fatal(_) | BindError::Unsuitable(_))) => {
+                Err(
+                    err @ (BindError::Fatal(_)
+                    | BindError::Unsuitable(_)
+                    | BindError::Insufficient { .. }),
+                ) => {
                     let why = err.to_string();
                     let refusal = match err {
                         BindError::Unsuitable(_) => Error::ConsumerUnsuitable(why.clone()),
+                        BindError::Insufficient { field, detail } => {
+                            Error::DurabilityInsufficient { field, detail }
+                        }
                         _ => {
                             Error::Unavailable(format!("the consumer cannot be served now: {why}"))
                         }
@@ -210,6 +232,35 @@ pub(super) async fn supervise(
                     continue;
                 }
             };
+            if let Some(records) = &bound.settled_records {
+                let reader = records_reader.get_or_insert_with(|| {
+                    Reader::start(
+                        records.clone(),
+                        background.state.clone(),
+                        bound.ack_floor_stream_sequence,
+                        background.stop.child_token(),
+                    )
+                });
+                let caught_up = reader
+                    .catch_up(records, bound.ack_floor_stream_sequence, CATCH_UP_TIMEOUT)
+                    .await;
+                if let Err(err) = caught_up {
+                    warn!(error = %format!("{err:#}"), retry_in = ?backoff, "cannot read the settled records yet; nothing is leased until they are");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            }
+            state
+                .metrics
+                .durability_promise(bound.durability.promise().level());
+            if !durability_told {
+                durability_told = true;
+                if let Some(weakest) = bound.durability.warnings().first() {
+                    warn!(stream = %config.stream, consumer = %config.consumer, promise = bound.durability.promise().as_str(), weakest_link = %weakest, "how durable this consumer's settles are (its durability in GET /consumer lists every warning)");
+                }
+            }
+            state.set_fleet_behind(false);
             backoff = Duration::from_millis(100);
             held_backoff = HELD_RETRY_FIRST;
             if let Some(why) = held_for.take() {
@@ -264,6 +315,7 @@ pub(super) async fn supervise(
                 event = events.recv() => match event {
                     Ok(ConnectionEvent::Disconnected) => {
                         background.connected.send_replace(false);
+                        state.set_fleet_behind(true);
                         let _ = commands.send(Command::ConnectionLost).await;
                     }
                     // Events missed: whatever they were, bind again once connected.
@@ -275,11 +327,31 @@ pub(super) async fn supervise(
                     Err(RecvError::Closed) => anyhow::bail!("the NATS client stopped"),
                 },
                 () = state.rebind_requested() => {
+                    state.set_fleet_behind(true);
                     bound_tx.send_replace(None);
                     published = false;
                     break;
                 }
             }
         }
+    }
+}
+
+/// `bound`, unless its settles are less durable than `--require-durability` asks.
+fn durable_enough(config: &Config, bound: Box<Bound>) -> Result<Box<Bound>, BindError> {
+    let Some(required) = config.require_durability else {
+        return Ok(bound);
+    };
+    match bound.durability.shortfall(required.requirement()) {
+        None => Ok(bound),
+        Some((field, why)) => Err(BindError::Insufficient {
+            field,
+            detail: format!(
+                "consumer {}/{} is not served: --require-durability {} is not met: {why}",
+                config.stream,
+                config.consumer,
+                required.as_str()
+            ),
+        }),
     }
 }

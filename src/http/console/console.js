@@ -222,6 +222,7 @@ function consumerView(stream, consumer) {
   const stats = h("dl", { class: "stats" });
   const chartBox = h("div", {});
   const pushBox = h("div", {});
+  const durabilityBox = h("section", { "aria-label": "Durability" });
   const seekResult = h("output", { id: "seek-result", "aria-live": "polite" });
   const seekForm = h("form", { class: "row", id: "seek-form" },
     field("Move to", h("select", { name: "kind" },
@@ -261,6 +262,7 @@ function consumerView(stream, consumer) {
       h("h2", {}, `${stream} / ${consumer}`),
       stats,
       h("h3", {}, "Last 15 minutes at this replica"),
+      durabilityBox,
       chartBox,
       pushBox,
       h("h3", {}, "Rewind or fast-forward"),
@@ -283,6 +285,12 @@ function consumerView(stream, consumer) {
       ];
       stats.replaceChildren(...entries.map(([label, value]) =>
         h("div", {}, h("dt", {}, label), h("dd", {}, typeof value === "number" ? number(value) : String(value ?? "—")))));
+      const durability = state.durability;
+      durabilityBox.replaceChildren(
+        h("h3", {}, `Durability: ${durability.promise}`),
+        h("p", {}, `stream R${durability.stream_replicas}, consumer R${durability.consumer_replicas}, ` +
+          `${durability.storage} storage, server sync ${durability.server_sync}, settled records R${durability.settled_record_replicas}`),
+        h("ul", {}, ...durability.warnings.map((warning) => h("li", {}, warning))));
       chartBox.replaceChildren(chart(history));
       if (state.push) {
         const push = state.push;

@@ -65,6 +65,27 @@ impl NatsServer {
         .await
     }
 
+    /// A server with its monitoring endpoint (`http_port`) on, at nats-server's default
+    /// sync or with `sync_interval: always`; and the endpoint's base URL.
+    pub async fn with_monitoring(sync_always: bool) -> (Self, String) {
+        let monitor = std::sync::Mutex::new(0);
+        let server = Self::start_trying(|port, dir| {
+            let http_port = free_port();
+            *monitor.lock().expect("port") = http_port;
+            let sync = if sync_always { "sync_interval: always" } else { "" };
+            let config = format!(
+                "listen: \"127.0.0.1:{port}\"\nhttp: \"127.0.0.1:{http_port}\"\njetstream {{ store_dir: {}\n {sync} }}\n",
+                quoted(&dir.join("store"))
+            );
+            let path = dir.join("server.conf");
+            std::fs::write(&path, config).map_err(|err| format!("write config: {err}"))?;
+            Ok(vec!["-c".into(), path.into()])
+        })
+        .await;
+        let http_port = *monitor.lock().expect("port");
+        (server, format!("http://127.0.0.1:{http_port}"))
+    }
+
     /// Another process may grab the free port between our probe and the server's bind:
     /// try a few ports before giving up.
     async fn start_trying(

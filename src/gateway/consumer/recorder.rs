@@ -1,0 +1,336 @@
+//! The consumer's settled records (see [`crate::nats::settled`]), from this side: every
+//! confirmed ack or term is recorded before it is answered 2xx, and the records of every
+//! gateway on the consumer are read back when it binds and followed live, so that none of
+//! them hands such a message out again.
+//!
+//! Writing: settles arriving together (a batch settle; single settles while a record is on
+//! its way) go out as one record, one at a time per consumer — a lone settle waits for no
+//! timer, and under load each record carries everything that came meanwhile.
+//!
+//! Reading: one reader per consumer from its first binding on; before a binding serves (and
+//! after every reconnect) the supervisor waits until the reader has read every record
+//! stored by then — until then nothing is leased.
+//!
+//! May import: as the rest of `gateway`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::error::Error;
+use crate::nats::Bound;
+use crate::nats::settled::{MAX_PER_RECORD, Records, Settled};
+use crate::state::LeaseState;
+
+/// How long a record may take to be stored before the settle waiting for it is answered
+/// 503 (it is also bounded by the settle's own deadline).
+const STORE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait before a reader that failed is opened again.
+const REOPEN_AT_MOST: Duration = Duration::from_secs(2);
+
+/// One settle waiting for its record.
+struct Waiting {
+    settled: Settled,
+    stored: oneshot::Sender<Result<(), String>>,
+}
+
+/// Writes the consumer's records. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Recorder {
+    queue: mpsc::UnboundedSender<Waiting>,
+    /// Settles whose record is not yet stored or refused (a shutdown's grace waits for them).
+    pending: Arc<AtomicUsize>,
+    /// Wakes [`Recorder::idle`] when `pending` drops to 0.
+    drained: Arc<Notify>,
+}
+
+impl Recorder {
+    /// A recorder writing to the records the binding in force names (none: nothing is
+    /// written, and every settle goes through as before).
+    pub(super) fn start(
+        binding: watch::Receiver<Option<Arc<Bound>>>,
+        stop: CancellationToken,
+    ) -> Self {
+        let (queue, waiting) = mpsc::unbounded_channel();
+        let recorder = Self {
+            queue,
+            pending: Arc::default(),
+            drained: Arc::default(),
+        };
+        let writer = recorder.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = writer.write(waiting, binding) => {}
+                () = stop.cancelled() => {}
+            }
+        });
+        recorder
+    }
+
+    /// Resolves once no settle waits for its record.
+    pub(super) async fn idle(&self) {
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            // Registered before looking, so a drain in between is not missed.
+            drained.as_mut().enable();
+            if self.pending.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            drained.await;
+        }
+    }
+
+    /// Queue a record already counted as pending.
+    fn enqueue(&self, waiting: Waiting) -> Result<(), Error> {
+        self.queue.send(waiting).map_err(|_| {
+            self.done(1);
+            not_recorded("the consumer is stopping")
+        })
+    }
+
+    fn done(&self, count: usize) {
+        if self.pending.fetch_sub(count, Ordering::AcqRel) == count {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// Count a record about to be asked for as pending from now: taken before the lease
+    /// it follows is finished, so that a shutdown's grace, which ends when no lease is in
+    /// flight, cannot end between the two.
+    pub(super) fn reserve(&self) -> Reservation {
+        self.pending.fetch_add(1, Ordering::AcqRel);
+        Reservation(Some(self.clone()))
+    }
+
+    /// Record that `settled`'s message ended; `Ok` once the record is stored (or there is
+    /// no records stream). 503 when it is not stored by `deadline`, or cannot be.
+    pub(super) async fn record(
+        &self,
+        settled: Settled,
+        deadline: impl Future<Output = ()>,
+    ) -> Result<(), Error> {
+        self.reserve().record(settled, deadline).await
+    }
+}
+
+/// A record counted as pending, not yet asked for (see [`Recorder::reserve`]); dropped
+/// unused, it is uncounted.
+pub(super) struct Reservation(Option<Recorder>);
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if let Some(recorder) = self.0.take() {
+            recorder.done(1);
+        }
+    }
+}
+
+impl Reservation {
+    /// [`Recorder::record`] of the reserved record.
+    pub(super) async fn record(
+        mut self,
+        settled: Settled,
+        deadline: impl Future<Output = ()>,
+    ) -> Result<(), Error> {
+        let Some(recorder) = self.0.take() else {
+            return Err(not_recorded("the record was already asked for"));
+        };
+        let (stored, answer) = oneshot::channel();
+        recorder.enqueue(Waiting { settled, stored })?;
+        tokio::select! {
+            biased;
+            answer = answer => match answer {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(why)) => Err(not_recorded(&why)),
+                Err(_) => Err(not_recorded("the consumer is stopping")),
+            },
+            () = deadline => Err(not_recorded("it was not stored in time")),
+        }
+    }
+}
+
+impl Recorder {
+    /// Record that `settled`'s message ended, without waiting: for an ending nobody is
+    /// answered for (a push the endpoint took whose ack did not land).
+    pub(crate) fn record_later(&self, settled: Settled) {
+        let (stored, _) = oneshot::channel();
+        self.pending.fetch_add(1, Ordering::AcqRel);
+        let _ = self.enqueue(Waiting { settled, stored });
+    }
+}
+
+fn not_recorded(why: &str) -> Error {
+    Error::Unavailable(format!(
+        "the server confirmed the settle, but its record, which keeps every gateway from handing the message out again, is not stored ({why}); retry: the same id settles again"
+    ))
+}
+
+impl Recorder {
+    /// Store what waits, a record at a time, each with everything that came meanwhile.
+    async fn write(
+        &self,
+        mut waiting: mpsc::UnboundedReceiver<Waiting>,
+        binding: watch::Receiver<Option<Arc<Bound>>>,
+    ) {
+        while let Some(first) = waiting.recv().await {
+            let mut batch = vec![first];
+            while batch.len() < MAX_PER_RECORD {
+                match waiting.try_recv() {
+                    Ok(next) => batch.push(next),
+                    Err(_) => break,
+                }
+            }
+            let records = binding
+                .borrow()
+                .as_ref()
+                .and_then(|bound| bound.settled_records.clone());
+            let result = match records {
+                // No records stream (refused by the server; an ephemeral consumer): only this
+                // process remembers, as the consumer's durability says.
+                None => Ok(()),
+                Some(records) => {
+                    let settled: Vec<Settled> = batch.iter().map(|w| w.settled.clone()).collect();
+                    records
+                        .store(&settled, STORE_TIMEOUT)
+                        .await
+                        .map_err(|err| format!("{err:#}"))
+                }
+            };
+            if let Err(why) = &result {
+                warn!(settles = batch.len(), reason = %why, "could not store a settled record; those settles are answered 503");
+            }
+            let count = batch.len();
+            for waiting in batch {
+                let _ = waiting.stored.send(result.clone());
+            }
+            self.done(count);
+        }
+    }
+}
+
+/// The reader of the consumer's records: how far it has read, and the floor below which it
+/// keeps nothing. Both carry a generation, bumped when the floor goes down and everything is
+/// read again.
+pub(super) struct Reader {
+    /// The generation, and the records stream's sequence of the last record read in it (0:
+    /// none yet).
+    read: watch::Receiver<(u64, u64)>,
+    /// The floor, and the generation.
+    floor: watch::Sender<(u64, u64)>,
+}
+
+impl Reader {
+    /// Read `records` into `state` from the start, then follow them, until `stop`.
+    pub(super) fn start(
+        records: Arc<Records>,
+        state: Arc<LeaseState>,
+        floor: u64,
+        stop: CancellationToken,
+    ) -> Self {
+        let (read_tx, read) = watch::channel((0, 0));
+        let (floor, floor_rx) = watch::channel((floor, 0));
+        tokio::spawn(async move {
+            tokio::select! {
+                () = follow(records, state, read_tx, floor_rx) => {}
+                () = stop.cancelled() => {}
+            }
+        });
+        Self { read, floor }
+    }
+
+    /// Wait until every record stored before this call is read, with `floor` the
+    /// consumer's ack floor now (lower than before: the server forgot settles, and the
+    /// records are read again from the start). An error when that takes longer than
+    /// `timeout` or the records cannot be looked at.
+    pub(super) async fn catch_up(
+        &mut self,
+        records: &Records,
+        floor: u64,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
+        let (before, generation) = *self.floor.borrow();
+        let generation = if floor < before {
+            generation + 1
+        } else {
+            generation
+        };
+        self.floor.send_replace((floor, generation));
+        let last = records.last_sequence().await?;
+        let caught_up = self
+            .read
+            .wait_for(|(read_in, read)| *read_in == generation && *read >= last);
+        let waited = tokio::time::timeout(timeout, caught_up)
+            .await
+            .map(|caught_up| caught_up.map(drop));
+        match waited {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => anyhow::bail!("the reader of the settled records stopped"),
+            Err(_) => anyhow::bail!(
+                "the settled records were not all read within {timeout:?} (read to {}, stored to {last})",
+                self.read.borrow().1
+            ),
+        }
+    }
+}
+
+/// Read the records into `state`, reopening the reader after an error where it stopped, and
+/// from the start when the floor goes down.
+async fn follow(
+    records: Arc<Records>,
+    state: Arc<LeaseState>,
+    read: watch::Sender<(u64, u64)>,
+    mut floor: watch::Receiver<(u64, u64)>,
+) {
+    let (mut loaded_above, mut generation) = *floor.borrow_and_update();
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let from = read.borrow().1 + 1;
+        let mut reader = match records.read_from(from).await {
+            Ok(reader) => Box::pin(reader),
+            Err(err) => {
+                debug!(error = %format!("{err:#}"), retry_in = ?backoff, "cannot read the settled records yet");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(REOPEN_AT_MOST);
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(50);
+        loop {
+            tokio::select! {
+                changed = floor.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    let (now, now_generation) = *floor.borrow_and_update();
+                    loaded_above = now;
+                    if now_generation != generation {
+                        // What was skipped as below the floor may be delivered again.
+                        generation = now_generation;
+                        read.send_replace((generation, 0));
+                        break;
+                    }
+                }
+                next = reader.next() => match next {
+                    Some(Ok((sequence, settled))) => {
+                        if !settled.is_empty() {
+                            state.ended_in_fleet(settled, loaded_above);
+                        }
+                        read.send_replace((generation, sequence));
+                    }
+                    Some(Err(err)) => {
+                        debug!(error = %format!("{err:#}"), "reading the settled records failed; reopening");
+                        break;
+                    }
+                    None => break,
+                },
+            }
+        }
+    }
+}

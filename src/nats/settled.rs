@@ -1,0 +1,405 @@
+//! The settled records: what every gateway sharing a consumer must never hand out again.
+//!
+//! nats-server confirms an ack before its consumer state is on disk, so a server killed (or
+//! a cluster that loses power) forgets acks it confirmed and delivers those messages again.
+//! One process's memory of its confirmed acks dies with it and is never seen by the other
+//! replicas. So every confirmed ack or term is also written here, to a stream the gateway
+//! makes per consumed stream — `RUSTSTREAM_SETTLED_<stream>_<hash>`, subjects
+//! `<prefix>.settled.<stream>.<consumer>`, as many replicas as the consumed stream, file
+//! storage, kept for `--settled-retention` — and every gateway reads its consumer's records
+//! when it binds and follows new ones live. A message whose write reached the store is, on
+//! nats-server, on its way to disk before the PubAck (an R1 stream writes it through at once;
+//! a replicated one holds it on a quorum), which the consumer's own state is not.
+//!
+//! A record is one JSON message for a batch of settles (a batch settle, or single settles
+//! arriving together): `{"consumer": "...", "settled": [{"seq": 5, "published_ns": …,
+//! "final": "ack"|"term", "reason": "…"}]}`. With a `--lease-key-file` it is sealed with the
+//! shared key and a record without a valid seal is dropped (counted): anyone allowed to
+//! publish under the prefix could otherwise have messages acked unprocessed. Without one
+//! there is no key a successor could share, so records are written and believed unsealed.
+//!
+//! May import: `config`, `domain`, `metrics`. Nothing of the gateway above the boundary.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer, stream};
+use futures::{Stream, StreamExt as _};
+use serde::{Deserialize, Serialize};
+
+use crate::domain::finals::{Final, MessageKey};
+use crate::domain::seal::Kind;
+
+use super::API_TIMEOUT;
+use super::trust::Trust;
+
+/// How long the stream drops a second record with the same msg id (a publish retried).
+const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+/// The most settles one record carries (a batch settle is at most 1000 ids).
+pub(crate) const MAX_PER_RECORD: usize = 1000;
+
+/// The records stream of every consumer of `stream`.
+pub(crate) fn stream_name_of(stream: &str) -> String {
+    super::gateway_stream_name_of("RUSTSTREAM_SETTLED", stream)
+}
+
+/// The subject of `consumer`'s records.
+pub(crate) fn subject_of(prefix: &str, stream: &str, consumer: &str) -> String {
+    format!("{prefix}.settled.{stream}.{consumer}")
+}
+
+/// One settle a record carries: the message and how it ended.
+pub(crate) type Settled = (MessageKey, Final);
+
+/// The records of one consumer: where they are written and read.
+pub(crate) struct Records {
+    js: jetstream::Context,
+    stream_name: String,
+    subject: String,
+    /// Seals what is written and checks what is read; `None`: unsealed (no shared key).
+    trust: Option<Arc<Trust>>,
+    consumer: String,
+    /// How old a believed record may be: the retention, and a day's slack for clocks.
+    believed_for: Duration,
+    /// For the msg ids of this process's records: its own random prefix and a counter.
+    writer: u64,
+    written: AtomicU64,
+    replicas: usize,
+}
+
+/// Why the records stream could not be had.
+pub(crate) enum EnsureError {
+    /// The server refused it (another stream captures the subjects, the name is taken, no
+    /// permission): retrying will not help.
+    Refused(String),
+    /// NATS is unreachable or slow.
+    Transient(anyhow::Error),
+}
+
+/// Where the records go, and how they are kept.
+pub(crate) struct Place<'a> {
+    pub(crate) prefix: &'a str,
+    pub(crate) stream: &'a str,
+    pub(crate) consumer: &'a str,
+    /// As many as the consumed stream has.
+    pub(crate) replicas: usize,
+    pub(crate) retention: Duration,
+}
+
+impl Records {
+    /// Make the records stream of `place.stream` (or find it as made), and the handle of
+    /// `place.consumer`'s records in it.
+    pub(crate) async fn ensure(
+        js: &jetstream::Context,
+        place: &Place<'_>,
+        trust: Option<Arc<Trust>>,
+    ) -> Result<Self, EnsureError> {
+        let name = stream_name_of(place.stream);
+        let subjects = vec![format!("{}.settled.{}.*", place.prefix, place.stream)];
+        let wanted = stream::Config {
+            name: name.clone(),
+            description: Some(
+                "ruststream-nats: confirmed acks and terms, so that no gateway hands those messages out again (made by the gateway)"
+                    .to_owned(),
+            ),
+            subjects: subjects.clone(),
+            retention: stream::RetentionPolicy::Limits,
+            discard: stream::DiscardPolicy::Old,
+            max_age: place.retention,
+            duplicate_window: DUPLICATE_WINDOW,
+            storage: stream::StorageType::File,
+            num_replicas: place.replicas.max(1),
+            ..Default::default()
+        };
+        let found = match tokio::time::timeout(API_TIMEOUT, js.get_or_create_stream(wanted)).await {
+            Err(_) => {
+                return Err(EnsureError::Transient(anyhow::anyhow!(
+                    "timed out setting up the settled records stream {name}"
+                )));
+            }
+            Ok(Err(err)) => {
+                use jetstream::context::CreateStreamErrorKind;
+                return Err(match err.kind() {
+                    CreateStreamErrorKind::JetStream(_) => {
+                        EnsureError::Refused(format!("setting up the stream {name}: {err}"))
+                    }
+                    _ => EnsureError::Transient(
+                        anyhow::Error::new(err).context(format!("setting up the stream {name}")),
+                    ),
+                });
+            }
+            Ok(Ok(found)) => found,
+        };
+        let current = &found.cached_info().config;
+        if current.subjects != subjects {
+            // Not ours to rewrite: whoever made it would lose what it holds.
+            return Err(EnsureError::Refused(format!(
+                "stream {name} exists capturing {:?}, not the settled records' {subjects:?}",
+                current.subjects
+            )));
+        }
+        Ok(Self {
+            js: js.clone(),
+            stream_name: name,
+            subject: subject_of(place.prefix, place.stream, place.consumer),
+            trust,
+            consumer: place.consumer.to_owned(),
+            believed_for: place.retention + Duration::from_secs(24 * 60 * 60),
+            writer: rand::random(),
+            written: AtomicU64::new(0),
+            replicas: current.num_replicas.max(1),
+        })
+    }
+
+    /// How many replicas the records stream has.
+    pub(crate) fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// Store one record of `settled` (at most [`MAX_PER_RECORD`]); `Ok` once the stream
+    /// confirmed it, within `timeout`.
+    pub(crate) async fn store(&self, settled: &[Settled], timeout: Duration) -> anyhow::Result<()> {
+        let payload = serde_json::to_vec(&RecordWire {
+            consumer: &self.consumer,
+            settled: settled.iter().map(EntryWire::of).collect(),
+        })
+        .context("encoding a settled record")?;
+        let mut headers = HeaderMap::new();
+        let serial = self.written.fetch_add(1, Ordering::Relaxed);
+        headers.insert(
+            "Nats-Msg-Id",
+            format!("{:016x}-{serial}", self.writer).as_str(),
+        );
+        if let Some(trust) = &self.trust {
+            trust.seal(
+                Kind::SettledRecord,
+                &self.subject,
+                &[&payload],
+                &mut headers,
+            );
+        }
+        let stored = async {
+            self.js
+                .publish_with_headers(self.subject.clone(), headers, payload.into())
+                .await
+                .context("sending a settled record")?
+                .await
+                .context("storing a settled record")
+        };
+        tokio::time::timeout(timeout, stored)
+            .await
+            .context("timed out storing a settled record")??;
+        Ok(())
+    }
+
+    /// The records stream's sequence of the consumer's last record (0: none): a reader that
+    /// has read up to it knows every record written before this call.
+    pub(crate) async fn last_sequence(&self) -> anyhow::Result<u64> {
+        let stream = tokio::time::timeout(API_TIMEOUT, self.js.get_stream(&self.stream_name))
+            .await
+            .context("timed out looking up the settled records stream")?
+            .context("looking up the settled records stream")?;
+        // From the stream's leader (a direct get may come from a replica behind it).
+        let last = tokio::time::timeout(
+            API_TIMEOUT,
+            stream.get_last_raw_message_by_subject(&self.subject),
+        )
+        .await
+        .context("timed out reading the last settled record")?;
+        match last {
+            Ok(message) => Ok(message.sequence),
+            Err(err)
+                if matches!(
+                    err.kind(),
+                    jetstream::stream::LastRawMessageErrorKind::NoMessageFound
+                ) =>
+            {
+                Ok(0)
+            }
+            Err(err) => Err(anyhow::Error::new(err).context("reading the last settled record")),
+        }
+    }
+
+    /// Every record of the consumer from the records stream's sequence `from` on (1: all),
+    /// then new ones as they are stored: each as its sequence and the settles it carries
+    /// (none for a record not believed or not understood). Ends on an error.
+    pub(crate) async fn read_from(
+        self: &Arc<Self>,
+        from: u64,
+    ) -> anyhow::Result<impl Stream<Item = anyhow::Result<(u64, Vec<Settled>)>> + use<>> {
+        let stream = tokio::time::timeout(API_TIMEOUT, self.js.get_stream(&self.stream_name))
+            .await
+            .context("timed out looking up the settled records stream")?
+            .context("looking up the settled records stream")?;
+        let deliver_policy = if from <= 1 {
+            consumer::DeliverPolicy::All
+        } else {
+            consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: from,
+            }
+        };
+        let reader = tokio::time::timeout(
+            API_TIMEOUT,
+            stream.create_consumer(consumer::push::OrderedConfig {
+                deliver_subject: self.js.client().new_inbox(),
+                filter_subject: self.subject.clone(),
+                deliver_policy,
+                ..Default::default()
+            }),
+        )
+        .await
+        .context("timed out opening a reader of the settled records")?
+        .context("opening a reader of the settled records")?;
+        let messages = reader
+            .messages()
+            .await
+            .context("reading the settled records")?;
+        let records = Arc::clone(self);
+        Ok(messages.map(move |message| {
+            let message = message.context("reading the settled records")?;
+            let sequence = message
+                .info()
+                .map(|info| info.stream_sequence)
+                .map_err(|err| anyhow::anyhow!("a settled record without its metadata: {err}"))?;
+            Ok((sequence, records.open(&message)))
+        }))
+    }
+
+    /// The settles a record read back carries, if it is believed and understood.
+    fn open(&self, message: &async_nats::Message) -> Vec<Settled> {
+        if let Some(trust) = &self.trust
+            && !trust.believe(
+                Kind::SettledRecord,
+                &self.subject,
+                &[&message.payload],
+                message.headers.as_ref(),
+                self.believed_for,
+                None,
+            )
+        {
+            return Vec::new();
+        }
+        decode(&message.payload)
+    }
+
+    /// Forget every record of the consumer (it was moved on purpose: what it delivers again
+    /// is meant to be handled again).
+    pub(crate) async fn forget(&self) -> anyhow::Result<()> {
+        let stream = tokio::time::timeout(API_TIMEOUT, self.js.get_stream(&self.stream_name))
+            .await
+            .context("timed out looking up the settled records stream")?
+            .context("looking up the settled records stream")?;
+        tokio::time::timeout(API_TIMEOUT, stream.purge().filter(self.subject.clone()))
+            .await
+            .context("timed out purging the settled records")?
+            .context("purging the settled records")?;
+        Ok(())
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct RecordWire<'a> {
+    #[serde(borrow)]
+    consumer: &'a str,
+    settled: Vec<EntryWire>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct EntryWire {
+    seq: u64,
+    published_ns: i64,
+    #[serde(rename = "final")]
+    outcome: FinalWire,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy)]
+#[serde(rename_all = "lowercase")]
+enum FinalWire {
+    Ack,
+    Term,
+}
+
+impl EntryWire {
+    fn of((message, outcome): &Settled) -> Self {
+        let (outcome, reason) = match outcome {
+            Final::Acked => (FinalWire::Ack, None),
+            Final::Terminated { reason } => (FinalWire::Term, reason.clone()),
+        };
+        Self {
+            seq: message.stream_sequence,
+            published_ns: message.published_unix_nanos,
+            outcome,
+            reason,
+        }
+    }
+
+    fn settled(self) -> Settled {
+        let message = MessageKey {
+            stream_sequence: self.seq,
+            published_unix_nanos: self.published_ns,
+        };
+        let outcome = match self.outcome {
+            FinalWire::Ack => Final::Acked,
+            FinalWire::Term => Final::Terminated {
+                reason: self.reason,
+            },
+        };
+        (message, outcome)
+    }
+}
+
+/// The settles of a record's payload; none when it is not one (a stranger's message).
+fn decode(payload: &[u8]) -> Vec<Settled> {
+    serde_json::from_slice::<RecordWire<'_>>(payload)
+        .map(|record| record.settled.into_iter().map(EntryWire::settled).collect())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_reads_back_as_written() {
+        let settled = vec![
+            (
+                MessageKey {
+                    stream_sequence: 7,
+                    published_unix_nanos: 1_700_000_000_123_456_789,
+                },
+                Final::Acked,
+            ),
+            (
+                MessageKey {
+                    stream_sequence: 9,
+                    published_unix_nanos: 1,
+                },
+                Final::Terminated {
+                    reason: Some("bad \"input\"".into()),
+                },
+            ),
+        ];
+        let payload = serde_json::to_vec(&RecordWire {
+            consumer: "billing",
+            settled: settled.iter().map(EntryWire::of).collect(),
+        })
+        .expect("encodes");
+        assert_eq!(decode(&payload), settled);
+        assert!(decode(b"{\"not\": \"a record\"}").is_empty());
+        assert!(decode(b"\xff").is_empty());
+    }
+
+    #[test]
+    fn names_of_the_stream_and_the_subject() {
+        assert!(stream_name_of("ORDERS").starts_with("RUSTSTREAM_SETTLED_ORDERS_"));
+        assert_eq!(
+            subject_of("_RUSTSTREAM", "ORDERS", "billing"),
+            "_RUSTSTREAM.settled.ORDERS.billing"
+        );
+    }
+}

@@ -1,0 +1,281 @@
+//! Exactly once across the fleet: a message whose ack or term was answered 2xx is never
+//! leased again by any gateway sharing the consumer — the one that confirmed it killed with
+//! the server and restarted, other replicas after the server forgot, a consumer deleted and
+//! made again — because the settle is answered only once its record is stored in the
+//! gateway's settled records stream, which every gateway reads back. And when that record
+//! cannot be stored, the settle is answered 503, never 2xx.
+//!
+//! The server runs at its default sync_interval: killed -9, it forgets acks it confirmed
+//! (its consumer state is written behind), as NATS-FACTS says; each scenario checks from the
+//! server's own count that it did forget some, so that the gateway's records were needed.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::support::{
+    Action, Client, Js, STREAM, Scrape, Setup, assert_stays, shared_key, wait_for,
+};
+
+const MESSAGES: usize = 40;
+
+/// `ruststream_redeliveries_settled_again_total` of both kinds from `source`.
+fn settled_again(scrape: &Scrape, source: &str) -> f64 {
+    ["ack", "term"]
+        .iter()
+        .map(|kind| {
+            scrape.get_or_zero(&format!(
+                "ruststream_redeliveries_settled_again_total{{kind=\"{kind}\",source=\"{source}\"}}"
+            ))
+        })
+        .sum()
+}
+
+/// Publish, lease at `gateway`, ack three quarters (one batch) and term the rest (each
+/// answered 204); the stream sequences settled.
+async fn settle_a_burst(js: &Js, gateway: &Client) -> HashSet<u64> {
+    js.publish_many("orders.1", MESSAGES, "m").await;
+    let leased = gateway.fetch_n(MESSAGES as u64, 3000).await;
+    assert_eq!(leased.len(), MESSAGES);
+    let (terms, acks) = leased.split_at(MESSAGES / 4);
+    let ack_ids: Vec<&str> = acks.iter().map(|m| m.id.as_str()).collect();
+    let acked = gateway
+        .settle_many_ok(Action::Ack, &json!({ "ids": ack_ids }))
+        .await;
+    assert!(acked.iter().all(|(_, status)| *status == 204), "{acked:?}");
+    for message in terms {
+        let reply = gateway
+            .settle(&message.id, Action::Term, Some(&json!({ "reason": "bad" })))
+            .await;
+        assert_eq!(reply.status, 204, "{}", reply.text);
+    }
+    leased.iter().map(|m| m.stream_sequence).collect()
+}
+
+/// What the server counts as still to deliver or unacked on `consumer`.
+async fn server_owes(js: &Js, consumer: &str) -> u64 {
+    let info = js.consumer_info(STREAM, consumer).await;
+    info.num_ack_pending as u64 + info.num_pending
+}
+
+/// Fetch at every gateway of `at` until the server owes nothing on `consumer`, asserting
+/// that nothing is ever leased (a 503 while a gateway reads the consumer's state back after
+/// the server's restart leases nothing either).
+async fn drained_without_a_lease(js: &Js, consumer: &str, at: &[&Client]) {
+    wait_for(
+        "the server holds nothing pending",
+        Duration::from_secs(30),
+        || async {
+            for gateway in at {
+                let reply = gateway
+                    .fetch_reply(Some(&json!({"batch": MESSAGES, "wait_ms": 300})))
+                    .await;
+                match reply.status {
+                    200 => assert!(
+                        reply.messages().is_empty(),
+                        "a message answered 204 was leased again at {}: {}",
+                        gateway.base(),
+                        reply.text
+                    ),
+                    503 => {}
+                    status => panic!("fetch at {}: {status} {}", gateway.base(), reply.text),
+                }
+            }
+            (server_owes(js, consumer).await == 0).then_some(())
+        },
+    )
+    .await;
+    assert_stays(
+        "nothing is leased again",
+        Duration::from_secs(2),
+        || async {
+            for gateway in at {
+                if !gateway.fetch_n(10, 200).await.is_empty() {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+}
+
+/// (a) One nats-server at its default sync and one gateway, killed -9 together right after a
+/// burst of confirmed acks and terms, then both started again: the server has forgotten some
+/// of those settles and delivers the messages again; the new gateway process — no lease key
+/// file, so nothing of its predecessor's but the records — settles each again, and leases
+/// none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_and_its_gateway_killed_together_lease_nothing_answered_before() {
+    let consumer = "once-together";
+    let (mut server, js) = crate::support::server_with_stream().await;
+    let setup = Setup::consumer(consumer).ack_wait("2s");
+    let mut gateway = setup.process(&server.url()).await;
+    let mut forgotten = 0;
+    for _ in 0..5 {
+        settle_a_burst(&js, &gateway).await;
+        server.kill();
+        gateway.kill9();
+        server.restart().await;
+        forgotten = server_owes(&js, consumer).await;
+        gateway.restart().await;
+        if forgotten > 0 {
+            break;
+        }
+    }
+    assert!(
+        forgotten > 0,
+        "no kill inside the server's write-behind window in 5 tries"
+    );
+    drained_without_a_lease(&js, consumer, &[&gateway]).await;
+    let scrape = Scrape::of(&gateway).await;
+    assert_eq!(
+        settled_again(&scrape, "fleet"),
+        forgotten as f64,
+        "each forgotten settle was settled again from the records, once"
+    );
+}
+
+/// (b) Three replicas, non-sticky: the acks are confirmed at replica A; the server is killed
+/// -9 and comes back having forgotten some; the redeliveries are fetched at B and C only,
+/// which never confirmed them: neither leases one, both settle them again from A's records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_that_never_confirmed_an_ack_still_never_lease_it_again() {
+    let consumer = "once-replicas";
+    let (mut server, js) = crate::support::server_with_stream().await;
+    let key = shared_key();
+    let setup = Setup::consumer(consumer)
+        .ack_wait("2s")
+        .lease_key_file(key.path());
+    let a = setup.ready(&server.url()).await;
+    let b = setup.ready(&server.url()).await;
+    let c = setup.ready(&server.url()).await;
+    let mut forgotten = 0;
+    for _ in 0..5 {
+        settle_a_burst(&js, &a).await;
+        server.kill();
+        server.restart().await;
+        forgotten = server_owes(&js, consumer).await;
+        if forgotten > 0 {
+            break;
+        }
+    }
+    assert!(
+        forgotten > 0,
+        "no kill inside the server's write-behind window in 5 tries"
+    );
+    drained_without_a_lease(&js, consumer, &[&b, &c]).await;
+    let from_fleet = settled_again(&Scrape::of(&b).await, "fleet")
+        + settled_again(&Scrape::of(&c).await, "fleet");
+    assert_eq!(
+        from_fleet, forgotten as f64,
+        "B and C settled again, from A's records, each message the server forgot"
+    );
+}
+
+/// (d) A consumer deleted and made again under its name delivers from the start: a new
+/// gateway process (the one that settled is gone) leases only what was never acked or
+/// terminated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_made_again_leases_only_what_never_ended() {
+    let consumer = "once-recreated";
+    let (server, js) = crate::support::server_with_stream().await;
+    let setup = Setup::consumer(consumer);
+    let mut first = setup.process(&server.url()).await;
+    let settled = settle_a_burst(&js, &first).await;
+    let open: Vec<u64> = js.publish_many("orders.1", 3, "later").await;
+    first.kill9();
+    js.js
+        .get_stream(STREAM)
+        .await
+        .expect("stream")
+        .delete_consumer(consumer)
+        .await
+        .expect("delete the consumer");
+    let second = setup.process(&server.url()).await;
+    let mut seen = HashSet::new();
+    let deadline =
+        crate::support::Deadline::after("the three never settled", Duration::from_secs(20));
+    while seen.len() < open.len() {
+        for message in second.fetch_n(MESSAGES as u64, 500).await {
+            assert!(
+                !settled.contains(&message.stream_sequence),
+                "a message answered 204 before was leased again: {message:?}"
+            );
+            seen.insert(message.stream_sequence);
+            assert_eq!(second.ack(&message.id).await, 204);
+        }
+        deadline.tick_seeing(format_args!("{seen:?}")).await;
+    }
+    assert_eq!(seen, open.into_iter().collect::<HashSet<u64>>());
+    drained_without_a_lease(&js, consumer, &[&second]).await;
+    assert_eq!(
+        settled_again(&Scrape::of(&second).await, "fleet"),
+        MESSAGES as f64
+    );
+}
+
+/// (f) When the record cannot be stored (here its stream is full and refuses more), the
+/// settle is answered 503 with Retry-After — never 2xx — though the server has the ack; the
+/// same id retried once the record can be stored is answered 204 and leaves the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_whose_record_cannot_be_stored_is_answered_503_then_204_on_retry() {
+    let consumer = "once-unrecorded";
+    let (_server, js, gateway) = Setup::consumer(consumer).start().await;
+    js.publish_many("orders.1", 3, "m").await;
+    let leased = gateway.fetch_n(3, 2000).await;
+    assert_eq!(leased.len(), 3);
+    assert_eq!(gateway.ack(&leased[0].id).await, 204);
+    let records = records_stream(&js).await;
+    let full = records.cached_info().config.clone();
+    let refusing = async_nats::jetstream::stream::Config {
+        max_messages: 1,
+        discard: async_nats::jetstream::stream::DiscardPolicy::New,
+        ..full.clone()
+    };
+    js.js
+        .update_stream(&refusing)
+        .await
+        .expect("fill the records stream");
+
+    let single = gateway.settle(&leased[1].id, Action::Ack, None).await;
+    single.assert_problem(503);
+    assert!(single.retry_after_secs() >= 1, "Retry-After on a 503");
+    let batch = gateway
+        .settle_many_ok(Action::Term, &json!({ "ids": [leased[2].id] }))
+        .await;
+    assert_eq!(batch[0].1, 503, "{batch:?}");
+    assert_eq!(records_held(&js).await, 1, "no record of either");
+
+    js.js.update_stream(&full).await.expect("room again");
+    assert_eq!(gateway.ack(&leased[1].id).await, 204, "the retry");
+    let reply = gateway
+        .settle_many_ok(Action::Term, &json!({ "ids": [leased[2].id] }))
+        .await;
+    assert_eq!(reply[0].1, 204, "{reply:?}");
+    assert_eq!(records_held(&js).await, 3, "a record of each retry");
+    assert_eq!(server_owes(&js, consumer).await, 0);
+}
+
+/// The settled records stream of `ORDERS`.
+async fn records_stream(js: &Js) -> async_nats::jetstream::stream::Stream {
+    let names: Vec<String> = futures::TryStreamExt::try_collect(js.js.stream_names())
+        .await
+        .expect("stream names");
+    let name = names
+        .into_iter()
+        .find(|name| name.starts_with("RUSTSTREAM_SETTLED_ORDERS_"))
+        .expect("the settled records stream of ORDERS");
+    js.js.get_stream(name).await.expect("the records stream")
+}
+
+async fn records_held(js: &Js) -> u64 {
+    let mut stream = records_stream(js).await;
+    stream
+        .info()
+        .await
+        .expect("records stream info")
+        .state
+        .messages
+}
