@@ -270,15 +270,22 @@ impl Records {
 
     /// The settles a record read back carries, if it is believed and understood.
     fn open(&self, message: &async_nats::Message) -> Vec<Settled> {
+        // No release ever wrote records unsealed under a key: `--accept-unsigned-replicas`
+        // does not extend to them (a forged record acks messages nobody processed).
+        let sealed = message
+            .headers
+            .as_ref()
+            .is_some_and(|headers| headers.get(crate::domain::seal::HEADER).is_some());
         if let Some(trust) = &self.trust
-            && !trust.believe(
-                Kind::SettledRecord,
-                &self.subject,
-                &[&message.payload],
-                message.headers.as_ref(),
-                self.believed_for,
-                None,
-            )
+            && (!sealed
+                || !trust.believe(
+                    Kind::SettledRecord,
+                    &self.subject,
+                    &[&message.payload],
+                    message.headers.as_ref(),
+                    self.believed_for,
+                    None,
+                ))
         {
             return Vec::new();
         }

@@ -279,3 +279,81 @@ async fn records_held(js: &Js) -> u64 {
         .state
         .messages
 }
+
+/// (c) Every gateway killed -9 with the server, and a new one started in their place: it
+/// settles again what the server forgot, from the records both wrote, and leases none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_gateway_after_every_one_was_killed_leases_nothing_answered_before() {
+    let consumer = "once-all-killed";
+    let (mut server, js) = crate::support::server_with_stream().await;
+    let key = shared_key();
+    let setup = Setup::consumer(consumer)
+        .ack_wait("2s")
+        .lease_key_file(key.path());
+    let mut forgotten = 0;
+    for _ in 0..5 {
+        let mut a = setup.process(&server.url()).await;
+        let mut b = setup.process(&server.url()).await;
+        settle_a_burst(&js, &a).await;
+        settle_a_burst(&js, &b).await;
+        server.kill();
+        a.kill9();
+        b.kill9();
+        server.restart().await;
+        forgotten = server_owes(&js, consumer).await;
+        if forgotten > 0 {
+            break;
+        }
+    }
+    assert!(
+        forgotten > 0,
+        "no kill inside the server's write-behind window in 5 tries"
+    );
+    let fresh = setup.process(&server.url()).await;
+    drained_without_a_lease(&js, consumer, &[&fresh]).await;
+    assert_eq!(
+        settled_again(&Scrape::of(&fresh).await, "fleet"),
+        forgotten as f64,
+        "the new gateway settled again, from the others' records, each message forgotten"
+    );
+}
+
+/// With a lease key, a record nobody sealed is not believed: published under the prefix by
+/// anyone allowed to, it would otherwise have messages acked that nobody processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsealed_record_settles_nothing() {
+    let consumer = "once-forged";
+    let (server, js) = crate::support::server_with_stream().await;
+    let key = shared_key();
+    let gateway = Setup::consumer(consumer)
+        .lease_key_file(key.path())
+        .ready(&server.url())
+        .await;
+    let sequences = js.publish_many("orders.1", 3, "m").await;
+    let stream = js.js.get_stream(STREAM).await.expect("stream");
+    let mut settled = Vec::new();
+    for sequence in &sequences {
+        let message = stream.get_raw_message(*sequence).await.expect("message");
+        settled.push(json!({
+            "seq": sequence,
+            "published_ns": message.time.unix_timestamp_nanos(),
+            "final": "ack",
+        }));
+    }
+    let forged = json!({ "consumer": consumer, "settled": settled });
+    js.publish_with_headers(
+        &format!("_RUSTSTREAM.settled.{STREAM}.{consumer}"),
+        async_nats::HeaderMap::new(),
+        forged.to_string(),
+    )
+    .await;
+    let mut leased = HashSet::new();
+    let deadline = crate::support::Deadline::after("the three leased", Duration::from_secs(10));
+    while leased.len() < sequences.len() {
+        for message in gateway.fetch_n(3, 500).await {
+            leased.insert(message.stream_sequence);
+        }
+        deadline.tick_seeing(format_args!("{leased:?}")).await;
+    }
+    assert_eq!(settled_again(&Scrape::of(&gateway).await, "fleet"), 0.0);
+}
