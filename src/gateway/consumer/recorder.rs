@@ -3,9 +3,9 @@
 //! gateway on the consumer are read back when it binds and followed live, so that none of
 //! them hands such a message out again.
 //!
-//! Writing: settles arriving together (a batch settle; single settles while a record is on
-//! its way) go out as one record, one at a time per consumer — a lone settle waits for no
-//! timer, and under load each record carries everything that came meanwhile.
+//! Writing: settles arriving together (a batch settle; single settles queued while the
+//! writer was busy) go out as one record, up to 16 records of a consumer in flight at once —
+//! a lone settle waits for no timer, nor for the records before it.
 //!
 //! Reading: one reader per consumer from its first binding on; before a binding serves (and
 //! after every reconnect) the supervisor waits until the reader has read every record
@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
+use futures::stream::FuturesUnordered;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::sync::{Notify, mpsc, oneshot, watch};
@@ -31,6 +32,8 @@ use crate::state::LeaseState;
 /// How long a record may take to be stored before the settle waiting for it is answered
 /// 503 (it is also bounded by the settle's own deadline).
 const STORE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Records of one consumer being stored at once.
+const RECORDS_IN_FLIGHT: usize = 16;
 /// Longest wait before a reader that failed is opened again.
 const REOPEN_AT_MOST: Duration = Duration::from_secs(2);
 
@@ -179,40 +182,57 @@ impl Recorder {
         mut waiting: mpsc::UnboundedReceiver<Waiting>,
         binding: watch::Receiver<Option<Arc<Bound>>>,
     ) {
-        while let Some(first) = waiting.recv().await {
-            let mut batch = vec![first];
-            while batch.len() < MAX_PER_RECORD {
-                match waiting.try_recv() {
-                    Ok(next) => batch.push(next),
-                    Err(_) => break,
+        // Records are stored concurrently, a few at a time: a settle waits for its own
+        // record's round trip, not for the ones before it as well.
+        let mut storing = FuturesUnordered::new();
+        loop {
+            tokio::select! {
+                next = waiting.recv(), if storing.len() < RECORDS_IN_FLIGHT => {
+                    let Some(first) = next else { break };
+                    let mut batch = vec![first];
+                    while batch.len() < MAX_PER_RECORD {
+                        match waiting.try_recv() {
+                            Ok(next) => batch.push(next),
+                            Err(_) => break,
+                        }
+                    }
+                    let records = binding
+                        .borrow()
+                        .as_ref()
+                        .and_then(|bound| bound.settled_records.clone());
+                    storing.push(store(records, batch));
                 }
+                Some(count) = storing.next(), if !storing.is_empty() => self.done(count),
             }
-            let records = binding
-                .borrow()
-                .as_ref()
-                .and_then(|bound| bound.settled_records.clone());
-            let result = match records {
-                // No records stream (refused by the server; an ephemeral consumer): only this
-                // process remembers, as the consumer's durability says.
-                None => Ok(()),
-                Some(records) => {
-                    let settled: Vec<Settled> = batch.iter().map(|w| w.settled.clone()).collect();
-                    records
-                        .store(&settled, STORE_TIMEOUT)
-                        .await
-                        .map_err(|err| format!("{err:#}"))
-                }
-            };
-            if let Err(why) = &result {
-                warn!(settles = batch.len(), reason = %why, "could not store a settled record; those settles are answered 503");
-            }
-            let count = batch.len();
-            for waiting in batch {
-                let _ = waiting.stored.send(result.clone());
-            }
+        }
+        while let Some(count) = storing.next().await {
             self.done(count);
         }
     }
+}
+
+/// Store one record of `batch` and answer each of its settles; how many it answered.
+async fn store(records: Option<Arc<Records>>, batch: Vec<Waiting>) -> usize {
+    let result = match records {
+        // No records stream (refused by the server; an ephemeral consumer): only this
+        // process remembers, as the consumer's durability says.
+        None => Ok(()),
+        Some(records) => {
+            let settled: Vec<Settled> = batch.iter().map(|w| w.settled.clone()).collect();
+            records
+                .store(&settled, STORE_TIMEOUT)
+                .await
+                .map_err(|err| format!("{err:#}"))
+        }
+    };
+    if let Err(why) = &result {
+        warn!(settles = batch.len(), reason = %why, "could not store a settled record; those settles are answered 503");
+    }
+    let count = batch.len();
+    for waiting in batch {
+        let _ = waiting.stored.send(result.clone());
+    }
+    count
 }
 
 /// The reader of the consumer's records: how far it has read, and the floor below which it
