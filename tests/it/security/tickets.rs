@@ -10,7 +10,9 @@ use serde_json::{Value, json};
 use crate::support::client::http_client_with_token;
 use crate::support::nats::files_dir;
 use crate::support::streams::{EventStream, frame_of, open_socket_at, send};
-use crate::support::{Client, GatewayProcess, Setup, server_with_stream, shared_key};
+use crate::support::{
+    Client, GatewayProcess, STREAM, Setup, server_with_stream, shared_key, wait_until,
+};
 
 /// A ticket for `body`'s consumer (the default one when `None`), as `token` asks for it.
 async fn ticket(gateway: &Client, token: &str, body: Option<Value>) -> Value {
@@ -103,6 +105,15 @@ async fn a_ticket_opens_one_stream_once_for_its_consumer_and_carries_only_its_ri
 
     // Over a WebSocket, in band: the ticket settles only if its token could.
     drop(events);
+    // Published only once the gateway noticed the hang-up (no pull left for the gone
+    // stream): a message that came before would be leased to it, and kept by it until its
+    // lease ends, as a client that left keeps what was written to it.
+    wait_until(
+        "the gateway stops pulling for the gone stream",
+        Duration::from_secs(5),
+        || async { js.consumer_info(STREAM, "ticketed").await.num_waiting == 0 },
+    )
+    .await;
     js.publish("orders.1", "to the socket").await;
     let issued = ticket(&gateway, "reader", None).await;
     let mut socket = open_socket_at(&gateway, issued["ws"].as_str().expect("ws"), None).await;
