@@ -57,7 +57,9 @@ pub(crate) type Settled = (MessageKey, Final);
 /// The records of one consumer: where they are written and read.
 pub(crate) struct Records {
     js: jetstream::Context,
-    stream_name: String,
+    /// The records stream, as found or made at bind: every read and purge goes through it,
+    /// with no lookup of its own.
+    stream: stream::Stream,
     subject: String,
     /// Seals what is written and checks what is read; `None`: unsealed (no shared key).
     trust: Option<Arc<Trust>>,
@@ -141,16 +143,17 @@ impl Records {
                 current.subjects
             )));
         }
+        let replicas = current.num_replicas.max(1);
         Ok(Self {
             js: js.clone(),
-            stream_name: name,
+            stream: found,
             subject: subject_of(place.prefix, place.stream, place.consumer),
             trust,
             consumer: place.consumer.to_owned(),
             believed_for: place.retention + Duration::from_secs(24 * 60 * 60),
             writer: rand::random(),
             written: AtomicU64::new(0),
-            replicas: current.num_replicas.max(1),
+            replicas,
         })
     }
 
@@ -198,10 +201,7 @@ impl Records {
     /// The records stream's sequence of the consumer's last record (0: none): a reader that
     /// has read up to it knows every record written before this call.
     pub(crate) async fn last_sequence(&self) -> anyhow::Result<u64> {
-        let stream = tokio::time::timeout(API_TIMEOUT, self.js.get_stream(&self.stream_name))
-            .await
-            .context("timed out looking up the settled records stream")?
-            .context("looking up the settled records stream")?;
+        let stream = &self.stream;
         // From the stream's leader (a direct get may come from a replica behind it).
         let last = tokio::time::timeout(
             API_TIMEOUT,
@@ -230,10 +230,7 @@ impl Records {
         self: &Arc<Self>,
         from: u64,
     ) -> anyhow::Result<impl Stream<Item = anyhow::Result<(u64, Vec<Settled>)>> + use<>> {
-        let stream = tokio::time::timeout(API_TIMEOUT, self.js.get_stream(&self.stream_name))
-            .await
-            .context("timed out looking up the settled records stream")?
-            .context("looking up the settled records stream")?;
+        let stream = &self.stream;
         let deliver_policy = if from <= 1 {
             consumer::DeliverPolicy::All
         } else {
@@ -295,10 +292,7 @@ impl Records {
     /// Forget every record of the consumer (it was moved on purpose: what it delivers again
     /// is meant to be handled again).
     pub(crate) async fn forget(&self) -> anyhow::Result<()> {
-        let stream = tokio::time::timeout(API_TIMEOUT, self.js.get_stream(&self.stream_name))
-            .await
-            .context("timed out looking up the settled records stream")?
-            .context("looking up the settled records stream")?;
+        let stream = &self.stream;
         tokio::time::timeout(API_TIMEOUT, stream.purge().filter(self.subject.clone()))
             .await
             .context("timed out purging the settled records")?
