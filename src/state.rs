@@ -310,13 +310,22 @@ impl LeaseState {
     /// Records of the fleet say these messages ended (see `nats::settled`): a redelivery of
     /// one is settled again, not leased. Those at or below `floor` (the consumer's ack
     /// floor) are not kept: the server does not deliver them again unless it forgets, and
-    /// then its floor goes back and the records are read again.
-    pub(crate) fn ended_in_fleet(&self, settled: Vec<(MessageKey, Final)>, floor: u64) {
+    /// then its floor goes back and the records are read again. `voided`: an earlier record
+    /// said these ended, and their settle then went unconfirmed; forgotten again.
+    pub(crate) fn ended_in_fleet(
+        &self,
+        ended: Vec<(MessageKey, Final)>,
+        voided: &[MessageKey],
+        floor: u64,
+    ) {
         let mut finals = self.finals();
-        for (message, outcome) in settled {
+        for (message, outcome) in ended {
             if message.stream_sequence > floor {
                 finals.record_from_fleet(message, outcome);
             }
+        }
+        for message in voided {
+            finals.void_from_fleet(*message);
         }
     }
 

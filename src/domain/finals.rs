@@ -114,6 +114,15 @@ impl Finals {
         self.forget_oldest();
     }
 
+    /// A record said `message` ended, and a later one that its settle went unconfirmed
+    /// after all: forgotten, unless this process confirmed it itself. (Its place in the
+    /// order of forgetting stays; at worst a later outcome of it is forgotten early.)
+    pub(crate) fn void_from_fleet(&mut self, message: MessageKey) {
+        if self.source(message) == Some(Source::Fleet) {
+            self.by_message.remove(&message);
+        }
+    }
+
     fn forget_oldest(&mut self) {
         while self.recorded.len() > self.max {
             if let Some(oldest) = self.recorded.pop_front() {
@@ -169,6 +178,17 @@ mod tests {
             ))
         );
         assert_eq!(finals.get(message(3)), None);
+    }
+
+    #[test]
+    fn a_void_forgets_what_the_fleet_said_not_what_this_process_confirmed() {
+        let mut finals = Finals::new(10);
+        finals.record_from_fleet(message(1), Final::Acked);
+        finals.record(message(2), Final::Acked);
+        finals.void_from_fleet(message(1));
+        finals.void_from_fleet(message(2));
+        assert_eq!(finals.get(message(1)), None);
+        assert_eq!(finals.get(message(2)), Some(Final::Acked));
     }
 
     #[test]

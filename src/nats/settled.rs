@@ -13,7 +13,11 @@
 //!
 //! A record is one JSON message for a batch of settles (a batch settle, or single settles
 //! arriving together): `{"consumer": "...", "settled": [{"seq": 5, "published_ns": …,
-//! "final": "ack"|"term", "reason": "…"}]}`. With a `--lease-key-file` it is sealed with the
+//! "final": "ack"|"term", "reason": "…"}], "void": [{"seq", "published_ns"}]}`. A record is
+//! sent alongside the ack it records, not after it; when the ack then goes unconfirmed, a
+//! later record voids the entry (`void`), so that the message is handed out again as the
+//! non-2xx answer said it may be. Each record names its writer (`Ruststream-Writer`), which
+//! skips its own: what it confirmed it already remembers. With a `--lease-key-file` it is sealed with the
 //! shared key and a record without a valid seal is dropped (counted): anyone allowed to
 //! publish under the prefix could otherwise have messages acked unprocessed. Without one
 //! there is no key a successor could share, so records are written and believed unsealed.
@@ -53,6 +57,17 @@ pub(crate) fn subject_of(prefix: &str, stream: &str, consumer: &str) -> String {
 
 /// One settle a record carries: the message and how it ended.
 pub(crate) type Settled = (MessageKey, Final);
+
+/// What a record read back says: messages that ended, and messages an earlier record said
+/// ended whose settle then went unconfirmed.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct Opened {
+    pub(crate) ended: Vec<Settled>,
+    pub(crate) voided: Vec<MessageKey>,
+}
+
+/// The header naming the process (binding) that wrote a record.
+const WRITER_HEADER: &str = "Ruststream-Writer";
 
 /// The records of one consumer: where they are written and read.
 pub(crate) struct Records {
@@ -162,20 +177,25 @@ impl Records {
         self.replicas
     }
 
-    /// Store one record of `settled` (at most [`MAX_PER_RECORD`]); `Ok` once the stream
-    /// confirmed it, within `timeout`.
-    pub(crate) async fn store(&self, settled: &[Settled], timeout: Duration) -> anyhow::Result<()> {
+    /// Store one record of `ended` and `voided` (at most [`MAX_PER_RECORD`] together); `Ok`
+    /// once the stream confirmed it, within `timeout`.
+    pub(crate) async fn store(
+        &self,
+        ended: &[Settled],
+        voided: &[MessageKey],
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
         let payload = serde_json::to_vec(&RecordWire {
             consumer: &self.consumer,
-            settled: settled.iter().map(EntryWire::of).collect(),
+            settled: ended.iter().map(EntryWire::of).collect(),
+            void: voided.iter().map(VoidWire::of).collect(),
         })
         .context("encoding a settled record")?;
         let mut headers = HeaderMap::new();
         let serial = self.written.fetch_add(1, Ordering::Relaxed);
-        headers.insert(
-            "Nats-Msg-Id",
-            format!("{:016x}-{serial}", self.writer).as_str(),
-        );
+        let writer = format!("{:016x}", self.writer);
+        headers.insert("Nats-Msg-Id", format!("{writer}-{serial}").as_str());
+        headers.insert(WRITER_HEADER, writer.as_str());
         if let Some(trust) = &self.trust {
             trust.seal(
                 Kind::SettledRecord,
@@ -224,12 +244,13 @@ impl Records {
     }
 
     /// Every record of the consumer from the records stream's sequence `from` on (1: all),
-    /// then new ones as they are stored: each as its sequence and the settles it carries
-    /// (none for a record not believed or not understood). Ends on an error.
+    /// then new ones as they are stored: each as its sequence and what it says (nothing for
+    /// a record of this binding's own, or one not believed or not understood). Ends on an
+    /// error.
     pub(crate) async fn read_from(
         self: &Arc<Self>,
         from: u64,
-    ) -> anyhow::Result<impl Stream<Item = anyhow::Result<(u64, Vec<Settled>)>> + use<>> {
+    ) -> anyhow::Result<impl Stream<Item = anyhow::Result<(u64, Opened)>> + use<>> {
         let stream = &self.stream;
         let deliver_policy = if from <= 1 {
             consumer::DeliverPolicy::All
@@ -265,8 +286,18 @@ impl Records {
         }))
     }
 
-    /// The settles a record read back carries, if it is believed and understood.
-    fn open(&self, message: &async_nats::Message) -> Vec<Settled> {
+    /// What a record read back says, if it is another writer's, believed and understood.
+    fn open(&self, message: &async_nats::Message) -> Opened {
+        let writer = message
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get(WRITER_HEADER));
+        if writer.is_some_and(|writer| u64::from_str_radix(writer.as_str(), 16) == Ok(self.writer))
+        {
+            // Its own: every settle in it this binding confirmed it remembers already, and
+            // one it did not confirm it never took as ended.
+            return Opened::default();
+        }
         // No release ever wrote records unsealed under a key: `--accept-unsigned-replicas`
         // does not extend to them (a forged record acks messages nobody processed).
         let sealed = message
@@ -284,7 +315,7 @@ impl Records {
                     None,
                 ))
         {
-            return Vec::new();
+            return Opened::default();
         }
         decode(&message.payload)
     }
@@ -306,6 +337,31 @@ struct RecordWire<'a> {
     #[serde(borrow)]
     consumer: &'a str,
     settled: Vec<EntryWire>,
+    /// Absent in records of releases before it: those are read as voiding nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    void: Vec<VoidWire>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct VoidWire {
+    seq: u64,
+    published_ns: i64,
+}
+
+impl VoidWire {
+    fn of(message: &MessageKey) -> Self {
+        Self {
+            seq: message.stream_sequence,
+            published_ns: message.published_unix_nanos,
+        }
+    }
+
+    fn message(&self) -> MessageKey {
+        MessageKey {
+            stream_sequence: self.seq,
+            published_unix_nanos: self.published_ns,
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -354,10 +410,13 @@ impl EntryWire {
     }
 }
 
-/// The settles of a record's payload; none when it is not one (a stranger's message).
-fn decode(payload: &[u8]) -> Vec<Settled> {
+/// What a record's payload says; nothing when it is not one (a stranger's message).
+fn decode(payload: &[u8]) -> Opened {
     serde_json::from_slice::<RecordWire<'_>>(payload)
-        .map(|record| record.settled.into_iter().map(EntryWire::settled).collect())
+        .map(|record| Opened {
+            voided: record.void.iter().map(VoidWire::message).collect(),
+            ended: record.settled.into_iter().map(EntryWire::settled).collect(),
+        })
         .unwrap_or_default()
 }
 
@@ -385,14 +444,28 @@ mod tests {
                 },
             ),
         ];
+        let voided = vec![MessageKey {
+            stream_sequence: 3,
+            published_unix_nanos: 4,
+        }];
         let payload = serde_json::to_vec(&RecordWire {
             consumer: "billing",
             settled: settled.iter().map(EntryWire::of).collect(),
+            void: voided.iter().map(VoidWire::of).collect(),
         })
         .expect("encodes");
-        assert_eq!(decode(&payload), settled);
-        assert!(decode(b"{\"not\": \"a record\"}").is_empty());
-        assert!(decode(b"\xff").is_empty());
+        assert_eq!(
+            decode(&payload),
+            Opened {
+                ended: settled.clone(),
+                voided
+            }
+        );
+        // A record of a release before voids: read as voiding nothing.
+        let earlier = br#"{"consumer":"billing","settled":[{"seq":7,"published_ns":1700000000123456789,"final":"ack"}]}"#;
+        assert_eq!(decode(earlier).ended, settled[..1]);
+        assert_eq!(decode(b"{\"not\": \"a record\"}"), Opened::default());
+        assert_eq!(decode(b"\xff"), Opened::default());
     }
 
     #[test]

@@ -357,3 +357,64 @@ async fn an_unsealed_record_settles_nothing() {
     }
     assert_eq!(settled_again(&Scrape::of(&gateway).await, "fleet"), 0.0);
 }
+
+/// A settle's record goes out alongside it; when the settle then goes unconfirmed (here the
+/// gateway's NATS user may not ack at all, so the ack times out), the answer is non-2xx and
+/// a later record voids the first: another gateway hands the message out again when it
+/// comes back, as the non-2xx answer said it may.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_answered_non_2xx_is_not_taken_as_ended_by_the_fleet() {
+    let consumer = "once-void";
+    let server = crate::support::NatsServer::with_config(
+        r#"authorization { users = [
+            { user: admin, password: "pw-admin" }
+            { user: gw, password: "pw-gw",
+              permissions: { publish: { allow: ">", deny: "$JS.ACK.>" }, subscribe: ">" } }
+        ] }"#,
+    )
+    .await;
+    let client =
+        async_nats::ConnectOptions::with_user_and_password("admin".into(), "pw-admin".into())
+            .connect(server.url())
+            .await
+            .expect("connect as admin");
+    let js = Js {
+        js: async_nats::jetstream::new(client.clone()),
+        client,
+    };
+    js.create_stream(STREAM, &["orders.>"]).await;
+    let setup = Setup::consumer(consumer).ack_wait("2s");
+    let mut unable = setup
+        .clone()
+        .settle_timeout("1s")
+        .flag("--nats-user", "gw")
+        .flag("--nats-password", "pw-gw")
+        .process(&server.url())
+        .await;
+    let sequence = js.publish("orders.1", "m").await;
+    let leased = unable.fetch_n(1, 2000).await;
+    assert_eq!(leased.len(), 1);
+    let status = unable.ack(&leased[0].id).await;
+    assert!(
+        status == 504 || status == 503,
+        "an ack the server never confirmed: {status}"
+    );
+    wait_for(
+        "the record and its void stored",
+        Duration::from_secs(10),
+        || async { (records_held(&js).await >= 2).then_some(()) },
+    )
+    .await;
+    unable.kill9();
+
+    let able = setup
+        .flag("--nats-user", "admin")
+        .flag("--nats-password", "pw-admin")
+        .process(&server.url())
+        .await;
+    let again = able.fetch_n(1, 5000).await;
+    assert_eq!(again.len(), 1, "the message handed out again");
+    assert_eq!(again[0].stream_sequence, sequence);
+    assert_eq!(able.ack(&again[0].id).await, 204);
+    assert_eq!(settled_again(&Scrape::of(&able).await, "fleet"), 0.0);
+}

@@ -3,9 +3,11 @@
 //! gateway on the consumer are read back when it binds and followed live, so that none of
 //! them hands such a message out again.
 //!
-//! Writing: settles arriving together (a batch settle; single settles queued while the
-//! writer was busy) go out as one record, up to 16 records of a consumer in flight at once —
-//! a lone settle waits for no timer, nor for the records before it.
+//! Writing: a settle's record is sent alongside the settle, and the 2xx waits for both; a
+//! settle that then goes unconfirmed has its record voided by a later one. Settles arriving
+//! together (a batch settle; single settles queued while the writer was busy) go out as one
+//! record, up to 16 records of a consumer in flight at once — a lone settle waits for no
+//! timer, nor for the records before it.
 //!
 //! Reading: one reader per consumer from its first binding on; before a binding serves (and
 //! after every reconnect) the supervisor waits until the reader has read every record
@@ -24,6 +26,7 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::domain::finals::MessageKey;
 use crate::error::Error;
 use crate::nats::Bound;
 use crate::nats::settled::{MAX_PER_RECORD, Records, Settled};
@@ -37,9 +40,17 @@ const RECORDS_IN_FLIGHT: usize = 16;
 /// Longest wait before a reader that failed is opened again.
 const REOPEN_AT_MOST: Duration = Duration::from_secs(2);
 
-/// One settle waiting for its record.
+/// What one settle asks the records to say.
+enum Entry {
+    /// The message ended.
+    Ended(Settled),
+    /// The settle recorded as ended went unconfirmed after all.
+    Voided(MessageKey),
+}
+
+/// One entry waiting to be stored.
 struct Waiting {
-    settled: Settled,
+    entry: Entry,
     stored: oneshot::Sender<Result<(), String>>,
 }
 
@@ -47,7 +58,7 @@ struct Waiting {
 #[derive(Clone)]
 pub(crate) struct Recorder {
     queue: mpsc::UnboundedSender<Waiting>,
-    /// Settles whose record is not yet stored or refused (a shutdown's grace waits for them).
+    /// Entries not yet stored or refused (a shutdown's grace waits for them).
     pending: Arc<AtomicUsize>,
     /// Wakes [`Recorder::idle`] when `pending` drops to 0.
     drained: Arc<Notify>,
@@ -76,7 +87,7 @@ impl Recorder {
         recorder
     }
 
-    /// Resolves once no settle waits for its record.
+    /// Resolves once no entry waits to be stored.
     pub(super) async fn idle(&self) {
         loop {
             let drained = self.drained.notified();
@@ -90,21 +101,13 @@ impl Recorder {
         }
     }
 
-    /// Queue a record already counted as pending.
-    fn enqueue(&self, waiting: Waiting) -> Result<(), Error> {
-        self.queue.send(waiting).map_err(|_| {
-            self.done(1);
-            not_recorded("the consumer is stopping")
-        })
-    }
-
     fn done(&self, count: usize) {
         if self.pending.fetch_sub(count, Ordering::AcqRel) == count {
             self.drained.notify_waiters();
         }
     }
 
-    /// Count a record about to be asked for as pending from now: taken before the lease
+    /// Count an entry about to be asked for as pending from now: taken before the lease
     /// it follows is finished, so that a shutdown's grace, which ends when no lease is in
     /// flight, cannot end between the two.
     pub(super) fn reserve(&self) -> Reservation {
@@ -112,18 +115,25 @@ impl Recorder {
         Reservation(Some(self.clone()))
     }
 
-    /// Record that `settled`'s message ended; `Ok` once the record is stored (or there is
-    /// no records stream). 503 when it is not stored by `deadline`, or cannot be.
+    /// Record that `settled`'s message ended, its settle already confirmed; `Ok` once the
+    /// record is stored (or there is no records stream). 503 when it is not stored by
+    /// `deadline`, or cannot be.
     pub(super) async fn record(
         &self,
         settled: Settled,
         deadline: impl Future<Output = ()>,
     ) -> Result<(), Error> {
-        self.reserve().record(settled, deadline).await
+        self.reserve().start(settled)?.stored(deadline).await
+    }
+
+    /// Record that `settled`'s message ended, without waiting: for an ending nobody is
+    /// answered for (a push the endpoint took whose ack did not land).
+    pub(crate) fn record_later(&self, settled: Settled) {
+        let _ = self.reserve().send(Entry::Ended(settled));
     }
 }
 
-/// A record counted as pending, not yet asked for (see [`Recorder::reserve`]); dropped
+/// An entry counted as pending, not yet asked for (see [`Recorder::reserve`]); dropped
 /// unused, it is uncounted.
 pub(super) struct Reservation(Option<Recorder>);
 
@@ -136,17 +146,52 @@ impl Drop for Reservation {
 }
 
 impl Reservation {
-    /// [`Recorder::record`] of the reserved record.
-    pub(super) async fn record(
-        mut self,
-        settled: Settled,
-        deadline: impl Future<Output = ()>,
-    ) -> Result<(), Error> {
+    /// Queue the reserved entry; the receiver hears whether it was stored.
+    fn send(mut self, entry: Entry) -> Result<(Recorder, RecordAnswer), Error> {
         let Some(recorder) = self.0.take() else {
             return Err(not_recorded("the record was already asked for"));
         };
         let (stored, answer) = oneshot::channel();
-        recorder.enqueue(Waiting { settled, stored })?;
+        if recorder.queue.send(Waiting { entry, stored }).is_err() {
+            recorder.done(1);
+            return Err(not_recorded("the consumer is stopping"));
+        }
+        Ok((recorder, answer))
+    }
+
+    /// Send the record that `settled`'s message ended now, alongside the settle it records,
+    /// so that the two round trips overlap. The settle's outcome decides what becomes of it
+    /// (see [`Recording`]).
+    pub(super) fn start(self, settled: Settled) -> Result<Recording, Error> {
+        let message = settled.0;
+        let (recorder, answer) = self.send(Entry::Ended(settled))?;
+        Ok(Recording {
+            recorder,
+            message,
+            answer: Some(answer),
+        })
+    }
+}
+
+type RecordAnswer = oneshot::Receiver<Result<(), String>>;
+
+/// A record sent before its settle was confirmed. [`Recording::stored`] once it is;
+/// dropped instead (the settle failed, timed out or was abandoned), it is voided by a later
+/// record, so that no gateway takes the message as ended on a settle answered non-2xx.
+pub(super) struct Recording {
+    recorder: Recorder,
+    message: MessageKey,
+    /// `None` once the settle was confirmed.
+    answer: Option<RecordAnswer>,
+}
+
+impl Recording {
+    /// The settle was confirmed: `Ok` once its record is stored, 503 when it is not by
+    /// `deadline`, or cannot be.
+    pub(super) async fn stored(mut self, deadline: impl Future<Output = ()>) -> Result<(), Error> {
+        let Some(answer) = self.answer.take() else {
+            return Err(not_recorded("the record was already asked for"));
+        };
         tokio::select! {
             biased;
             answer = answer => match answer {
@@ -159,13 +204,19 @@ impl Reservation {
     }
 }
 
-impl Recorder {
-    /// Record that `settled`'s message ended, without waiting: for an ending nobody is
-    /// answered for (a push the endpoint took whose ack did not land).
-    pub(crate) fn record_later(&self, settled: Settled) {
-        let (stored, _) = oneshot::channel();
-        self.pending.fetch_add(1, Ordering::AcqRel);
-        let _ = self.enqueue(Waiting { settled, stored });
+impl Drop for Recording {
+    fn drop(&mut self) {
+        let Some(answer) = self.answer.take() else {
+            return;
+        };
+        // After the record's own answer, stored or not (a store that timed out may still
+        // have landed), so that the void is stored after what it voids.
+        let void = self.recorder.reserve();
+        let message = self.message;
+        tokio::spawn(async move {
+            let _ = answer.await;
+            let _ = void.send(Entry::Voided(message));
+        });
     }
 }
 
@@ -211,16 +262,23 @@ impl Recorder {
     }
 }
 
-/// Store one record of `batch` and answer each of its settles; how many it answered.
+/// Store one record of `batch` and answer each of its entries; how many it answered.
 async fn store(records: Option<Arc<Records>>, batch: Vec<Waiting>) -> usize {
     let result = match records {
         // No records stream (refused by the server; an ephemeral consumer): only this
         // process remembers, as the consumer's durability says.
         None => Ok(()),
         Some(records) => {
-            let settled: Vec<Settled> = batch.iter().map(|w| w.settled.clone()).collect();
+            let mut ended = Vec::with_capacity(batch.len());
+            let mut voided = Vec::new();
+            for waiting in &batch {
+                match &waiting.entry {
+                    Entry::Ended(settled) => ended.push(settled.clone()),
+                    Entry::Voided(message) => voided.push(*message),
+                }
+            }
             records
-                .store(&settled, STORE_TIMEOUT)
+                .store(&ended, &voided, STORE_TIMEOUT)
                 .await
                 .map_err(|err| format!("{err:#}"))
         }
@@ -338,9 +396,9 @@ async fn follow(
                     }
                 }
                 next = reader.next() => match next {
-                    Some(Ok((sequence, settled))) => {
-                        if !settled.is_empty() {
-                            state.ended_in_fleet(settled, loaded_above);
+                    Some(Ok((sequence, opened))) => {
+                        if !opened.ended.is_empty() || !opened.voided.is_empty() {
+                            state.ended_in_fleet(opened.ended, &opened.voided, loaded_above);
                         }
                         read.send_replace((generation, sequence));
                     }

@@ -311,14 +311,22 @@ impl Consumer {
             kind,
         };
         // Pending before the lease is finished: see `Recorder::reserve`.
-        let reservation = ending.is_some().then(|| self.recorder.reserve());
+        let mut reservation = ending.as_ref().map(|_| self.recorder.reserve());
+        let mut recording = None;
         let mut deadline = std::pin::pin!(deadline);
         let confirmed = match self.connected() {
             Ok(bound) => match self
                 .copy_before_term(&bound, key, command, &mut deadline)
                 .await
             {
-                Ok(()) => nats_settle::confirm(&bound, &reply, command, deadline.as_mut()).await,
+                Ok(()) => {
+                    // The record goes out alongside the settle: the answer waits for both,
+                    // not one after the other (dropped unconfirmed, it is voided).
+                    if let (Some(reservation), Some(ending)) = (reservation.take(), ending) {
+                        recording = Some(reservation.start(ending)?);
+                    }
+                    nats_settle::confirm(&bound, &reply, command, deadline.as_mut()).await
+                }
                 Err(not_copied) => {
                     // Nothing was sent: the lease stays as it was, the term may be retried.
                     drop(in_motion);
@@ -343,10 +351,10 @@ impl Consumer {
             self.state.freed_capacity();
         }
         confirmed.map_err(unconfirmed)?;
-        if let (Some(ending), Some(reservation)) = (ending, reservation) {
+        if let Some(recording) = recording {
             // Answered 2xx only once every gateway can know it ended (503 otherwise; the
             // server has the settle, and a retry records it again).
-            reservation.record(ending, deadline).await?;
+            recording.stored(deadline).await?;
         }
         Ok(Sent::Confirmed)
     }
