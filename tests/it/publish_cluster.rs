@@ -156,7 +156,7 @@ async fn atomic_batches_are_whole_or_absent_when_the_stream_leader_is_killed() {
         .last_sequence;
     let mut stored: BTreeMap<usize, Vec<(u64, usize)>> = BTreeMap::new();
     for sequence in 1..=last {
-        let Ok(message) = stream.get_raw_message(sequence).await else {
+        let Some(message) = stored_message(&stream, sequence).await else {
             continue;
         };
         let id = String::from_utf8_lossy(&message.payload).into_owned();
@@ -183,5 +183,29 @@ async fn atomic_batches_are_whole_or_absent_when_the_stream_leader_is_killed() {
                 .all(|((sequence, _), expected)| *sequence == expected),
             "round {round}: contiguous sequences {messages:?}"
         );
+    }
+}
+
+/// The message at `sequence`, `None` when the stream holds none there. Any other error (a
+/// timeout or no responders while the leader settles after the last kill) is asked again
+/// until a deadline: taken as "none", it would read as a batch stored in part.
+async fn stored_message(
+    stream: &async_nats::jetstream::stream::Stream,
+    sequence: u64,
+) -> Option<async_nats::jetstream::message::StreamMessage> {
+    use async_nats::jetstream::stream::RawMessageErrorKind;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match stream.get_raw_message(sequence).await {
+            Ok(message) => return Some(message),
+            Err(err) if matches!(err.kind(), RawMessageErrorKind::NoMessageFound) => return None,
+            Err(err) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "reading sequence {sequence} for 30 s: {err}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
     }
 }
