@@ -13,7 +13,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::domain::delivery::{Delivery, Leased};
-use crate::domain::finals::{Final, Finals, MessageKey, Source};
+use crate::domain::finals::{Final, Finals, FleetFloor, MessageKey, Source};
 use crate::domain::lease_id::{DeliveryKey, LeaseCoordinates, LeaseSigner};
 use crate::domain::leases::LeaseTable;
 use crate::domain::ordering::{OrderingGate, OrderingKeySpec};
@@ -327,6 +327,16 @@ impl LeaseState {
         for message in voided {
             finals.void_from_fleet(*message);
         }
+    }
+
+    /// A floor record of the fleet's (see `nats::settled`): every message under it ended.
+    pub(crate) fn raise_fleet_floor(&self, floor: FleetFloor) {
+        self.finals().raise_floor_from_fleet(floor);
+    }
+
+    /// The highest floor record read or written.
+    pub(crate) fn fleet_floor(&self) -> Option<FleetFloor> {
+        self.finals().fleet_floor()
     }
 
     /// Who confirmed how the message a delivery carries ended (when it did).

@@ -80,6 +80,26 @@ pub(crate) struct Finals {
     by_message: SequenceMap<MessageKey, (Final, Source)>,
     recorded: VecDeque<MessageKey>,
     max: usize,
+    /// Everything at or below it ended (a floor record of the fleet's).
+    floor: Option<FleetFloor>,
+}
+
+/// A floor record of the fleet's: every message of the stream at or below `stream_sequence`
+/// published no later than `published_by_unix_nanos` ended. Written once the consumer's ack
+/// floor was there long enough to be on disk, before the records below it are dropped: a
+/// consumer made again (its floor back at 0) still settles those again. The time tells the
+/// messages of a stream deleted and made again (later) apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FleetFloor {
+    pub(crate) stream_sequence: u64,
+    pub(crate) published_by_unix_nanos: i64,
+}
+
+impl FleetFloor {
+    fn covers(&self, message: MessageKey) -> bool {
+        message.stream_sequence <= self.stream_sequence
+            && message.published_unix_nanos <= self.published_by_unix_nanos
+    }
 }
 
 impl Finals {
@@ -88,7 +108,23 @@ impl Finals {
             by_message: SequenceMap::default(),
             recorded: VecDeque::new(),
             max,
+            floor: None,
         }
+    }
+
+    /// The fleet's records say everything under `floor` ended; the highest floor is kept.
+    pub(crate) fn raise_floor_from_fleet(&mut self, floor: FleetFloor) {
+        if self
+            .floor
+            .is_none_or(|known| known.stream_sequence < floor.stream_sequence)
+        {
+            self.floor = Some(floor);
+        }
+    }
+
+    /// The highest floor the fleet's records gave.
+    pub(crate) fn fleet_floor(&self) -> Option<FleetFloor> {
+        self.floor
     }
 
     /// The server confirmed `outcome` for `message`.
@@ -133,14 +169,24 @@ impl Finals {
 
     /// How `message` ended, if it did through this gateway.
     pub(crate) fn get(&self, message: MessageKey) -> Option<Final> {
-        self.by_message
-            .get(&message)
-            .map(|(outcome, _)| outcome.clone())
+        match self.by_message.get(&message) {
+            Some((outcome, _)) => Some(outcome.clone()),
+            // Acked or terminated, which the floor does not tell: settled again as acked,
+            // which ends it without a second dead letter.
+            None => self.under_floor(message).then_some(Final::Acked),
+        }
     }
 
     /// Who confirmed how `message` ended, if it did.
     pub(crate) fn source(&self, message: MessageKey) -> Option<Source> {
-        self.by_message.get(&message).map(|(_, source)| *source)
+        match self.by_message.get(&message) {
+            Some((_, source)) => Some(*source),
+            None => self.under_floor(message).then_some(Source::Fleet),
+        }
+    }
+
+    fn under_floor(&self, message: MessageKey) -> bool {
+        self.floor.is_some_and(|floor| floor.covers(message))
     }
 }
 
@@ -189,6 +235,27 @@ mod tests {
         finals.void_from_fleet(message(2));
         assert_eq!(finals.get(message(1)), None);
         assert_eq!(finals.get(message(2)), Some(Final::Acked));
+    }
+
+    #[test]
+    fn a_fleet_floor_covers_what_was_published_before_it_at_or_below_its_sequence() {
+        let mut finals = Finals::new(10);
+        finals.raise_floor_from_fleet(FleetFloor {
+            stream_sequence: 5,
+            published_by_unix_nanos: 1_005,
+        });
+        finals.raise_floor_from_fleet(FleetFloor {
+            stream_sequence: 3,
+            published_by_unix_nanos: 1_003,
+        });
+        assert_eq!(finals.get(message(5)), Some(Final::Acked));
+        assert_eq!(finals.source(message(4)), Some(Source::Fleet));
+        assert_eq!(finals.get(message(6)), None, "above the floor");
+        let republished = MessageKey {
+            stream_sequence: 2,
+            published_unix_nanos: 2_000,
+        };
+        assert_eq!(finals.get(republished), None, "a stream made again");
     }
 
     #[test]

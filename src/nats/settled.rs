@@ -34,7 +34,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use futures::{Stream, StreamExt as _};
 use serde::{Deserialize, Serialize};
 
-use crate::domain::finals::{Final, MessageKey};
+use crate::domain::finals::{Final, FleetFloor, MessageKey};
 use crate::domain::seal::Kind;
 
 use super::API_TIMEOUT;
@@ -64,10 +64,17 @@ pub(crate) type Settled = (MessageKey, Final);
 pub(crate) struct Opened {
     pub(crate) ended: Vec<Settled>,
     pub(crate) voided: Vec<MessageKey>,
+    /// A floor record: everything under it ended.
+    pub(crate) floor: Option<FleetFloor>,
+    /// The highest stream sequence the record names (also for a record of this binding's
+    /// own, which is otherwise not opened): below the consumer's floor, it may be dropped.
+    pub(crate) max_sequence: u64,
 }
 
 /// The header naming the process (binding) that wrote a record.
 const WRITER_HEADER: &str = "Ruststream-Writer";
+/// The header with the highest stream sequence a record names, read without opening it.
+const MAX_SEQUENCE_HEADER: &str = "Ruststream-Max-Sequence";
 
 /// The records of one consumer: where they are written and read.
 pub(crate) struct Records {
@@ -75,6 +82,8 @@ pub(crate) struct Records {
     /// The records stream, as found or made at bind: every read and purge goes through it,
     /// with no lookup of its own.
     stream: stream::Stream,
+    /// The consumed stream, for the consumer's ack floor.
+    consumed: stream::Stream<()>,
     subject: String,
     /// Seals what is written and checks what is read; `None`: unsealed (no shared key).
     trust: Option<Arc<Trust>>,
@@ -159,9 +168,14 @@ impl Records {
             )));
         }
         let replicas = current.num_replicas.max(1);
+        let consumed = js
+            .get_stream_no_info(place.stream)
+            .await
+            .map_err(|err| EnsureError::Refused(format!("the stream {}: {err}", place.stream)))?;
         Ok(Self {
             js: js.clone(),
             stream: found,
+            consumed,
             subject: subject_of(place.prefix, place.stream, place.consumer),
             trust,
             consumer: place.consumer.to_owned(),
@@ -185,17 +199,53 @@ impl Records {
         voided: &[MessageKey],
         timeout: Duration,
     ) -> anyhow::Result<()> {
-        let payload = serde_json::to_vec(&RecordWire {
+        let record = RecordWire {
             consumer: &self.consumer,
             settled: ended.iter().map(EntryWire::of).collect(),
             void: voided.iter().map(VoidWire::of).collect(),
-        })
-        .context("encoding a settled record")?;
-        let mut headers = HeaderMap::new();
+            floor: None,
+        };
         let serial = self.written.fetch_add(1, Ordering::Relaxed);
-        let writer = format!("{:016x}", self.writer);
-        headers.insert("Nats-Msg-Id", format!("{writer}-{serial}").as_str());
-        headers.insert(WRITER_HEADER, writer.as_str());
+        let msg_id = format!("{:016x}-{serial}", self.writer);
+        let max_sequence = ended
+            .iter()
+            .map(|(message, _)| message)
+            .chain(voided)
+            .map(|message| message.stream_sequence)
+            .max()
+            .unwrap_or(0);
+        self.write(&record, &msg_id, max_sequence, timeout).await
+    }
+
+    /// Store a floor record: every message under `floor` ended. Every gateway writing the
+    /// same floor writes one record (the same msg id).
+    pub(crate) async fn store_floor(&self, floor: FleetFloor) -> anyhow::Result<()> {
+        let record = RecordWire {
+            consumer: &self.consumer,
+            settled: Vec::new(),
+            void: Vec::new(),
+            floor: Some(FloorWire {
+                seq: floor.stream_sequence,
+                published_by_ns: floor.published_by_unix_nanos,
+            }),
+        };
+        let msg_id = format!("floor-{}", floor.stream_sequence);
+        self.write(&record, &msg_id, floor.stream_sequence, API_TIMEOUT)
+            .await
+    }
+
+    async fn write(
+        &self,
+        record: &RecordWire<'_>,
+        msg_id: &str,
+        max_sequence: u64,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
+        let payload = serde_json::to_vec(record).context("encoding a settled record")?;
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", msg_id);
+        headers.insert(WRITER_HEADER, format!("{:016x}", self.writer).as_str());
+        headers.insert(MAX_SEQUENCE_HEADER, max_sequence.to_string().as_str());
         if let Some(trust) = &self.trust {
             trust.seal(
                 Kind::SettledRecord,
@@ -215,6 +265,42 @@ impl Records {
         tokio::time::timeout(timeout, stored)
             .await
             .context("timed out storing a settled record")??;
+        Ok(())
+    }
+
+    /// The consumer's ack floor now, as a floor record would say it (`None`: nothing acked
+    /// yet, or the server does not say when).
+    pub(crate) async fn consumer_floor(&self) -> anyhow::Result<Option<FleetFloor>> {
+        let info = tokio::time::timeout(API_TIMEOUT, self.consumed.consumer_info(&self.consumer))
+            .await
+            .context("timed out reading the consumer's ack floor")?
+            .context("reading the consumer's ack floor")?;
+        let floor = &info.ack_floor;
+        // Every message under the floor was acked by its last activity, so published
+        // before it (both on the server's clock).
+        Ok(floor
+            .last_active
+            .filter(|_| floor.stream_sequence > 0)
+            .map(|acked_by| FleetFloor {
+                stream_sequence: floor.stream_sequence,
+                published_by_unix_nanos: i64::try_from(acked_by.unix_timestamp_nanos())
+                    .unwrap_or(i64::MAX),
+            }))
+    }
+
+    /// Drop the consumer's records stored before the records stream's sequence `keep_from`
+    /// (they name only messages under a floor record stored after them).
+    pub(crate) async fn drop_before(&self, keep_from: u64) -> anyhow::Result<()> {
+        tokio::time::timeout(
+            API_TIMEOUT,
+            self.stream
+                .purge()
+                .filter(self.subject.clone())
+                .sequence(keep_from),
+        )
+        .await
+        .context("timed out dropping settled records")?
+        .context("dropping settled records")?;
         Ok(())
     }
 
@@ -340,6 +426,14 @@ struct RecordWire<'a> {
     /// Absent in records of releases before it: those are read as voiding nothing.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     void: Vec<VoidWire>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    floor: Option<FloorWire>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct FloorWire {
+    seq: u64,
+    published_by_ns: i64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -413,9 +507,27 @@ impl EntryWire {
 /// What a record's payload says; nothing when it is not one (a stranger's message).
 fn decode(payload: &[u8]) -> Opened {
     serde_json::from_slice::<RecordWire<'_>>(payload)
-        .map(|record| Opened {
-            voided: record.void.iter().map(VoidWire::message).collect(),
-            ended: record.settled.into_iter().map(EntryWire::settled).collect(),
+        .map(|record| {
+            let voided: Vec<MessageKey> = record.void.iter().map(VoidWire::message).collect();
+            let ended: Vec<Settled> = record.settled.into_iter().map(EntryWire::settled).collect();
+            let floor = record.floor.map(|floor| FleetFloor {
+                stream_sequence: floor.seq,
+                published_by_unix_nanos: floor.published_by_ns,
+            });
+            let max_sequence = ended
+                .iter()
+                .map(|(message, _)| message)
+                .chain(&voided)
+                .map(|message| message.stream_sequence)
+                .chain(floor.map(|floor| floor.stream_sequence))
+                .max()
+                .unwrap_or(0);
+            Opened {
+                ended,
+                voided,
+                floor,
+                max_sequence,
+            }
         })
         .unwrap_or_default()
 }
@@ -452,13 +564,16 @@ mod tests {
             consumer: "billing",
             settled: settled.iter().map(EntryWire::of).collect(),
             void: voided.iter().map(VoidWire::of).collect(),
+            floor: None,
         })
         .expect("encodes");
         assert_eq!(
             decode(&payload),
             Opened {
                 ended: settled.clone(),
-                voided
+                voided,
+                floor: None,
+                max_sequence: 9,
             }
         );
         // A record of a release before voids: read as voiding nothing.

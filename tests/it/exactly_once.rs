@@ -418,3 +418,56 @@ async fn an_ack_answered_non_2xx_is_not_taken_as_ended_by_the_fleet() {
     assert_eq!(able.ack(&again[0].id).await, 204);
     assert_eq!(settled_again(&Scrape::of(&able).await, "fleet"), 0.0);
 }
+
+/// (g) The records stay bounded by what is pending, not by traffic: once the consumer's ack
+/// floor has been on disk long enough (here the server syncs every write, read from its
+/// monitoring endpoint), a floor record replaces the records under it. And a consumer made
+/// again after that, delivering everything from the start, still leases none of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_under_the_ack_floor_give_way_to_a_floor_record() {
+    const DRAINED: usize = 2_000;
+    let consumer = "once-bounded";
+    let (server, monitor) = crate::support::NatsServer::with_monitoring(true).await;
+    let js = Js::connect(&server.url()).await;
+    js.create_stream(STREAM, &["orders.>"]).await;
+    let setup = Setup::consumer(consumer).flag("--nats-monitor-url", monitor);
+    let mut first = setup.process(&server.url()).await;
+    js.publish_many("orders.1", DRAINED, "m").await;
+    let mut drained = 0;
+    while drained < DRAINED {
+        let leased = first.fetch_n(50, 2000).await;
+        let ids: Vec<&str> = leased.iter().map(|m| m.id.as_str()).collect();
+        let acked = first
+            .settle_many_ok(Action::Ack, &json!({ "ids": ids }))
+            .await;
+        assert!(acked.iter().all(|(_, status)| *status == 204), "{acked:?}");
+        drained += leased.len();
+    }
+    let written = records_held(&js).await;
+    assert!(written >= 40, "a record per batch ack: {written}");
+    wait_for(
+        "the records under the floor dropped",
+        Duration::from_secs(30),
+        || async {
+            let held = records_held(&js).await;
+            (held <= 1).then_some(held)
+        },
+    )
+    .await;
+
+    first.kill9();
+    js.js
+        .get_stream(STREAM)
+        .await
+        .expect("stream")
+        .delete_consumer(consumer)
+        .await
+        .expect("delete the consumer");
+    let second = setup.process(&server.url()).await;
+    drained_without_a_lease(&js, consumer, &[&second]).await;
+    assert_eq!(
+        settled_again(&Scrape::of(&second).await, "fleet"),
+        DRAINED as f64,
+        "each message settled again under the floor record"
+    );
+}

@@ -9,6 +9,7 @@
 //!
 //! May import: as the rest of `gateway`.
 
+mod compactor;
 mod exchange;
 mod fetch;
 mod idle;

@@ -26,6 +26,7 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::compactor::{self, Compactor};
 use crate::domain::finals::MessageKey;
 use crate::error::Error;
 use crate::nats::Bound;
@@ -305,18 +306,28 @@ pub(super) struct Reader {
 }
 
 impl Reader {
-    /// Read `records` into `state` from the start, then follow them, until `stop`.
+    /// Read `records` into `state` from the start, then follow them, until `stop`; drop
+    /// those under the consumer's ack floor once it was there `floor_on_disk_after`.
     pub(super) fn start(
         records: Arc<Records>,
         state: Arc<LeaseState>,
         floor: u64,
+        floor_on_disk_after: Duration,
         stop: CancellationToken,
     ) -> Self {
         let (read_tx, read) = watch::channel((0, 0));
         let (floor, floor_rx) = watch::channel((floor, 0));
+        let compactor = Arc::new(Compactor::new(floor_on_disk_after));
+        tokio::spawn(compactor::keep_bounded(
+            Arc::clone(&compactor),
+            Arc::clone(&records),
+            Arc::clone(&state),
+            read.clone(),
+            stop.clone(),
+        ));
         tokio::spawn(async move {
             tokio::select! {
-                () = follow(records, state, read_tx, floor_rx) => {}
+                () = follow(records, state, read_tx, floor_rx, &compactor) => {}
                 () = stop.cancelled() => {}
             }
         });
@@ -359,12 +370,13 @@ impl Reader {
 }
 
 /// Read the records into `state`, reopening the reader after an error where it stopped, and
-/// from the start when the floor goes down.
+/// from the start when the floor goes down; and keep them bounded (see [`Compactor`]).
 async fn follow(
     records: Arc<Records>,
     state: Arc<LeaseState>,
     read: watch::Sender<(u64, u64)>,
     mut floor: watch::Receiver<(u64, u64)>,
+    compactor: &Compactor,
 ) {
     let (mut loaded_above, mut generation) = *floor.borrow_and_update();
     let mut backoff = Duration::from_millis(50);
@@ -386,17 +398,25 @@ async fn follow(
                     if changed.is_err() {
                         return;
                     }
+                    // A catch-up: the connection came back, maybe to a server restarted
+                    // that forgot what was not on disk.
+                    compactor.reconnected();
                     let (now, now_generation) = *floor.borrow_and_update();
                     loaded_above = now;
                     if now_generation != generation {
                         // What was skipped as below the floor may be delivered again.
                         generation = now_generation;
+                        compactor.read_again();
                         read.send_replace((generation, 0));
                         break;
                     }
                 }
                 next = reader.next() => match next {
                     Some(Ok((sequence, opened))) => {
+                        compactor.read(sequence, opened.max_sequence);
+                        if let Some(floor) = opened.floor {
+                            state.raise_fleet_floor(floor);
+                        }
                         if !opened.ended.is_empty() || !opened.voided.is_empty() {
                             state.ended_in_fleet(opened.ended, &opened.voided, loaded_above);
                         }
