@@ -124,9 +124,9 @@ impl Compactor {
         now: Instant,
     ) -> Option<FleetFloor> {
         let mut seen = self.seen();
-        if let Some(floor) = floor
-            && seen.connection == asked_on
-        {
+        if seen.connection != asked_on {
+            // Asked before a reconnect: says nothing of the server now.
+        } else if let Some(floor) = floor {
             match seen.floors.back() {
                 Some((_, last)) if last.stream_sequence == floor.stream_sequence => {}
                 Some((_, last)) if last.stream_sequence > floor.stream_sequence => {
@@ -136,6 +136,10 @@ impl Compactor {
                 }
                 _ => seen.floors.push_back((now, floor)),
             }
+        } else {
+            // Nothing acked: the consumer is new (made again, or moved by a seek), and
+            // nothing seen of the one before it stands.
+            seen.floors.clear();
         }
         let mut on_disk = None;
         while let Some(&(seen_at, floor)) = seen.floors.front() {
@@ -212,7 +216,16 @@ mod tests {
         let at = |secs| start + Duration::from_secs(secs);
         compactor.floor_on_disk(floor(5), 0, at(0));
         compactor.floor_on_disk(floor(2), 0, at(1));
-        assert_eq!(compactor.floor_on_disk(None, 0, at(10)), None);
-        assert_eq!(compactor.floor_on_disk(None, 0, at(11)), floor(2));
+        assert_eq!(compactor.floor_on_disk(floor(2), 0, at(10)), None);
+        assert_eq!(compactor.floor_on_disk(floor(2), 0, at(11)), floor(2));
+    }
+
+    #[test]
+    fn a_consumer_with_nothing_acked_forgets_the_floors_of_the_one_before() {
+        let compactor = Compactor::new(Duration::from_secs(10));
+        let start = Instant::now();
+        let at = |secs| start + Duration::from_secs(secs);
+        compactor.floor_on_disk(floor(5), 0, at(0));
+        assert_eq!(compactor.floor_on_disk(None, 0, at(20)), None);
     }
 }
