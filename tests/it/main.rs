@@ -17,6 +17,7 @@ mod docs;
 mod durability;
 mod events;
 mod exactly_once;
+mod exactly_once_cluster;
 mod fetch;
 mod idempotency;
 mod introspection;
