@@ -72,6 +72,9 @@ mod ordering;
 /// `--producers`: batch, atomic and single publishes, and one-shot schedules.
 #[path = "bench/producers.rs"]
 mod producers;
+/// `--records-load`: a consumer bound with many settled records to read first.
+#[path = "bench/records.rs"]
+mod records;
 
 use std::future::IntoFuture as _;
 use std::path::{Path, PathBuf};
@@ -211,6 +214,12 @@ struct Args {
     #[arg(long)]
     default_sync: bool,
 
+    /// Instead of the drains: a gateway bound to a consumer whose settled records hold
+    /// `--messages` settles, timed from start to ready against one with none
+    /// (docs/benchmark.md, "Exactly once").
+    #[arg(long)]
+    records_load: bool,
+
     /// The rows `--push` measures (all when not given).
     #[arg(long = "push-row", value_enum)]
     push_rows: Vec<PushRow>,
@@ -344,6 +353,8 @@ async fn main() -> anyhow::Result<()> {
                 day_two::run(&args).await
             } else if args.producers {
                 producers::run(&args).await
+            } else if args.records_load {
+                records::run(&args).await
             } else if args.ordering {
                 ordering::run(&args).await
             } else if args.ordering_ledger {
