@@ -25,7 +25,6 @@
 //! May import: `config`, `domain`, `metrics`. Nothing of the gateway above the boundary.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -90,9 +89,8 @@ pub(crate) struct Records {
     consumer: String,
     /// How old a believed record may be: the retention, and a day's slack for clocks.
     believed_for: Duration,
-    /// For the msg ids of this process's records: its own random prefix and a counter.
+    /// This binding's random name, in each record it writes (it skips its own).
     writer: u64,
-    written: AtomicU64,
     replicas: usize,
 }
 
@@ -181,7 +179,6 @@ impl Records {
             consumer: place.consumer.to_owned(),
             believed_for: place.retention + Duration::from_secs(24 * 60 * 60),
             writer: rand::random(),
-            written: AtomicU64::new(0),
             replicas,
         })
     }
@@ -205,8 +202,6 @@ impl Records {
             void: voided.iter().map(VoidWire::of).collect(),
             floor: None,
         };
-        let serial = self.written.fetch_add(1, Ordering::Relaxed);
-        let msg_id = format!("{:016x}-{serial}", self.writer);
         let max_sequence = ended
             .iter()
             .map(|(message, _)| message)
@@ -214,7 +209,9 @@ impl Records {
             .map(|message| message.stream_sequence)
             .max()
             .unwrap_or(0);
-        self.write(&record, &msg_id, max_sequence, timeout).await
+        // No msg id: a record is never sent twice, and one stored twice says the same thing;
+        // the stream's dedup would cost the server a lookup per record for nothing.
+        self.write(&record, None, max_sequence, timeout).await
     }
 
     /// Store a floor record: every message under `floor` ended. Every gateway writing the
@@ -230,20 +227,22 @@ impl Records {
             }),
         };
         let msg_id = format!("floor-{}", floor.stream_sequence);
-        self.write(&record, &msg_id, floor.stream_sequence, API_TIMEOUT)
+        self.write(&record, Some(&msg_id), floor.stream_sequence, API_TIMEOUT)
             .await
     }
 
     async fn write(
         &self,
         record: &RecordWire<'_>,
-        msg_id: &str,
+        msg_id: Option<&str>,
         max_sequence: u64,
         timeout: Duration,
     ) -> anyhow::Result<()> {
         let payload = serde_json::to_vec(record).context("encoding a settled record")?;
         let mut headers = HeaderMap::new();
-        headers.insert("Nats-Msg-Id", msg_id);
+        if let Some(msg_id) = msg_id {
+            headers.insert("Nats-Msg-Id", msg_id);
+        }
         headers.insert(WRITER_HEADER, format!("{:016x}", self.writer).as_str());
         headers.insert(MAX_SEQUENCE_HEADER, max_sequence.to_string().as_str());
         if let Some(trust) = &self.trust {

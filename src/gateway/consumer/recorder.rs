@@ -6,7 +6,7 @@
 //! Writing: a settle's record is sent alongside the settle, and the 2xx waits for both; a
 //! settle that then goes unconfirmed has its record voided by a later one. Settles arriving
 //! together (a batch settle; single settles queued while the writer was busy) go out as one
-//! record, up to 16 records of a consumer in flight at once — a lone settle waits for no
+//! record, up to 4 records of a consumer in flight at once — a lone settle waits for no
 //! timer, nor for the records before it.
 //!
 //! Reading: one reader per consumer from its first binding on; before a binding serves (and
@@ -36,8 +36,12 @@ use crate::state::LeaseState;
 /// How long a record may take to be stored before the settle waiting for it is answered
 /// 503 (it is also bounded by the settle's own deadline).
 const STORE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Records of one consumer being stored at once.
-const RECORDS_IN_FLIGHT: usize = 16;
+/// Records of one consumer being stored at once. Each record costs the server about as much
+/// whatever it carries, so settles that come while these are on their way wait and share the
+/// next one; as the record goes out alongside the ack, that wait is mostly hidden behind it
+/// (1, 4 and 16 measured alike on the drains, within their noise; 4 writes a third fewer
+/// records than 16 under pushes of one message).
+const RECORDS_IN_FLIGHT: usize = 4;
 /// Longest wait before a reader that failed is opened again.
 const REOPEN_AT_MOST: Duration = Duration::from_secs(2);
 
