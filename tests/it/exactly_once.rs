@@ -53,6 +53,17 @@ async fn settle_a_burst(js: &Js, gateway: &Client) -> HashSet<u64> {
     leased.iter().map(|m| m.stream_sequence).collect()
 }
 
+/// Delete `consumer` on the server (the next gateway makes it again, from the start).
+async fn delete_consumer(js: &Js, consumer: &str) {
+    js.js
+        .get_stream(STREAM)
+        .await
+        .expect("stream")
+        .delete_consumer(consumer)
+        .await
+        .expect("delete the consumer");
+}
+
 /// What the server counts as still to deliver or unacked on `consumer`.
 async fn server_owes(js: &Js, consumer: &str) -> u64 {
     let info = js.consumer_info(STREAM, consumer).await;
@@ -186,13 +197,7 @@ async fn a_consumer_made_again_leases_only_what_never_ended() {
     let settled = settle_a_burst(&js, &first).await;
     let open: Vec<u64> = js.publish_many("orders.1", 3, "later").await;
     first.kill9();
-    js.js
-        .get_stream(STREAM)
-        .await
-        .expect("stream")
-        .delete_consumer(consumer)
-        .await
-        .expect("delete the consumer");
+    delete_consumer(&js, consumer).await;
     let second = setup.process(&server.url()).await;
     let mut seen = HashSet::new();
     let deadline =
@@ -456,13 +461,7 @@ async fn records_under_the_ack_floor_give_way_to_a_floor_record() {
     .await;
 
     first.kill9();
-    js.js
-        .get_stream(STREAM)
-        .await
-        .expect("stream")
-        .delete_consumer(consumer)
-        .await
-        .expect("delete the consumer");
+    delete_consumer(&js, consumer).await;
     let second = setup.process(&server.url()).await;
     drained_without_a_lease(&js, consumer, &[&second]).await;
     assert_eq!(

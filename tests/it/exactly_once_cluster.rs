@@ -14,33 +14,11 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use crate::support::client::batch_results;
-use crate::support::cluster::{Cluster, jetstream_of};
+use crate::support::cluster::{Cluster, create_stream_when_ready, jetstream_of};
 use crate::support::{Action, Client, STREAM, Setup, assert_stays};
 
 const MESSAGES: usize = 300;
 const CONSUMER: &str = "once-cluster";
-
-/// Make the R3 stream, asking again while the cluster elects its meta leader.
-async fn create_replicated_stream(js: &jetstream::Context) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let created = js
-            .create_stream(stream::Config {
-                name: STREAM.to_owned(),
-                subjects: vec!["orders.>".to_owned()],
-                num_replicas: 3,
-                ..Default::default()
-            })
-            .await;
-        match created {
-            Ok(_) => return,
-            Err(err) => {
-                assert!(Instant::now() < deadline, "create the stream: {err}");
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-        }
-    }
-}
 
 /// The nodes leading the consumer and the stream now.
 async fn leaders(js: &jetstream::Context) -> Vec<String> {
@@ -114,7 +92,16 @@ async fn leaders_killed(sync_always: bool) {
     let mut cluster = Cluster::start(3, sync_always).await;
     let urls = cluster.urls();
     let js = jetstream_of(&urls).await;
-    create_replicated_stream(&js).await;
+    create_stream_when_ready(
+        &js,
+        stream::Config {
+            name: STREAM.to_owned(),
+            subjects: vec!["orders.>".to_owned()],
+            num_replicas: 3,
+            ..Default::default()
+        },
+    )
+    .await;
     let setup = Setup::consumer(CONSUMER).settle_timeout("2s");
     let a = setup.ready(&urls).await;
     let b = setup.ready(&urls).await;

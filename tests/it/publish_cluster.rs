@@ -9,7 +9,7 @@ use async_nats::jetstream::{self, stream};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-use crate::support::cluster::{Cluster, jetstream_of};
+use crate::support::cluster::{Cluster, create_stream_when_ready, jetstream_of};
 use crate::support::{STREAM, Setup};
 
 const ROUNDS: usize = 20;
@@ -19,29 +19,20 @@ const BATCH: usize = 200;
 /// fresh cluster elects its meta leader).
 async fn create_atomic_stream(urls: &str) -> jetstream::Context {
     let js = jetstream_of(urls).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let created = js
-            .create_stream(stream::Config {
-                name: STREAM.to_owned(),
-                subjects: vec!["orders.>".to_owned()],
-                num_replicas: 3,
-                allow_atomic_publish: true,
-                ..Default::default()
-            })
-            .await;
-        match created {
-            Ok(_) => return js,
-            Err(_) if Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-            Err(err) => panic!("create the stream: {err}"),
-        }
-    }
+    create_stream_when_ready(
+        &js,
+        stream::Config {
+            name: STREAM.to_owned(),
+            subjects: vec!["orders.>".to_owned()],
+            num_replicas: 3,
+            allow_atomic_publish: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    js
 }
 
-/// The stream's leader once it has one and both followers are current (a killed node back
-/// and caught up), so that the next kill leaves a quorum.
 async fn healthy_leader(js: &jetstream::Context) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {

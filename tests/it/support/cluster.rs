@@ -94,3 +94,21 @@ pub async fn jetstream_of(urls: &str) -> jetstream::Context {
         .expect("connect the test client");
     jetstream::new(client)
 }
+
+/// Make a stream on a cluster, asking again for up to 30 s while it elects its meta leader.
+pub async fn create_stream_when_ready(js: &jetstream::Context, config: jetstream::stream::Config) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match js.create_stream(config.clone()).await {
+            Ok(_) => return,
+            Err(err) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "create the stream {}: {err}",
+                    config.name
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+        }
+    }
+}
