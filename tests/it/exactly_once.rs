@@ -399,10 +399,10 @@ async fn an_ack_answered_non_2xx_is_not_taken_as_ended_by_the_fleet() {
     let sequence = js.publish("orders.1", "m").await;
     let leased = unable.fetch_n(1, 2000).await;
     assert_eq!(leased.len(), 1);
-    let status = unable.ack(&leased[0].id).await;
-    assert!(
-        status == 504 || status == 503,
-        "an ack the server never confirmed: {status}"
+    assert_eq!(
+        unable.ack(&leased[0].id).await,
+        504,
+        "an ack the server never confirmed, within the settle timeout"
     );
     wait_for(
         "the record and its void stored",
@@ -448,8 +448,13 @@ async fn records_under_the_ack_floor_give_way_to_a_floor_record() {
         assert!(acked.iter().all(|(_, status)| *status == 204), "{acked:?}");
         drained += leased.len();
     }
+    // A batch ack's settles share a record (or a few, when the writer takes some of
+    // them while the rest are still being queued), never one each.
     let written = records_held(&js).await;
-    assert!(written >= 40, "a record per batch ack: {written}");
+    assert!(
+        (40..DRAINED as u64 / 10).contains(&written),
+        "about a record per batch ack of 50: {written}"
+    );
     wait_for(
         "the records under the floor dropped",
         Duration::from_secs(30),

@@ -269,31 +269,32 @@ impl Recorder {
 
 /// Store one record of `batch` and answer each of its entries; how many it answered.
 async fn store(records: Option<Arc<Records>>, batch: Vec<Waiting>) -> usize {
+    let count = batch.len();
+    // Taken apart once, with no copy of any settle (a term's reason is a string).
+    let mut ended = Vec::with_capacity(count);
+    let mut voided = Vec::new();
+    let mut answers = Vec::with_capacity(count);
+    for Waiting { entry, stored } in batch {
+        match entry {
+            Entry::Ended(settled) => ended.push(settled),
+            Entry::Voided(message) => voided.push(message),
+        }
+        answers.push(stored);
+    }
     let result = match records {
         // No records stream (refused by the server; an ephemeral consumer): only this
         // process remembers, as the consumer's durability says.
         None => Ok(()),
-        Some(records) => {
-            let mut ended = Vec::with_capacity(batch.len());
-            let mut voided = Vec::new();
-            for waiting in &batch {
-                match &waiting.entry {
-                    Entry::Ended(settled) => ended.push(settled.clone()),
-                    Entry::Voided(message) => voided.push(*message),
-                }
-            }
-            records
-                .store(&ended, &voided, STORE_TIMEOUT)
-                .await
-                .map_err(|err| format!("{err:#}"))
-        }
+        Some(records) => records
+            .store(&ended, &voided, STORE_TIMEOUT)
+            .await
+            .map_err(|err| format!("{err:#}")),
     };
     if let Err(why) = &result {
-        warn!(settles = batch.len(), reason = %why, "could not store a settled record; those settles are answered 503");
+        warn!(settles = count, reason = %why, "could not store a settled record; those settles are answered 503");
     }
-    let count = batch.len();
-    for waiting in batch {
-        let _ = waiting.stored.send(result.clone());
+    for stored in answers {
+        let _ = stored.send(result.clone());
     }
     count
 }
