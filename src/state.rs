@@ -69,6 +69,9 @@ pub(crate) struct LeaseState {
     /// The settled records of the fleet are not all read (the connection was lost, the
     /// consumer is being bound): nothing is leased until they are.
     fleet_behind: AtomicBool,
+    /// Held by a seek while it moves the consumer, and by the compactor from reading the ack
+    /// floor to writing its floor record: a floor read before a move is never written after.
+    still: tokio::sync::Mutex<()>,
     pub(crate) metrics: Metrics,
 }
 
@@ -125,6 +128,7 @@ impl LeaseState {
             elsewhere: std::sync::OnceLock::new(),
             highest_stream_sequence: AtomicU64::new(0),
             fleet_behind: AtomicBool::new(false),
+            still: tokio::sync::Mutex::new(()),
             metrics,
         };
         state.apply_settings(ack_wait, max_ack_pending);
@@ -352,6 +356,11 @@ impl LeaseState {
     /// The fleet's settled records are (`false`), or may not be (`true`), all read.
     pub(crate) fn set_fleet_behind(&self, behind: bool) {
         self.fleet_behind.store(behind, Ordering::Release);
+    }
+
+    /// Keep the consumer where it is (no seek, no floor record) while the guard lives.
+    pub(crate) async fn hold_still(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.still.lock().await
     }
 
     /// The consumer was moved on purpose (a seek): every live lease is void, and what

@@ -89,27 +89,7 @@ pub(crate) struct Facts {
 /// How many replicas `replicated` asks of each.
 const REPLICATED: usize = 3;
 
-/// How long consumer state takes to be on disk once flushed: nats-server flushes it at most
-/// ~10 times a second (NATS-FACTS), and fsyncs it with the flush only at `sync_always`.
-const FLUSHED_WITHIN: Duration = Duration::from_secs(2);
-/// nats-server's default `sync_interval`, assumed when the server's is not known.
-const DEFAULT_SYNC_INTERVAL: Duration = Duration::from_secs(120);
-/// Slack on top of a sync interval.
-const SYNC_SLACK: Duration = Duration::from_secs(10);
-
 impl Facts {
-    /// How long after the consumer's ack floor was seen it is taken to be on disk, so that
-    /// the settled records below it may be dropped: a server that forgets state written
-    /// behind (killed -9, a power cut) no longer forgets that floor. Unknown sync: nats-
-    /// server's default interval.
-    pub(crate) fn floor_on_disk_after(&self) -> Duration {
-        match self.server_sync {
-            ServerSync::Always => FLUSHED_WITHIN,
-            ServerSync::Every(interval) => interval + SYNC_SLACK,
-            ServerSync::Unknown => DEFAULT_SYNC_INTERVAL + SYNC_SLACK,
-        }
-    }
-
     pub(crate) fn promise(&self) -> Promise {
         if self.settled_record_replicas.is_some() {
             Promise::Fleet

@@ -211,12 +211,14 @@ impl Records {
             .unwrap_or(0);
         // No msg id: a record is never sent twice, and one stored twice says the same thing;
         // the stream's dedup would cost the server a lookup per record for nothing.
-        self.write(&record, None, max_sequence, timeout).await
+        self.write(&record, None, max_sequence, timeout).await?;
+        Ok(())
     }
 
-    /// Store a floor record: every message under `floor` ended. Every gateway writing the
-    /// same floor writes one record (the same msg id).
-    pub(crate) async fn store_floor(&self, floor: FleetFloor) -> anyhow::Result<()> {
+    /// Store a floor record: every message under `floor` ended; `Ok` with its sequence in
+    /// the records stream. Every gateway writing the same floor writes one record (the same
+    /// msg id).
+    pub(crate) async fn store_floor(&self, floor: FleetFloor) -> anyhow::Result<u64> {
         let record = RecordWire {
             consumer: &self.consumer,
             settled: Vec::new(),
@@ -237,7 +239,7 @@ impl Records {
         msg_id: Option<&str>,
         max_sequence: u64,
         timeout: Duration,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<u64> {
         let payload = serde_json::to_vec(record).context("encoding a settled record")?;
         let mut headers = HeaderMap::new();
         if let Some(msg_id) = msg_id {
@@ -261,10 +263,10 @@ impl Records {
                 .await
                 .context("storing a settled record")
         };
-        tokio::time::timeout(timeout, stored)
+        let stored = tokio::time::timeout(timeout, stored)
             .await
             .context("timed out storing a settled record")??;
-        Ok(())
+        Ok(stored.sequence)
     }
 
     /// The consumer's ack floor now, as a floor record would say it (`None`: nothing acked

@@ -285,6 +285,17 @@ async fn records_held(js: &Js) -> u64 {
         .messages
 }
 
+/// How many records were ever stored, dropped or not.
+async fn records_written(js: &Js) -> u64 {
+    let mut stream = records_stream(js).await;
+    stream
+        .info()
+        .await
+        .expect("records stream info")
+        .state
+        .last_sequence
+}
+
 /// (c) Every gateway killed -9 with the server, and a new one started in their place: it
 /// settles again what the server forgot, from the records both wrote, and leases none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -424,54 +435,64 @@ async fn an_ack_answered_non_2xx_is_not_taken_as_ended_by_the_fleet() {
     assert_eq!(settled_again(&Scrape::of(&able).await, "fleet"), 0.0);
 }
 
-/// (g) The records stay bounded by what is pending, not by traffic: once the consumer's ack
-/// floor has been on disk long enough (here the server syncs every write, read from its
-/// monitoring endpoint), a floor record replaces the records under it. And a consumer made
-/// again after that, delivering everything from the start, still leases none of it.
+/// (g) The records stay bounded by what is pending, not by traffic: a second after the
+/// consumer's ack floor moved (in the server's files by then), a floor record replaces the
+/// records under it, and a newer floor record the older one — at the server's default sync
+/// (not known to the gateway) and at `sync_interval: always`. A consumer made again after
+/// that, delivering everything from the start, still leases none of it. (An hour of traffic
+/// is simulated in the compactor's own tests.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_under_the_ack_floor_give_way_to_a_floor_record() {
-    const DRAINED: usize = 2_000;
+    const ROUNDS: usize = 2;
+    const PER_ROUND: usize = 1_000;
     let consumer = "once-bounded";
-    let (server, monitor) = crate::support::NatsServer::with_monitoring(true).await;
-    let js = Js::connect(&server.url()).await;
-    js.create_stream(STREAM, &["orders.>"]).await;
-    let setup = Setup::consumer(consumer).flag("--nats-monitor-url", monitor);
-    let mut first = setup.process(&server.url()).await;
-    js.publish_many("orders.1", DRAINED, "m").await;
-    let mut drained = 0;
-    while drained < DRAINED {
-        let leased = first.fetch_n(50, 2000).await;
-        let ids: Vec<&str> = leased.iter().map(|m| m.id.as_str()).collect();
-        let acked = first
-            .settle_many_ok(Action::Ack, &json!({ "ids": ids }))
+    for sync_always in [false, true] {
+        let (server, _monitor) = crate::support::NatsServer::with_monitoring(sync_always).await;
+        let js = Js::connect(&server.url()).await;
+        js.create_stream(STREAM, &["orders.>"]).await;
+        let setup = Setup::consumer(consumer);
+        let mut first = setup.process(&server.url()).await;
+        js.publish_many("orders.1", ROUNDS * PER_ROUND, "m").await;
+        for round in 1..=ROUNDS {
+            let mut drained = 0;
+            while drained < PER_ROUND {
+                let leased = first.fetch_n(50, 2000).await;
+                let ids: Vec<&str> = leased.iter().map(|m| m.id.as_str()).collect();
+                let acked = first
+                    .settle_many_ok(Action::Ack, &json!({ "ids": ids }))
+                    .await;
+                assert!(acked.iter().all(|(_, status)| *status == 204), "{acked:?}");
+                drained += leased.len();
+            }
+            wait_for(
+                &format!(
+                    "sync always {sync_always}, round {round}: the records under the floor dropped"
+                ),
+                Duration::from_secs(30),
+                || async {
+                    let held = records_held(&js).await;
+                    (held <= 1).then_some(held)
+                },
+            )
             .await;
-        assert!(acked.iter().all(|(_, status)| *status == 204), "{acked:?}");
-        drained += leased.len();
-    }
-    // A batch ack's settles share a record (or a few, when the writer takes some of
-    // them while the rest are still being queued), never one each.
-    let written = records_held(&js).await;
-    assert!(
-        (40..DRAINED as u64 / 10).contains(&written),
-        "about a record per batch ack of 50: {written}"
-    );
-    wait_for(
-        "the records under the floor dropped",
-        Duration::from_secs(30),
-        || async {
-            let held = records_held(&js).await;
-            (held <= 1).then_some(held)
-        },
-    )
-    .await;
+        }
+        // A batch ack's settles share a record (or a few, when the writer takes some of
+        // them while the rest are still being queued), never one each.
+        let written = records_written(&js).await;
+        let drained = (ROUNDS * PER_ROUND) as u64;
+        assert!(
+            (drained / 50..drained / 10).contains(&written),
+            "about a record per batch ack of 50, and a floor record a round: {written}"
+        );
 
-    first.kill9();
-    delete_consumer(&js, consumer).await;
-    let second = setup.process(&server.url()).await;
-    drained_without_a_lease(&js, consumer, &[&second]).await;
-    assert_eq!(
-        settled_again(&Scrape::of(&second).await, "fleet"),
-        DRAINED as f64,
-        "each message settled again under the floor record"
-    );
+        first.kill9();
+        delete_consumer(&js, consumer).await;
+        let second = setup.process(&server.url()).await;
+        drained_without_a_lease(&js, consumer, &[&second]).await;
+        assert_eq!(
+            settled_again(&Scrape::of(&second).await, "fleet"),
+            drained as f64,
+            "sync always {sync_always}: each message settled again under the floor record"
+        );
+    }
 }

@@ -1,8 +1,8 @@
 //! Keeps the consumer's settled records bounded by what is still pending, not by traffic:
-//! once the consumer's ack floor has been at F long enough to be on disk (the server would
-//! no longer forget it), a floor record says "everything at or under F ended" — for a
-//! consumer made again, whose floor starts at 0 — and the records stored before the first
-//! one that names a message above F are dropped.
+//! once the consumer's ack floor has been at F long enough to be in the server's files (a
+//! server killed -9 no longer forgets it), a floor record says "everything at or under F
+//! ended" — for a consumer made again, whose floor starts at 0 — and the records stored
+//! before the first one that names a message above F are dropped.
 //!
 //! May import: as the rest of `gateway`.
 
@@ -19,9 +19,23 @@ use crate::domain::finals::FleetFloor;
 use crate::nats::settled::Records;
 use crate::state::LeaseState;
 
+/// How long after the ack floor was seen it is in the server's files: nats-server writes
+/// consumer state at most ~10 times a second (NATS-FACTS), so a kill -9 after that no longer
+/// takes it back. A power cut can take back more at the default `sync_interval`, but then
+/// it also takes back the records written since the last sync: waiting for the sync would
+/// keep records that are themselves no safer.
+const FLOOR_IN_FILES_AFTER: Duration = Duration::from_secs(1);
+/// How often the compactor wakes up.
+const LOOK_EVERY: Duration = Duration::from_secs(1);
+/// A consumer whose records name this many new stream sequences since the floor was last
+/// looked at is looked at on the next wake-up; others every [`LOOK_IDLE_EVERY`]. Busy
+/// consumers so keep about two seconds of traffic in records, and quiet ones cost one
+/// consumer info request every few seconds.
+const BUSY_AFTER_SEQUENCES: u64 = 256;
+const LOOK_IDLE_EVERY: Duration = Duration::from_secs(5);
+
 /// What the reader saw, shared with the task that drops records.
 pub(super) struct Compactor {
-    floor_on_disk_after: Duration,
     seen: Mutex<Seen>,
 }
 
@@ -34,12 +48,27 @@ struct Seen {
     /// Records read, by their sequence in the records stream: the highest stream sequence
     /// each names.
     spans: BTreeMap<u64, u64>,
+    /// The highest stream sequence a record read names, and what it was when the floor
+    /// was last looked at (then).
+    highest_named: u64,
+    looked: Option<(Instant, u64)>,
+    /// The floor record with the highest floor read or written (the floor, and its
+    /// sequence in the records stream): dropped only once a higher one is stored.
+    floor_record: Option<(u64, u64)>,
+}
+
+/// What one look at the floor decided.
+#[derive(Debug, PartialEq, Eq)]
+struct Plan {
+    /// A floor record to write first.
+    store: Option<FleetFloor>,
+    /// Then drop the records before this sequence of the records stream.
+    drop_before: Option<u64>,
 }
 
 impl Compactor {
-    pub(super) fn new(floor_on_disk_after: Duration) -> Self {
+    pub(super) fn new() -> Self {
         Self {
-            floor_on_disk_after,
             seen: Mutex::default(),
         }
     }
@@ -50,15 +79,23 @@ impl Compactor {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// How often the floor is looked at: a few times per wait for it to be on disk, at
-    /// most every 30 s and at least every 5 s (one consumer info request each).
-    fn every(&self) -> Duration {
-        (self.floor_on_disk_after / 4).clamp(Duration::from_secs(5), Duration::from_secs(30))
+    /// The reader read the record at `sequence`, naming messages up to `max_sequence`
+    /// (`floor`: a floor record of another gateway's, with its floor).
+    pub(super) fn read(&self, sequence: u64, max_sequence: u64, floor: Option<u64>) {
+        let mut seen = self.seen();
+        seen.spans.insert(sequence, max_sequence);
+        seen.highest_named = seen.highest_named.max(max_sequence);
+        if let Some(floor) = floor
+            && seen.floor_record.is_none_or(|(highest, _)| highest < floor)
+        {
+            seen.floor_record = Some((floor, sequence));
+        }
     }
 
-    /// The reader read the record at `sequence`, naming messages up to `max_sequence`.
-    pub(super) fn read(&self, sequence: u64, max_sequence: u64) {
-        self.seen().spans.insert(sequence, max_sequence);
+    /// This gateway stored a floor record of `floor` at `sequence`: the highest now (it
+    /// is written only above every floor known).
+    fn stored_floor(&self, floor: u64, sequence: u64) {
+        self.seen().floor_record = Some((floor, sequence));
     }
 
     /// The reader reads everything again from the start.
@@ -67,57 +104,117 @@ impl Compactor {
     }
 
     /// The connection came back, maybe to a server restarted that forgot what it had not
-    /// written: no floor seen before is known to be on disk.
+    /// written: no floor seen before is known to be in its files.
     pub(super) fn reconnected(&self) {
         let mut seen = self.seen();
         seen.floors.clear();
         seen.connection += 1;
     }
 
-    /// Look at the floor; write a floor record and drop the records under it once one seen
-    /// is on disk.
+    /// Whether to look at the floor `now`: there are records to drop (more than the newest
+    /// floor record), and either they name
+    /// [`BUSY_AFTER_SEQUENCES`] more than at the last look or that was a while ago.
+    fn due(&self, now: Instant) -> bool {
+        let seen = self.seen();
+        let only_the_floor_record = seen.spans.len() == 1
+            && seen
+                .floor_record
+                .is_some_and(|(_, sequence)| seen.spans.contains_key(&sequence));
+        if seen.spans.is_empty() || only_the_floor_record {
+            return false;
+        }
+        let floor_now_in_files = seen
+            .floors
+            .front()
+            .is_some_and(|(seen_at, _)| now.duration_since(*seen_at) >= FLOOR_IN_FILES_AFTER);
+        floor_now_in_files
+            || seen.looked.is_none_or(|(at, highest_named)| {
+                seen.highest_named.saturating_sub(highest_named) >= BUSY_AFTER_SEQUENCES
+                    || now.duration_since(at) >= LOOK_IDLE_EVERY
+            })
+    }
+
+    /// Look at the floor, counted as seen at the wake-up `asked_at` (a few ms before the
+    /// answer: the server writes it to its files well within the second waited); write a
+    /// floor record and drop the records under it once one seen is in the server's files.
     async fn compact(
         &self,
         records: &Records,
         state: &LeaseState,
         last_read: u64,
+        asked_at: Instant,
     ) -> anyhow::Result<()> {
+        // A seek waits: a floor read before it must not be written after it.
+        let _still = state.hold_still().await;
         let asked_on = self.seen().connection;
         let floor = records.consumer_floor().await?;
-        let now = Instant::now();
-        let Some(on_disk) = self.floor_on_disk(floor, asked_on, now) else {
-            return Ok(());
-        };
-        let known = state.fleet_floor();
-        if known.is_none_or(|known| known.stream_sequence < on_disk.stream_sequence) {
-            records.store_floor(on_disk).await?;
-            state.raise_fleet_floor(on_disk);
+        let plan = self.plan(floor, asked_on, asked_at, state.fleet_floor(), last_read);
+        if let Some(floor) = plan.store {
+            let stored_at = records.store_floor(floor).await?;
+            state.raise_fleet_floor(floor);
+            self.stored_floor(floor.stream_sequence, stored_at);
         }
-        let under = on_disk
-            .stream_sequence
-            .max(known.map_or(0, |known| known.stream_sequence));
-        let keep_from = {
-            let seen = self.seen();
-            let keep_from = seen
-                .spans
-                .iter()
-                .find(|(_, max)| **max > under)
-                .map_or(last_read + 1, |(sequence, _)| *sequence);
-            if seen.spans.range(..keep_from).next().is_none() {
-                return Ok(());
-            }
-            keep_from
-        };
-        // Every record before `keep_from` names only messages under a floor record stored.
-        records.drop_before(keep_from).await?;
-        let mut seen = self.seen();
-        seen.spans = seen.spans.split_off(&keep_from);
+        if let Some(keep_from) = plan.drop_before {
+            // Every record before it names only messages under a floor record stored.
+            records.drop_before(keep_from).await?;
+            let mut seen = self.seen();
+            seen.spans = seen.spans.split_off(&keep_from);
+        }
         Ok(())
     }
 
+    /// Note `floor`, read `now` (asked for on connection `asked_on`), and decide what to
+    /// write and drop, with `known` the highest floor record read or written and
+    /// `last_read` the sequence of the last record read.
+    fn plan(
+        &self,
+        floor: Option<FleetFloor>,
+        asked_on: u64,
+        now: Instant,
+        known: Option<FleetFloor>,
+        last_read: u64,
+    ) -> Plan {
+        let in_files = self.floor_in_files(floor, asked_on, now);
+        let mut seen = self.seen();
+        seen.looked = Some((now, seen.highest_named));
+        let store = in_files.filter(|floor| {
+            known.is_none_or(|known| known.stream_sequence < floor.stream_sequence)
+        });
+        let Some(under) = in_files
+            .into_iter()
+            .chain(known)
+            .map(|floor| floor.stream_sequence)
+            .max()
+        else {
+            return Plan {
+                store,
+                drop_before: None,
+            };
+        };
+        // A floor record stored now comes after `last_read`, and the one with the highest
+        // floor before it is dropped only with it.
+        let keep_from = seen
+            .spans
+            .iter()
+            .find(|(_, max)| **max > under)
+            .map_or(last_read + 1, |(sequence, _)| *sequence)
+            .min(last_read + 1);
+        let keep_from = match (store, seen.floor_record) {
+            (None, Some((_, highest))) => keep_from.min(highest),
+            _ => keep_from,
+        };
+        let drop_before = seen
+            .spans
+            .range(..keep_from)
+            .next()
+            .is_some()
+            .then_some(keep_from);
+        Plan { store, drop_before }
+    }
+
     /// Note `floor`, seen `now` (asked for on connection `asked_on`), and take the newest
-    /// floor seen long enough ago to be on disk.
-    fn floor_on_disk(
+    /// floor seen long enough ago to be in the server's files.
+    fn floor_in_files(
         &self,
         floor: Option<FleetFloor>,
         asked_on: u64,
@@ -130,7 +227,7 @@ impl Compactor {
             match seen.floors.back() {
                 Some((_, last)) if last.stream_sequence == floor.stream_sequence => {}
                 Some((_, last)) if last.stream_sequence > floor.stream_sequence => {
-                    // It went back: what was seen above it was never on disk.
+                    // It went back: what was seen above it was never in its files.
                     seen.floors.clear();
                     seen.floors.push_back((now, floor));
                 }
@@ -141,15 +238,15 @@ impl Compactor {
             // nothing seen of the one before it stands.
             seen.floors.clear();
         }
-        let mut on_disk = None;
+        let mut in_files = None;
         while let Some(&(seen_at, floor)) = seen.floors.front() {
-            if now.duration_since(seen_at) < self.floor_on_disk_after {
+            if now.duration_since(seen_at) < FLOOR_IN_FILES_AFTER {
                 break;
             }
-            on_disk = Some(floor);
+            in_files = Some(floor);
             seen.floors.pop_front();
         }
-        on_disk
+        in_files
     }
 }
 
@@ -161,17 +258,20 @@ pub(super) async fn keep_bounded(
     read: watch::Receiver<(u64, u64)>,
     stop: CancellationToken,
 ) {
-    let mut ticks = tokio::time::interval(compactor.every());
+    let mut ticks = tokio::time::interval(LOOK_EVERY);
     ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
+        let tick = tokio::select! {
             () = stop.cancelled() => return,
-            _ = ticks.tick() => {}
+            tick = ticks.tick() => tick,
+        };
+        if !compactor.due(tick) {
+            continue;
         }
         let last_read = read.borrow().1;
         let compacted = tokio::select! {
             () = stop.cancelled() => return,
-            compacted = compactor.compact(&records, &state, last_read) => compacted,
+            compacted = compactor.compact(&records, &state, last_read, tick) => compacted,
         };
         if let Err(err) = compacted {
             debug!(error = %format!("{err:#}"), "could not drop settled records under the floor; trying again later");
@@ -190,42 +290,159 @@ mod tests {
         })
     }
 
+    fn secs(secs: f64) -> Duration {
+        Duration::from_secs_f64(secs)
+    }
+
     #[test]
-    fn a_floor_is_on_disk_once_seen_long_enough_ago_and_not_across_a_reconnect() {
-        let compactor = Compactor::new(Duration::from_secs(10));
+    fn a_floor_is_in_the_servers_files_once_seen_long_enough_ago_and_not_across_a_reconnect() {
+        let compactor = Compactor::new();
         let start = Instant::now();
-        let at = |secs| start + Duration::from_secs(secs);
-        assert_eq!(compactor.floor_on_disk(floor(5), 0, at(0)), None);
-        assert_eq!(compactor.floor_on_disk(floor(8), 0, at(5)), None);
-        assert_eq!(compactor.floor_on_disk(floor(9), 0, at(10)), floor(5));
-        assert_eq!(compactor.floor_on_disk(floor(9), 0, at(16)), floor(8));
+        let at = |s| start + secs(s);
+        assert_eq!(compactor.floor_in_files(floor(5), 0, at(0.0)), None);
+        assert_eq!(compactor.floor_in_files(floor(8), 0, at(0.5)), None);
+        assert_eq!(compactor.floor_in_files(floor(9), 0, at(1.0)), floor(5));
+        assert_eq!(compactor.floor_in_files(floor(9), 0, at(1.6)), floor(8));
         compactor.reconnected();
         assert_eq!(
-            compactor.floor_on_disk(floor(12), 0, at(30)),
+            compactor.floor_in_files(floor(12), 0, at(3.0)),
             None,
             "asked before the reconnect"
         );
-        assert_eq!(compactor.floor_on_disk(floor(3), 1, at(30)), None);
-        assert_eq!(compactor.floor_on_disk(floor(3), 1, at(40)), floor(3));
+        assert_eq!(compactor.floor_in_files(floor(3), 1, at(3.0)), None);
+        assert_eq!(compactor.floor_in_files(floor(3), 1, at(4.0)), floor(3));
     }
 
     #[test]
     fn a_floor_that_went_back_forgets_what_was_seen_above_it() {
-        let compactor = Compactor::new(Duration::from_secs(10));
+        let compactor = Compactor::new();
         let start = Instant::now();
-        let at = |secs| start + Duration::from_secs(secs);
-        compactor.floor_on_disk(floor(5), 0, at(0));
-        compactor.floor_on_disk(floor(2), 0, at(1));
-        assert_eq!(compactor.floor_on_disk(floor(2), 0, at(10)), None);
-        assert_eq!(compactor.floor_on_disk(floor(2), 0, at(11)), floor(2));
+        let at = |s| start + secs(s);
+        compactor.floor_in_files(floor(5), 0, at(0.0));
+        compactor.floor_in_files(floor(2), 0, at(0.1));
+        assert_eq!(compactor.floor_in_files(floor(2), 0, at(1.0)), None);
+        assert_eq!(compactor.floor_in_files(floor(2), 0, at(1.1)), floor(2));
     }
 
     #[test]
     fn a_consumer_with_nothing_acked_forgets_the_floors_of_the_one_before() {
-        let compactor = Compactor::new(Duration::from_secs(10));
+        let compactor = Compactor::new();
         let start = Instant::now();
-        let at = |secs| start + Duration::from_secs(secs);
-        compactor.floor_on_disk(floor(5), 0, at(0));
-        assert_eq!(compactor.floor_on_disk(None, 0, at(20)), None);
+        compactor.floor_in_files(floor(5), 0, start);
+        assert_eq!(compactor.floor_in_files(None, 0, start + secs(2.0)), None);
+    }
+
+    #[test]
+    fn the_floor_is_looked_at_when_records_name_many_new_messages_or_after_a_while() {
+        let compactor = Compactor::new();
+        let start = Instant::now();
+        assert!(!compactor.due(start), "no records: nothing to drop");
+        compactor.read(1, 10, None);
+        assert!(compactor.due(start), "never looked");
+        compactor.plan(None, 0, start, None, 1);
+        compactor.read(2, 10 + BUSY_AFTER_SEQUENCES - 1, None);
+        assert!(!compactor.due(start + secs(1.0)));
+        assert!(compactor.due(start + LOOK_IDLE_EVERY), "a while since");
+        compactor.read(3, 10 + BUSY_AFTER_SEQUENCES, None);
+        assert!(compactor.due(start + secs(1.0)), "busy");
+        compactor.seen().spans.clear();
+        compactor.read(4, 400, None);
+        compactor.seen().floor_record = Some((400, 4));
+        assert!(
+            !compactor.due(start + LOOK_IDLE_EVERY * 2),
+            "only the newest floor record is left"
+        );
+    }
+
+    #[test]
+    fn the_floor_record_with_the_highest_floor_goes_only_with_a_higher_one() {
+        let compactor = Compactor::new();
+        let start = Instant::now();
+        // Records 1 and 2 name messages to 10, record 3 is another gateway's floor record
+        // at 10, record 4 names 12, record 5 is a late floor record at 8.
+        compactor.read(1, 5, None);
+        compactor.read(2, 10, None);
+        compactor.read(3, 10, Some(10));
+        compactor.read(4, 12, None);
+        compactor.read(5, 8, Some(8));
+        let plan = compactor.plan(floor(10), 0, start, floor(10), 5);
+        assert_eq!(
+            plan,
+            Plan {
+                store: None,
+                drop_before: Some(3)
+            },
+            "the floor record at 10 stays"
+        );
+        compactor.plan(floor(12), 0, start + secs(1.0), floor(10), 5);
+        let plan = compactor.plan(floor(12), 0, start + secs(2.0), floor(10), 5);
+        assert_eq!(
+            plan,
+            Plan {
+                store: floor(12),
+                drop_before: Some(6)
+            },
+            "the floor record at 12, stored after record 5, covers all"
+        );
+    }
+
+    /// An hour of traffic at 1 000 000 acks an hour (about 278 a second), acked in order,
+    /// single settles (a record each) and batches of 100: the records kept never name more
+    /// messages than the consumer's pending window (max_ack_pending 1 024) nor number more;
+    /// a few seconds after the last ack, only the floor record is left.
+    #[test]
+    fn an_hour_of_acks_keeps_the_records_within_the_pending_window() {
+        const ACKS: u64 = 1_000_000;
+        const PENDING_WINDOW: u64 = 1024;
+        for per_record in [1_u64, 100] {
+            let compactor = Compactor::new();
+            let start = Instant::now();
+            // The records stream: sequence -> the lowest and highest stream sequence each
+            // names (a floor record names none).
+            let mut stored: BTreeMap<u64, Option<(u64, u64)>> = BTreeMap::new();
+            let mut acked = 0_u64;
+            let mut next_record = 1_u64;
+            let mut floor_record: Option<FleetFloor> = None;
+            let (mut most_named, mut most_records) = (0_u64, 0_usize);
+            for second in 1..=3600 + 10 {
+                let now = start + LOOK_EVERY * second;
+                let target = (u64::from(second) * ACKS / 3600).min(ACKS);
+                while acked < target {
+                    let first = acked + 1;
+                    acked = (acked + per_record).min(target);
+                    stored.insert(next_record, Some((first, acked)));
+                    compactor.read(next_record, acked, None);
+                    next_record += 1;
+                }
+                let lowest = stored.values().flatten().map(|(low, _)| *low).min();
+                let named = lowest.map_or(0, |lowest| acked + 1 - lowest);
+                most_named = most_named.max(named);
+                most_records = most_records.max(stored.len());
+                if !compactor.due(now) {
+                    continue;
+                }
+                // The server's floor: everything acked so far.
+                let plan = compactor.plan(floor(acked), 0, now, floor_record, next_record - 1);
+                if let Some(floor) = plan.store {
+                    stored.insert(next_record, None);
+                    compactor.stored_floor(floor.stream_sequence, next_record);
+                    // Its own floor record, read back (not opened: its writer's).
+                    compactor.read(next_record, floor.stream_sequence, None);
+                    next_record += 1;
+                    floor_record = Some(floor);
+                }
+                if let Some(keep_from) = plan.drop_before {
+                    stored = stored.split_off(&keep_from);
+                    let mut seen = compactor.seen();
+                    seen.spans = seen.spans.split_off(&keep_from);
+                }
+            }
+            assert!(
+                most_named <= PENDING_WINDOW && most_records <= PENDING_WINDOW as usize,
+                "{per_record} a record: at most {most_named} messages named by {most_records} records kept"
+            );
+            assert_eq!(stored.len(), 1, "{stored:?} kept at the end");
+            assert_eq!(floor_record, floor(ACKS));
+        }
     }
 }

@@ -312,17 +312,16 @@ pub(super) struct Reader {
 
 impl Reader {
     /// Read `records` into `state` from the start, then follow them, until `stop`; drop
-    /// those under the consumer's ack floor once it was there `floor_on_disk_after`.
+    /// those under the consumer's ack floor (see [`Compactor`]).
     pub(super) fn start(
         records: Arc<Records>,
         state: Arc<LeaseState>,
         floor: u64,
-        floor_on_disk_after: Duration,
         stop: CancellationToken,
     ) -> Self {
         let (read_tx, read) = watch::channel((0, 0));
         let (floor, floor_rx) = watch::channel((floor, 0));
-        let compactor = Arc::new(Compactor::new(floor_on_disk_after));
+        let compactor = Arc::new(Compactor::new());
         tokio::spawn(compactor::keep_bounded(
             Arc::clone(&compactor),
             Arc::clone(&records),
@@ -418,7 +417,11 @@ async fn follow(
                 }
                 next = reader.next() => match next {
                     Some(Ok((sequence, opened))) => {
-                        compactor.read(sequence, opened.max_sequence);
+                        compactor.read(
+                            sequence,
+                            opened.max_sequence,
+                            opened.floor.map(|floor| floor.stream_sequence),
+                        );
                         if let Some(floor) = opened.floor {
                             state.raise_fleet_floor(floor);
                         }

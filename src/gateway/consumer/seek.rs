@@ -95,6 +95,8 @@ impl Consumer {
         if dry_run {
             return Ok(moved);
         }
+        // No floor record read from the consumer before the move is written after it.
+        let still = self.state.hold_still().await;
         // The mark first: if it cannot be left, nothing has changed. The others may see it
         // a moment before the move; what they void then is void a moment after anyway.
         let mark = format!(
@@ -114,6 +116,7 @@ impl Consumer {
             .await
             .map_err(unavailable)?;
         self.state.moved();
+        drop(still);
         info!(consumer = %self.name(), sequence, redelivers = moved.redelivers, skips = moved.skips, "moved the consumer; its live leases are void");
         self.rebound_after_move().await;
         Ok(moved)

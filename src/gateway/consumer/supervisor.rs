@@ -238,7 +238,6 @@ pub(super) async fn supervise(
                         records.clone(),
                         background.state.clone(),
                         bound.ack_floor_stream_sequence,
-                        bound.durability.floor_on_disk_after(),
                         background.stop.child_token(),
                     )
                 });
