@@ -128,7 +128,17 @@ impl Recorder {
         settled: Settled,
         deadline: impl Future<Output = ()>,
     ) -> Result<(), Error> {
-        self.reserve().start(settled)?.stored(deadline).await
+        let message = settled.0;
+        let (recorder, answer) = self
+            .reserve()
+            .send(Entry::Ended(settled))
+            .map_err(not_recorded)?;
+        let recording = Recording {
+            recorder,
+            message,
+            answer: Some(answer),
+        };
+        recording.stored(deadline).await
     }
 
     /// Record that `settled`'s message ended, without waiting: for an ending nobody is
@@ -151,15 +161,16 @@ impl Drop for Reservation {
 }
 
 impl Reservation {
-    /// Queue the reserved entry; the receiver hears whether it was stored.
-    fn send(mut self, entry: Entry) -> Result<(Recorder, RecordAnswer), Error> {
+    /// Queue the reserved entry; the receiver hears whether it was stored. `Err`: why it
+    /// could not be queued.
+    fn send(mut self, entry: Entry) -> Result<(Recorder, RecordAnswer), &'static str> {
         let Some(recorder) = self.0.take() else {
-            return Err(not_recorded("the record was already asked for"));
+            return Err("the record was already asked for");
         };
         let (stored, answer) = oneshot::channel();
         if recorder.queue.send(Waiting { entry, stored }).is_err() {
             recorder.done(1);
-            return Err(not_recorded("the consumer is stopping"));
+            return Err("the consumer is stopping");
         }
         Ok((recorder, answer))
     }
@@ -167,9 +178,14 @@ impl Reservation {
     /// Send the record that `settled`'s message ended now, alongside the settle it records,
     /// so that the two round trips overlap. The settle's outcome decides what becomes of it
     /// (see [`Recording`]).
+    /// 503 when it cannot be sent; then neither is the settle.
     pub(super) fn start(self, settled: Settled) -> Result<Recording, Error> {
         let message = settled.0;
-        let (recorder, answer) = self.send(Entry::Ended(settled))?;
+        let (recorder, answer) = self.send(Entry::Ended(settled)).map_err(|why| {
+            Error::Unavailable(format!(
+                "the settle was not sent: its record, which keeps every gateway from handing the message out again, cannot be ({why}); retry: the same id settles"
+            ))
+        })?;
         Ok(Recording {
             recorder,
             message,
