@@ -252,8 +252,11 @@ impl Fleet {
             .is_some_and(|expires_at| answered_at < expires_at);
         if matches!(status, 404 | 410) && live && self.generation(lease.owner) == lease.generation {
             lock(ledger).refused_live.push(format!(
-                "{} (delivery {}, issued by replica {}): {status}",
-                lease.ledger_id, lease.delivered, lease.owner
+                "{} (delivery {}, issued by replica {}): {status} {}",
+                lease.ledger_id,
+                lease.delivered,
+                lease.owner,
+                detail.chars().take(200).collect::<String>()
             ));
         }
         // Whatever the servers did meanwhile, an owner still running is never taken for
@@ -1628,21 +1631,18 @@ async fn run(scenario: Scenario) -> Report {
                 .map(|info| format!("{info:?}")),
             None => None,
         };
-        let warnings: Vec<String> = gateways
-            .iter()
-            .flat_map(|gateway| {
-                gateway
-                    .log()
-                    .lines()
-                    .filter(|line| line.contains("WARN") || line.contains("ERROR"))
-                    .map(str::to_owned)
-                    .collect::<Vec<_>>()
-            })
-            .collect();
         eprintln!(
             "{}: server backlog (num_pending, num_ack_pending) {backlog:?}; consumer {info:?}; gateway log (warnings):\n{}",
             scenario.name(),
-            warnings.join("\n")
+            gateway_warnings(&gateways)
+        );
+    } else if !ledger.refused_live.is_empty() {
+        // Why the owners refused them: a new lease epoch is logged as a warning.
+        eprintln!(
+            "{}: live leases refused {:?}; gateway log (warnings):\n{}",
+            scenario.name(),
+            ledger.refused_live,
+            gateway_warnings(&gateways)
         );
     }
     Report {
@@ -1664,6 +1664,23 @@ async fn run(scenario: Scenario) -> Report {
         recoveries,
         took: started.elapsed(),
     }
+}
+
+/// Every warning and error the gateways logged, each line prefixed with its replica.
+fn gateway_warnings(gateways: &[GatewayProcess]) -> String {
+    gateways
+        .iter()
+        .enumerate()
+        .flat_map(|(replica, gateway)| {
+            gateway
+                .log()
+                .lines()
+                .filter(|line| line.contains("WARN") || line.contains("ERROR"))
+                .map(|line| format!("[replica {replica}] {line}"))
+                .collect::<Vec<_>>()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// `faulty`: a server or gateway was killed during the run; then off-contract answers and
