@@ -486,13 +486,7 @@ async fn a_recreated_consumer_leases_only_what_did_not_end_here() {
     }
     let nakd: HashSet<u64> = leased[4..].iter().map(|m| m.stream_sequence).collect();
     let before = Scrape::of(&gateway).await;
-    js.js
-        .get_stream(STREAM)
-        .await
-        .expect("stream")
-        .delete_consumer(consumer)
-        .await
-        .expect("delete the consumer");
+    js.delete_consumer(STREAM, consumer).await;
 
     let mut seen = HashSet::new();
     let deadline = crate::support::Deadline::after(

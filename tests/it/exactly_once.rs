@@ -53,17 +53,6 @@ async fn settle_a_burst(js: &Js, gateway: &Client) -> HashSet<u64> {
     leased.iter().map(|m| m.stream_sequence).collect()
 }
 
-/// Delete `consumer` on the server (the next gateway makes it again, from the start).
-async fn delete_consumer(js: &Js, consumer: &str) {
-    js.js
-        .get_stream(STREAM)
-        .await
-        .expect("stream")
-        .delete_consumer(consumer)
-        .await
-        .expect("delete the consumer");
-}
-
 /// What the server counts as still to deliver or unacked on `consumer`.
 async fn server_owes(js: &Js, consumer: &str) -> u64 {
     let info = js.consumer_info(STREAM, consumer).await;
@@ -197,7 +186,7 @@ async fn a_consumer_made_again_leases_only_what_never_ended() {
     let settled = settle_a_burst(&js, &first).await;
     let open: Vec<u64> = js.publish_many("orders.1", 3, "later").await;
     first.kill9();
-    delete_consumer(&js, consumer).await;
+    js.delete_consumer(STREAM, consumer).await;
     let second = setup.process(&server.url()).await;
     let mut seen = HashSet::new();
     let deadline =
@@ -275,25 +264,19 @@ async fn records_stream(js: &Js) -> async_nats::jetstream::stream::Stream {
     js.js.get_stream(name).await.expect("the records stream")
 }
 
-async fn records_held(js: &Js) -> u64 {
+async fn records_state(js: &Js) -> async_nats::jetstream::stream::State {
     let mut stream = records_stream(js).await;
     stream
         .info()
         .await
         .expect("records stream info")
         .state
-        .messages
+        .clone()
 }
 
-/// How many records were ever stored, dropped or not.
-async fn records_written(js: &Js) -> u64 {
-    let mut stream = records_stream(js).await;
-    stream
-        .info()
-        .await
-        .expect("records stream info")
-        .state
-        .last_sequence
+/// How many records the stream holds now.
+async fn records_held(js: &Js) -> u64 {
+    records_state(js).await.messages
 }
 
 /// (c) Every gateway killed -9 with the server, and a new one started in their place: it
@@ -478,7 +461,8 @@ async fn records_under_the_ack_floor_give_way_to_a_floor_record() {
         }
         // A batch ack's settles share a record (or a few, when the writer takes some of
         // them while the rest are still being queued), never one each.
-        let written = records_written(&js).await;
+        // Every record ever stored, dropped or not.
+        let written = records_state(&js).await.last_sequence;
         let drained = (ROUNDS * PER_ROUND) as u64;
         assert!(
             (drained / 50..drained / 10).contains(&written),
@@ -486,7 +470,7 @@ async fn records_under_the_ack_floor_give_way_to_a_floor_record() {
         );
 
         first.kill9();
-        delete_consumer(&js, consumer).await;
+        js.delete_consumer(STREAM, consumer).await;
         let second = setup.process(&server.url()).await;
         drained_without_a_lease(&js, consumer, &[&second]).await;
         assert_eq!(

@@ -395,6 +395,17 @@ impl Js {
             .await
             .unwrap_or_else(|err| panic!("create consumer on {stream}: {err}"));
     }
+
+    /// Delete a consumer on the server (a gateway on it makes it again, from the start).
+    pub async fn delete_consumer(&self, stream: &str, consumer: &str) {
+        self.js
+            .get_stream(stream)
+            .await
+            .unwrap_or_else(|err| panic!("get stream {stream}: {err}"))
+            .delete_consumer(consumer)
+            .await
+            .unwrap_or_else(|err| panic!("delete consumer {stream}/{consumer}: {err}"));
+    }
 }
 
 /// Create a file-backed stream with these subjects on the server at `url`.
