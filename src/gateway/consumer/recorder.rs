@@ -128,17 +128,11 @@ impl Recorder {
         settled: Settled,
         deadline: impl Future<Output = ()>,
     ) -> Result<(), Error> {
-        let message = settled.0;
-        let (recorder, answer) = self
-            .reserve()
-            .send(Entry::Ended(settled))
-            .map_err(not_recorded)?;
-        let recording = Recording {
-            recorder,
-            message,
-            answer: Some(answer),
-        };
-        recording.stored(deadline).await
+        self.reserve()
+            .recording(settled)
+            .map_err(not_recorded)?
+            .stored(deadline)
+            .await
     }
 
     /// Record that `settled`'s message ended, without waiting: for an ending nobody is
@@ -180,12 +174,17 @@ impl Reservation {
     /// (see [`Recording`]).
     /// 503 when it cannot be sent; then neither is the settle.
     pub(super) fn start(self, settled: Settled) -> Result<Recording, Error> {
-        let message = settled.0;
-        let (recorder, answer) = self.send(Entry::Ended(settled)).map_err(|why| {
+        self.recording(settled).map_err(|why| {
             Error::Unavailable(format!(
                 "the settle was not sent: its record, which keeps every gateway from handing the message out again, cannot be ({why}); retry: the same id settles"
             ))
-        })?;
+        })
+    }
+
+    /// Queue the record that `settled`'s message ended; `Err`: why it could not be.
+    fn recording(self, settled: Settled) -> Result<Recording, &'static str> {
+        let message = settled.0;
+        let (recorder, answer) = self.send(Entry::Ended(settled))?;
         Ok(Recording {
             recorder,
             message,
