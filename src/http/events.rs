@@ -60,15 +60,38 @@ pub(super) struct StreamParams {
 pub(super) struct StreamQuery {
     pub(super) max_in_flight: usize,
     pub(super) encoding: Encoding,
+    /// How leases are framed (`GET /ws` only; a stream of events has one per event).
+    pub(super) frames: Frames,
+}
+
+/// How a WebSocket frames its leases.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum Frames {
+    /// `{"type": "message", …}`: one lease a frame.
+    #[default]
+    Single,
+    /// `{"type": "messages", "messages": […]}`: the leases ready together share a frame, so
+    /// a client parses one frame per batch, not one per message.
+    Batch,
+}
+
+/// Which route a stream's query is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StreamRoute {
+    Events,
+    WebSocket,
 }
 
 impl StreamQuery {
-    /// `max_in_flight` (1 to 1000) and `encoding` (`base64`, `utf8`); anything else is a 422
-    /// naming it, so a typo is not silently ignored.
-    pub(super) fn parse(query: Option<&str>) -> Result<Self, Error> {
+    /// `max_in_flight` (1 to 1000), `encoding` (`base64`, `utf8`) and, on a WebSocket,
+    /// `frames` (`single`, `batch`); anything else is a 422 naming it, so a typo is not
+    /// silently ignored.
+    pub(super) fn parse(query: Option<&str>, route: StreamRoute) -> Result<Self, Error> {
         let mut parsed = Self {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             encoding: Encoding::default(),
+            frames: Frames::default(),
         };
         for pair in query
             .unwrap_or_default()
@@ -104,15 +127,29 @@ impl StreamQuery {
                         }
                     };
                 }
+                "frames" if route == StreamRoute::WebSocket => {
+                    parsed.frames = match value.as_ref() {
+                        "single" => Frames::Single,
+                        "batch" => Frames::Batch,
+                        other => {
+                            return Err(Error::invalid(
+                                "frames",
+                                format!("frames: must be single or batch, got {other:?}"),
+                            ));
+                        }
+                    };
+                }
                 // Taken by authentication before the handler (see `POST /stream-tickets`).
                 "ticket" => {}
                 other => {
                     let shown: String = other.chars().take(64).collect();
+                    let known = match route {
+                        StreamRoute::Events => "max_in_flight, encoding, ticket",
+                        StreamRoute::WebSocket => "max_in_flight, encoding, frames, ticket",
+                    };
                     return Err(Error::invalid(
                         shown.as_str(),
-                        format!(
-                            "unknown query parameter {shown:?} (known: max_in_flight, encoding, ticket)"
-                        ),
+                        format!("unknown query parameter {shown:?} (known: {known})"),
                     ));
                 }
             }
@@ -151,7 +188,7 @@ pub(crate) async fn events(
     revocation: Option<Extension<Revocation>>,
     uri: Uri,
 ) -> Result<Response, Error> {
-    let query = StreamQuery::parse(uri.query())?;
+    let query = StreamQuery::parse(uri.query(), StreamRoute::Events)?;
     let consumer = gateway.consumer(Target::Default).await?;
     open(consumer, connection, revocation, query)
 }
@@ -179,7 +216,7 @@ pub(crate) async fn events_named(
     revocation: Option<Extension<Revocation>>,
     uri: Uri,
 ) -> Result<Response, Error> {
-    let query = StreamQuery::parse(uri.query())?;
+    let query = StreamQuery::parse(uri.query(), StreamRoute::Events)?;
     let consumer = gateway.consumer(Target::Named(&path.name())).await?;
     open(consumer, connection, revocation, query)
 }
@@ -271,32 +308,57 @@ mod tests {
     #[test]
     fn the_query_takes_max_in_flight_and_encoding_and_names_anything_else() {
         assert_eq!(
-            StreamQuery::parse(None).expect("defaults"),
+            StreamQuery::parse(None, StreamRoute::Events).expect("defaults"),
             StreamQuery {
                 max_in_flight: 100,
-                encoding: Encoding::Base64
+                encoding: Encoding::Base64,
+                frames: Frames::Single,
             }
         );
         assert_eq!(
-            StreamQuery::parse(Some("max_in_flight=1000&encoding=utf8")).expect("valid"),
+            StreamQuery::parse(
+                Some("max_in_flight=1000&encoding=utf8"),
+                StreamRoute::Events
+            )
+            .expect("valid"),
             StreamQuery {
                 max_in_flight: 1000,
-                encoding: Encoding::Utf8
+                encoding: Encoding::Utf8,
+                frames: Frames::Single,
             }
         );
-        for (query, field) in [
-            ("max_in_flight=0", "max_in_flight"),
-            ("max_in_flight=1001", "max_in_flight"),
-            ("max_in_flight=ten", "max_in_flight"),
-            ("encoding=hex", "encoding"),
-            ("batch=5", "batch"),
+        for (query, route, field) in [
+            ("max_in_flight=0", StreamRoute::Events, "max_in_flight"),
+            (
+                "max_in_flight=1001",
+                StreamRoute::WebSocket,
+                "max_in_flight",
+            ),
+            ("max_in_flight=ten", StreamRoute::Events, "max_in_flight"),
+            ("encoding=hex", StreamRoute::Events, "encoding"),
+            ("batch=5", StreamRoute::Events, "batch"),
+            // Frames are a WebSocket's: an event stream has one lease per event.
+            ("frames=batch", StreamRoute::Events, "frames"),
+            ("frames=many", StreamRoute::WebSocket, "frames"),
         ] {
-            match StreamQuery::parse(Some(query)) {
+            match StreamQuery::parse(Some(query), route) {
                 Err(Error::Invalid {
                     field: Some(named), ..
                 }) => assert_eq!(named, field, "{query}"),
                 other => panic!("{query}: {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn a_websocket_query_takes_its_framing() {
+        for (query, frames) in [
+            ("", Frames::Single),
+            ("frames=single", Frames::Single),
+            ("max_in_flight=5&frames=batch", Frames::Batch),
+        ] {
+            let parsed = StreamQuery::parse(Some(query), StreamRoute::WebSocket).expect(query);
+            assert_eq!(parsed.frames, frames, "{query}");
         }
     }
 }

@@ -1,5 +1,6 @@
 //! `GET /ws`: leases over a WebSocket, settled in band. The gateway sends one text frame per
-//! lease (`{"type": "message", …}`) within the stream's credit, as `GET /events` does; the
+//! lease (`{"type": "message", …}`; with `frames=batch` one per batch of the leases ready
+//! together, `{"type": "messages", …}`) within the stream's credit, as `GET /events` does; the
 //! client sends settle operations (`{"op": "ack", "ids": […]}`) and gets one `settled`
 //! frame per operation once the server confirmed it, each id's status what the HTTP settle
 //! would answer. The session's task reads and writes the socket; the leases are pulled by a
@@ -24,7 +25,7 @@ use tokio::time::Instant;
 use super::auth::{Principal, Revocation};
 use super::consumers::ConsumerPath;
 use super::dto::MessageDto;
-use super::events::{SHUTTING_DOWN, StreamParams, StreamQuery};
+use super::events::{Frames, SHUTTING_DOWN, StreamParams, StreamQuery, StreamRoute};
 use super::messages::Settler;
 use super::responses::{FetchRefusals, Guarded, NamedFetchRefusals, QueryRefusals};
 use tracing::Instrument as _;
@@ -46,11 +47,26 @@ const SILENT_AT_MOST: Duration = Duration::from_secs(45);
 /// client's own operations.
 const OUTGOING: usize = 256;
 
+/// A WebSocket's framing of its leases, for the spec; [`StreamQuery::parse`] reads it.
+#[derive(utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[expect(
+    dead_code,
+    reason = "describes the query for the spec; the query is parsed by hand"
+)]
+struct FramesParam {
+    /// `single` (default): one lease a frame, `{"type": "message", …}`. `batch`: the leases
+    /// ready together (up to 100) share one frame, `{"type": "messages", "messages": […]}`,
+    /// each element what a `message` frame holds without its `type`.
+    frames: Option<Frames>,
+}
+
 /// Stream leases over a WebSocket and settle them in band.
 ///
 /// After the upgrade (RFC 6455; text frames, one JSON object each) the gateway sends
 /// `{"type": "message", …every field of a fetched message…}` for each lease, at most
-/// `max_in_flight` live at once; `{"type": "settled", "op", "ref"?, "results": [{"id",
+/// `max_in_flight` live at once (with `frames=batch`, the leases ready together in one
+/// `{"type": "messages", "messages": […]}` frame); `{"type": "settled", "op", "ref"?, "results": [{"id",
 /// "status", "detail"?, "lease_expires_at"?}]}` for each operation the client sends
 /// (`{"op": "ack"|"nak"|"term"|"in_progress", "ids": [1..=1000], "delay_ms"?, "reason"?,
 /// "ref"?}`), once the server confirmed, each status what the HTTP settle would answer;
@@ -66,6 +82,7 @@ const OUTGOING: usize = 256;
     tag = "leases",
     params(
         StreamParams,
+        FramesParam,
     ),
     responses(
         (status = 101, description = "Switching to the WebSocket protocol; the frames are described in the operation's text and in openapi/asyncapi.yaml"),
@@ -79,7 +96,7 @@ pub(crate) async fn ws(
     uri: Uri,
     upgrade: Result<WebSocketUpgrade, UpgradeRejection>,
 ) -> Result<Response, Error> {
-    let query = StreamQuery::parse(uri.query())?;
+    let query = StreamQuery::parse(uri.query(), StreamRoute::WebSocket)?;
     let upgrade = upgrade.map_err(not_an_upgrade)?;
     let consumer = gateway.consumer(Target::Default).await?;
     open(gateway, consumer, (principal, revocation), query, upgrade)
@@ -95,6 +112,7 @@ pub(crate) async fn ws(
     params(
         ConsumerPath,
         StreamParams,
+        FramesParam,
     ),
     responses(
         (status = 101, description = "Switching to the WebSocket protocol; the frames are those of GET /ws"),
@@ -109,7 +127,7 @@ pub(crate) async fn ws_named(
     uri: Uri,
     upgrade: Result<WebSocketUpgrade, UpgradeRejection>,
 ) -> Result<Response, Error> {
-    let query = StreamQuery::parse(uri.query())?;
+    let query = StreamQuery::parse(uri.query(), StreamRoute::WebSocket)?;
     let upgrade = upgrade.map_err(not_an_upgrade)?;
     let consumer = gateway.consumer(Target::Named(&path.name())).await?;
     open(gateway, consumer, (principal, revocation), query, upgrade)
@@ -195,6 +213,7 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
     let (mut sink, mut source) = socket.split();
     let (outgoing, mut to_write) = mpsc::channel::<Outgoing>(OUTGOING);
     let encoding = session.query.encoding;
+    let frames = session.query.frames;
     // Lease frames taken and not yet flushed to the client, at most a slice: a client that
     // stops reading strands no more than that.
     let unflushed = Arc::new(Semaphore::new(STREAM_SLICE));
@@ -225,23 +244,47 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
                     let mut closing = false;
                     let mut fed = 0;
                     let mut leases_fed = 0;
+                    // Leases framed together (`frames=batch`), written before whatever
+                    // frame follows them: the order of leases and answers is kept.
+                    let mut batch = Vec::new();
                     while let Some(outgoing) = next.take() {
                         let frame = match outgoing {
                             Outgoing::Lease(leased) => {
                                 leases_fed += 1;
-                                lease_frame(*leased, encoding)
+                                match frames {
+                                    Frames::Single => Some(lease_frame(*leased, encoding)),
+                                    Frames::Batch => {
+                                        batch.push(MessageDto::new(*leased, encoding));
+                                        None
+                                    }
+                                }
                             }
-                            Outgoing::Frame(frame) => frame,
+                            Outgoing::Frame(frame) => Some(frame),
                         };
-                        closing = matches!(frame, Message::Close(_));
-                        if sink.feed(frame).await.is_err() {
-                            return Written::Failed;
+                        if let Some(frame) = frame {
+                            if !batch.is_empty() {
+                                if sink.feed(batch_frame(&batch)).await.is_err() {
+                                    return Written::Failed;
+                                }
+                                batch.clear();
+                                fed += 1;
+                            }
+                            closing = matches!(frame, Message::Close(_));
+                            if sink.feed(frame).await.is_err() {
+                                return Written::Failed;
+                            }
+                            fed += 1;
                         }
-                        fed += 1;
-                        if closing || fed == FRAMES_PER_WRITE {
+                        if closing || fed >= FRAMES_PER_WRITE {
                             break;
                         }
                         next = to_write.try_recv().ok();
+                    }
+                    if !batch.is_empty() {
+                        if sink.feed(batch_frame(&batch)).await.is_err() {
+                            return Written::Failed;
+                        }
+                        fed += 1;
                     }
                     if fed == 0 {
                         // The channel closed: every sender is gone.
@@ -336,6 +379,23 @@ fn lease_frame(leased: Leased, encoding: super::dto::Encoding) -> Message {
     let frame = LeaseFrame {
         kind: "message",
         message: MessageDto::new(leased, encoding),
+    };
+    // Strings, numbers and maps only: cannot fail.
+    Message::Text(serde_json::to_string(&frame).unwrap_or_default().into())
+}
+
+/// Leases ready together in one frame (`frames=batch`): `"type": "messages"` and each
+/// lease as its `message` frame holds it, without the `type`.
+fn batch_frame(messages: &[MessageDto]) -> Message {
+    #[derive(serde::Serialize)]
+    struct BatchFrame<'a> {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        messages: &'a [MessageDto],
+    }
+    let frame = BatchFrame {
+        kind: "messages",
+        messages,
     };
     // Strings, numbers and maps only: cannot fail.
     Message::Text(serde_json::to_string(&frame).unwrap_or_default().into())

@@ -302,3 +302,71 @@ async fn a_lease_an_in_band_ack_makes_room_for_comes_after_that_acks_answer() {
         "held {most_held} leases not yet answered about, over the credit {credit}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_batch_puts_the_leases_ready_together_in_one_frame() {
+    let (_server, js, gateway) = Setup::consumer("ws-batch-frames")
+        .ack_wait("30s")
+        .start()
+        .await;
+    // Framing is a WebSocket's alone: an event stream refuses it, naming it.
+    let refused = gateway.get("/events?frames=batch").await;
+    assert_eq!(refused.status, 422, "{}", refused.text);
+    assert!(refused.text.contains("frames"), "{}", refused.text);
+    let (count, credit) = (3000, 300);
+    js.publish_many("orders.1", count, "ws").await;
+    let mut socket = open_socket(
+        &gateway,
+        &format!("?max_in_flight={credit}&encoding=utf8&frames=batch"),
+    )
+    .await;
+    let (mut received, mut answered, mut frames, mut most_held) = (0, 0, 0, 0);
+    let mut last_sequence = 0;
+    while answered < count {
+        let frame = crate::support::streams::frame(&mut socket, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|| panic!("a frame after {received} leases, {answered} answers"));
+        match frame["type"].as_str() {
+            Some("messages") => {
+                frames += 1;
+                let messages = frame["messages"].as_array().expect("messages");
+                assert!(
+                    (1..=100).contains(&messages.len()),
+                    "a frame holds 1 to 100 leases: {}",
+                    messages.len()
+                );
+                let mut ids = Vec::new();
+                for message in messages {
+                    assert_eq!(message["data"], format!("ws-{received}"), "{message}");
+                    assert!(message.get("type").is_none(), "{message}");
+                    let sequence = message["stream_sequence"].as_u64().expect("sequence");
+                    assert!(sequence > last_sequence, "in stream order: {message}");
+                    last_sequence = sequence;
+                    ids.push(message["id"].clone());
+                    received += 1;
+                }
+                most_held = most_held.max(received - answered);
+                send(&mut socket, json!({ "op": "ack", "ids": ids })).await;
+            }
+            Some("settled") => {
+                let results = frame["results"].as_array().expect("results");
+                assert!(
+                    results.iter().all(|result| result["status"] == 204),
+                    "{frame}"
+                );
+                answered += results.len();
+            }
+            _ => panic!("an unexpected frame: {frame}"),
+        }
+    }
+    assert_eq!(received, count);
+    assert!(
+        most_held <= credit,
+        "held {most_held}, over the credit {credit}"
+    );
+    // Pulls of up to 100 arrive together: one frame per lease would be no batching at all.
+    assert!(
+        frames < count,
+        "{frames} frames for {count} leases: the leases ready together were not framed together"
+    );
+}
