@@ -1,6 +1,7 @@
 """Benchmark rows: the Worker (no-op handler, ws) against a nats-py pull worker (fetch 100,
-``await msg.ack()`` each) and a bare websockets loop acking 100 ids in band, in one run, on
-one nats-server and one gateway started here; then the Worker with a 10 ms handler and
+``await msg.ack()`` each) and a bare websockets loop acking 100 ids in band — a frame per
+lease, as the issue measured it, and with ``frames=batch`` as the Worker reads them — in
+one run, on one nats-server and one gateway started here; then the Worker with a 10 ms handler and
 concurrency 64 against its bound (concurrency / handler time). Each row prints this
 process's CPU per message (the gateway and nats-server are other processes). Needs nats-py
 (bench-requirements.txt); with aiohttp installed too, a row of the issue's own baseline, the
@@ -58,35 +59,43 @@ async def nats_py_row(nc: Any, js: Any, count: int) -> None:
             done += 1
 
 
-async def bare_ws_row(url: str, count: int) -> None:
+def leases_of(event: dict[str, Any]) -> list[dict[str, Any]]:
+    """The leases a frame holds: one (`message`), a batch (`messages`), or none."""
+    kind = event["type"]
+    if kind == "messages":
+        messages: list[dict[str, Any]] = event["messages"]
+        return messages
+    return [event] if kind == "message" else []
+
+
+async def bare_ws_row(url: str, count: int, consumer: str, frames: str) -> None:
     done = 0
     async with websockets.connect(url.replace("http", "ws") +
-                                  "/streams/BENCH/consumers/bare/ws?max_in_flight=100",
-                                  max_size=None, compression=None) as ws:
+                                  f"/streams/BENCH/consumers/{consumer}/ws?max_in_flight=100"
+                                  f"&frames={frames}", max_size=None, compression=None) as ws:
         ids: list[str] = []
         while done < count:
-            event = json.loads(await ws.recv())
-            if event["type"] == "message":
-                ids.append(event["id"])
+            for lease in leases_of(json.loads(await ws.recv())):
+                ids.append(lease["id"])
                 done += 1
                 if len(ids) == 100 or done == count:
                     await ws.send(json.dumps({"op": "ack", "ids": ids}))
                     ids = []
 
 
-async def bare_aiohttp_row(url: str, count: int) -> None:
+async def bare_aiohttp_row(url: str, count: int, consumer: str, frames: str) -> None:
     """The issue's own baseline: the same loop over aiohttp, whose WebSocket reader is C."""
     import aiohttp
 
     done = 0
     async with aiohttp.ClientSession() as session:
         async with session.ws_connect(url.replace("http", "ws") + "/streams/BENCH/consumers/"
-                                      "bareaio/ws?max_in_flight=100", compress=0) as ws:
+                                      f"{consumer}/ws?max_in_flight=100&frames={frames}",
+                                      compress=0) as ws:
             ids: list[str] = []
             while done < count:
-                event = json.loads((await ws.receive()).data)
-                if event["type"] == "message":
-                    ids.append(event["id"])
+                for lease in leases_of(json.loads((await ws.receive()).data)):
+                    ids.append(lease["id"])
                     done += 1
                     if len(ids) == 100 or done == count:
                         await ws.send_str(json.dumps({"op": "ack", "ids": ids}))
@@ -139,12 +148,11 @@ async def main() -> None:
     server = NatsServer()
     folder = tempfile.TemporaryDirectory()
     consumers = Path(folder.name, "consumers.toml")
-    consumers.write_text(
-        '[[consumer]]\nstream = "BENCH"\nname = "bare"\nfilter_subject = "bench.ws.>"\n'
-        'ack_wait = "30s"\n\n[[consumer]]\nstream = "BENCH"\nname = "worker"\n'
-        'filter_subject = "bench.worker.>"\nack_wait = "30s"\n\n[[consumer]]\nstream = "BENCH"\n'
-        'name = "slow"\nfilter_subject = "bench.slow.>"\nack_wait = "30s"\n\n[[consumer]]\n'
-        'stream = "BENCH"\nname = "bareaio"\nfilter_subject = "bench.aio.>"\nack_wait = "30s"\n')
+    names = {"bare": "ws", "barebatch": "wsbatch", "worker": "worker", "slow": "slow",
+             "bareaio": "aio", "bareaiobatch": "aiobatch"}
+    consumers.write_text("".join(
+        f'[[consumer]]\nstream = "BENCH"\nname = "{name}"\nfilter_subject = "bench.{sub}.>"\n'
+        'ack_wait = "30s"\n\n' for name, sub in names.items()))
     gateway = Gateway(server, "BENCH", "--consumers-file", str(consumers), ack_wait="30s")
     nc = await nats.connect(server.url)
     js = nc.jetstream()
@@ -153,13 +161,19 @@ async def main() -> None:
         await fill(js, nc, "bench.natspy.x", count, payload)
         rows.append(("nats-py pull (fetch 100, ack each)",
                      *await timed(lambda: nats_py_row(nc, js, count))))
-        await fill(js, nc, "bench.ws.x", count, payload)
-        rows.append(("bare websockets loop (ack 100 in band)",
-                     *await timed(lambda: bare_ws_row(gateway.url, count))))
-        if importlib.util.find_spec("aiohttp") is not None:
-            await fill(js, nc, "bench.aio.x", count, payload)
-            rows.append(("bare aiohttp loop (ack 100 in band)",
-                         *await timed(lambda: bare_aiohttp_row(gateway.url, count))))
+        # The bare loops, as the issue measured them (a frame per lease), then with the
+        # framing the Worker uses (frames=batch).
+        for frames, suffix, label in (("single", "", "a frame each"),
+                                      ("batch", "batch", "frames=batch")):
+            await fill(js, nc, f"bench.ws{suffix}.x", count, payload)
+            rows.append((f"bare websockets loop, {label}",
+                         *await timed(lambda: bare_ws_row(gateway.url, count, "bare" + suffix,
+                                                          frames))))
+            if importlib.util.find_spec("aiohttp") is not None:
+                await fill(js, nc, f"bench.aio{suffix}.x", count, payload)
+                rows.append((f"bare aiohttp loop, {label}",
+                             *await timed(lambda: bare_aiohttp_row(
+                                 gateway.url, count, "bareaio" + suffix, frames))))
         await fill(js, nc, "bench.worker.x", count, payload)
         rows.append(("ruststream Worker (ws, no-op handler)",
                      *await timed(lambda: worker_row(gateway.url, count),
@@ -174,17 +188,20 @@ async def main() -> None:
         gateway.stop()
         server.stop()
         folder.cleanup()
-    base, bare = count / rows[0][1], count / rows[1][1]
+    rates = {name: count / wall for name, wall, _ in rows}
+    base = rates[rows[0][0]]
+    bare = rates["bare websockets loop, a frame each"]
+    bare_batch = rates["bare websockets loop, frames=batch"]
     print(f"{count} messages of {args.size} B, one nats-server, one gateway (debug or release "
           "as RUSTSTREAM_BIN is)")
     bound = SLOW_CONCURRENCY / (SLOW_MS / 1000)
-    print(f"{'row':44} {'msg/s':>9} {'× nats-py':>10} {'× bare ws':>10} {'× bound':>8} "
-          f"{'CPU µs/msg':>11}")
+    print(f"{'row':44} {'msg/s':>9} {'× nats-py':>10} {'× bare ws':>10} {'× bare batch':>13} "
+          f"{'× bound':>8} {'CPU µs/msg':>11}")
     for name, wall, cpu in rows:
-        rate = count / wall
+        rate = rates[name]
         of_bound = f"{rate / bound:8.2f}" if name.startswith("Worker,") else f"{'':8}"
-        print(f"{name:44} {rate:9.0f} {rate / base:10.2f} {rate / bare:10.2f} {of_bound} "
-              f"{cpu / count * 1e6:11.1f}")
+        print(f"{name:44} {rate:9.0f} {rate / base:10.2f} {rate / bare:10.2f} "
+              f"{rate / bare_batch:13.2f} {of_bound} {cpu / count * 1e6:11.1f}")
     print(f"bound of the {SLOW_MS} ms row: concurrency / handler time = {bound:.0f} msg/s")
 
 

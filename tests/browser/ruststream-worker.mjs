@@ -186,6 +186,8 @@ try {
         socket.on("framereceived", ({ payload }) => {
             const frame = JSON.parse(String(payload));
             if (frame.type === "message") seen.leases += 1;
+            // frames=batch: the leases ready together in one frame.
+            if (frame.type === "messages") seen.leases += frame.messages.length;
             if (frame.type === "settled") seen.settled.push(...frame.results);
         });
     });

@@ -1,7 +1,8 @@
 // Benchmark rows, one run: 20 000 messages of 256 B on one nats-server, drained by (1) this
 // library's Worker (no-op handler, transport ws), (2) a @nats-io/jetstream consume() worker
 // acking each message (the native client), (3) a bare `ws` loop over the gateway acking 100
-// ids in band. Each reads its own durable consumer of the same stream. Prints msg/s, the
+// ids in band — a frame per lease, as the issue measured it, and with frames=batch, as the
+// Worker reads them. Each reads its own durable consumer of the same stream. Prints msg/s, the
 // ratios the issue asks for, and the CPU per message of this process.
 // Run: node build/bench/bench.js (RUSTSTREAM_BIN: a release gateway; NATS_SERVER_BIN).
 
@@ -31,9 +32,45 @@ async function measure(name: string, body: () => Promise<void>): Promise<Row> {
   return { name, seconds, cpuMicros: used.user + used.system };
 }
 
+/** A bare loop over the gateway's WebSocket: every lease acked in band, up to 100 ids an op. */
+async function bareLoop(consumer: string, frames: "single" | "batch"): Promise<void> {
+  const url = `${gateway.url.replace("http", "ws")}/streams/ORDERS/consumers/${consumer}/ws?max_in_flight=100&encoding=base64&frames=${frames}`;
+  const socket = new WebSocket(url, { perMessageDeflate: false });
+  let ids: string[] = [];
+  let acked = 0;
+  let flushing = false;
+  const flush = (): void => {
+    flushing = false;
+    if (ids.length > 0) socket.send(JSON.stringify({ op: "ack", ids }));
+    ids = [];
+  };
+  const take = (id: string): void => {
+    ids.push(id);
+    if (ids.length === 100) flush();
+    else if (!flushing) {
+      flushing = true;
+      setImmediate(flush);
+    }
+  };
+  await new Promise<void>((done, fail) => {
+    socket.on("error", fail);
+    socket.on("message", (data) => {
+      const frame = JSON.parse(data.toString()) as { type: string; id: string; messages?: { id: string }[]; results?: unknown[] };
+      if (frame.type === "message") take(frame.id);
+      else if (frame.type === "messages") for (const message of frame.messages ?? []) take(message.id);
+      else if (frame.type === "settled") {
+        acked += frame.results?.length ?? 0;
+        if (acked >= COUNT) done();
+      }
+    });
+  });
+  socket.close();
+}
+
 const gateway = await Fixture.start({
   ackWait: "30s",
-  consumers: () => '[[consumer]]\nstream = "ORDERS"\nname = "bare"\nfilter_subject = "orders.>"\n',
+  consumers: () =>
+    ["bare", "barebatch"].map((name) => `[[consumer]]\nstream = "ORDERS"\nname = "${name}"\nfilter_subject = "orders.>"\n`).join("\n"),
 });
 const nc = await connect({ servers: gateway.natsUrl });
 try {
@@ -66,48 +103,21 @@ try {
       await nc.flush();
     }),
   );
-  rows.push(
-    await measure("bare ws loop, 100 ids acked in band", async () => {
-      const socket = new WebSocket(`${gateway.url.replace("http", "ws")}/streams/ORDERS/consumers/bare/ws?max_in_flight=100&encoding=base64`, { perMessageDeflate: false });
-      let ids: string[] = [];
-      let acked = 0;
-      let flushing = false;
-      const flush = (): void => {
-        flushing = false;
-        if (ids.length > 0) socket.send(JSON.stringify({ op: "ack", ids }));
-        ids = [];
-      };
-      await new Promise<void>((done, fail) => {
-        socket.on("error", fail);
-        socket.on("message", (data) => {
-          const frame = JSON.parse(data.toString()) as { type: string; id: string; results?: unknown[] };
-          if (frame.type === "message") {
-            ids.push(frame.id);
-            if (ids.length === 100) flush();
-            else if (!flushing) {
-              flushing = true;
-              setImmediate(flush);
-            }
-          } else if (frame.type === "settled") {
-            acked += frame.results?.length ?? 0;
-            if (acked >= COUNT) done();
-          }
-        });
-      });
-      socket.close();
-    }),
-  );
-
+  for (const [consumer, frames] of [["bare", "single"], ["barebatch", "batch"]] as const) {
+    rows.push(await measure(`bare ws loop, 100 ids acked in band, frames=${frames}`, () => bareLoop(consumer, frames)));
+  }
   const rate = (row: Row): number => COUNT / row.seconds;
-  const [worker, native, bare] = rows.map(rate) as [number, number, number];
+  const [worker, native, bare, bareBatch] = rows.map(rate) as [number, number, number, number];
   console.log(`${COUNT} messages of ${payload.length} B, one nats-server, one run`);
-  console.log("row | msg/s | × nats.js | × bare ws | CPU µs/msg (this process)");
+  console.log("row | msg/s | × nats.js | × bare ws | × bare ws, frames=batch | CPU µs/msg (this process)");
   for (const row of rows) {
     console.log(
-      `${row.name} | ${Math.round(rate(row))} | ${(rate(row) / native).toFixed(2)} | ${(rate(row) / bare).toFixed(2)} | ${(row.cpuMicros / COUNT).toFixed(1)}`,
+      `${row.name} | ${Math.round(rate(row))} | ${(rate(row) / native).toFixed(2)} | ${(rate(row) / bare).toFixed(2)} | ${(rate(row) / bareBatch).toFixed(2)} | ${(row.cpuMicros / COUNT).toFixed(1)}`,
     );
   }
-  console.log(`worker/nats.js ${(worker / native).toFixed(2)} (issue: >= 1.0), worker/bare ws ${(worker / bare).toFixed(2)} (issue: >= 0.8)`);
+  console.log(
+    `worker/nats.js ${(worker / native).toFixed(2)} (issue: >= 1.0), worker/bare ws ${(worker / bare).toFixed(2)} (issue: >= 0.8), worker/bare ws batch ${(worker / bareBatch).toFixed(2)}`,
+  );
 } finally {
   await nc.close();
   await gateway.stop();

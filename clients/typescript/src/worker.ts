@@ -84,7 +84,7 @@ export class Worker implements MessageOwner {
     const onError = (text: string): void => logger.warn(`ruststream: ${text}`);
     this.transport =
       this.options.transport === "ws"
-        ? new WsTransport(this.api, stream, consumer, maxInFlight, onError)
+        ? new WsTransport(this.api, stream, consumer, maxInFlight, this.options.maxBytes === undefined, onError)
         : this.options.transport === "sse"
           ? new SseTransport(this.api, stream, consumer, maxInFlight)
           : new FetchTransport(this.api, stream, consumer);

@@ -10,6 +10,8 @@ import type { SettleExtra, SettleOp, SettleResult, WireMessage } from "./wire.js
 
 interface Frame {
   type: string;
+  /** The leases of a `messages` frame (`frames=batch`). */
+  messages?: WireMessage[];
   ref?: number;
   results?: SettleResult[];
   reason?: string;
@@ -30,11 +32,15 @@ export class WsTransport implements Transport {
     private readonly stream: string | undefined,
     private readonly consumer: string | undefined,
     private readonly maxInFlight: number,
+    /** Leases ready together in one frame (parsed once); false under maxBytes, where the
+     * socket is paused between two frames so that no more than the bound is read ahead. */
+    private readonly batchFrames: boolean,
     private readonly onError: (text: string) => void,
   ) {}
 
   async connect(feed: Feed): Promise<Connection> {
-    const query = `max_in_flight=${this.maxInFlight}&encoding=base64`;
+    const frames = this.batchFrames ? "batch" : "single";
+    const query = `max_in_flight=${this.maxInFlight}&encoding=base64&frames=${frames}`;
     const wsBase = this.api.base.replace(/^http/, "ws");
     const connection = new WsConnection(feed, this.onError);
     if (isNode()) {
@@ -116,7 +122,10 @@ class WsConnection implements Connection {
   frame(text: string): void {
     const frame = JSON.parse(text) as Frame;
     switch (frame.type) {
-      case "message":
+      case "messages":
+        for (const message of frame.messages ?? []) this.feed.deliver(message);
+        break;
+      case "message": // a gateway from before frames=batch
         this.feed.deliver(frame as unknown as WireMessage);
         break;
       case "settled": {
