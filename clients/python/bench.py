@@ -2,8 +2,8 @@
 ``await msg.ack()`` each) and a bare websockets loop acking 100 ids in band — a frame per
 lease, as the issue measured it, and with ``frames=batch`` as the Worker reads them — in
 one run, on one nats-server and one gateway started here; then the Worker with a 10 ms handler and
-concurrency 64 against its bound (concurrency / handler time). Each row prints this
-process's CPU per message (the gateway and nats-server are other processes). Needs nats-py
+concurrency 64 against its bound (concurrency / handler time). Each row prints the CPU per
+message of this process, of the gateway and of nats-server (read from /proc). Needs nats-py
 (bench-requirements.txt); with aiohttp installed too, a row of the issue's own baseline, the
 same bare loop over aiohttp.
 
@@ -21,6 +21,7 @@ import asyncio
 import cProfile
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import time
@@ -123,9 +124,25 @@ async def worker_row(url: str, count: int, consumer: str = "worker", concurrency
     await watcher
 
 
+# The other processes of a row, whose CPU is read from /proc (Linux): the gateway and
+# nats-server. Set by main().
+OTHERS: dict[str, int] = {}
+
+
+def process_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system), or NaN where /proc is not there."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def timed(run: Callable[[], Coroutine[Any, Any, None]],
-                profile: str | None = None) -> tuple[float, float]:
+                profile: str | None = None) -> tuple[float, float, float, float]:
+    """Wall time, this process's CPU, the gateway's and nats-server's CPU, in seconds."""
     profiler = cProfile.Profile() if profile else None
+    others = {name: process_seconds(pid) for name, pid in OTHERS.items()}
     cpu, wall = time.process_time(), time.perf_counter()
     if profiler is not None:
         profiler.enable()
@@ -133,9 +150,10 @@ async def timed(run: Callable[[], Coroutine[Any, Any, None]],
     if profiler is not None:
         profiler.disable()
     elapsed = time.perf_counter() - wall, time.process_time() - cpu
+    used = {name: process_seconds(pid) - others[name] for name, pid in OTHERS.items()}
     if profiler is not None and profile:
         profiler.dump_stats(profile)
-    return elapsed
+    return (*elapsed, used.get("gateway", float("nan")), used.get("nats-server", float("nan")))
 
 
 async def main() -> None:
@@ -157,7 +175,9 @@ async def main() -> None:
     nc = await nats.connect(server.url)
     js = nc.jetstream()
     try:
-        rows: list[tuple[str, float, float]] = []
+        assert gateway.process is not None
+        OTHERS.update({"gateway": gateway.process.pid, "nats-server": server.process.pid})
+        rows: list[tuple[str, float, float, float, float]] = []
         await fill(js, nc, "bench.natspy.x", count, payload)
         rows.append(("nats-py pull (fetch 100, ack each)",
                      *await timed(lambda: nats_py_row(nc, js, count))))
@@ -188,7 +208,7 @@ async def main() -> None:
         gateway.stop()
         server.stop()
         folder.cleanup()
-    rates = {name: count / wall for name, wall, _ in rows}
+    rates = {name: count / wall for name, wall, *_ in rows}
     base = rates[rows[0][0]]
     bare = rates["bare websockets loop, a frame each"]
     bare_batch = rates["bare websockets loop, frames=batch"]
@@ -196,12 +216,13 @@ async def main() -> None:
           "as RUSTSTREAM_BIN is)")
     bound = SLOW_CONCURRENCY / (SLOW_MS / 1000)
     print(f"{'row':44} {'msg/s':>9} {'× nats-py':>10} {'× bare ws':>10} {'× bare batch':>13} "
-          f"{'× bound':>8} {'CPU µs/msg':>11}")
-    for name, wall, cpu in rows:
+          f"{'× bound':>8} {'CPU µs/msg':>11} {'gateway':>8} {'nats-server':>12}")
+    for name, wall, cpu, gateway_cpu, server_cpu in rows:
         rate = rates[name]
         of_bound = f"{rate / bound:8.2f}" if name.startswith("Worker,") else f"{'':8}"
         print(f"{name:44} {rate:9.0f} {rate / base:10.2f} {rate / bare:10.2f} "
-              f"{rate / bare_batch:13.2f} {of_bound} {cpu / count * 1e6:11.1f}")
+              f"{rate / bare_batch:13.2f} {of_bound} {cpu / count * 1e6:11.1f} "
+              f"{gateway_cpu / count * 1e6:8.1f} {server_cpu / count * 1e6:12.1f}")
     print(f"bound of the {SLOW_MS} ms row: concurrency / handler time = {bound:.0f} msg/s")
 
 
