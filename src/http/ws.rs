@@ -58,6 +58,7 @@ struct FramesParam {
     /// `single` (default): one lease a frame, `{"type": "message", …}`. `batch`: the leases
     /// ready together (up to 100) share one frame, `{"type": "messages", "messages": […]}`,
     /// each element what a `message` frame holds without its `type`.
+    #[param(inline)]
     frames: Option<Frames>,
 }
 
