@@ -285,14 +285,7 @@ async fn a_lease_an_in_band_ack_makes_room_for_comes_after_that_acks_answer() {
                     to_ack = Vec::new();
                 }
             }
-            Some("settled") => {
-                let results = frame["results"].as_array().expect("results");
-                assert!(
-                    results.iter().all(|result| result["status"] == 204),
-                    "{frame}"
-                );
-                answered += results.len();
-            }
+            Some("settled") => answered += all_acked(&frame),
             _ => panic!("an unexpected frame: {frame}"),
         }
     }
@@ -348,14 +341,7 @@ async fn frames_batch_puts_the_leases_ready_together_in_one_frame() {
                 most_held = most_held.max(received - answered);
                 send(&mut socket, json!({ "op": "ack", "ids": ids })).await;
             }
-            Some("settled") => {
-                let results = frame["results"].as_array().expect("results");
-                assert!(
-                    results.iter().all(|result| result["status"] == 204),
-                    "{frame}"
-                );
-                answered += results.len();
-            }
+            Some("settled") => answered += all_acked(&frame),
             _ => panic!("an unexpected frame: {frame}"),
         }
     }
@@ -369,4 +355,14 @@ async fn frames_batch_puts_the_leases_ready_together_in_one_frame() {
         frames < count,
         "{frames} frames for {count} leases: the leases ready together were not framed together"
     );
+}
+
+/// How many ids a `settled` frame answers, each of them acked (204).
+fn all_acked(frame: &serde_json::Value) -> usize {
+    let results = frame["results"].as_array().expect("results");
+    assert!(
+        results.iter().all(|result| result["status"] == 204),
+        "{frame}"
+    );
+    results.len()
 }
