@@ -3,11 +3,12 @@
 // acking each message (the native client), (3) a bare `ws` loop over the gateway acking 100
 // ids in band — a frame per lease, as the issue measured it, and with frames=batch, as the
 // Worker reads them. Each reads its own durable consumer of the same stream. Prints msg/s, the
-// ratios the issue asks for, and the CPU per message of this process.
+// ratios the issue asks for, and the CPU per message of this process, the gateway and nats-server.
 // Run: node build/bench/bench.js (RUSTSTREAM_BIN: a release gateway; NATS_SERVER_BIN).
 
 import { jetstream, jetstreamManager, AckPolicy } from "@nats-io/jetstream";
 import { connect } from "@nats-io/transport-node";
+import { readFileSync } from "node:fs";
 import WebSocket from "ws";
 
 import { Worker } from "../src/index.js";
@@ -21,15 +22,40 @@ interface Row {
   name: string;
   seconds: number;
   cpuMicros: number;
+  /** The gateway's and nats-server's CPU over the row, in µs (NaN without /proc). */
+  gatewayMicros: number;
+  serverMicros: number;
 }
 
+/** A process's CPU time so far (user + system) in µs, read from /proc (Linux); NaN elsewhere. */
+function processMicros(pid: number | undefined): number {
+  if (pid === undefined) return NaN;
+  try {
+    const fields = readFileSync(`/proc/${pid}/stat`, "utf8").split(")").pop()?.trim().split(" ") ?? [];
+    // utime and stime, the 14th and 15th fields of stat (the 12th and 13th after the name).
+    return ((Number(fields[11]) + Number(fields[12])) / CLOCK_TICKS) * 1e6;
+  } catch {
+    return NaN;
+  }
+}
+/** Linux's USER_HZ: /proc counts CPU time in hundredths of a second. */
+const CLOCK_TICKS = 100;
+
 async function measure(name: string, body: () => Promise<void>): Promise<Row> {
+  const pids = gateway.pids();
+  const [gatewayBefore, serverBefore] = [processMicros(pids.gateway), processMicros(pids.nats)];
   const cpu = process.cpuUsage();
   const started = performance.now();
   await body();
   const seconds = (performance.now() - started) / 1000;
   const used = process.cpuUsage(cpu);
-  return { name, seconds, cpuMicros: used.user + used.system };
+  return {
+    name,
+    seconds,
+    cpuMicros: used.user + used.system,
+    gatewayMicros: processMicros(pids.gateway) - gatewayBefore,
+    serverMicros: processMicros(pids.nats) - serverBefore,
+  };
 }
 
 /** A bare loop over the gateway's WebSocket: every lease acked in band, up to 100 ids an op. */
@@ -109,10 +135,11 @@ try {
   const rate = (row: Row): number => COUNT / row.seconds;
   const [worker, native, bare, bareBatch] = rows.map(rate) as [number, number, number, number];
   console.log(`${COUNT} messages of ${payload.length} B, one nats-server, one run`);
-  console.log("row | msg/s | × nats.js | × bare ws | × bare ws, frames=batch | CPU µs/msg (this process)");
+  console.log("row | msg/s | × nats.js | × bare ws | × bare ws, frames=batch | CPU µs/msg: this process / gateway / nats-server");
   for (const row of rows) {
+    const perMessage = [row.cpuMicros, row.gatewayMicros, row.serverMicros].map((micros) => (micros / COUNT).toFixed(1)).join(" / ");
     console.log(
-      `${row.name} | ${Math.round(rate(row))} | ${(rate(row) / native).toFixed(2)} | ${(rate(row) / bare).toFixed(2)} | ${(rate(row) / bareBatch).toFixed(2)} | ${(row.cpuMicros / COUNT).toFixed(1)}`,
+      `${row.name} | ${Math.round(rate(row))} | ${(rate(row) / native).toFixed(2)} | ${(rate(row) / bare).toFixed(2)} | ${(rate(row) / bareBatch).toFixed(2)} | ${perMessage}`,
     );
   }
   console.log(

@@ -111,6 +111,11 @@ export class Fixture {
   private readonly gatewayArgs: string[];
   private readonly env: NodeJS.ProcessEnv;
 
+  /** The process ids of nats-server and the gateway, while they run (the benchmark reads their CPU). */
+  pids(): { nats: number | undefined; gateway: number | undefined } {
+    return { nats: this.nats?.pid, gateway: this.gateway?.pid };
+  }
+
   private constructor(dir: string, httpPort: number, gatewayArgs: string[]) {
     this.dir = dir;
     this.url = `http://127.0.0.1:${httpPort}`;
