@@ -65,7 +65,7 @@ pub(super) struct StreamQuery {
 }
 
 /// How a WebSocket frames its leases.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub(super) enum Frames {
     /// `{"type": "message", …}`: one lease a frame.

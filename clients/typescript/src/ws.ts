@@ -125,7 +125,7 @@ class WsConnection implements Connection {
       case "messages":
         for (const message of frame.messages ?? []) this.feed.deliver(message);
         break;
-      case "message": // a gateway from before frames=batch
+      case "message": // a frame a lease: the framing asked for under maxBytes
         this.feed.deliver(frame as unknown as WireMessage);
         break;
       case "settled": {

@@ -175,7 +175,7 @@ class WsTransport(Transport):
                         accept(message)
                     if worker.bytes_full:
                         await worker.room_for_bytes()
-                elif kind == "message":  # a gateway from before frames=batch
+                elif kind == "message":  # a frame a lease: the framing asked for under max_bytes
                     accept(event)
                     if worker.bytes_full:
                         await worker.room_for_bytes()
