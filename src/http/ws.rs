@@ -215,8 +215,9 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
     let (outgoing, mut to_write) = mpsc::channel::<Outgoing>(OUTGOING);
     let encoding = session.query.encoding;
     let frames = session.query.frames;
-    // Lease frames taken and not yet flushed to the client, at most a slice: a client that
-    // stops reading strands no more than that.
+    // Lease frames taken and not yet flushed to the client; with what the stream has leased
+    // and not yet handed over (it leases no more than the room left here), at most a
+    // slice: a client that stops reading strands no more than that.
     let unflushed = Arc::new(Semaphore::new(STREAM_SLICE));
     // The in-band operations under way: their answers (the settle that ended the grace's
     // too) go out before the goodbye.
@@ -419,7 +420,12 @@ async fn send_leases(
         let Ok(slot) = outgoing.reserve().await else {
             return;
         };
-        match leases.next::<super::client::Client>(None).await {
+        // Its own permit and the others free: the stream leases no more than that.
+        let room_left = unflushed.available_permits() + 1;
+        match leases
+            .next_within::<super::client::Client>(None, room_left)
+            .await
+        {
             Step::Lease(leased) => {
                 // Given back by the writer once flushed.
                 room.forget();

@@ -302,6 +302,13 @@ impl LeaseStream {
 
     /// The next thing to send; `caller` is the client, noticed when it hangs up mid-wait.
     pub(crate) async fn next<C: Caller>(&mut self, caller: Option<&C>) -> Step {
+        self.next_within(caller, STREAM_SLICE).await
+    }
+
+    /// The same, leasing at most `room` when it must lease: a writer with room for fewer
+    /// than a slice (its client reading slowly) has no more leased for it than it can take,
+    /// so what is leased and not yet flushed stays one slice in all.
+    pub(crate) async fn next_within<C: Caller>(&mut self, caller: Option<&C>, room: usize) -> Step {
         loop {
             if let Some(leased) = self.next_ready() {
                 return Step::Lease(leased);
@@ -364,7 +371,7 @@ impl LeaseStream {
             let patient = self.patient && self.idle;
             let demand = Demand {
                 // In slices: what a stuck client is sent and never reads is at most one.
-                batch: credit.min(STREAM_SLICE),
+                batch: credit.min(STREAM_SLICE).min(room.max(1)),
                 wait: match (self.patient, patient) {
                     (_, true) => PATIENT_QUIET_AT_MOST,
                     (true, false) => BUSY_QUIET_AFTER,
