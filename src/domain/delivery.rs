@@ -64,6 +64,13 @@ pub(crate) struct Leased {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Demand {
     pub(crate) batch: usize,
+    /// How many a stream's pull, kept open at the server between its demands, may ask for:
+    /// at most the stream's credit, of which each demand takes at most `batch` and the next
+    /// demand the rest — so that each slice of a stream does not wait for a pull of its own.
+    /// What arrives between two demands is held, unleased, for whichever fetch comes first
+    /// (and nak'd if none takes it within the hold), so a stream asks beyond `batch` only as
+    /// much as its client settled lately (see `LeaseStream`). `batch` for a fetch.
+    pub(crate) credit: usize,
     pub(crate) wait: Duration,
     pub(crate) max_bytes: Option<usize>,
     /// The open stream (SSE or WebSocket) asking, by its id; `None` for a fetch. A stream's

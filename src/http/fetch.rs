@@ -249,6 +249,7 @@ fn demand(body: &FetchBody, config: &Config) -> Result<Demand, Error> {
     };
     Ok(Demand {
         batch: batch as usize,
+        credit: batch as usize,
         wait: Duration::from_millis(wait_ms),
         max_bytes,
         stream: None,

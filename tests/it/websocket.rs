@@ -252,14 +252,24 @@ async fn a_client_that_stops_reading_strands_a_slice_not_its_whole_credit() {
     // besides what was flushed into the socket's buffers (loopback's send buffer grows to
     // 4 MB: 64 frames of 64 KB). Leasing a whole slice more than the writer has room for
     // strands up to 200 and more; leasing into the writer's queue alone (256 frames) about 300.
-    let (mut most, watched_until) = (0, tokio::time::Instant::now() + Duration::from_secs(3));
+    // Nor does its pull ask the server for more than it leases: a client that settled
+    // nothing has shown no pace to take a surplus at (held unleased, it would be nak'd and
+    // each message's delivery spent), so the server hands out no more than a slice besides.
+    let (mut most, mut most_at_server) = (0, 0);
+    let watched_until = tokio::time::Instant::now() + Duration::from_secs(3);
     while tokio::time::Instant::now() < watched_until {
         most = most.max(gateway.leases_in_flight().await);
+        most_at_server =
+            most_at_server.max(crate::support::server_ack_pending(&js, &gateway).await);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(
         most < 200,
         "{most} leased at most to a client that reads nothing, expected fewer than 200"
+    );
+    assert!(
+        most_at_server as u64 <= most + 100,
+        "the server had {most_at_server} delivered and unacked at most, {most} leased"
     );
 }
 

@@ -65,10 +65,6 @@ impl<R> Book<R> {
             if !ready {
                 continue;
             }
-            let mut batch = (waiter.demand.batch - waiter.got.len()).min(capacity);
-            if let Some(max_batch) = limits.max_batch {
-                batch = batch.min(max_batch);
-            }
             let patient = waiter.demand.patient && waiter.demand.stream.is_some();
             let longest = if patient {
                 MAX_PATIENT_PULL_EXPIRES
@@ -81,13 +77,23 @@ impl<R> Book<R> {
             }
             // Pulling again with something in hand: only what is there right now.
             let expires = (left >= MIN_EXPIRES && waiter.got.is_empty()).then_some(left);
+            let keep_open =
+                waiter.demand.stream.is_some() && expires.is_some() && (!patient || waiter.in_line);
+            // A pull kept open asks for the stream's credit: its next demands take the rest.
+            let wanted = if keep_open && !patient {
+                waiter.demand.credit.max(waiter.demand.batch)
+            } else {
+                waiter.demand.batch
+            };
+            let mut batch = (wanted - waiter.got.len()).min(capacity);
+            if let Some(max_batch) = limits.max_batch {
+                batch = batch.min(max_batch);
+            }
             planned.push(PlannedPull {
                 fetch: waiter.id,
                 batch,
                 expires,
-                keep_open: waiter.demand.stream.is_some()
-                    && expires.is_some()
-                    && (!patient || waiter.in_line),
+                keep_open,
                 patient: patient && expires.is_some() && !waiter.in_line,
                 give_up_at: now + left + PULL_GRACE,
             });

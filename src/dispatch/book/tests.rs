@@ -45,6 +45,7 @@ fn delivery(stream_sequence: u64, bytes: usize, received_at: Instant) -> Deliver
 fn demand(batch: usize, wait_ms: u64) -> Demand {
     Demand {
         batch,
+        credit: batch,
         wait: Duration::from_millis(wait_ms),
         max_bytes: None,
         stream: None,
@@ -219,6 +220,62 @@ fn a_streams_pull_stays_open_and_its_next_demand_takes_it_over() {
     let planned = book.plan_pulls(now, 1000, LIMITS);
     let for_fetch = planned.iter().find(|pull| pull.fetch == 4);
     assert!(for_fetch.is_some_and(|pull| !pull.keep_open), "{planned:?}");
+}
+
+#[test]
+fn a_streams_pull_asks_for_its_credit_and_each_demand_takes_a_slice_of_it() {
+    let now = Instant::now();
+    let mut book = Book::<()>::new();
+    let stream = |batch, credit| Demand {
+        stream: Some(42),
+        credit,
+        ..demand(batch, 10_000)
+    };
+    let (_answered, pull_id) = waiting(&mut book, stream(100, 1000), now);
+    assert_eq!(
+        book.pulls[&pull_id].remaining, 1000,
+        "the pull kept open asks for the stream's whole credit"
+    );
+    for sequence in 1..=150 {
+        let owner = book.count_delivery(pull_id, now);
+        book.place(owner, delivery(sequence, 10, now));
+    }
+    let finished = book.take_finished(now, false, EPOCH);
+    assert_eq!(finished.len(), 1);
+    assert_eq!(
+        finished[0].got.len(),
+        100,
+        "a demand takes its slice, no more"
+    );
+    book.detach_pull(finished[0].pull);
+    assert_eq!(book.held_len(), 50, "the rest is held, not leased");
+
+    // The next demand takes the held rest at once, and the pull still open.
+    let (next, _) = oneshot::channel();
+    book.enqueue(3, stream(100, 900), next, now);
+    book.hand_out_held();
+    assert!(book.plan_pulls(now, 1000, LIMITS).is_empty(), "no new pull");
+    assert_eq!(book.pulls[&pull_id].owner, Some(3));
+    let finished = book.take_finished(now, false, EPOCH);
+    assert_eq!(sequences(&finished[0].got), (101..=150).collect::<Vec<_>>());
+
+    // A fetch's pull, and a patient stream's (never kept open), ask for their batch only.
+    let (fetch, _) = oneshot::channel();
+    book.enqueue(4, demand(5, 10_000), fetch, now);
+    let (patient, _) = oneshot::channel();
+    let patient_demand = Demand {
+        stream: Some(43),
+        patient: true,
+        credit: 1000,
+        ..demand(4, 10_000)
+    };
+    book.enqueue(5, patient_demand, patient, now);
+    let planned = book.plan_pulls(now, 1000, LIMITS);
+    let batches: Vec<_> = planned
+        .iter()
+        .map(|pull| (pull.fetch, pull.batch))
+        .collect();
+    assert_eq!(batches, [(4, 5), (5, 4)]);
 }
 
 #[test]

@@ -324,8 +324,10 @@ impl Consumer {
         &self,
         demand: ForwardedDemand,
     ) -> Result<Vec<RemoteLease>, String> {
+        let batch = demand.batch.clamp(1, STREAM_SLICE);
         let demand = Demand {
-            batch: demand.batch.clamp(1, STREAM_SLICE),
+            batch,
+            credit: batch,
             wait: Duration::from_millis(demand.wait_ms).min(self.config.max_wait),
             max_bytes: demand.max_bytes,
             stream: None,

@@ -13,6 +13,7 @@ mod compactor;
 mod exchange;
 mod fetch;
 mod idle;
+mod pace;
 mod pause;
 mod recorder;
 mod replicas;

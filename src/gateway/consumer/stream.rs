@@ -19,6 +19,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
+use super::pace::Pace;
 use super::{Caller, Consumer};
 use crate::dispatch::Command;
 use crate::domain::SequenceMap;
@@ -223,6 +224,8 @@ pub(crate) struct LeaseStream {
     unwritten: VecDeque<Leased>,
     /// A WebSocket's in-band settles not yet answered: what they name keeps counting.
     answers_owed: Option<Arc<AnswersOwed>>,
+    /// How fast its client settles: what its pull may ask beyond the slice it leases.
+    pace: Pace,
     ends: Ends,
     /// The span of the request that opened the stream: each batch's receive span is its
     /// child (a disabled span when tracing is off).
@@ -265,6 +268,7 @@ impl LeaseStream {
             retry_in: RETRY_FIRST,
             unwritten: VecDeque::new(),
             answers_owed: None,
+            pace: Pace::default(),
             ends: Ends {
                 consumer,
                 opened_at,
@@ -369,9 +373,11 @@ impl LeaseStream {
                 continue;
             }
             let patient = self.patient && self.idle;
+            let batch = credit.min(STREAM_SLICE).min(room.max(1));
             let demand = Demand {
                 // In slices: what a stuck client is sent and never reads is at most one.
-                batch: credit.min(STREAM_SLICE).min(room.max(1)),
+                batch,
+                credit: self.pace.pull_credit(credit, batch),
                 wait: match (self.patient, patient) {
                     (_, true) => PATIENT_QUIET_AT_MOST,
                     (true, false) => BUSY_QUIET_AFTER,
@@ -496,11 +502,19 @@ impl LeaseStream {
         let now = Instant::now();
         let leases = self.gateway.state.leases();
         let owed = self.answers_owed.as_deref();
+        let before = self.written.len();
+        let mut expired = 0;
         self.written.retain(|written| {
-            written.expires_at > now
-                && (leases.is_live(written.key, now)
-                    || owed.zip(written.id).is_some_and(|(owed, id)| owed.owes(id)))
+            if written.expires_at <= now {
+                expired += 1;
+                return false;
+            }
+            leases.is_live(written.key, now)
+                || owed.zip(written.id).is_some_and(|(owed, id)| owed.owes(id))
         });
+        let settled = before - self.written.len() - expired;
+        self.pace
+            .settled(settled, now, self.gateway.state.hold() / 2);
     }
 }
 
