@@ -35,7 +35,7 @@ use crate::error::Error;
 use crate::gateway::{
     AnswersOwed, Consumer, EndsWhen, Gateway, LeaseStream, STREAM_SLICE, Step, Target,
 };
-use operations::{Outgoing, take_operation, text};
+use operations::{Outgoing, start_queued, take_operation, text};
 
 mod operations;
 
@@ -223,6 +223,14 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
     // too) go out before the goodbye.
     let operations = tokio_util::task::TaskTracker::new();
     let answers_owed = Arc::new(AnswersOwed::default());
+    let (queue, queued) = mpsc::unbounded_channel();
+    tokio::spawn(start_queued(
+        gateway.clone(),
+        session.settler.clone(),
+        queued,
+        outgoing.clone(),
+        answers_owed.clone(),
+    ));
     let leases = tokio::spawn(send_leases(
         LeaseStream::new(
             session.consumer.clone(),
@@ -315,10 +323,8 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
                             break;
                         }
                         take_operation(
-                            &gateway,
                             text.as_str(),
-                            &session.settler,
-                            (&outgoing, &operations, &answers_owed),
+                            (&queue, &outgoing, &operations, &answers_owed),
                         );
                     }
                     Some(Ok(Message::Binary(_))) => {

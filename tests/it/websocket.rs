@@ -274,6 +274,78 @@ async fn a_client_that_stops_reading_strands_a_slice_not_its_whole_credit() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operations_sent_together_are_each_answered_as_alone() {
+    let (_server, js, gateway) = Setup::consumer("ws-together").ack_wait("30s").start().await;
+    js.publish_many("orders.1", 60, "ws").await;
+    let mut socket = open_socket(&gateway, "?max_in_flight=60").await;
+    let mut ids = Vec::new();
+    while ids.len() < 60 {
+        let frame = crate::support::streams::frame(&mut socket, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|| panic!("a lease after {}", ids.len()));
+        assert_eq!(frame["type"], "message", "{frame}");
+        ids.push(frame["id"].as_str().expect("an id").to_owned());
+    }
+    // Written in one burst, so that the gateway reads them together: an ack per message,
+    // one ack of three, one naming no lease and a nak among them.
+    let mut operations = Vec::new();
+    for (at, id) in ids[..50].iter().enumerate() {
+        operations.push(json!({ "op": "ack", "ids": [id], "ref": at }));
+        if at == 20 {
+            operations.push(json!({ "op": "ack", "ids": ["not-a-lease"], "ref": "unknown" }));
+        }
+        if at == 30 {
+            operations.push(json!({ "op": "ack", "ids": &ids[50..53], "ref": "three" }));
+            operations.push(json!({ "op": "nak", "ids": [&ids[53]], "ref": "nak" }));
+        }
+    }
+    for operation in &operations {
+        socket
+            .feed(Message::Text(operation.to_string().into()))
+            .await
+            .expect("feed");
+    }
+    socket.flush().await.expect("flush");
+    let mut answers = std::collections::HashMap::new();
+    while answers.len() < operations.len() {
+        let frame = crate::support::streams::frame(&mut socket, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|| panic!("an answer after {}", answers.len()));
+        if frame["type"] == "message" {
+            continue; // the nak'd message again
+        }
+        assert_eq!(frame["type"], "settled", "{frame}");
+        let reference = frame["ref"].to_string();
+        assert!(
+            answers.insert(reference, frame.clone()).is_none(),
+            "answered twice: {frame}"
+        );
+    }
+    for at in 0..50 {
+        assert_eq!(all_acked(&answers[&at.to_string()]), 1);
+    }
+    assert_eq!(all_acked(&answers["\"three\""]), 3);
+    let unknown = &answers["\"unknown\""]["results"][0];
+    assert_eq!(unknown["id"], "not-a-lease");
+    assert!(
+        unknown["status"]
+            .as_u64()
+            .is_some_and(|status| (400..500).contains(&status)),
+        "{unknown}"
+    );
+    let nak = &answers["\"nak\""];
+    assert_eq!(nak["op"], "nak");
+    assert_eq!(nak["results"][0]["status"], 204, "{nak}");
+    // 53 acked; the nak'd one and the six never settled are what the server still holds.
+    crate::support::wait_until(
+        "the server holds the unacked",
+        Duration::from_secs(5),
+        || async { crate::support::server_ack_pending(&js, &gateway).await <= 7 },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_an_in_band_ack_makes_room_for_comes_after_that_acks_answer() {
     let (_server, js, gateway) = Setup::consumer("ws-answer-first")
         .ack_wait("30s")

@@ -3,6 +3,8 @@
 //!
 //! May import: as the rest of `http`.
 
+use std::collections::HashSet;
+use std::ops::Range;
 use std::sync::Arc;
 
 use axum::extract::ws::Message;
@@ -50,19 +52,30 @@ struct Operation {
     reference: Option<Value>,
 }
 
-/// Parse a client's frame and start its operation; the answer is sent when it is done.
+/// An operation read from the client, waiting to start.
+pub(super) struct Queued {
+    operation: Operation,
+    command: Option<AckCommand>,
+    /// Counts as an operation under way from the moment it is read: the goodbye waits for
+    /// its answer.
+    _under_way: tokio_util::task::task_tracker::TaskTrackerToken,
+}
+
+/// Most operations started together.
+const MAX_GROUPED: usize = 256;
+
+/// Parse a client's frame and queue its operation; the answer is sent when it is done.
 pub(super) fn take_operation(
-    gateway: &Arc<Gateway>,
     frame: &str,
-    settler: &Arc<Settler>,
-    (outgoing, operations, answers_owed): (
+    (queue, outgoing, operations, answers_owed): (
+        &mpsc::UnboundedSender<Queued>,
         &mpsc::Sender<Outgoing>,
         &tokio_util::task::TaskTracker,
         &Arc<AnswersOwed>,
     ),
 ) {
-    let operation = match parse_operation(frame) {
-        Ok(operation) => operation,
+    let (operation, command) = match parse_operation(frame) {
+        Ok(parsed) => parsed,
         Err(err) => {
             let problem = err.problem();
             let mut answer = json!({
@@ -78,18 +91,119 @@ pub(super) fn take_operation(
             return;
         }
     };
-    let (gateway, outgoing, settler) = (gateway.clone(), outgoing.clone(), settler.clone());
     // Owed before anything settles: the leases this makes room for go out after its answer.
-    answers_owed.owe(&operation.0.ids);
-    let answers_owed = answers_owed.clone();
-    operations.spawn(
-        async move {
-            let answer = run_operation(&gateway, &operation, &settler).await;
-            let _ = outgoing.send(Outgoing::Frame(answer)).await;
-            answers_owed.answered(&operation.0.ids);
+    answers_owed.owe(&operation.ids);
+    // The receiver lives as long as the session that sends.
+    let _ = queue.send(Queued {
+        operation,
+        command,
+        _under_way: operations.token(),
+    });
+}
+
+/// Start the operations queued, those queued together as one group: a client acking each
+/// message as it reads sends many small operations, and the acks among them are settled as
+/// one batch (one pass through the settle path and one record, not one each).
+pub(super) async fn start_queued(
+    gateway: Arc<Gateway>,
+    settler: Arc<Settler>,
+    mut queued: mpsc::UnboundedReceiver<Queued>,
+    outgoing: mpsc::Sender<Outgoing>,
+    answers_owed: Arc<AnswersOwed>,
+) {
+    while let Some(first) = queued.recv().await {
+        let mut group = vec![first];
+        while group.len() < MAX_GROUPED {
+            match queued.try_recv() {
+                Ok(next) => group.push(next),
+                Err(_) => break,
+            }
         }
-        .instrument(tracing::Span::current()),
-    );
+        let (gateway, settler) = (gateway.clone(), settler.clone());
+        let (outgoing, answers_owed) = (outgoing.clone(), answers_owed.clone());
+        tokio::spawn(
+            async move {
+                let answers = run_group(&gateway, &group, &settler).await;
+                for (answer, queued) in answers.into_iter().zip(&group) {
+                    let _ = outgoing.send(Outgoing::Frame(answer)).await;
+                    answers_owed.answered(&queued.operation.ids);
+                }
+            }
+            .instrument(tracing::Span::current()),
+        );
+    }
+}
+
+/// Run a group of operations, each ack among them with the acks next to it — as long as no
+/// id repeats (each operation's answer is what it would have been alone) and the ids stay
+/// within what one batch settle may name; one `settled` frame per operation, in order.
+async fn run_group(gateway: &Gateway, group: &[Queued], settler: &Settler) -> Vec<Message> {
+    let runs = runs_of(group.iter().map(|queued| {
+        let is_ack = matches!(queued.command, Some(AckCommand::Ack));
+        (is_ack, queued.operation.ids.as_slice())
+    }));
+    let answers = runs
+        .iter()
+        .map(|run| run_together(gateway, &group[run.clone()], settler));
+    futures::future::join_all(answers)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// The operations (whether each is an ack, and its ids) run as one, as ranges: the acks next
+/// to each other, until an id repeats or the ids pass [`MAX_IDS`]; any other op alone.
+fn runs_of<'a>(operations: impl Iterator<Item = (bool, &'a [String])>) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    let mut ids_of_run = HashSet::new();
+    let (mut named_in_run, mut run_is_ack) = (0, false);
+    for (at, (is_ack, ids)) in operations.enumerate() {
+        let joins = is_ack
+            && run_is_ack
+            && named_in_run + ids.len() <= MAX_IDS
+            && ids.iter().all(|id| !ids_of_run.contains(id.as_str()));
+        if joins {
+            if let Some(run) = runs.last_mut() {
+                run.end = at + 1;
+            }
+        } else {
+            ids_of_run.clear();
+            named_in_run = 0;
+            run_is_ack = is_ack;
+            runs.push(at..at + 1);
+        }
+        named_in_run += ids.len();
+        ids_of_run.extend(ids.iter().map(String::as_str));
+    }
+    runs
+}
+
+/// Operations of one command run as one: their ids settled together, one frame each.
+async fn run_together(gateway: &Gateway, operations: &[Queued], settler: &Settler) -> Vec<Message> {
+    let Some(first) = operations.first() else {
+        return Vec::new();
+    };
+    let merged: Vec<String>;
+    let ids = if let [only] = operations {
+        &only.operation.ids
+    } else {
+        merged = operations
+            .iter()
+            .flat_map(|queued| queued.operation.ids.iter().cloned())
+            .collect();
+        &merged
+    };
+    let mut outcomes = outcomes(gateway, ids, first.command.as_ref(), settler)
+        .await
+        .into_iter();
+    operations
+        .iter()
+        .map(|queued| {
+            let mine = outcomes.by_ref().take(queued.operation.ids.len()).collect();
+            settled_frame(&queued.operation, mine)
+        })
+        .collect()
 }
 
 /// A frame as an operation, checked as the HTTP batch settle checks its body.
@@ -130,33 +244,41 @@ fn parse_operation(frame: &str) -> Result<(Operation, Option<AckCommand>), Error
     Ok((operation, command))
 }
 
-/// Settle (or extend) the operation's ids: the `settled` frame, once all are answered.
-async fn run_operation(
+/// Settle (or, without a command, extend) `ids`: each one's outcome, once all are answered.
+async fn outcomes(
     gateway: &Gateway,
-    (operation, command): &(Operation, Option<AckCommand>),
+    ids: &[String],
+    command: Option<&AckCommand>,
     settler: &Settler,
-) -> Message {
+) -> Vec<Result<Option<time::OffsetDateTime>, Error>> {
     let may = |name: &ConsumerName| settler.may(name);
-    let outcomes: Vec<Result<Option<time::OffsetDateTime>, Error>> = if !settler.reaches_any() {
+    if !settler.reaches_any() {
         let refusal = Error::Forbidden {
             scope: Scope::Settle.as_str(),
         };
-        operation.ids.iter().map(|_| Err(refusal.clone())).collect()
+        ids.iter().map(|_| Err(refusal.clone())).collect()
     } else if let Some(command) = command {
         gateway
-            .settle_many(&operation.ids, command, &may)
+            .settle_many(ids, command, &may)
             .await
             .into_iter()
             .map(|outcome| outcome.map(|()| None))
             .collect()
     } else {
-        let extensions = operation.ids.iter().map(|id| gateway.extend(id, &may));
+        let extensions = ids.iter().map(|id| gateway.extend(id, &may));
         futures::future::join_all(extensions)
             .await
             .into_iter()
             .map(|outcome| outcome.map(Some))
             .collect()
-    };
+    }
+}
+
+/// The `settled` frame answering `operation`.
+fn settled_frame(
+    operation: &Operation,
+    outcomes: Vec<Result<Option<time::OffsetDateTime>, Error>>,
+) -> Message {
     let frame = SettledFrame {
         kind: "settled",
         op: &operation.op,
@@ -207,5 +329,39 @@ impl<'a> SettledResult<'a> {
             detail,
             lease_expires_at,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(names: &[&str]) -> Vec<String> {
+        names.iter().map(|name| (*name).to_owned()).collect()
+    }
+
+    #[test]
+    fn acks_next_to_each_other_run_as_one_and_anything_else_alone() {
+        let (a, b, c, d) = (ids(&["a"]), ids(&["b"]), ids(&["c", "d"]), ids(&["e"]));
+        let operations = [(true, &a), (true, &b), (false, &c), (true, &c), (true, &d)];
+        let runs = runs_of(operations.iter().map(|(ack, ids)| (*ack, ids.as_slice())));
+        assert_eq!(runs, [0..2, 2..3, 3..5]);
+    }
+
+    #[test]
+    fn an_id_named_again_starts_a_run_of_its_own() {
+        let (a, ab, b) = (ids(&["a"]), ids(&["b", "a"]), ids(&["b"]));
+        let operations = [(true, &a), (true, &ab), (true, &b)];
+        let runs = runs_of(operations.iter().map(|(ack, ids)| (*ack, ids.as_slice())));
+        assert_eq!(runs, [0..1, 1..2, 2..3]);
+    }
+
+    #[test]
+    fn a_run_names_no_more_than_one_batch_settle_may() {
+        let first: Vec<String> = (0..MAX_IDS - 1).map(|n| n.to_string()).collect();
+        let (one, two) = (ids(&["x"]), ids(&["y", "z"]));
+        let operations = [(true, &first), (true, &one), (true, &two)];
+        let runs = runs_of(operations.iter().map(|(ack, ids)| (*ack, ids.as_slice())));
+        assert_eq!(runs, [0..2, 2..3]);
     }
 }
