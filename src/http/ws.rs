@@ -224,13 +224,17 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
     let operations = tokio_util::task::TaskTracker::new();
     let answers_owed = Arc::new(AnswersOwed::default());
     let (queue, queued) = mpsc::unbounded_channel();
-    tokio::spawn(start_queued(
-        gateway.clone(),
-        session.settler.clone(),
-        queued,
-        outgoing.clone(),
-        answers_owed.clone(),
-    ));
+    // In the session's span, as each operation's settle was when it ran in a task of its own.
+    tokio::spawn(
+        start_queued(
+            gateway.clone(),
+            session.settler.clone(),
+            queued,
+            outgoing.clone(),
+            answers_owed.clone(),
+        )
+        .instrument(tracing::Span::current()),
+    );
     let leases = tokio::spawn(send_leases(
         LeaseStream::new(
             session.consumer.clone(),
