@@ -171,7 +171,13 @@ export function defineSuite(transport: TransportName): void {
       let output = "";
       child.stdout.on("data", (chunk: Buffer) => (output += chunk.toString()));
       const exited = new Promise<number | null>((ok) => child.once("exit", (code) => ok(code)));
-      await waitFor("100 leases held by the worker process", async () => (await gateway.consumer()).leases_in_flight === 100, 20_000);
+      // Handlers have begun in the process (the gateway's count alone includes leases not yet
+      // written to it: signalled then, it would have received none) and 100 are leased.
+      await waitFor(
+        "100 leases held by the worker process",
+        async () => output.includes("started ") && (await gateway.consumer()).leases_in_flight === 100,
+        20_000,
+      );
       const signalledAt = Date.now();
       child.kill("SIGTERM");
       const code = await Promise.race([exited, sleep(drainTimeoutMs + 2_000).then(() => "late")]);

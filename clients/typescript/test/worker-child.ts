@@ -1,5 +1,6 @@
-// A worker process for the SIGTERM test: holds leases with slow handlers, prints `acked <seq>`
-// for each message it handled, and its stats as one JSON line when run() returns.
+// A worker process for the SIGTERM test: holds leases with slow handlers, prints `started <seq>`
+// as each handler begins, `acked <seq>` for each message it handled, and its stats as one JSON
+// line when run() returns.
 
 import { Worker, type TransportName } from "../src/index.js";
 
@@ -14,6 +15,9 @@ const worker = new Worker({
 const handled: number[] = [];
 await worker.run(
   async (message) => {
+    // Tells the test this process really holds leases (the gateway counts them from the
+    // moment it leases, before they reach here).
+    process.stdout.write(`started ${message.streamSequence}\n`);
     await new Promise((ok) => setTimeout(ok, 1_000));
     await message.ack();
     handled.push(message.streamSequence);
