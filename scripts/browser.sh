@@ -50,7 +50,19 @@ CHROMIUM_BIN="${CHROMIUM_BIN:-/usr/bin/chromium}"
 export CHROMIUM_BIN
 
 started=$SECONDS
-step() { printf '\n== browser: %s (at %ss)\n' "$*" "$((SECONDS - started))" >&2; }
+# The gateway log's length when the current test began (see failed_test).
+TEST_LOG_FROM=0
+step() {
+    printf '\n== browser: %s (at %ss)\n' "$*" "$((SECONDS - started))" >&2
+    if [[ -n "${WORK:-}" && -f "$WORK/gateway.log" ]]; then TEST_LOG_FROM="$(wc -l <"$WORK/gateway.log")"; fi
+}
+# Test $1 failed: say so, with what the gateway logged while it ran (at most 100 lines).
+failed_test() {
+    FAILED+=("$1")
+    log "FAILED: $1"
+    log "the gateway's log while it ran:"
+    tail -n "+$((TEST_LOG_FROM + 1))" "$WORK/gateway.log" | head -n 100 >&2 || true
+}
 
 TESTS=("Swagger UI: authorize, fetch, ack" "Stream tickets: EventSource and WebSocket from another origin"
     "TypeScript worker library in the browser: consumes over ws with a stream ticket"
@@ -154,7 +166,10 @@ scrub=()
 while IFS= read -r name; do
     [[ "$name" == RUSTSTREAM_TEST_RUN ]] || scrub+=(-u "$name")
 done < <(compgen -e | grep -E '^(RUSTSTREAM|NATS)_' || true)
-env "${scrub[@]}" RUST_LOG=warn "$GATEWAY_BIN" --nats-url "nats://127.0.0.1:$NATS_PORT" --listen "127.0.0.1:$HTTP_PORT" \
+# Warnings, and each WebSocket session's end and each settle (a few per test): a failed test
+# prints the lines logged while it ran.
+GATEWAY_LOG_LEVELS="warn,ruststream_nats::http::ws=debug,ruststream_nats::gateway::consumer::settle=debug"
+env "${scrub[@]}" RUST_LOG="$GATEWAY_LOG_LEVELS" "$GATEWAY_BIN" --nats-url "nats://127.0.0.1:$NATS_PORT" --listen "127.0.0.1:$HTTP_PORT" \
     --create-stream --stream ORDERS --stream-subjects 'orders.>' --consumer browser \
     --auth-tokens "$TOKEN fetch,settle,publish;$ADMIN_TOKEN admin" --cors-allow-origin "http://127.0.0.1:$PAGE_PORT" \
     --dead-letter-subject dlq.orders \
@@ -186,8 +201,7 @@ if timeout --kill-after=10 120 node "$BROWSER_DIR/swagger-ui.mjs" "$BASE" "$TOKE
     PASSED+=("${TESTS[0]}")
     log "passed; screenshots of the executed requests: $(cd "$ROOT" && echo "${ARTEFACTS#"$ROOT"/}"/swagger-ui*.png)"
 else
-    FAILED+=("${TESTS[0]}")
-    log "FAILED: ${TESTS[0]}"
+    failed_test "${TESTS[0]}"
 fi
 
 step "${TESTS[1]}"
@@ -203,8 +217,7 @@ if timeout --kill-after=10 90 node "$BROWSER_DIR/stream-tickets.mjs" "$BASE" "$T
     PASSED+=("${TESTS[1]}")
     log "passed: ${TESTS[1]}"
 else
-    FAILED+=("${TESTS[1]}")
-    log "FAILED: ${TESTS[1]}"
+    failed_test "${TESTS[1]}"
 fi
 
 step "${TESTS[2]}"
@@ -216,8 +229,7 @@ if timeout --kill-after=10 90 node "$BROWSER_DIR/ruststream-worker.mjs" "$BASE" 
     PASSED+=("${TESTS[2]}")
     log "passed: ${TESTS[2]}"
 else
-    FAILED+=("${TESTS[2]}")
-    log "FAILED: ${TESTS[2]}"
+    failed_test "${TESTS[2]}"
 fi
 
 step "${TESTS[3]}"
@@ -229,6 +241,5 @@ if timeout --kill-after=10 120 node "$BROWSER_DIR/console.mjs" "$BASE" "$NATS_PO
     PASSED+=("${TESTS[3]}")
     log "passed: ${TESTS[3]}; screenshot ${ARTEFACTS#"$ROOT"/}/console.png (docs/console.png is a copy)"
 else
-    FAILED+=("${TESTS[3]}")
-    log "FAILED: ${TESTS[3]}"
+    failed_test "${TESTS[3]}"
 fi

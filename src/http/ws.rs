@@ -248,7 +248,8 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
     ));
     let mut ping = tokio::time::interval_at(Instant::now() + PING_EVERY, PING_EVERY);
     let mut heard = Instant::now();
-    loop {
+    // Why the session ended, for its last log line.
+    let ended: &str = loop {
         tokio::select! {
             next = to_write.recv() => {
                 // Every frame ready goes out in one write: a flush per frame cost a system
@@ -315,7 +316,9 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
                 // sent goes back.
                 match tokio::time::timeout_at(heard + SILENT_AT_MOST, write).await {
                     Ok(Written::Flushed) => {}
-                    Ok(Written::Closed | Written::Failed) | Err(_) => break,
+                    Ok(Written::Closed) => break "closed by the gateway",
+                    Ok(Written::Failed) => break "a write failed",
+                    Err(_) => break "a write outlasted the silence limit",
                 }
             }
             incoming = source.next() => {
@@ -324,7 +327,7 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
                     Some(Ok(Message::Text(text))) => {
                         if text.len() > session.max_frame {
                             let _ = sink.send(close(close_code::SIZE, "frame over --max-body-bytes")).await;
-                            break;
+                            break "a frame over --max-body-bytes";
                         }
                         take_operation(
                             text.as_str(),
@@ -333,16 +336,17 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
                     }
                     Some(Ok(Message::Binary(_))) => {
                         let _ = sink.send(close(close_code::UNSUPPORTED, "text frames only")).await;
-                        break;
+                        break "a binary frame";
                     }
-                    Some(Ok(Message::Close(_))) | None => break,
+                    Some(Ok(Message::Close(_))) => break "closed by the client",
+                    None => break "the connection ended",
                     // RFC 6455: a violation ends the connection with the code that names it.
                     Some(Err(err)) => {
                         if let Some((code, reason)) = violation(err) {
                             let farewell = sink.send(close(code, reason));
                             let _ = tokio::time::timeout(FAREWELL_AT_MOST, farewell).await;
                         }
-                        break;
+                        break "a protocol violation or a read error";
                     }
                     // Pings are answered by the WebSocket library; a pong only says it is there.
                     Some(Ok(_)) => {}
@@ -352,16 +356,16 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
                 if heard.elapsed() > SILENT_AT_MOST {
                     let farewell = sink.send(close(close_code::AWAY, "no frame from the client for 45 s"));
                     let _ = tokio::time::timeout(FAREWELL_AT_MOST, farewell).await;
-                    break;
+                    break "the client was silent for 45 s";
                 }
                 let ping = sink.send(Message::Ping(Vec::new().into()));
                 match tokio::time::timeout_at(heard + SILENT_AT_MOST, ping).await {
                     Ok(Ok(())) => {}
-                    Ok(Err(_)) | Err(_) => break,
+                    Ok(Err(_)) | Err(_) => break "a ping could not be sent",
                 }
             }
         }
-    }
+    };
     // Gone: what the lease task holds unwritten, and the leases still waiting here to be
     // written, go back; written leases stay valid.
     leases.abort();
@@ -372,6 +376,11 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
             unwritten.push(*leased);
         }
     }
+    tracing::debug!(
+        ended,
+        given_back = unwritten.len(),
+        "WebSocket session ended"
+    );
     if !unwritten.is_empty() {
         session.consumer.give_back_unwritten(unwritten).await;
     }

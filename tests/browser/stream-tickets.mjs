@@ -1,13 +1,19 @@
 // A browser's streams, in a real headless Chromium (Debian's `chromium`, started by
 // playwright-core): a page of another origin (http://127.0.0.1:PAGE_PORT, served by this
 // script) asks the gateway for a stream ticket with its
-// bearer token (a CORS request, preflighted), opens an EventSource with the ticket, takes one
-// lease and acks it over HTTP (204); then publishes a second message, opens a WebSocket with a
-// second ticket, takes one
-// lease and acks it in band (a `settled` frame with 204). The page's own problems and any
-// request to anywhere but the gateway and the page fail the test.
+// bearer token (a CORS request, preflighted), opens an EventSource with the ticket and takes one
+// lease; then publishes a second message, opens a WebSocket with a second ticket, takes one
+// lease and acks it in band (a `settled` frame with 204), and acks the EventSource's lease over
+// HTTP (204). The page's own problems and any request to anywhere but the gateway and the page
+// fail the test.
 //
 //     node stream-tickets.mjs BASE TOKEN PAGE_PORT PROFILE_DIR
+//
+// The EventSource's lease is acked only once the WebSocket's is settled: acked before, it
+// would free the EventSource's credit while the gateway may not yet have seen that stream
+// closed (the browser's close and the ack leave at the same moment, in either order), and the
+// second message could be leased to the closed stream, written into its dying connection and
+// held for ack_wait. Held at 1 live lease, that stream can take nothing.
 //
 // BASE: the gateway (http://127.0.0.1:PORT), started with --cors-allow-origin
 // http://127.0.0.1:PAGE_PORT and with two messages waiting; TOKEN: a token with the fetch and settle
@@ -70,7 +76,7 @@ try {
                 if (answer.status !== 200) throw new Error(`POST /stream-tickets: ${answer.status} ${await answer.text()}`);
                 return answer.json();
             };
-            // EventSource: a lease, acked over HTTP.
+            // EventSource: a lease, acked over HTTP once the WebSocket's is settled.
             const first = await newTicket();
             const source = new EventSource(`${base}${first.events}&encoding=utf8&max_in_flight=1`);
             const lease = await within(
@@ -81,31 +87,44 @@ try {
                 "lease over the EventSource",
             );
             source.close();
-            const acked = await fetch(`${base}/messages/${lease.id}/ack`, { method: "POST", headers: auth });
-            // The second message only now: published while the EventSource was open, it could
-            // be leased to that stream in the moment between the close and the gateway seeing
-            // it (its ack freed the stream's credit), and then be held for ack_wait.
+            // The second message only now: published while the EventSource was open, it would
+            // be its stream's to lease if its credit allowed (it does not: its lease is live).
             const published = await fetch(`${base}/publish`, {
                 method: "POST",
                 headers: { ...auth, "Content-Type": "application/json" },
                 body: JSON.stringify({ subject: "orders.browser", data: "streamed 2" }),
             });
             if (published.status !== 201) throw new Error(`POST /publish: ${published.status} ${await published.text()}`);
-            // WebSocket: a lease, acked in band.
+            // WebSocket: a lease, acked in band. What happened on the socket, with times, is
+            // kept for the error should no `settled` frame come.
             const second = await newTicket();
+            const opened = Date.now();
+            const seen = [];
+            const saw = (what) => seen.push(`${Date.now() - opened}ms ${what}`);
             const socket = new WebSocket(`${base.replace(/^http/, "ws")}${second.ws}&encoding=utf8`);
             const settled = await within(
                 new Promise((resolve, reject) => {
-                    socket.onerror = () => reject(new Error("the WebSocket failed"));
+                    const failed = (why) => reject(new Error(why));
+                    socket.onopen = () => saw("open");
+                    socket.onerror = () => failed("the WebSocket failed");
+                    socket.onclose = (event) => failed(`the WebSocket closed (${event.code} ${event.reason})`);
                     socket.onmessage = (event) => {
                         const frame = JSON.parse(event.data);
-                        if (frame.type === "message") socket.send(JSON.stringify({ op: "ack", ids: [frame.id] }));
+                        saw(`${frame.type} frame${frame.type === "message" ? ` (stream_sequence ${frame.stream_sequence})` : ""}`);
+                        if (frame.type === "message") {
+                            socket.send(JSON.stringify({ op: "ack", ids: [frame.id] }));
+                            saw("ack sent");
+                        }
                         if (frame.type === "settled") resolve({ frame, data: frame.results[0].id });
                     };
                 }),
                 "settled frame over the WebSocket",
-            );
+            ).catch((error) => {
+                throw new Error(`${error.message}; on the socket: ${seen.join(", ") || "nothing"}`);
+            });
+            socket.onclose = null;
             socket.close();
+            const acked = await fetch(`${base}/messages/${lease.id}/ack`, { method: "POST", headers: auth });
             return { sse: { data: lease.data, ackStatus: acked.status }, ws: settled.frame };
         },
         { base, token, stepMs: STEP_MS },
