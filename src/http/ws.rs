@@ -367,8 +367,12 @@ async fn session(gateway: Arc<Gateway>, socket: WebSocket, mut session: Session)
         }
     };
     // Gone: what the lease task holds unwritten, and the leases still waiting here to be
-    // written, go back; written leases stay valid.
+    // written, go back; written leases stay valid. The task is stopped before the queue is
+    // emptied: an abort takes effect at its next await, and a task in the middle of a step on
+    // another thread still sends the lease it just took (into a slot reserved before the
+    // close), which a queue emptied earlier would strand until it expired.
     leases.abort();
+    let _ = leases.await;
     to_write.close();
     let mut unwritten = Vec::new();
     while let Ok(waiting) = to_write.try_recv() {

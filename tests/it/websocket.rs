@@ -440,6 +440,60 @@ async fn frames_batch_puts_the_leases_ready_together_in_one_frame() {
 }
 
 /// How many ids a `settled` frame answers, each of them acked (204).
+/// A client that closes while leases flow: every lease it was sent it can read and give back,
+/// and the gateway gives back the rest — none is left in flight until its expiry. (The lease
+/// task could still be mid-step on the other worker thread when the session emptied its
+/// queue: the lease it sent then was stranded for `ack_wait`, about once in 30 benchmark runs.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_closes_while_leases_flow_leaves_none_stranded() {
+    use crate::support::client::Action;
+    use futures::StreamExt as _;
+    let (_server, js, gateway) = Setup::consumer("ws-close-mid")
+        .ack_wait("30s")
+        .start()
+        .await;
+    js.publish_many("orders.1", 2000, "ws").await;
+    for round in 0..100 {
+        let mut socket = open_socket(&gateway, "?max_in_flight=1000").await;
+        let mut sent = Vec::new();
+        // Closed after a few leases, a different number each round: the stream is still
+        // leasing its first slices (its credit is far from spent) when the client goes.
+        while sent.len() < 1 + round % 25 {
+            let lease = frame_of(&mut socket, "message", Duration::from_secs(5))
+                .await
+                .unwrap_or_else(|| panic!("round {round}: a lease"));
+            sent.push(lease["id"].clone());
+        }
+        socket.send(Message::Close(None)).await.expect("close");
+        // Whatever the gateway wrote before it saw the close is still read.
+        while let Ok(Some(Ok(frame))) =
+            tokio::time::timeout(Duration::from_secs(3), socket.next()).await
+        {
+            if let Message::Text(text) = frame {
+                let frame: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+                if frame["type"] == "message" {
+                    sent.push(frame["id"].clone());
+                }
+            }
+        }
+        for ids in sent.chunks(1000) {
+            let results = gateway
+                .settle_many_ok(Action::Nak, &json!({ "ids": ids }))
+                .await;
+            assert!(
+                results.iter().all(|(_, status)| *status == 204),
+                "round {round}: {results:?}"
+            );
+        }
+        crate::support::wait_until(
+            &format!("round {round}: no lease in flight once the client gave back all it was sent"),
+            Duration::from_secs(5),
+            || async { gateway.leases_in_flight().await == 0 },
+        )
+        .await;
+    }
+}
+
 fn all_acked(frame: &serde_json::Value) -> usize {
     let results = frame["results"].as_array().expect("results");
     assert!(
