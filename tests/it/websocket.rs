@@ -439,7 +439,6 @@ async fn frames_batch_puts_the_leases_ready_together_in_one_frame() {
     );
 }
 
-/// How many ids a `settled` frame answers, each of them acked (204).
 /// A client that closes while leases flow: every lease it was sent it can read and give back,
 /// and the gateway gives back the rest — none is left in flight until its expiry. (The lease
 /// task could still be mid-step on the other worker thread when the session emptied its
@@ -494,6 +493,7 @@ async fn a_client_that_closes_while_leases_flow_leaves_none_stranded() {
     }
 }
 
+/// How many ids a `settled` frame answers, each of them acked (204).
 fn all_acked(frame: &serde_json::Value) -> usize {
     let results = frame["results"].as_array().expect("results");
     assert!(

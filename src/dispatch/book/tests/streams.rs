@@ -3,14 +3,19 @@
 
 use super::*;
 
+/// An ordinary (not patient) stream's demand for `batch`, its credit the same.
+fn stream_demand(stream: u64, batch: usize) -> Demand {
+    Demand {
+        stream: Some(stream),
+        ..demand(batch, 10_000)
+    }
+}
+
 #[test]
 fn a_streams_pull_stays_open_and_its_next_demand_takes_it_over() {
     let now = Instant::now();
     let mut book = Book::<()>::new();
-    let stream = |batch| Demand {
-        stream: Some(42),
-        ..demand(batch, 10_000)
-    };
+    let stream = |batch| stream_demand(42, batch);
     let (_answered, pull_id) = waiting(&mut book, stream(10), now);
     assert!(
         book.pulls[&pull_id].stream == Some(42),
@@ -30,15 +35,7 @@ fn a_streams_pull_stays_open_and_its_next_demand_takes_it_over() {
 
     // Another stream's demand opens a pull of its own; the same stream's takes this one.
     let (other, _) = oneshot::channel();
-    book.enqueue(
-        2,
-        Demand {
-            stream: Some(7),
-            ..demand(5, 10_000)
-        },
-        other,
-        now,
-    );
+    book.enqueue(2, stream_demand(7, 5), other, now);
     let (next, _) = oneshot::channel();
     book.enqueue(3, stream(9), next, now);
     let planned = book.plan_pulls(now, 1000, LIMITS);
@@ -129,15 +126,7 @@ fn an_idle_push_workers_pull_waits_a_minute_is_never_kept_open_and_ends_with_its
 
     // Another stream's pull stays; this stream's ends with it, and at shutdown every patient one.
     let (other, _) = oneshot::channel();
-    book.enqueue(
-        2,
-        Demand {
-            stream: Some(7),
-            ..demand(5, 10_000)
-        },
-        other,
-        now,
-    );
+    book.enqueue(2, stream_demand(7, 5), other, now);
     let plan = book.plan_pulls(now, 1000, LIMITS)[0];
     let other_pull = book.next_pull_id();
     book.pull_opened(plan, other_pull, ());
