@@ -520,6 +520,18 @@ impl Client {
         self.post(&format!("/messages/{action}"), Some(body)).await
     }
 
+    /// Batch settle of `ids` expecting 200 and every id answered 204; `what` names the step
+    /// in a failure.
+    pub async fn settle_many_all_204(&self, action: Action, ids: &Value, what: &str) {
+        let results = self
+            .settle_many_ok(action, &serde_json::json!({ "ids": ids }))
+            .await;
+        assert!(
+            results.iter().all(|(_, status)| *status == 204),
+            "{what}: POST /messages/{action}: {results:?}"
+        );
+    }
+
     /// Batch settle expecting 200; returns `(id, status)` per result, in answer order.
     pub async fn settle_many_ok(&self, action: Action, body: &Value) -> Vec<(String, u16)> {
         let reply = self.settle_many(action, body).await;
