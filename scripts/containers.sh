@@ -2,7 +2,7 @@
 # Static checks of the container files (no Docker engine needed, none runs in CI):
 # `docker-compose config` parses docker-compose.yml and checks it against the Compose schema.
 # What the files mean (flags the gateway has, HEALTHCHECK, non-root USER, the stream job) is
-# checked by tests/it/containers.rs.
+# checked by tests/it/containers/.
 #
 # docker-compose comes from Debian's `docker-compose` package; in CI (CI=true) it is installed
 # when missing, and CI fails when it cannot be. Elsewhere a missing docker-compose skips the
