@@ -16,7 +16,9 @@ use anyhow::{Context as _, anyhow, ensure};
 use async_nats::jetstream::{self, consumer, stream};
 use tokio::time::Instant;
 
-use super::{GatewayChild, gateway_binary, http_client, nats, server_version, status_kb};
+use super::nats;
+use super::process_stats::status_kb;
+use super::support::{GatewayChild, gateway_binary, http_client, server_version};
 
 /// What `--consumers` was asked for.
 pub(crate) struct Scale {
@@ -30,7 +32,7 @@ pub(crate) struct Scale {
 const DRAIN_CLIENTS: usize = 8;
 const DRAIN_BATCH: u32 = 100;
 
-pub(crate) async fn run(scale: Scale, args: &super::Args) -> anyhow::Result<()> {
+pub(crate) async fn run(scale: Scale, args: &super::args::Args) -> anyhow::Result<()> {
     let monitor = nats::free_port();
     let server = nats::NatsServer::with_config(&format!("http: \"127.0.0.1:{monitor}\"")).await;
     let version = server_version(&nats::nats_server_binary())?;

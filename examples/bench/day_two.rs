@@ -15,7 +15,9 @@ use futures::StreamExt as _;
 use ruststream_nats::dead_letter::headers;
 use tokio::time::Instant;
 
-use super::{GatewayChild, gateway_binary, http_client, nats, percentile, server_version};
+use super::nats;
+use super::stats::percentile;
+use super::support::{GatewayChild, gateway_binary, http_client, server_version};
 
 const TARGET: &str = "DAYTWO";
 const GATEWAY_DLQ: &str = "DLQ";
@@ -51,7 +53,7 @@ async fn write(js: &jetstream::Context, subject: &str, count: u64) -> anyhow::Re
     Ok(())
 }
 
-pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
+pub(crate) async fn run(args: &super::args::Args) -> anyhow::Result<()> {
     let server = nats::NatsServer::start().await;
     let version = server_version(&nats::nats_server_binary())?;
     let client = async_nats::ConnectOptions::new()
@@ -102,7 +104,7 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
             let page: serde_json::Value = response.json().await?;
             let elapsed = started.elapsed();
             ensure!(page["dead_letters"].as_array().map(Vec::len) == Some(1000));
-            samples.push(super::micros(elapsed));
+            samples.push(super::stats::micros(elapsed));
         }
         println!(
             "| list 1 000 of {count}, {order} first | p50 {:.1} ms, p99 {:.1} ms ({} requests) |",

@@ -21,7 +21,8 @@ use async_nats::jetstream::{self, stream};
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use super::{GatewayChild, gateway_binary, http_client, nats, server_version};
+use super::nats;
+use super::support::{GatewayChild, gateway_binary, http_client, server_version};
 
 const ORDERED: &str = "ORDERED";
 const KEYS: u64 = 1_000;
@@ -59,7 +60,7 @@ struct Drained {
     ledger: Vec<Entry>,
 }
 
-pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
+pub(crate) async fn run(args: &super::args::Args) -> anyhow::Result<()> {
     let server = nats::NatsServer::start().await;
     let version = server_version(&nats::nats_server_binary())?;
     let count = args.messages;
@@ -291,7 +292,7 @@ fn check_ledger(ledger: &[Entry]) -> anyhow::Result<()> {
 /// default). The row: order
 /// violations and overlapping leases of a key among the acks answered 204, and messages
 /// the server does not count acked at the end (lost).
-pub(crate) async fn ledger(args: &super::Args) -> anyhow::Result<()> {
+pub(crate) async fn ledger(args: &super::args::Args) -> anyhow::Result<()> {
     let dir = tempfile::Builder::new()
         .prefix("bench-ordering-ledger-")
         .tempdir()?;

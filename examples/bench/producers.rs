@@ -21,9 +21,10 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use tokio::time::Instant;
 
-use super::{
-    GatewayChild, gateway_binary, http_client, nats, percentile, server_version, status_kb,
-};
+use super::nats;
+use super::process_stats::status_kb;
+use super::stats::percentile;
+use super::support::{GatewayChild, gateway_binary, http_client, server_version};
 
 const STREAM: &str = "PROD";
 const BATCH: usize = 100;
@@ -31,7 +32,7 @@ const BATCH_CLIENTS: usize = 4;
 const SINGLE_CLIENTS: usize = 8;
 const PAYLOAD: usize = 256;
 
-pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
+pub(crate) async fn run(args: &super::args::Args) -> anyhow::Result<()> {
     let server = nats::NatsServer::start().await;
     let version = server_version(&nats::nats_server_binary())?;
     let client = async_nats::ConnectOptions::new()
@@ -146,9 +147,9 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
             } else {
                 "POST /publish/batch"
             },
-            super::median(gateway_rates).unwrap_or_default(),
-            super::median(native_rates).unwrap_or_default(),
-            super::median(ratios).unwrap_or_default(),
+            super::stats::median(gateway_rates).unwrap_or_default(),
+            super::stats::median(native_rates).unwrap_or_default(),
+            super::stats::median(ratios).unwrap_or_default(),
             args.rounds
         );
     }
@@ -302,7 +303,7 @@ struct AtomicAnswer {
 /// `--schedules` one-shot schedules due over 20 s: how late each fired, and the gateway's
 /// memory.
 async fn schedules(
-    args: &super::Args,
+    args: &super::args::Args,
     js: &jetstream::Context,
     gateway: &GatewayChild,
     http: &reqwest::Client,

@@ -33,9 +33,10 @@ use base64::engine::general_purpose::STANDARD;
 use futures::StreamExt as _;
 use tokio::time::Instant;
 
-use super::{
-    AbortOnDrop, GatewayChild, PushRow, gateway_binary, http_client, median, nats, server_version,
-};
+use super::args::PushRow;
+use super::nats;
+use super::stats::median;
+use super::support::{AbortOnDrop, GatewayChild, gateway_binary, http_client, server_version};
 
 const STREAM: &str = "PUSHB";
 const IN_FLIGHT: usize = 64;
@@ -169,7 +170,7 @@ fn webhook_headers(first: Option<&jetstream::Message>) -> reqwest::header::Heade
 /// A gateway serving only the consumer of `entry` (the lines of one `[[consumer]]` of
 /// stream STREAM after `stream = …`), and the directory of its consumers file and log.
 async fn pushing(
-    args: &super::Args,
+    args: &super::args::Args,
     nats_url: &str,
     entry: &str,
 ) -> anyhow::Result<(GatewayChild, tempfile::TempDir)> {
@@ -185,7 +186,7 @@ async fn pushing(
 /// A gateway serving the consumers of `entries` (a consumers file's text, on `stream`) and
 /// no default one, and the directory of its consumers file and log.
 pub(crate) async fn gateway_with(
-    args: &super::Args,
+    args: &super::args::Args,
     nats_url: &str,
     stream: &str,
     entries: &str,
@@ -278,7 +279,7 @@ async fn native(
 /// message is acked.
 #[allow(clippy::too_many_arguments)]
 async fn gateway(
-    args: &super::Args,
+    args: &super::args::Args,
     js: &jetstream::Context,
     nats_url: &str,
     name: &str,
@@ -300,7 +301,7 @@ async fn gateway(
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
     let started = Instant::now();
-    let cpu_before = super::cpu_seconds(gateway.pid).unwrap_or_default();
+    let cpu_before = super::process_stats::cpu_seconds(gateway.pid).unwrap_or_default();
     let stream = js.get_stream(STREAM).await?;
     // The server is asked only once every message arrived: a question to it every 2 ms
     // while the push runs would cost the server (so the gateway) what the native side
@@ -327,12 +328,12 @@ async fn gateway(
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let took = started.elapsed();
-    let cpu = super::cpu_seconds(gateway.pid).unwrap_or_default() - cpu_before;
+    let cpu = super::process_stats::cpu_seconds(gateway.pid).unwrap_or_default() - cpu_before;
     gateway.stop().await?;
     Ok((took, cpu))
 }
 
-pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
+pub(crate) async fn run(args: &super::args::Args) -> anyhow::Result<()> {
     let wants = |row: PushRow| args.push_rows.is_empty() || args.push_rows.contains(&row);
     let monitor_port = nats::free_port();
     let server =
@@ -370,7 +371,7 @@ pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
 
 /// Batch 1 and 100, the gateway against the native forwarder, round by round.
 async fn throughput(
-    args: &super::Args,
+    args: &super::args::Args,
     js: &jetstream::Context,
     server: &nats::NatsServer,
     url: &str,
@@ -381,7 +382,7 @@ async fn throughput(
     let server_cpu = || {
         server
             .pid()
-            .and_then(super::cpu_seconds)
+            .and_then(super::process_stats::cpu_seconds)
             .unwrap_or_default()
     };
     let http = http_client()?;
@@ -389,7 +390,7 @@ async fn throughput(
     let mut acks = Vec::new();
     for _ in 0..args.messages {
         acks.push(js.publish("pushb.msg", payload.clone()).await?);
-        if acks.len() == super::PUBLISH_CHUNK {
+        if acks.len() == super::support::PUBLISH_CHUNK {
             for ack in acks.drain(..) {
                 ack.await?;
             }
@@ -403,7 +404,8 @@ async fn throughput(
     for round in 0..args.rounds {
         for (at, batch) in [1usize, 100].into_iter().enumerate() {
             let counted = super::push_pacing::server_messages(&http, monitor).await?;
-            let own_cpu = || super::cpu_seconds(std::process::id()).unwrap_or_default();
+            let own_cpu =
+                || super::process_stats::cpu_seconds(std::process::id()).unwrap_or_default();
             let cpu_before = own_cpu();
             let server_before = server_cpu();
             let native = native(
@@ -471,7 +473,7 @@ async fn throughput(
 
 /// Publish → request received, one message a millisecond.
 async fn latency(
-    args: &super::Args,
+    args: &super::args::Args,
     js: &jetstream::Context,
     nats_url: &str,
     url: &str,

@@ -21,7 +21,9 @@ use async_nats::jetstream::{self, consumer, stream};
 use axum::response::IntoResponse as _;
 use tokio::time::Instant;
 
-use super::{AbortOnDrop, GatewayChild, gateway_binary, http_client, nats, status_kb};
+use super::nats;
+use super::process_stats::status_kb;
+use super::support::{AbortOnDrop, GatewayChild, gateway_binary, http_client};
 
 const STREAM: &str = "PACING";
 /// Push consumers of the idle row.
@@ -103,14 +105,14 @@ async fn limited_endpoint(capacity: Arc<Capacity>) -> anyhow::Result<(String, Ab
 
 /// A gateway serving the consumers of `entries` (a consumers file's text) and no default one.
 async fn gateway_with(
-    args: &super::Args,
+    args: &super::args::Args,
     nats_url: &str,
     entries: &str,
 ) -> anyhow::Result<(GatewayChild, tempfile::TempDir)> {
     super::push::gateway_with(args, nats_url, STREAM, entries).await
 }
 
-pub(crate) async fn overload(args: &super::Args, nats_url: &str) -> anyhow::Result<()> {
+pub(crate) async fn overload(args: &super::args::Args, nats_url: &str) -> anyhow::Result<()> {
     let client = async_nats::connect(nats_url).await?;
     let js = jetstream::new(client);
     js.create_stream(stream::Config {
@@ -125,7 +127,7 @@ pub(crate) async fn overload(args: &super::Args, nats_url: &str) -> anyhow::Resu
     let mut acks = Vec::new();
     for _ in 0..backlog {
         acks.push(js.publish("pacing.load", payload.clone()).await?);
-        if acks.len() == super::PUBLISH_CHUNK {
+        if acks.len() == super::support::PUBLISH_CHUNK {
             for ack in acks.drain(..) {
                 ack.await?;
             }
@@ -236,7 +238,7 @@ async fn idle_cost(
     Ok(((after - before) as f64 / idle.as_secs_f64(), rss_mb))
 }
 
-pub(crate) async fn idle(args: &super::Args) -> anyhow::Result<()> {
+pub(crate) async fn idle(args: &super::args::Args) -> anyhow::Result<()> {
     let monitor_port = nats::free_port();
     let server =
         nats::NatsServer::with_config(&format!("http: \"127.0.0.1:{monitor_port}\"")).await;

@@ -12,7 +12,9 @@ use async_nats::jetstream::{self, stream};
 use futures::TryStreamExt as _;
 use tokio::time::Instant;
 
-use super::{GatewayChild, gateway_binary, http_client, median, nats, server_version};
+use super::nats;
+use super::stats::median;
+use super::support::{GatewayChild, gateway_binary, http_client, server_version};
 
 const STREAM: &str = "LOAD";
 const LOADED: &str = "loaded";
@@ -20,7 +22,7 @@ const EMPTY: &str = "empty";
 /// Settles per record, as a batch settle of 1 000 ids writes them.
 const PER_RECORD: u64 = 1_000;
 
-pub(crate) async fn run(args: &super::Args) -> anyhow::Result<()> {
+pub(crate) async fn run(args: &super::args::Args) -> anyhow::Result<()> {
     let server = nats::NatsServer::start().await;
     let version = server_version(&nats::nats_server_binary())?;
     let client = async_nats::ConnectOptions::new()
