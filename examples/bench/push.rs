@@ -36,7 +36,7 @@ use tokio::time::Instant;
 use super::args::PushRow;
 use super::nats;
 use super::stats::median;
-use super::support::{AbortOnDrop, GatewayChild, gateway_binary, http_client, server_version};
+use super::support::{AbortOnDrop, GatewayChild, gateway_with, http_client, server_version};
 
 const STREAM: &str = "PUSHB";
 const IN_FLIGHT: usize = 64;
@@ -181,34 +181,6 @@ async fn pushing(
         &format!("[[consumer]]\nstream = \"{STREAM}\"\n{entry}"),
     )
     .await
-}
-
-/// A gateway serving the consumers of `entries` (a consumers file's text, on `stream`) and
-/// no default one, and the directory of its consumers file and log.
-pub(crate) async fn gateway_with(
-    args: &super::args::Args,
-    nats_url: &str,
-    stream: &str,
-    entries: &str,
-) -> anyhow::Result<(GatewayChild, tempfile::TempDir)> {
-    let dir = tempfile::Builder::new().prefix("bench-push-").tempdir()?;
-    let file = dir.path().join("consumers.toml");
-    std::fs::write(&file, entries)?;
-    let gateway = GatewayChild::start_on(
-        &gateway_binary(args)?,
-        nats_url,
-        (stream, "unused"),
-        &[
-            "--no-default-consumer".into(),
-            "--consumers-file".into(),
-            file.display().to_string(),
-        ],
-        &args.gateway_env,
-        dir.path().join("gateway.log"),
-        &http_client()?,
-    )
-    .await?;
-    Ok((gateway, dir))
 }
 
 /// The native forwarder: fetch, POST (one message or a chunk of up to `batch`), confirmed ack.

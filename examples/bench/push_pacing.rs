@@ -109,7 +109,7 @@ async fn gateway_with(
     nats_url: &str,
     entries: &str,
 ) -> anyhow::Result<(GatewayChild, tempfile::TempDir)> {
-    super::push::gateway_with(args, nats_url, STREAM, entries).await
+    super::support::gateway_with(args, nats_url, STREAM, entries).await
 }
 
 pub(crate) async fn overload(args: &super::args::Args, nats_url: &str) -> anyhow::Result<()> {
