@@ -222,3 +222,52 @@ async fn a_seek_past_the_end_is_refused_naming_the_last_sequence_and_to_the_end_
     js.publish("orders.1", "after the end").await;
     assert_eq!(fetch_all_and_ack(&gateway, 1).await, vec![15]);
 }
+
+/// A replica's compactor reads the consumer's ack floor, another replica moves the consumer
+/// back (forgetting every record), then the first writes its floor record: a floor of the
+/// consumer before the move, which would settle the whole replay unseen. Written here by
+/// hand after the move, with the mark the consumer had before it; a gateway started then
+/// reads every record before it leases, and must not believe that one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_floor_record_written_across_a_seek_by_another_replica_is_not_believed() {
+    let consumer = "floor-across-seek";
+    let (server, js) = crate::support::server_with_stream().await;
+    let setup = Setup::consumer(consumer);
+    let mut gateway = setup.process(&server.url()).await;
+    let sequences = js.publish_many("orders.1", 10, "m").await;
+    assert_eq!(fetch_all_and_ack(&gateway, 10).await, sequences);
+    let last = *sequences.last().expect("ten sequences");
+    let published_by = js
+        .js
+        .get_stream(STREAM)
+        .await
+        .expect("stream")
+        .get_raw_message(last)
+        .await
+        .expect("the last message")
+        .time
+        .unix_timestamp_nanos();
+    let reply = gateway
+        .post(
+            &seek_path(consumer),
+            Some(&json!({"position": "beginning"})),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    gateway.kill9();
+    let stale = json!({
+        "consumer": consumer,
+        "settled": [],
+        "floor": {"seq": last, "published_by_ns": published_by, "mark": ""},
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Ruststream-Writer", "00000000000000ff");
+    js.publish_with_headers(
+        &format!("_RUSTSTREAM.settled.{STREAM}.{consumer}"),
+        headers,
+        stale.to_string(),
+    )
+    .await;
+    gateway.restart().await;
+    assert_eq!(fetch_all_and_ack(&gateway, 10).await, sequences);
+}
