@@ -31,7 +31,6 @@ use anyhow::Context as _;
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer, stream};
 use futures::{Stream, StreamExt as _};
-use tracing::debug;
 
 use crate::domain::finals::{FleetFloor, MessageKey};
 use crate::domain::seal::Kind;
@@ -204,15 +203,10 @@ impl Records {
         Ok(())
     }
 
-    /// Store a floor record: every message under `floor` ended, as read under the consumer's
-    /// seek `mark` (`None`: it was never moved); `Ok` with its sequence in the records
-    /// stream. Every gateway writing the same floor under the same mark writes one record
-    /// (the same msg id).
-    pub(crate) async fn store_floor(
-        &self,
-        floor: FleetFloor,
-        mark: Option<&str>,
-    ) -> anyhow::Result<u64> {
+    /// Store a floor record: every message under `floor` ended; `Ok` with its sequence in
+    /// the records stream. Every gateway writing the same floor writes one record (the same
+    /// msg id).
+    pub(crate) async fn store_floor(&self, floor: FleetFloor) -> anyhow::Result<u64> {
         let record = RecordWire {
             consumer: &self.consumer,
             settled: Vec::new(),
@@ -220,15 +214,9 @@ impl Records {
             floor: Some(FloorWire {
                 seq: floor.stream_sequence,
                 published_by_ns: floor.published_by_unix_nanos,
-                mark: Some(mark.unwrap_or_default().to_owned()),
             }),
         };
-        // After a move the replay may reach the same floor again within the duplicate
-        // window: its record is a new one, not a duplicate of the one the move forgot.
-        let msg_id = match mark {
-            None => format!("floor-{}", floor.stream_sequence),
-            Some(mark) => format!("floor-{}@{mark}", floor.stream_sequence),
-        };
+        let msg_id = format!("floor-{}", floor.stream_sequence);
         self.write(&record, Some(&msg_id), floor.stream_sequence, API_TIMEOUT)
             .await
     }
@@ -270,55 +258,23 @@ impl Records {
     }
 
     /// The consumer's ack floor now, as a floor record would say it (`None`: nothing acked
-    /// yet, or the server does not say when), and its seek mark read with it.
-    pub(crate) async fn consumer_floor(
-        &self,
-    ) -> anyhow::Result<(Option<FleetFloor>, Option<String>)> {
-        let info = self.consumer_info().await?;
+    /// yet, or the server does not say when).
+    pub(crate) async fn consumer_floor(&self) -> anyhow::Result<Option<FleetFloor>> {
+        let info = tokio::time::timeout(API_TIMEOUT, self.consumed.consumer_info(&self.consumer))
+            .await
+            .context("timed out reading the consumer's ack floor")?
+            .context("reading the consumer's ack floor")?;
         let floor = &info.ack_floor;
         // Every message under the floor was acked by its last activity, so published
         // before it (both on the server's clock).
-        let floor = floor
+        Ok(floor
             .last_active
             .filter(|_| floor.stream_sequence > 0)
             .map(|acked_by| FleetFloor {
                 stream_sequence: floor.stream_sequence,
                 published_by_unix_nanos: i64::try_from(acked_by.unix_timestamp_nanos())
                     .unwrap_or(i64::MAX),
-            });
-        Ok((floor, super::seek::mark_of(&info).map(str::to_owned)))
-    }
-
-    /// The consumer's seek mark now (`None`: it was never moved).
-    pub(crate) async fn seek_mark(&self) -> anyhow::Result<Option<String>> {
-        let info = self.consumer_info().await?;
-        Ok(super::seek::mark_of(&info).map(str::to_owned))
-    }
-
-    /// Whether to believe a floor record written under the seek mark `written_under`. One
-    /// whose mark is not the consumer's now had its floor read before a move at another
-    /// replica (which forgot every record before it) and was written after the move: it
-    /// speaks of the consumer before, and would settle the replay unseen. A floor record of
-    /// a release before marks (`None`) is believed, as it always was; so is one whose mark
-    /// cannot be looked at now.
-    pub(crate) async fn floor_believed(&self, written_under: Option<&str>) -> bool {
-        let Some(written_under) = written_under else {
-            return true;
-        };
-        match self.seek_mark().await {
-            Ok(now) => now.as_deref().unwrap_or_default() == written_under,
-            Err(err) => {
-                debug!(error = %format!("{err:#}"), "cannot read the consumer's seek mark; a floor record is believed unchecked");
-                true
-            }
-        }
-    }
-
-    async fn consumer_info(&self) -> anyhow::Result<consumer::Info> {
-        tokio::time::timeout(API_TIMEOUT, self.consumed.consumer_info(&self.consumer))
-            .await
-            .context("timed out reading the consumer's state")?
-            .context("reading the consumer's state")
+            }))
     }
 
     /// Drop the consumer's records stored before the records stream's sequence `keep_from`

@@ -147,16 +147,10 @@ impl Compactor {
         // A seek waits: a floor read before it must not be written after it.
         let _still = state.hold_still().await;
         let asked_on = self.seen().connection;
-        let (floor, mark) = records.consumer_floor().await?;
+        let floor = records.consumer_floor().await?;
         let plan = self.plan(floor, asked_on, asked_at, state.fleet_floor(), last_read);
         if let Some(floor) = plan.store {
-            let stored_at = records.store_floor(floor, mark.as_deref()).await?;
-            if records.seek_mark().await? != mark {
-                // Moved at another replica since the floor was read: that move forgot every
-                // record before it, and this one, of the consumer before the move, is
-                // believed nowhere (see `Records::floor_believed`); nothing is dropped for it.
-                return Ok(());
-            }
+            let stored_at = records.store_floor(floor).await?;
             state.raise_fleet_floor(floor);
             self.stored_floor(floor.stream_sequence, stored_at);
         }

@@ -432,20 +432,12 @@ async fn follow(
                 }
                 next = reader.next() => match next {
                     Some(Ok((sequence, opened))) => {
-                        let floor = match opened.floor {
-                            Some(floor) if records.floor_believed(opened.floor_mark.as_deref()).await => Some(floor),
-                            Some(_) => {
-                                debug!(sequence, "a floor record written across a move at another replica is not believed");
-                                None
-                            }
-                            None => None,
-                        };
                         compactor.read(
                             sequence,
                             opened.max_sequence,
-                            floor.map(|floor| floor.stream_sequence),
+                            opened.floor.map(|floor| floor.stream_sequence),
                         );
-                        if let Some(floor) = floor {
+                        if let Some(floor) = opened.floor {
                             state.raise_fleet_floor(floor);
                         }
                         if !opened.ended.is_empty() || !opened.voided.is_empty() {
