@@ -34,6 +34,7 @@ pub(crate) mod redrive;
 pub(crate) mod replicas;
 pub(crate) mod schedules;
 pub(crate) mod seek;
+pub(crate) mod seek_mark;
 pub(crate) mod settle;
 pub(crate) mod settled;
 pub(crate) mod trust;

@@ -14,11 +14,9 @@ use serde_json::{Value, json};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
+use super::seek_mark::SEEK_MARK;
 use super::{API_TIMEOUT, Bound};
 
-/// The consumer metadata key a move leaves behind (its value is unique per move): a replica
-/// that sees it change knows the consumer was moved under it.
-pub(crate) const SEEK_MARK: &str = "ruststream_seek";
 /// The first nats-server release with the consumer reset.
 pub(crate) const RESET_SINCE: (u64, u64) = (2, 14);
 /// How long the consumer that counts messages from a sequence may outlive a crashed count.
@@ -149,16 +147,19 @@ pub(crate) async fn reset(bound: &Bound, stream: &str, sequence: u64) -> anyhow:
     Ok(())
 }
 
-/// Leave `mark` in the consumer's metadata (its config otherwise as the server has it).
+/// Leave `mark` in the consumer's metadata (its config otherwise as the server has it in
+/// `info`); `None`: the mark `info` has, put back (a move that failed half-way).
 pub(crate) async fn leave_mark(
     bound: &Bound,
     info: &consumer::Info,
-    mark: &str,
+    mark: Option<&str>,
 ) -> anyhow::Result<()> {
     let mut config = info.config.clone();
-    config
-        .metadata
-        .insert(SEEK_MARK.to_owned(), mark.to_owned());
+    if let Some(mark) = mark {
+        config
+            .metadata
+            .insert(SEEK_MARK.to_owned(), mark.to_owned());
+    }
     let request = json!({
         "stream_name": info.stream_name,
         "config": config,
@@ -180,11 +181,6 @@ pub(crate) async fn leave_mark(
         );
     }
     Ok(())
-}
-
-/// The mark of the last move, as the consumer's metadata has it.
-pub(crate) fn mark_of(info: &consumer::Info) -> Option<&str> {
-    info.config.metadata.get(SEEK_MARK).map(String::as_str)
 }
 
 async fn api(js: &jetstream::Context, subject: String, body: Value) -> anyhow::Result<Value> {

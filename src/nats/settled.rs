@@ -36,6 +36,7 @@ use crate::domain::finals::{FleetFloor, MessageKey};
 use crate::domain::seal::Kind;
 
 use super::API_TIMEOUT;
+use super::seek_mark;
 use super::trust::Trust;
 
 mod wire;
@@ -203,10 +204,15 @@ impl Records {
         Ok(())
     }
 
-    /// Store a floor record: every message under `floor` ended; `Ok` with its sequence in
-    /// the records stream. Every gateway writing the same floor writes one record (the same
-    /// msg id).
-    pub(crate) async fn store_floor(&self, floor: FleetFloor) -> anyhow::Result<u64> {
+    /// Store a floor record: every message under `floor` ended, as read under the consumer's
+    /// seek `mark` (`None`: it was never moved); `Ok` with its sequence in the records
+    /// stream. Every gateway writing the same floor under the same mark writes one record
+    /// (the same msg id).
+    pub(crate) async fn store_floor(
+        &self,
+        floor: FleetFloor,
+        mark: Option<&str>,
+    ) -> anyhow::Result<u64> {
         let record = RecordWire {
             consumer: &self.consumer,
             settled: Vec::new(),
@@ -214,9 +220,20 @@ impl Records {
             floor: Some(FloorWire {
                 seq: floor.stream_sequence,
                 published_by_ns: floor.published_by_unix_nanos,
+                mark: Some(mark.unwrap_or_default().to_owned()),
             }),
         };
-        let msg_id = format!("floor-{}", floor.stream_sequence);
+        // After a move the replay may reach the same floor again within the duplicate
+        // window: its record is a new one, not a duplicate of one the move forgot. The
+        // mark is hashed: anyone may set a consumer's metadata.
+        let msg_id = match mark {
+            None => format!("floor-{}", floor.stream_sequence),
+            Some(mark) => format!(
+                "floor-{}-{}",
+                floor.stream_sequence,
+                super::sha256_hex(mark.as_bytes(), 8)
+            ),
+        };
         self.write(&record, Some(&msg_id), floor.stream_sequence, API_TIMEOUT)
             .await
     }
@@ -258,23 +275,53 @@ impl Records {
     }
 
     /// The consumer's ack floor now, as a floor record would say it (`None`: nothing acked
-    /// yet, or the server does not say when).
-    pub(crate) async fn consumer_floor(&self) -> anyhow::Result<Option<FleetFloor>> {
-        let info = tokio::time::timeout(API_TIMEOUT, self.consumed.consumer_info(&self.consumer))
-            .await
-            .context("timed out reading the consumer's ack floor")?
-            .context("reading the consumer's ack floor")?;
+    /// yet, or the server does not say when), and its seek mark now.
+    pub(crate) async fn consumer_floor(
+        &self,
+    ) -> anyhow::Result<(Option<FleetFloor>, Option<String>)> {
+        let info = self.consumer_info().await?;
         let floor = &info.ack_floor;
         // Every message under the floor was acked by its last activity, so published
         // before it (both on the server's clock).
-        Ok(floor
+        let floor = floor
             .last_active
             .filter(|_| floor.stream_sequence > 0)
             .map(|acked_by| FleetFloor {
                 stream_sequence: floor.stream_sequence,
                 published_by_unix_nanos: i64::try_from(acked_by.unix_timestamp_nanos())
                     .unwrap_or(i64::MAX),
-            }))
+            });
+        Ok((floor, seek_mark::mark_of(&info).map(str::to_owned)))
+    }
+
+    /// The consumer's seek mark now (`None`: it was never moved, or made again since).
+    pub(crate) async fn seek_mark(&self) -> anyhow::Result<Option<String>> {
+        let info = self.consumer_info().await?;
+        Ok(seek_mark::mark_of(&info).map(str::to_owned))
+    }
+
+    /// Whether to believe a floor record written under the seek mark `written_under`
+    /// (`None`: by a release before marks, believed as it always was). One under another
+    /// mark than the consumer's now had its floor seen before a move at another replica
+    /// (which forgot every record before it) and was written after the move: it speaks of
+    /// the consumer before, and would settle the replay unseen. A consumer with no mark now
+    /// was never moved, or was made again (its metadata gone): what its records say of its
+    /// floor holds, whatever mark they were written under.
+    pub(crate) async fn floor_believed(&self, written_under: Option<&str>) -> anyhow::Result<bool> {
+        let Some(written_under) = written_under else {
+            return Ok(true);
+        };
+        Ok(self
+            .seek_mark()
+            .await?
+            .is_none_or(|now| now == written_under))
+    }
+
+    async fn consumer_info(&self) -> anyhow::Result<consumer::Info> {
+        tokio::time::timeout(API_TIMEOUT, self.consumed.consumer_info(&self.consumer))
+            .await
+            .context("timed out reading the consumer's state")?
+            .context("reading the consumer's state")
     }
 
     /// Drop the consumer's records stored before the records stream's sequence `keep_from`

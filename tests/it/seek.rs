@@ -222,3 +222,107 @@ async fn a_seek_past_the_end_is_refused_naming_the_last_sequence_and_to_the_end_
     js.publish("orders.1", "after the end").await;
     assert_eq!(fetch_all_and_ack(&gateway, 1).await, vec![15]);
 }
+
+/// A replica's compactor reads the consumer's ack floor, another replica moves the consumer
+/// back (forgetting every record), then the first writes its floor record: a floor of the
+/// consumer before the move, which would settle the whole replay unseen. Written here by
+/// hand after the move, with the mark the consumer had before it; a gateway started then
+/// reads every record before it leases, and must not believe that one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_floor_record_written_across_a_seek_by_another_replica_is_not_believed() {
+    let consumer = "floor-across-seek";
+    let (server, js) = crate::support::server_with_stream().await;
+    let setup = Setup::consumer(consumer);
+    let mut gateway = setup.process(&server.url()).await;
+    let sequences = js.publish_many("orders.1", 10, "m").await;
+    assert_eq!(fetch_all_and_ack(&gateway, 10).await, sequences);
+    let last = *sequences.last().expect("ten sequences");
+    let published_by = js
+        .js
+        .get_stream(STREAM)
+        .await
+        .expect("stream")
+        .get_raw_message(last)
+        .await
+        .expect("the last message")
+        .time
+        .unix_timestamp_nanos();
+    let reply = gateway
+        .post(
+            &seek_path(consumer),
+            Some(&json!({"position": "beginning"})),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    gateway.kill9();
+    let stale = json!({
+        "consumer": consumer,
+        "settled": [],
+        "floor": {"seq": last, "published_by_ns": published_by, "mark": ""},
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Ruststream-Writer", "00000000000000ff");
+    js.publish_with_headers(
+        &format!("_RUSTSTREAM.settled.{STREAM}.{consumer}"),
+        headers,
+        stale.to_string(),
+    )
+    .await;
+    gateway.restart().await;
+    assert_eq!(fetch_all_and_ack(&gateway, 10).await, sequences);
+    // The move is marked done (a floor is written under that mark again), and a floor record
+    // written under it is believed: after another move back, one said of all ten settles
+    // the replay of all ten again.
+    let mark = |info: async_nats::jetstream::consumer::Info| {
+        info.config
+            .metadata
+            .get("ruststream_seek")
+            .cloned()
+            .unwrap_or_default()
+    };
+    let reply = gateway
+        .post(
+            &seek_path(consumer),
+            Some(&json!({"position": "beginning"})),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let now = mark(js.consumer_info(STREAM, consumer).await);
+    assert!(
+        !now.is_empty() && !now.ends_with("~moving"),
+        "the mark left: {now:?}"
+    );
+    gateway.kill9();
+    let current = json!({
+        "consumer": consumer,
+        "settled": [],
+        "floor": {"seq": last, "published_by_ns": published_by, "mark": now},
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Ruststream-Writer", "00000000000000ff");
+    js.publish_with_headers(
+        &format!("_RUSTSTREAM.settled.{STREAM}.{consumer}"),
+        headers,
+        current.to_string(),
+    )
+    .await;
+    gateway.restart().await;
+    // Pulled for fetches that get none of them: each is settled again as the floor says.
+    let deadline = crate::support::Deadline::after(
+        "the replay settled again under the floor",
+        Duration::from_secs(10),
+    );
+    loop {
+        let leased = gateway.fetch_n(10, 300).await;
+        assert!(leased.is_empty(), "leased under the floor: {leased:?}");
+        let again = crate::support::Scrape::of(&gateway).await.get_or_zero(
+            r#"ruststream_redeliveries_settled_again_total{kind="ack",source="fleet"}"#,
+        );
+        if again >= 10.0 {
+            break;
+        }
+        deadline
+            .tick_seeing(format_args!("{again} settled again"))
+            .await;
+    }
+}

@@ -10,12 +10,14 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use time::OffsetDateTime;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::domain::finals::FleetFloor;
+use crate::nats::seek_mark;
 use crate::nats::settled::Records;
 use crate::state::LeaseState;
 
@@ -45,6 +47,9 @@ struct Seen {
     floors: VecDeque<(Instant, FleetFloor)>,
     /// Bumped on every reconnect: a floor asked for before it is not kept.
     connection: u64,
+    /// The consumer's seek mark at the last look: the floors seen were all seen under it
+    /// (a floor seen under another speaks of the consumer before or after a move).
+    mark: Option<String>,
     /// Records read, by their sequence in the records stream: the highest stream sequence
     /// each names.
     spans: BTreeMap<u64, u64>,
@@ -98,6 +103,15 @@ impl Compactor {
         self.seen().floor_record = Some((floor, sequence));
     }
 
+    /// The consumer's seek mark now is `mark`: floors seen under another are forgotten.
+    fn under_mark(&self, mark: Option<&str>) {
+        let mut seen = self.seen();
+        if seen.mark.as_deref() != mark {
+            seen.mark = mark.map(str::to_owned);
+            seen.floors.clear();
+        }
+    }
+
     /// The reader reads everything again from the start.
     pub(super) fn read_again(&self) {
         self.seen().spans.clear();
@@ -147,10 +161,28 @@ impl Compactor {
         // A seek waits: a floor read before it must not be written after it.
         let _still = state.hold_still().await;
         let asked_on = self.seen().connection;
-        let floor = records.consumer_floor().await?;
+        let (floor, mark) = records.consumer_floor().await?;
+        if mark.as_deref().is_some_and(|mark| {
+            seek_mark::moving(mark, OffsetDateTime::now_utc().unix_timestamp_nanos())
+        }) {
+            // A seek under way: the floor is the consumer's before the move.
+            debug!("a move of the consumer is under way; no floor record until it is done");
+            return Ok(());
+        }
+        self.under_mark(mark.as_deref());
         let plan = self.plan(floor, asked_on, asked_at, state.fleet_floor(), last_read);
         if let Some(floor) = plan.store {
-            let stored_at = records.store_floor(floor).await?;
+            let stored_at = records.store_floor(floor, mark.as_deref()).await?;
+            if records.seek_mark().await? != mark {
+                // Moved since the floor was read: the move forgot the records before it, and
+                // this one, of the consumer before it, is believed nowhere (see
+                // `Records::floor_believed`); nothing is taken from it or dropped for it.
+                debug!(
+                    floor = floor.stream_sequence,
+                    "the consumer moved while its floor record was written; the record is void"
+                );
+                return Ok(());
+            }
             state.raise_fleet_floor(floor);
             self.stored_floor(floor.stream_sequence, stored_at);
         }

@@ -432,12 +432,34 @@ async fn follow(
                 }
                 next = reader.next() => match next {
                     Some(Ok((sequence, opened))) => {
+                        let floor = match opened.floor {
+                            Some(floor) => match records.floor_believed(opened.floor_mark.as_deref()).await {
+                                Ok(true) => Some(floor),
+                                Ok(false) => {
+                                    debug!(sequence, written_under = ?opened.floor_mark, "a floor record written across a move at another replica is not believed");
+                                    None
+                                }
+                                Err(err) => {
+                                    // Not read yet: the reader reopens at this record.
+                                    debug!(error = %format!("{err:#}"), "cannot check a floor record's seek mark; reading again from it");
+                                    tokio::time::sleep(backoff).await;
+                                    break;
+                                }
+                            },
+                            None => None,
+                        };
+                        // A floor not believed names nothing: the record may be dropped at once.
+                        let max_sequence = if opened.floor.is_some() && floor.is_none() {
+                            0
+                        } else {
+                            opened.max_sequence
+                        };
                         compactor.read(
                             sequence,
-                            opened.max_sequence,
-                            opened.floor.map(|floor| floor.stream_sequence),
+                            max_sequence,
+                            floor.map(|floor| floor.stream_sequence),
                         );
-                        if let Some(floor) = opened.floor {
+                        if let Some(floor) = floor {
                             state.raise_fleet_floor(floor);
                         }
                         if !opened.ended.is_empty() || !opened.voided.is_empty() {

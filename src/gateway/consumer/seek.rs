@@ -15,7 +15,7 @@ use tracing::{info, warn};
 
 use super::Consumer;
 use crate::error::Error;
-use crate::nats::seek;
+use crate::nats::{seek, seek_mark};
 
 /// How long a move's answer waits for the consumer to be bound again (a moment, usually).
 const REBOUND_WITHIN: Duration = Duration::from_secs(5);
@@ -98,33 +98,55 @@ impl Consumer {
         // No floor record read from the consumer before the move is written after it.
         let still = self.state.hold_still().await;
         // The mark first: if it cannot be left, nothing has changed. The others may see it
-        // a moment before the move; what they void then is void a moment after anyway.
-        let mark = format!(
-            "{}:{sequence}",
-            OffsetDateTime::now_utc().unix_timestamp_nanos()
-        );
-        seek::leave_mark(&bound, &info, &mark)
+        // a moment before the move; what they void then is void a moment after anyway. It
+        // says the move is under way: no replica writes a floor record until the second
+        // mark, for a floor read before the reset is the consumer's before the move.
+        let move_id =
+            seek_mark::new_move(OffsetDateTime::now_utc().unix_timestamp_nanos(), sequence);
+        seek::leave_mark(&bound, &info, Some(&seek_mark::under_way(&move_id)))
             .await
             .map_err(unavailable)?;
-        self.saw_mark(Some(mark));
-        // What the records say ended would be settled again when the move delivers it
-        // anew: forgotten first (should that fail, the consumer is not moved).
-        if let Some(records) = &bound.settled_records {
-            records.forget().await.map_err(unavailable)?;
+        self.saw_mark(Some(move_id.clone()));
+        if let Err(err) = self.forget_and_reset(&bound, &info, sequence).await {
+            // Not moved, or not known to be: the mark it had goes back, so that floor records
+            // are written and believed under it again. Every replica voids its leases (on
+            // the way there and back): a failed move is rare, and a void lease's message is
+            // only delivered again.
+            if let Err(put_back) = seek::leave_mark(&bound, &info, None).await {
+                warn!(consumer = %self.name(), error = %format!("{put_back:#}"), "a failed move could not put the consumer's mark back; floor records wait a minute");
+            }
+            return Err(unavailable(err));
         }
-        seek::reset(&bound, &info.stream_name, sequence)
-            .await
-            .map_err(unavailable)?;
         self.state.moved();
         drop(still);
+        // The move is done: floors are read and written again, under this mark. Should it
+        // not be left, they wait until the first mark is a minute old.
+        if let Err(err) = seek::leave_mark(&bound, &info, Some(&move_id)).await {
+            warn!(consumer = %self.name(), error = %format!("{err:#}"), "moved the consumer but could not mark the move done; floor records wait a minute");
+        }
         info!(consumer = %self.name(), sequence, redelivers = moved.redelivers, skips = moved.skips, "moved the consumer; its live leases are void");
         self.rebound_after_move().await;
         Ok(moved)
     }
 
+    /// What the records say ended would be settled again when the move delivers it anew:
+    /// forgotten first (should that fail, the consumer is not moved); then the move.
+    async fn forget_and_reset(
+        &self,
+        bound: &crate::nats::bind::Bound,
+        info: &async_nats::jetstream::consumer::Info,
+        sequence: u64,
+    ) -> anyhow::Result<()> {
+        if let Some(records) = &bound.settled_records {
+            records.forget().await?;
+        }
+        seek::reset(bound, &info.stream_name, sequence).await
+    }
+
     /// At each step: a mark another replica left (a move) voids what this one holds.
     pub(super) fn follow_moves(&self, info: &async_nats::jetstream::consumer::Info) {
-        let mark = seek::mark_of(info).map(str::to_owned);
+        // A move's two marks are one move.
+        let mark = seek_mark::mark_of(info).map(|mark| seek_mark::move_of(mark).to_owned());
         let Ok(mut seen) = self.seek_mark.lock() else {
             return;
         };

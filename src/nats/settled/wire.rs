@@ -18,6 +18,9 @@ pub(crate) struct Opened {
     pub(crate) voided: Vec<MessageKey>,
     /// A floor record: everything under it ended.
     pub(crate) floor: Option<FleetFloor>,
+    /// The consumer's seek mark when the floor was read (`""`: none), to be checked against
+    /// the mark now; `None` for a floor record of a release before marks.
+    pub(crate) floor_mark: Option<String>,
     /// The highest stream sequence the record names (also for a record of this binding's
     /// own, which is otherwise not opened): below the consumer's floor, it may be dropped.
     pub(crate) max_sequence: u64,
@@ -39,6 +42,12 @@ pub(super) struct RecordWire<'a> {
 pub(super) struct FloorWire {
     pub(super) seq: u64,
     pub(super) published_by_ns: i64,
+    /// The consumer's seek mark read with the floor (`""`: none). A seek elsewhere between
+    /// that read and this record's write forgot the records before it; this one, written
+    /// after, speaks of the consumer before the move, and its mark says so. Absent in the
+    /// floor records of releases before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) mark: Option<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -115,6 +124,7 @@ pub(super) fn decode(payload: &[u8]) -> Opened {
         .map(|record| {
             let voided: Vec<MessageKey> = record.void.iter().map(VoidWire::message).collect();
             let ended: Vec<Settled> = record.settled.into_iter().map(EntryWire::settled).collect();
+            let floor_mark = record.floor.as_ref().and_then(|floor| floor.mark.clone());
             let floor = record.floor.map(|floor| FleetFloor {
                 stream_sequence: floor.seq,
                 published_by_unix_nanos: floor.published_by_ns,
@@ -131,6 +141,7 @@ pub(super) fn decode(payload: &[u8]) -> Opened {
                 ended,
                 voided,
                 floor,
+                floor_mark,
                 max_sequence,
             }
         })
@@ -178,6 +189,7 @@ mod tests {
                 ended: settled.clone(),
                 voided,
                 floor: None,
+                floor_mark: None,
                 max_sequence: 9,
             }
         );
@@ -186,5 +198,37 @@ mod tests {
         assert_eq!(decode(earlier).ended, settled[..1]);
         assert_eq!(decode(b"{\"not\": \"a record\"}"), Opened::default());
         assert_eq!(decode(b"\xff"), Opened::default());
+    }
+
+    #[test]
+    fn a_floor_reads_back_with_the_mark_it_was_read_under() {
+        let floor = FleetFloor {
+            stream_sequence: 41,
+            published_by_unix_nanos: 5,
+        };
+        let record = |mark: Option<&str>| {
+            serde_json::to_vec(&RecordWire {
+                consumer: "billing",
+                settled: Vec::new(),
+                void: Vec::new(),
+                floor: Some(FloorWire {
+                    seq: 41,
+                    published_by_ns: 5,
+                    mark: mark.map(str::to_owned),
+                }),
+            })
+            .expect("encodes")
+        };
+        let marked = decode(&record(Some("1700000000:3")));
+        assert_eq!(marked.floor, Some(floor));
+        assert_eq!(marked.floor_mark.as_deref(), Some("1700000000:3"));
+        assert_eq!(marked.max_sequence, 41);
+        // No mark on the consumer is written as an empty one, told apart from a release
+        // before marks, whose floor record has none.
+        assert_eq!(decode(&record(Some(""))).floor_mark.as_deref(), Some(""));
+        let earlier =
+            br#"{"consumer":"billing","settled":[],"floor":{"seq":41,"published_by_ns":5}}"#;
+        assert_eq!(decode(earlier).floor, Some(floor));
+        assert_eq!(decode(earlier).floor_mark, None);
     }
 }
