@@ -132,8 +132,11 @@ async def test_ordering_per_key(gateway_factory: GatewayFactory, transport: str)
     order: dict[str, list[int]] = {}
     overlaps: list[str] = []
 
+    started: list[tuple[str, int, int]] = []  # (key, stream sequence, delivered)
+
     async def handle(msg: Message) -> None:
         key = msg.subject.split(".")[1]
+        started.append((key, msg.stream_sequence, msg.delivered))
         if key in active:
             overlaps.append(key)
         active.add(key)
@@ -147,7 +150,12 @@ async def test_ordering_per_key(gateway_factory: GatewayFactory, transport: str)
         await eventually(lambda: worker.stats.acked == len(subjects), 60, "every message acked")
     assert overlaps == []
     for key, sequences in order.items():
-        assert sequences == sorted(sequences), key
+        # What a failure needs to say where the order was lost: at the gateway (a delivery
+        # out of order, or a redelivery), or in the worker.
+        assert sequences == sorted(sequences), (
+            f"{key} handled out of stream order: {sequences}; its handlers started as "
+            f"(sequence, delivered): {[(s, d) for k, s, d in started if k == key]}; "
+            f"worker stats: {worker.stats}; gateway log: {gateway.tail()}")
     assert sum(len(s) for s in order.values()) == len(subjects)
 
 
