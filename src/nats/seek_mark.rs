@@ -17,10 +17,10 @@ use async_nats::jetstream::consumer;
 pub(crate) const SEEK_MARK: &str = "ruststream_seek";
 /// What a mark ends with while its move is under way.
 const MOVING: &str = "~moving";
-/// A move under way longer than this (by the clock of the replica that began it) has died
-/// between its two marks: its records were forgotten or not, the consumer reset or not, and
-/// floors are written again.
-const MOVE_DIES_AFTER: Duration = Duration::from_secs(60);
+/// A move a replica has seen under way for longer than this (on its own clock) died between
+/// its two marks: its records were forgotten or not, the consumer reset or not, and floors
+/// are written again.
+pub(crate) const MOVE_DIES_AFTER: Duration = Duration::from_secs(60);
 
 /// The mark the last move left, as the consumer's metadata has it.
 pub(crate) fn mark_of(info: &consumer::Info) -> Option<&str> {
@@ -37,24 +37,9 @@ pub(crate) fn under_way(move_id: &str) -> String {
     format!("{move_id}{MOVING}")
 }
 
-/// The move a mark names, under way or done.
-pub(crate) fn move_of(mark: &str) -> &str {
-    mark.strip_suffix(MOVING).unwrap_or(mark)
-}
-
-/// Whether `mark` is of a move still under way at `now_unix_nanos` (one under way for longer
-/// than a minute has died; a mark not of this form is of no move under way).
-pub(crate) fn moving(mark: &str, now_unix_nanos: i128) -> bool {
-    let Some(id) = mark.strip_suffix(MOVING) else {
-        return false;
-    };
-    let began = id
-        .split_once(':')
-        .and_then(|(began, _)| began.parse::<i128>().ok());
-    began.is_some_and(|began| {
-        now_unix_nanos.saturating_sub(began)
-            < i128::try_from(MOVE_DIES_AFTER.as_nanos()).unwrap_or(i128::MAX)
-    })
+/// Whether `mark` is of a move under way (its first mark).
+pub(crate) fn is_under_way(mark: &str) -> bool {
+    mark.ends_with(MOVING)
 }
 
 #[cfg(test)]
@@ -62,17 +47,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_move_is_one_move_under_way_and_done() {
+    fn a_move_is_marked_under_way_then_done() {
         let id = new_move(1_000_000_000_000, 7);
-        let pending = under_way(&id);
-        assert_eq!(move_of(&pending), id);
-        assert_eq!(move_of(&id), id);
-        assert!(moving(&pending, 1_000_000_000_000 + 5_000_000_000));
-        assert!(!moving(&id, 1_000_000_000_000));
-        // Under way for over a minute: it died between its marks.
-        assert!(!moving(&pending, 1_000_000_000_000 + 61_000_000_000));
-        // A mark not of this form (set by hand) is of no move under way.
-        assert!(!moving("by hand~moving", 0));
-        assert!(!moving("by hand", 0));
+        assert_eq!(id, "1000000000000:7");
+        assert!(is_under_way(&under_way(&id)));
+        assert!(!is_under_way(&id));
+        assert!(!is_under_way("set by hand"));
     }
 }

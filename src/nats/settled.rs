@@ -417,8 +417,18 @@ impl Records {
         if writer.is_some_and(|writer| u64::from_str_radix(writer.as_str(), 16) == Ok(self.writer))
         {
             // Its own: every settle in it this binding confirmed it remembers already, and
-            // one it did not confirm it never took as ended.
-            return Opened::default();
+            // one it did not confirm it never took as ended. What it names still counts for
+            // compaction: a record naming a message above the floor is kept, whoever wrote it.
+            let max_sequence = message
+                .headers
+                .as_ref()
+                .and_then(|headers| headers.get(MAX_SEQUENCE_HEADER))
+                .and_then(|value| value.as_str().parse().ok())
+                .unwrap_or_else(|| decode(&message.payload).max_sequence);
+            return Opened {
+                max_sequence,
+                ..Opened::default()
+            };
         }
         // No release ever wrote records unsealed under a key: `--accept-unsigned-replicas`
         // does not extend to them (a forged record acks messages nobody processed).

@@ -10,7 +10,6 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use time::OffsetDateTime;
 use tokio::sync::watch;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
@@ -50,6 +49,8 @@ struct Seen {
     /// The consumer's seek mark at the last look: the floors seen were all seen under it
     /// (a floor seen under another speaks of the consumer before or after a move).
     mark: Option<String>,
+    /// A move under way, as its mark, and when this replica first saw it.
+    move_seen: Option<(String, Instant)>,
     /// Records read, by their sequence in the records stream: the highest stream sequence
     /// each names.
     spans: BTreeMap<u64, u64>,
@@ -101,6 +102,23 @@ impl Compactor {
     /// is written only above every floor known).
     fn stored_floor(&self, floor: u64, sequence: u64) {
         self.seen().floor_record = Some((floor, sequence));
+    }
+
+    /// Whether `mark` is of a move under way that this replica first saw less than
+    /// [`seek_mark::MOVE_DIES_AFTER`] ago (its own clock: the mover's may be off).
+    fn move_under_way(&self, mark: &str, now: Instant) -> bool {
+        if !seek_mark::is_under_way(mark) {
+            return false;
+        }
+        let mut seen = self.seen();
+        let since = match &seen.move_seen {
+            Some((seen_mark, since)) if seen_mark == mark => *since,
+            _ => {
+                seen.move_seen = Some((mark.to_owned(), now));
+                now
+            }
+        };
+        now.duration_since(since) < seek_mark::MOVE_DIES_AFTER
     }
 
     /// The consumer's seek mark now is `mark`: floors seen under another are forgotten.
@@ -162,9 +180,9 @@ impl Compactor {
         let _still = state.hold_still().await;
         let asked_on = self.seen().connection;
         let (floor, mark) = records.consumer_floor().await?;
-        if mark.as_deref().is_some_and(|mark| {
-            seek_mark::moving(mark, OffsetDateTime::now_utc().unix_timestamp_nanos())
-        }) {
+        if let Some(mark) = mark.as_deref()
+            && self.move_under_way(mark, Instant::now())
+        {
             // A seek under way: the floor is the consumer's before the move.
             debug!("a move of the consumer is under way; no floor record until it is done");
             return Ok(());

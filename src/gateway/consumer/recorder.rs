@@ -282,6 +282,9 @@ impl Recorder {
     }
 }
 
+/// The first pause before reading a floor record again whose seek mark could not be read.
+const MARK_BACKOFF_FIRST: Duration = Duration::from_millis(50);
+
 /// Store one record of `batch` and answer each of its entries; how many it answered.
 async fn store(records: Option<Arc<Records>>, batch: Vec<Waiting>) -> usize {
     let count = batch.len();
@@ -399,6 +402,9 @@ async fn follow(
 ) {
     let (mut loaded_above, mut generation) = *floor.borrow_and_update();
     let mut backoff = Duration::from_millis(50);
+    // Its own: a reader reopened at a floor record whose mark could not be read is open
+    // again at once, which resets the other.
+    let mut mark_backoff = MARK_BACKOFF_FIRST;
     loop {
         let from = read.borrow().1 + 1;
         let mut reader = match records.read_from(from).await {
@@ -434,15 +440,20 @@ async fn follow(
                     Some(Ok((sequence, opened))) => {
                         let floor = match opened.floor {
                             Some(floor) => match records.floor_believed(opened.floor_mark.as_deref()).await {
-                                Ok(true) => Some(floor),
+                                Ok(true) => {
+                                    mark_backoff = MARK_BACKOFF_FIRST;
+                                    Some(floor)
+                                }
                                 Ok(false) => {
+                                    mark_backoff = MARK_BACKOFF_FIRST;
                                     debug!(sequence, written_under = ?opened.floor_mark, "a floor record written across a move at another replica is not believed");
                                     None
                                 }
                                 Err(err) => {
                                     // Not read yet: the reader reopens at this record.
-                                    debug!(error = %format!("{err:#}"), "cannot check a floor record's seek mark; reading again from it");
-                                    tokio::time::sleep(backoff).await;
+                                    debug!(error = %format!("{err:#}"), retry_in = ?mark_backoff, "cannot check a floor record's seek mark; reading again from it");
+                                    tokio::time::sleep(mark_backoff).await;
+                                    mark_backoff = (mark_backoff * 2).min(REOPEN_AT_MOST);
                                     break;
                                 }
                             },

@@ -7,6 +7,7 @@
 //!
 //! May import: as the rest of `gateway`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use time::OffsetDateTime;
@@ -15,6 +16,7 @@ use tracing::{info, warn};
 
 use super::Consumer;
 use crate::error::Error;
+use crate::nats::bind::Bound;
 use crate::nats::{seek, seek_mark};
 
 /// How long a move's answer waits for the consumer to be bound again (a moment, usually).
@@ -95,58 +97,70 @@ impl Consumer {
         if dry_run {
             return Ok(moved);
         }
-        // No floor record read from the consumer before the move is written after it.
-        let still = self.state.hold_still().await;
-        // The mark first: if it cannot be left, nothing has changed. The others may see it
-        // a moment before the move; what they void then is void a moment after anyway. It
-        // says the move is under way: no replica writes a floor record until the second
-        // mark, for a floor read before the reset is the consumer's before the move.
-        let move_id =
-            seek_mark::new_move(OffsetDateTime::now_utc().unix_timestamp_nanos(), sequence);
-        seek::leave_mark(&bound, &info, Some(&seek_mark::under_way(&move_id)))
+        // From its first mark to its last the move runs to its end whatever the client does:
+        // cut off half-way (the client gone), it would leave this replica's memory of what
+        // ended before the move.
+        let this = self.clone();
+        let moving = tokio::spawn(async move { this.make_move(bound, info, sequence).await });
+        moving
             .await
-            .map_err(unavailable)?;
-        self.saw_mark(Some(move_id.clone()));
-        if let Err(err) = self.forget_and_reset(&bound, &info, sequence).await {
-            // Not moved, or not known to be: the mark it had goes back, so that floor records
-            // are written and believed under it again. Every replica voids its leases (on
-            // the way there and back): a failed move is rare, and a void lease's message is
-            // only delivered again.
-            if let Err(put_back) = seek::leave_mark(&bound, &info, None).await {
-                warn!(consumer = %self.name(), error = %format!("{put_back:#}"), "a failed move could not put the consumer's mark back; floor records wait a minute");
-            }
-            return Err(unavailable(err));
-        }
-        self.state.moved();
-        drop(still);
-        // The move is done: floors are read and written again, under this mark. Should it
-        // not be left, they wait until the first mark is a minute old.
-        if let Err(err) = seek::leave_mark(&bound, &info, Some(&move_id)).await {
-            warn!(consumer = %self.name(), error = %format!("{err:#}"), "moved the consumer but could not mark the move done; floor records wait a minute");
-        }
+            .map_err(|err| Error::Unavailable(format!("the move stopped half-way: {err}")))??;
         info!(consumer = %self.name(), sequence, redelivers = moved.redelivers, skips = moved.skips, "moved the consumer; its live leases are void");
         self.rebound_after_move().await;
         Ok(moved)
     }
 
-    /// What the records say ended would be settled again when the move delivers it anew:
-    /// forgotten first (should that fail, the consumer is not moved); then the move.
-    async fn forget_and_reset(
+    /// Mark the move under way, forget the records, move the consumer to `sequence`, mark
+    /// the move done.
+    async fn make_move(
         &self,
-        bound: &crate::nats::bind::Bound,
-        info: &async_nats::jetstream::consumer::Info,
+        bound: Arc<Bound>,
+        info: async_nats::jetstream::consumer::Info,
         sequence: u64,
-    ) -> anyhow::Result<()> {
-        if let Some(records) = &bound.settled_records {
-            records.forget().await?;
+    ) -> Result<(), Error> {
+        let unavailable = |err: anyhow::Error| Error::Unavailable(format!("{err:#}"));
+        // No floor record read from the consumer before the move is written after it here;
+        // the marks tell the other replicas (see `nats::seek_mark`).
+        let still = self.state.hold_still().await;
+        // The mark first: if it cannot be left, nothing has changed. The others void their
+        // leases and what ended as they see it, and again at the second mark: what they
+        // took on in between is of the consumer before the move.
+        let move_id =
+            seek_mark::new_move(OffsetDateTime::now_utc().unix_timestamp_nanos(), sequence);
+        seek::leave_mark(&bound, &info, Some(&seek_mark::under_way(&move_id)))
+            .await
+            .map_err(unavailable)?;
+        // What the records say ended would be settled again when the move delivers it
+        // anew: forgotten first.
+        if let Some(records) = &bound.settled_records
+            && let Err(err) = records.forget().await
+        {
+            // Nothing moved: the mark it had goes back, so that floor records are written
+            // and believed under it again (every replica voids its leases on the way there
+            // and back: a failed move is rare, and a void lease's message is only delivered
+            // again).
+            if let Err(put_back) = seek::leave_mark(&bound, &info, None).await {
+                warn!(consumer = %self.name(), error = %format!("{put_back:#}"), "a failed move could not put the consumer's mark back; floor records wait a minute");
+            }
+            return Err(unavailable(err));
         }
-        seek::reset(bound, &info.stream_name, sequence).await
+        let reset = seek::reset(&bound, &info.stream_name, sequence).await;
+        // Moved, or not known not to be (a reset that timed out may have been applied): the
+        // safe side either way is a move, here and in the mark.
+        self.state.moved();
+        drop(still);
+        if let Err(err) = seek::leave_mark(&bound, &info, Some(&move_id)).await {
+            warn!(consumer = %self.name(), error = %format!("{err:#}"), "moved the consumer but could not mark the move done; floor records wait a minute");
+        }
+        self.saw_mark(Some(move_id));
+        reset.map_err(unavailable)
     }
 
     /// At each step: a mark another replica left (a move) voids what this one holds.
     pub(super) fn follow_moves(&self, info: &async_nats::jetstream::consumer::Info) {
-        // A move's two marks are one move.
-        let mark = seek_mark::mark_of(info).map(|mark| seek_mark::move_of(mark).to_owned());
+        // Each of a move's two marks voids: what was taken on between them is of the
+        // consumer before the move.
+        let mark = seek_mark::mark_of(info).map(str::to_owned);
         let Ok(mut seen) = self.seek_mark.lock() else {
             return;
         };
