@@ -223,6 +223,30 @@ async fn a_seek_past_the_end_is_refused_naming_the_last_sequence_and_to_the_end_
     assert_eq!(fetch_all_and_ack(&gateway, 1).await, vec![15]);
 }
 
+/// A floor record of another writer's (everything up to `last`, published by
+/// `published_by`, ended), seen under the seek `mark`.
+async fn store_floor_record(
+    js: &crate::support::Js,
+    consumer: &str,
+    last: u64,
+    published_by: i128,
+    mark: &str,
+) {
+    let record = json!({
+        "consumer": consumer,
+        "settled": [],
+        "floor": {"seq": last, "published_by_ns": published_by, "mark": mark},
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Ruststream-Writer", "00000000000000ff");
+    js.publish_with_headers(
+        &format!("_RUSTSTREAM.settled.{STREAM}.{consumer}"),
+        headers,
+        record.to_string(),
+    )
+    .await;
+}
+
 /// A replica's compactor reads the consumer's ack floor, another replica moves the consumer
 /// back (forgetting every record), then the first writes its floor record: a floor of the
 /// consumer before the move, which would settle the whole replay unseen. Written here by
@@ -255,19 +279,7 @@ async fn a_floor_record_written_across_a_seek_by_another_replica_is_not_believed
         .await;
     assert_eq!(reply.status, 200, "{}", reply.text);
     gateway.kill9();
-    let stale = json!({
-        "consumer": consumer,
-        "settled": [],
-        "floor": {"seq": last, "published_by_ns": published_by, "mark": ""},
-    });
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Ruststream-Writer", "00000000000000ff");
-    js.publish_with_headers(
-        &format!("_RUSTSTREAM.settled.{STREAM}.{consumer}"),
-        headers,
-        stale.to_string(),
-    )
-    .await;
+    store_floor_record(&js, consumer, last, published_by, "").await;
     gateway.restart().await;
     assert_eq!(fetch_all_and_ack(&gateway, 10).await, sequences);
     // The move is marked done (a floor is written under that mark again), and a floor record
@@ -293,19 +305,7 @@ async fn a_floor_record_written_across_a_seek_by_another_replica_is_not_believed
         "the mark left: {now:?}"
     );
     gateway.kill9();
-    let current = json!({
-        "consumer": consumer,
-        "settled": [],
-        "floor": {"seq": last, "published_by_ns": published_by, "mark": now},
-    });
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Ruststream-Writer", "00000000000000ff");
-    js.publish_with_headers(
-        &format!("_RUSTSTREAM.settled.{STREAM}.{consumer}"),
-        headers,
-        current.to_string(),
-    )
-    .await;
+    store_floor_record(&js, consumer, last, published_by, &now).await;
     gateway.restart().await;
     // Pulled for fetches that get none of them: each is settled again as the floor says.
     let deadline = crate::support::Deadline::after(
